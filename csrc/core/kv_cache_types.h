@@ -1,0 +1,105 @@
+// Value types shared by the KV cache manager, the scheduler and the Python bindings.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvtool {
+
+using TokenId = int32_t;
+using ExtraId = uint64_t;   // p-tuning style id per input token, 0 for a normal token
+using BlockId = int32_t;
+using SequenceId = int64_t;
+
+inline constexpr BlockId kNoBlock = -1;       // a block-table slot released by the sliding window
+inline constexpr int32_t kDefaultPriority = 35;
+
+enum class PoolKind : uint8_t { kPrimary = 0, kSecondary = 1 };
+
+// Sizes and switches of the KV cache. Counts are in blocks; bytes are the runtime's business.
+struct CacheConfig {
+  int32_t tokens_per_block = 32;         // a power of 2
+  int32_t num_primary_blocks = 0;        // > 0
+  int32_t num_secondary_blocks = 0;      // host tier; 0 disables offloading
+  bool enable_block_reuse = true;
+  bool enable_partial_reuse = true;
+  int32_t secondary_offload_min_priority = kDefaultPriority;  // 0..100
+  int32_t max_attention_window = 0;      // 0: every token attends to the whole sequence
+  int32_t event_buffer_max_size = 0;     // 0: no KV cache events are recorded
+
+  // Throws std::invalid_argument naming the field, what is wrong and the fix.
+  void validate() const;
+};
+
+// What identifies the blocks of a sequence: its tokens plus everything that changes their KV.
+struct SequenceSpec {
+  std::vector<TokenId> token_ids;   // the prompt
+  std::vector<ExtraId> extra_ids;   // empty, or one per prompt token
+  uint64_t lora_task_id = 0;
+  uint64_t cache_salt = 0;
+  int32_t priority = kDefaultPriority;  // retention priority 0..100 of the blocks this sequence computes
+};
+
+// One block copy for the runtime to execute before the next forward, in emission order.
+struct CopyOp {
+  PoolKind src_pool = PoolKind::kPrimary;
+  BlockId src_block_id = kNoBlock;
+  PoolKind dst_pool = PoolKind::kPrimary;
+  BlockId dst_block_id = kNoBlock;
+  int32_t num_tokens = 0;  // tokens from the start of the block; tokens_per_block for a whole block
+};
+
+// Result of a side-effect-free prefix lookup.
+struct MatchResult {
+  int32_t num_matched_tokens = 0;      // prompt tokens whose KV can be taken from the cache
+  int32_t num_matched_blocks = 0;      // full blocks that would be shared
+  int32_t num_secondary_blocks = 0;    // of those, how many sit in the host tier (need onboarding)
+  int32_t num_partial_tokens = 0;      // tokens of a partially matching block (copied, not shared)
+};
+
+// What add_sequence did for one sequence.
+struct AddSequenceResult {
+  int32_t num_reused_tokens = 0;       // prompt tokens not to compute (full blocks + partial copy)
+  int32_t num_reused_blocks = 0;       // full blocks shared
+  int32_t num_onboarded_blocks = 0;    // of those, brought back from the host tier
+  int32_t num_partial_tokens = 0;      // tokens copied from a partially matching block
+  int32_t num_early_reused_blocks = 0; // reused blocks whose computing sequence was still running
+  int32_t num_new_blocks = 0;          // blocks allocated fresh (including the partial copy target)
+};
+
+struct PoolStats {
+  int32_t num_blocks = 0;
+  int32_t num_free_blocks = 0;     // never used since last eviction: hold nothing
+  int32_t num_cached_blocks = 0;   // unreferenced but matchable (evictable)
+  int32_t num_used_blocks = 0;     // referenced by at least one sequence
+};
+
+struct CacheStats {
+  int64_t reused_blocks = 0;
+  int64_t missed_blocks = 0;        // prompt full blocks that had to be computed
+  double cache_hit_rate = 0.0;      // reused / (reused + missed)
+  int64_t early_reused_blocks = 0;  // reused while their computing sequence was still running
+  int64_t partial_reused_blocks = 0;
+  int64_t alloc_total_blocks = 0;   // blocks handed to sequences, reused or new
+  int64_t alloc_new_blocks = 0;
+  int64_t offloaded_blocks = 0;     // primary -> secondary
+  int64_t onboarded_blocks = 0;     // secondary -> primary
+  int64_t evicted_blocks = 0;       // dropped from the cache (from either tier)
+  int64_t num_offloaded_tokens = 0; // token slots copied each way (bytes = tokens * bytes_per_token)
+  int64_t num_onboarded_tokens = 0;
+  PoolStats primary;
+  PoolStats secondary;
+};
+
+enum class KvCacheEventKind : uint8_t { kStored = 0, kRemoved = 1, kOffloaded = 2, kOnboarded = 3 };
+
+struct KvCacheEvent {
+  int64_t event_id = 0;
+  KvCacheEventKind kind = KvCacheEventKind::kStored;
+  uint64_t block_hash = 0;
+  uint64_t parent_hash = 0;       // 0 for a block at the root
+  std::vector<TokenId> token_ids; // filled for kStored
+};
+
+}  // namespace kvtool

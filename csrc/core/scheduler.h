@@ -1,0 +1,98 @@
+// The scheduler: request states, capacity policies, micro-batch limits and chunked context.
+// Each step it returns one StepPlan; the runtime executes it and reports back with complete_step.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv_cache_manager.h"
+
+namespace kvtool {
+
+enum class CapacitySchedulerPolicy : uint8_t { kGuaranteedNoEvict = 0, kMaxUtilization = 1, kStaticBatch = 2 };
+enum class ContextChunkingPolicy : uint8_t { kFirstComeFirstServed = 0, kEqualProgress = 1 };
+enum class RequestState : uint8_t { kQueued = 0, kContext = 1, kGeneration = 2, kPaused = 3, kFinished = 4 };
+
+struct SchedulerConfig {
+  CapacitySchedulerPolicy capacity_scheduler_policy = CapacitySchedulerPolicy::kGuaranteedNoEvict;
+  ContextChunkingPolicy context_chunking_policy = ContextChunkingPolicy::kFirstComeFirstServed;
+  bool enable_chunked_context = false;
+  int32_t max_batch_size = 8;      // requests per step
+  int32_t max_num_tokens = 8192;   // context-chunk tokens + one per generating request, per step
+  int32_t max_seq_len = 4096;      // prompt + generated tokens of one request
+
+  void validate() const;  // throws std::invalid_argument naming the field
+};
+
+struct RequestSpec {
+  int64_t request_id = 0;
+  SequenceSpec sequence;        // prompt tokens and their identity (extra ids, LoRA, salt, priority)
+  int32_t max_new_tokens = 1;   // >= 1
+};
+
+// One request's share of a step.
+struct ScheduledRequest {
+  int64_t request_id = 0;
+  bool is_context = true;              // context chunk (true) or one generation token (false)
+  int32_t num_cached_tokens = 0;       // tokens whose KV is in the cache before this step = position of the first new token
+  std::vector<TokenId> token_ids;      // the tokens to compute in this step
+  std::vector<BlockId> block_ids;      // primary block table covering num_cached_tokens + token_ids.size()
+  bool samples = false;                // produces a token this step (last context chunk, or generation)
+};
+
+struct StepPlan {
+  int64_t step_id = 0;
+  std::vector<ScheduledRequest> requests;   // context chunks first, then generation requests
+  std::vector<CopyOp> copy_ops;             // run these, in order, before the forward
+  std::vector<int64_t> paused_request_ids;  // paused this step (MAX_UTILIZATION)
+  int32_t num_tokens = 0;                   // sum of token_ids sizes
+};
+
+// Per-request outcome for reports.
+struct RequestStats {
+  int64_t request_id = 0;
+  RequestState state = RequestState::kQueued;
+  int32_t num_prompt_tokens = 0;
+  int32_t num_generated_tokens = 0;
+  int32_t num_reused_tokens = 0;       // at first admission
+  int32_t num_reused_blocks = 0;
+  int32_t num_onboarded_blocks = 0;
+  int32_t num_early_reused_blocks = 0;
+  int32_t num_pauses = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(CacheConfig cache_config, SchedulerConfig scheduler_config);  // validates both
+  ~Scheduler();
+
+  // Queues a request. Throws std::invalid_argument (naming the request) when the prompt is empty,
+  // prompt + max_new_tokens exceeds max_seq_len, extra_ids has the wrong length, or the id is known.
+  void add_request(const RequestSpec& spec);
+  // Finishes a request early (EOS / stop string / cancellation): its blocks are released.
+  void finish_request(int64_t request_id);
+
+  // Plans the next step. An empty plan with has_unfinished_requests() means nothing fits.
+  StepPlan schedule();
+  // Reports the step just executed: the sampled token of each request that sampled, in plan order.
+  // Marks KV computed, appends tokens, finishes requests that reached max_new_tokens.
+  // Returns the ids of the requests finished by this call.
+  std::vector<int64_t> complete_step(const std::vector<int64_t>& request_ids,
+                                     const std::vector<TokenId>& token_ids);
+
+  bool has_unfinished_requests() const;
+  int32_t num_queued_requests() const;
+  int32_t num_running_requests() const;
+  RequestState request_state(int64_t request_id) const;
+  RequestStats request_stats(int64_t request_id) const;
+
+  KVCacheManager& cache_manager();
+  const KVCacheManager& cache_manager() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtool

@@ -1,0 +1,1 @@
+"""`kvtool build`: registered on the app by kvtool.cli (module owned by the build work)."""

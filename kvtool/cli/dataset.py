@@ -1,0 +1,1 @@
+"""`kvtool dataset`: registered on the app by kvtool.cli (module owned by the dataset work)."""
