@@ -15,6 +15,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """Build models into plans and benchmark KV-cache reuse with real model execution."""
+
+
 @app.command()
 def version() -> None:
     """Print kvtool's version and git revision."""
