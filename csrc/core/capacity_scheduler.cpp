@@ -1,0 +1,130 @@
+// The capacity scheduler: which requests hold KV cache blocks this step.
+//
+// Before each step every generating request gets room for its newest token. Then queued requests
+// are admitted first come, first served (a paused request waits at the front), never skipping
+// one that does not fit, up to max_batch_size running requests:
+//   GUARANTEED_NO_EVICT  admit only if the blocks for the request's whole lifetime fit beside every
+//                        running request's remaining needs, so no started request ever waits for
+//                        a block;
+//   MAX_UTILIZATION      admit while the prompt fits now; when a generating request cannot get a
+//                        block, pause the most recently started request (its computed blocks stay
+//                        cached) until it can;
+//   STATIC_BATCH         admit as GUARANTEED_NO_EVICT does, but only when no request is running.
+#include <stdexcept>
+#include <string>
+
+#include "scheduler_impl.h"
+
+namespace kvtool {
+
+void Scheduler::Impl::schedule_capacity(StepPlan& plan) {
+  switch (config.capacity_scheduler_policy) {
+    case CapacitySchedulerPolicy::kGuaranteedNoEvict:
+      grow_generating_requests();
+      admit_guaranteed();
+      break;
+    case CapacitySchedulerPolicy::kStaticBatch:
+      grow_generating_requests();
+      if (running.empty()) admit_guaranteed();
+      break;
+    case CapacitySchedulerPolicy::kMaxUtilization:
+      grow_generating_requests_or_pause(plan.paused_request_ids);
+      // Blocks a pause just freed go to the requests still running, not straight back to the
+      // paused one or a newcomer (which would be paused again at once).
+      if (plan.paused_request_ids.empty()) admit_max_utilization();
+      break;
+  }
+}
+
+void Scheduler::Impl::grow_generating_requests() {
+  for (int64_t request_id : running) {
+    RequestRecord& r = record(request_id);
+    if (r.state != RequestState::kGeneration || r.num_allocated_tokens >= r.num_total_tokens()) continue;
+    if (!cache_manager.can_allocate(request_id, r.num_total_tokens())) {
+      // Admission reserved every block this request can need: running out is a bookkeeping bug.
+      throw std::logic_error("request " + std::to_string(request_id) + " cannot grow to " +
+                             std::to_string(r.num_total_tokens()) + " tokens although its blocks were reserved at " +
+                             "admission (" + std::to_string(cache_manager.num_available_blocks()) +
+                             " blocks available)");
+    }
+    cache_manager.allocate(request_id, r.num_total_tokens());
+    r.num_allocated_tokens = r.num_total_tokens();
+  }
+}
+
+void Scheduler::Impl::grow_generating_requests_or_pause(std::vector<int64_t>& paused_request_ids) {
+  // running is in start order, so its back is the most recently started request.
+  for (size_t i = 0; i < running.size(); ++i) {
+    RequestRecord& r = record(running[i]);
+    if (r.state != RequestState::kGeneration || r.num_allocated_tokens >= r.num_total_tokens()) continue;
+    bool paused_itself = false;
+    while (!cache_manager.can_allocate(r.request_id, r.num_total_tokens())) {
+      RequestRecord& victim = record(running.back());
+      paused_itself = victim.request_id == r.request_id;
+      pause(victim);
+      paused_request_ids.push_back(victim.request_id);
+      if (paused_itself) break;
+    }
+    if (paused_itself) break;  // it was the last running request
+    cache_manager.allocate(r.request_id, r.num_total_tokens());
+    r.num_allocated_tokens = r.num_total_tokens();
+  }
+}
+
+void Scheduler::Impl::pause(RequestRecord& r) {
+  // Computed full blocks stay matchable, so the resumed request recomputes only what was evicted.
+  cache_manager.release(r.request_id);
+  remove_running(r.request_id);
+  waiting.push_front(r.request_id);
+  r.state = RequestState::kPaused;
+  r.num_context_tokens = 0;
+  r.num_computed_tokens = 0;
+  r.num_allocated_tokens = 0;
+  r.stats.num_pauses += 1;
+}
+
+void Scheduler::Impl::admit_guaranteed() {
+  int64_t num_reserved_blocks = 0;
+  for (int64_t request_id : running) num_reserved_blocks += num_remaining_blocks(record(request_id));
+  while (!waiting.empty() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
+    RequestRecord& r = record(waiting.front());
+    SequenceSpec spec = admission_spec(r);
+    const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
+    // Blocks for the whole lifetime, less the cached prefix it shares.
+    const int64_t num_needed_blocks = cache_manager.num_blocks_to_add(spec, num_context_tokens) +
+                                      num_blocks_for(r.num_lifetime_tokens()) - num_blocks_for(num_context_tokens);
+    if (num_reserved_blocks + num_needed_blocks > cache_manager.num_available_blocks()) break;
+    admit(r, spec);
+    num_reserved_blocks += num_remaining_blocks(r);
+  }
+}
+
+void Scheduler::Impl::admit_max_utilization() {
+  while (!waiting.empty() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
+    RequestRecord& r = record(waiting.front());
+    SequenceSpec spec = admission_spec(r);
+    const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
+    if (!cache_manager.can_add_sequence(spec, num_context_tokens)) break;
+    admit(r, spec);
+  }
+}
+
+void Scheduler::Impl::admit(RequestRecord& r, const SequenceSpec& spec) {
+  const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
+  const AddSequenceResult result = cache_manager.add_sequence(r.request_id, spec, num_context_tokens);
+  waiting.pop_front();
+  running.push_back(r.request_id);
+  r.state = RequestState::kContext;
+  r.num_context_tokens = num_context_tokens;
+  r.num_computed_tokens = result.num_reused_tokens;  // reused tokens are not computed again
+  r.num_allocated_tokens = num_context_tokens;
+  if (!r.has_been_admitted) {
+    r.has_been_admitted = true;
+    r.stats.num_reused_tokens = result.num_reused_tokens;
+    r.stats.num_reused_blocks = result.num_reused_blocks;
+    r.stats.num_onboarded_blocks = result.num_onboarded_blocks;
+    r.stats.num_early_reused_blocks = result.num_early_reused_blocks;
+  }
+}
+
+}  // namespace kvtool
