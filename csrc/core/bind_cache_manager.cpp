@@ -1,7 +1,349 @@
+// Python bindings of the KV cache manager: small, ID-based; token ids in and block tables out as
+// numpy arrays. Bad input -> ValueError, unknown sequence -> KeyError, too few blocks -> RuntimeError.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+
+#include "kv_cache_manager.h"
+#include "numpy_arrays.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace kvtool {
-void bind_cache_manager(nb::module_& m) { (void)m; }
+
+CopyOpArrays make_copy_op_arrays(const std::vector<CopyOp>& ops) {
+  const size_t n = ops.size();
+  std::vector<uint8_t> src_pool(n), dst_pool(n);
+  std::vector<int32_t> src_ids(n), dst_ids(n), num_tokens(n);
+  for (size_t i = 0; i < n; ++i) {
+    src_pool[i] = static_cast<uint8_t>(ops[i].src_pool);
+    src_ids[i] = ops[i].src_block_id;
+    dst_pool[i] = static_cast<uint8_t>(ops[i].dst_pool);
+    dst_ids[i] = ops[i].dst_block_id;
+    num_tokens[i] = ops[i].num_tokens;
+  }
+  CopyOpArrays out;
+  out.src_pool = to_numpy(std::move(src_pool));
+  out.src_block_ids = to_numpy(std::move(src_ids));
+  out.dst_pool = to_numpy(std::move(dst_pool));
+  out.dst_block_ids = to_numpy(std::move(dst_ids));
+  out.num_tokens = to_numpy(std::move(num_tokens));
+  out.size = n;
+  return out;
+}
+
+namespace {
+
+const char* pool_name(PoolKind pool) { return pool == PoolKind::kPrimary ? "PRIMARY" : "SECONDARY"; }
+
+// Builds a SequenceSpec from the keyword arguments of the Python methods.
+SequenceSpec make_spec(nb::handle token_ids, nb::handle extra_ids, uint64_t lora_task_id,
+                       uint64_t cache_salt, int32_t priority) {
+  SequenceSpec spec;
+  spec.token_ids = to_vector<TokenId>(token_ids, "token_ids");
+  if (!extra_ids.is_none()) spec.extra_ids = to_vector<ExtraId>(extra_ids, "extra_ids");
+  spec.lora_task_id = lora_task_id;
+  spec.cache_salt = cache_salt;
+  spec.priority = priority;
+  return spec;
+}
+
+}  // namespace
+
+void bind_cache_manager(nb::module_& m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const UnknownSequenceError& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    }
+  });
+
+  nb::enum_<PoolKind>(m, "PoolKind", "Where a block lives: PRIMARY (GPU/CPU pool) or SECONDARY (host tier).")
+      .value("PRIMARY", PoolKind::kPrimary)
+      .value("SECONDARY", PoolKind::kSecondary);
+
+  nb::enum_<KvCacheEventKind>(m, "KvCacheEventKind", "What happened to a cached block.")
+      .value("STORED", KvCacheEventKind::kStored)
+      .value("REMOVED", KvCacheEventKind::kRemoved)
+      .value("OFFLOADED", KvCacheEventKind::kOffloaded)
+      .value("ONBOARDED", KvCacheEventKind::kOnboarded);
+
+  nb::class_<CacheConfig>(m, "CacheConfig",
+                          "Sizes (in blocks) and switches of the KV cache. Validated by KVCacheManager.")
+      .def(
+          "__init__",
+          [](CacheConfig* self, int32_t tokens_per_block, int32_t num_primary_blocks,
+             int32_t num_secondary_blocks, bool enable_block_reuse, bool enable_partial_reuse,
+             int32_t secondary_offload_min_priority, int32_t max_attention_window,
+             int32_t event_buffer_max_size) {
+            new (self) CacheConfig{tokens_per_block,      num_primary_blocks,
+                                   num_secondary_blocks,  enable_block_reuse,
+                                   enable_partial_reuse,  secondary_offload_min_priority,
+                                   max_attention_window,  event_buffer_max_size};
+          },
+          nb::kw_only(), "tokens_per_block"_a = 32, "num_primary_blocks"_a = 0,
+          "num_secondary_blocks"_a = 0, "enable_block_reuse"_a = true,
+          "enable_partial_reuse"_a = true, "secondary_offload_min_priority"_a = kDefaultPriority,
+          "max_attention_window"_a = 0, "event_buffer_max_size"_a = 0)
+      .def_rw("tokens_per_block", &CacheConfig::tokens_per_block, "Tokens per block, a power of 2.")
+      .def_rw("num_primary_blocks", &CacheConfig::num_primary_blocks, "Blocks of the primary pool (> 0).")
+      .def_rw("num_secondary_blocks", &CacheConfig::num_secondary_blocks,
+              "Blocks of the host tier; 0 disables offloading.")
+      .def_rw("enable_block_reuse", &CacheConfig::enable_block_reuse)
+      .def_rw("enable_partial_reuse", &CacheConfig::enable_partial_reuse)
+      .def_rw("secondary_offload_min_priority", &CacheConfig::secondary_offload_min_priority,
+              "Evicted primary blocks of at least this priority are offloaded, others dropped.")
+      .def_rw("max_attention_window", &CacheConfig::max_attention_window,
+              "Sliding window in tokens; 0 attends to the whole sequence.")
+      .def_rw("event_buffer_max_size", &CacheConfig::event_buffer_max_size,
+              "KV cache events kept (oldest dropped); 0 records none.")
+      .def("validate", &CacheConfig::validate, "Raises ValueError naming a bad field.")
+      .def("__repr__", [](const CacheConfig& c) {
+        return "CacheConfig(tokens_per_block=" + std::to_string(c.tokens_per_block) +
+               ", num_primary_blocks=" + std::to_string(c.num_primary_blocks) +
+               ", num_secondary_blocks=" + std::to_string(c.num_secondary_blocks) +
+               ", enable_block_reuse=" + (c.enable_block_reuse ? "True" : "False") +
+               ", enable_partial_reuse=" + (c.enable_partial_reuse ? "True" : "False") +
+               ", secondary_offload_min_priority=" + std::to_string(c.secondary_offload_min_priority) +
+               ", max_attention_window=" + std::to_string(c.max_attention_window) +
+               ", event_buffer_max_size=" + std::to_string(c.event_buffer_max_size) + ")";
+      });
+
+  nb::class_<CopyOp>(m, "CopyOp", "One block copy the runtime runs before the next forward.")
+      .def_ro("src_pool", &CopyOp::src_pool)
+      .def_ro("src_block_id", &CopyOp::src_block_id)
+      .def_ro("dst_pool", &CopyOp::dst_pool)
+      .def_ro("dst_block_id", &CopyOp::dst_block_id)
+      .def_ro("num_tokens", &CopyOp::num_tokens, "Tokens from the start of the block.")
+      .def("__repr__", [](const CopyOp& op) {
+        return std::string("CopyOp(") + pool_name(op.src_pool) + ":" + std::to_string(op.src_block_id) +
+               " -> " + pool_name(op.dst_pool) + ":" + std::to_string(op.dst_block_id) +
+               ", num_tokens=" + std::to_string(op.num_tokens) + ")";
+      });
+
+  nb::class_<CopyOpArrays>(
+      m, "CopyOpArrays",
+      "Copy operations as a struct of 1-D numpy arrays; index i of each array is operation i, in "
+      "the order the operations must run. Pools are PoolKind values (0 primary, 1 secondary).")
+      .def_prop_ro(
+          "src_pool", [](const CopyOpArrays& a) { return a.src_pool; }, nb::rv_policy::automatic, "uint8 [num_ops]")
+      .def_prop_ro(
+          "src_block_ids", [](const CopyOpArrays& a) { return a.src_block_ids; }, nb::rv_policy::automatic, "int32 [num_ops]")
+      .def_prop_ro(
+          "dst_pool", [](const CopyOpArrays& a) { return a.dst_pool; }, nb::rv_policy::automatic, "uint8 [num_ops]")
+      .def_prop_ro(
+          "dst_block_ids", [](const CopyOpArrays& a) { return a.dst_block_ids; }, nb::rv_policy::automatic, "int32 [num_ops]")
+      .def_prop_ro(
+          "num_tokens", [](const CopyOpArrays& a) { return a.num_tokens; }, nb::rv_policy::automatic,
+          "int32 [num_ops]: tokens from the start of each block")
+      .def("__len__", [](const CopyOpArrays& a) { return a.size; })
+      .def(
+          "to_list",
+          [](const CopyOpArrays& a) {
+            std::vector<CopyOp> ops(a.size);
+            for (size_t i = 0; i < a.size; ++i) {
+              ops[i] = CopyOp{static_cast<PoolKind>(a.src_pool.data()[i]), a.src_block_ids.data()[i],
+                              static_cast<PoolKind>(a.dst_pool.data()[i]), a.dst_block_ids.data()[i],
+                              a.num_tokens.data()[i]};
+            }
+            return ops;
+          },
+          "The operations as a list of CopyOp (for tests and debugging).");
+
+  nb::class_<MatchResult>(m, "MatchResult", "A side-effect-free prefix lookup.")
+      .def_ro("num_matched_tokens", &MatchResult::num_matched_tokens,
+              "Prompt tokens whose KV can be taken from the cache (full blocks + partial copy).")
+      .def_ro("num_matched_blocks", &MatchResult::num_matched_blocks, "Full blocks that would be shared.")
+      .def_ro("num_secondary_blocks", &MatchResult::num_secondary_blocks,
+              "Of those, blocks in the host tier (would be onboarded).")
+      .def_ro("num_partial_tokens", &MatchResult::num_partial_tokens,
+              "Tokens of a partially matching block (copied, not shared).")
+      .def("__repr__", [](const MatchResult& r) {
+        return "MatchResult(num_matched_tokens=" + std::to_string(r.num_matched_tokens) +
+               ", num_matched_blocks=" + std::to_string(r.num_matched_blocks) +
+               ", num_secondary_blocks=" + std::to_string(r.num_secondary_blocks) +
+               ", num_partial_tokens=" + std::to_string(r.num_partial_tokens) + ")";
+      });
+
+  nb::class_<AddSequenceResult>(m, "AddSequenceResult", "What add_sequence did for one sequence.")
+      .def_ro("num_reused_tokens", &AddSequenceResult::num_reused_tokens,
+              "Prompt tokens not to compute (shared full blocks + partial copy).")
+      .def_ro("num_reused_blocks", &AddSequenceResult::num_reused_blocks, "Full blocks shared.")
+      .def_ro("num_onboarded_blocks", &AddSequenceResult::num_onboarded_blocks,
+              "Of the shared blocks, those brought back from the host tier.")
+      .def_ro("num_partial_tokens", &AddSequenceResult::num_partial_tokens,
+              "Tokens copied from a partially matching block.")
+      .def_ro("num_early_reused_blocks", &AddSequenceResult::num_early_reused_blocks,
+              "Shared blocks whose computing sequence was still running.")
+      .def_ro("num_new_blocks", &AddSequenceResult::num_new_blocks,
+              "Blocks allocated fresh (including the partial copy target).")
+      .def("__repr__", [](const AddSequenceResult& r) {
+        return "AddSequenceResult(num_reused_tokens=" + std::to_string(r.num_reused_tokens) +
+               ", num_reused_blocks=" + std::to_string(r.num_reused_blocks) +
+               ", num_onboarded_blocks=" + std::to_string(r.num_onboarded_blocks) +
+               ", num_partial_tokens=" + std::to_string(r.num_partial_tokens) +
+               ", num_early_reused_blocks=" + std::to_string(r.num_early_reused_blocks) +
+               ", num_new_blocks=" + std::to_string(r.num_new_blocks) + ")";
+      });
+
+  nb::class_<PoolStats>(m, "PoolStats", "Block counts of one pool; free + cached + used = num_blocks.")
+      .def_ro("num_blocks", &PoolStats::num_blocks)
+      .def_ro("num_free_blocks", &PoolStats::num_free_blocks, "Hold nothing.")
+      .def_ro("num_cached_blocks", &PoolStats::num_cached_blocks, "Unreferenced but matchable (evictable).")
+      .def_ro("num_used_blocks", &PoolStats::num_used_blocks, "Referenced by at least one sequence.")
+      .def("__repr__", [](const PoolStats& s) {
+        return "PoolStats(num_blocks=" + std::to_string(s.num_blocks) +
+               ", num_free_blocks=" + std::to_string(s.num_free_blocks) +
+               ", num_cached_blocks=" + std::to_string(s.num_cached_blocks) +
+               ", num_used_blocks=" + std::to_string(s.num_used_blocks) + ")";
+      });
+
+  nb::class_<CacheStats>(m, "CacheStats", "Counters since construction or reset_stats(), and pool occupancy.")
+      .def_ro("reused_blocks", &CacheStats::reused_blocks)
+      .def_ro("missed_blocks", &CacheStats::missed_blocks, "Prompt full blocks that had to be computed.")
+      .def_ro("cache_hit_rate", &CacheStats::cache_hit_rate, "reused / (reused + missed); 0 when both are 0.")
+      .def_ro("early_reused_blocks", &CacheStats::early_reused_blocks,
+              "Reused while their computing sequence was still running.")
+      .def_ro("partial_reused_blocks", &CacheStats::partial_reused_blocks)
+      .def_ro("alloc_total_blocks", &CacheStats::alloc_total_blocks, "Blocks handed to sequences, reused or new.")
+      .def_ro("alloc_new_blocks", &CacheStats::alloc_new_blocks)
+      .def_ro("offloaded_blocks", &CacheStats::offloaded_blocks, "Primary -> secondary.")
+      .def_ro("onboarded_blocks", &CacheStats::onboarded_blocks, "Secondary -> primary.")
+      .def_ro("evicted_blocks", &CacheStats::evicted_blocks, "Dropped from the cache (either tier).")
+      .def_ro("num_offloaded_tokens", &CacheStats::num_offloaded_tokens,
+              "Token slots copied primary -> secondary (bytes = tokens * bytes per token).")
+      .def_ro("num_onboarded_tokens", &CacheStats::num_onboarded_tokens,
+              "Token slots copied secondary -> primary.")
+      .def_ro("primary", &CacheStats::primary)
+      .def_ro("secondary", &CacheStats::secondary)
+      .def(
+          "to_dict",
+          [](const CacheStats& s) {
+            nb::dict d;
+            d["reused_blocks"] = s.reused_blocks;
+            d["missed_blocks"] = s.missed_blocks;
+            d["cache_hit_rate"] = s.cache_hit_rate;
+            d["early_reused_blocks"] = s.early_reused_blocks;
+            d["partial_reused_blocks"] = s.partial_reused_blocks;
+            d["alloc_total_blocks"] = s.alloc_total_blocks;
+            d["alloc_new_blocks"] = s.alloc_new_blocks;
+            d["offloaded_blocks"] = s.offloaded_blocks;
+            d["onboarded_blocks"] = s.onboarded_blocks;
+            d["evicted_blocks"] = s.evicted_blocks;
+            d["num_offloaded_tokens"] = s.num_offloaded_tokens;
+            d["num_onboarded_tokens"] = s.num_onboarded_tokens;
+            for (const auto& [prefix, pool] : {std::pair<const char*, const PoolStats*>{"primary", &s.primary},
+                                               {"secondary", &s.secondary}}) {
+              const std::string p(prefix);
+              d[(p + "_num_blocks").c_str()] = pool->num_blocks;
+              d[(p + "_num_free_blocks").c_str()] = pool->num_free_blocks;
+              d[(p + "_num_cached_blocks").c_str()] = pool->num_cached_blocks;
+              d[(p + "_num_used_blocks").c_str()] = pool->num_used_blocks;
+            }
+            return d;
+          },
+          "Flat dict of every counter (pool fields prefixed primary_/secondary_), for reports.");
+
+  nb::class_<KvCacheEvent>(m, "KvCacheEvent", "A change of the cached blocks (for KV-aware routers).")
+      .def_ro("event_id", &KvCacheEvent::event_id)
+      .def_ro("kind", &KvCacheEvent::kind)
+      .def_ro("block_hash", &KvCacheEvent::block_hash)
+      .def_ro("parent_hash", &KvCacheEvent::parent_hash, "0 for a block at the root.")
+      .def_ro("token_ids", &KvCacheEvent::token_ids, "The block's tokens (STORED events only).")
+      .def("__repr__", [](const KvCacheEvent& e) {
+        static const char* names[] = {"STORED", "REMOVED", "OFFLOADED", "ONBOARDED"};
+        return "KvCacheEvent(event_id=" + std::to_string(e.event_id) + ", kind=" +
+               names[static_cast<int>(e.kind)] + ", block_hash=" + std::to_string(e.block_hash) +
+               ", parent_hash=" + std::to_string(e.parent_hash) + ")";
+      });
+
+  nb::class_<KVCacheManager>(
+      m, "KVCacheManager",
+      "Block pools, prefix index, reuse, LRU eviction and host offload. Decides where every block "
+      "lives and returns copy operations; never touches KV data.")
+      .def(nb::init<CacheConfig, int32_t>(), "config"_a, nb::kw_only(), "key_hash_bits"_a = 64,
+           "Raises ValueError for a bad config. key_hash_bits < 64 is a test hook that truncates block "
+           "key hashes (0: every key collides) to exercise the collision guard.")
+      .def_prop_ro("config", &KVCacheManager::config, "The validated configuration (a copy).")
+      .def(
+          "match_prefix",
+          [](const KVCacheManager& self, nb::handle token_ids, nb::handle extra_ids, uint64_t lora_task_id,
+             uint64_t cache_salt) {
+            return self.match_prefix(make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority));
+          },
+          "token_ids"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0, "cache_salt"_a = 0,
+          "Longest cached chain for this prompt, without side effects. The last prompt token is never matched.")
+      .def(
+          "num_blocks_to_add",
+          [](const KVCacheManager& self, nb::handle token_ids, int32_t num_tokens, nb::handle extra_ids,
+             uint64_t lora_task_id, uint64_t cache_salt) {
+            return self.num_blocks_to_add(
+                make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority), num_tokens);
+          },
+          "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0,
+          "cache_salt"_a = 0,
+          "Primary blocks add_sequence would take out of num_available_blocks() for num_tokens tokens.")
+      .def("num_available_blocks", &KVCacheManager::num_available_blocks,
+           "Primary blocks that can be handed out now: free plus evictable cached ones.")
+      .def(
+          "can_add_sequence",
+          [](const KVCacheManager& self, nb::handle token_ids, int32_t num_tokens, nb::handle extra_ids,
+             uint64_t lora_task_id, uint64_t cache_salt) {
+            return self.can_add_sequence(
+                make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority), num_tokens);
+          },
+          "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0,
+          "cache_salt"_a = 0, "Whether add_sequence(..., num_tokens) would find enough blocks.")
+      .def(
+          "add_sequence",
+          [](KVCacheManager& self, SequenceId seq_id, nb::handle token_ids, int32_t num_tokens,
+             nb::handle extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority) {
+            return self.add_sequence(seq_id, make_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority),
+                                     num_tokens);
+          },
+          "seq_id"_a, "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
+          "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
+          "Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 "
+          "per token or None), shares its longest cached prefix (onboarding host blocks, copying a "
+          "partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. "
+          "priority (0..100) is the retention priority of the blocks it computes. Raises ValueError "
+          "for bad input or a known seq_id, RuntimeError when blocks lack (nothing changes then).")
+      .def("can_allocate", &KVCacheManager::can_allocate, "seq_id"_a, "num_tokens"_a,
+           "Whether allocate(seq_id, num_tokens) would find enough blocks. KeyError for an unknown id.")
+      .def("allocate", &KVCacheManager::allocate, "seq_id"_a, "num_tokens"_a,
+           "Grows the block table to hold num_tokens tokens in total. RuntimeError when blocks lack.")
+      .def(
+          "append_tokens",
+          [](KVCacheManager& self, SequenceId seq_id, nb::handle token_ids) {
+            self.append_tokens(seq_id, to_vector<TokenId>(token_ids, "token_ids"));
+          },
+          "seq_id"_a, "token_ids"_a,
+          "Appends generated tokens (extra id 0), so blocks they fill become reusable once computed.")
+      .def("mark_computed", &KVCacheManager::mark_computed, "seq_id"_a, "num_computed_tokens"_a,
+           "KV of the first num_computed_tokens tokens is written: full blocks among them become "
+           "matchable at once; with a sliding window, blocks wholly outside it are released.")
+      .def("release", &KVCacheManager::release, "seq_id"_a,
+           "Drops the sequence; its computed full blocks stay matchable until evicted.")
+      .def("has_sequence", &KVCacheManager::has_sequence, "seq_id"_a)
+      .def("num_tokens", &KVCacheManager::num_tokens, "seq_id"_a, "Tokens known: prompt + appended.")
+      .def("num_computed_tokens", &KVCacheManager::num_computed_tokens, "seq_id"_a)
+      .def(
+          "block_ids",
+          [](const KVCacheManager& self, SequenceId seq_id) { return to_numpy(self.block_ids(seq_id)); },
+          "seq_id"_a, "Primary block table as an int32 array; -1 where the sliding window released a block.")
+      .def(
+          "take_copy_ops", [](KVCacheManager& self) { return make_copy_op_arrays(self.take_copy_ops()); },
+          "Copy operations emitted since the last call, as CopyOpArrays, in the order they must run.")
+      .def("take_events", &KVCacheManager::take_events, "KV cache events recorded since the last call.")
+      .def("stats", &KVCacheManager::stats, "Counters and pool occupancy.")
+      .def("reset_stats", &KVCacheManager::reset_stats, "Zeroes the counters; the cache is kept.")
+      .def("check_invariants", &KVCacheManager::check_invariants,
+           "Empty list when every invariant holds; otherwise one message per violation.");
+}
+
 }  // namespace kvtool

@@ -12,6 +12,9 @@ namespace kvtool {
 class KVCacheManager {
  public:
   explicit KVCacheManager(CacheConfig config);  // validates config
+  // Test hook: keep only the low key_hash_bits bits of every block key hash (0..64; 0 makes every
+  // key collide), to show that the collision guard never reuses wrong KV. 64 in production.
+  KVCacheManager(CacheConfig config, int32_t key_hash_bits);
   ~KVCacheManager();
   KVCacheManager(KVCacheManager&&) noexcept;
   KVCacheManager& operator=(KVCacheManager&&) noexcept;
@@ -56,6 +59,8 @@ class KVCacheManager {
   std::vector<KvCacheEvent> take_events();
 
   CacheStats stats() const;
+  // Zeroes the counters (reuse, allocation, offload, eviction); the cache itself is kept.
+  void reset_stats();
   // Empty when every invariant holds; otherwise one message per violation.
   std::vector<std::string> check_invariants() const;
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -100,6 +101,18 @@ struct KvCacheEvent {
   uint64_t block_hash = 0;
   uint64_t parent_hash = 0;       // 0 for a block at the root
   std::vector<TokenId> token_ids; // filled for kStored
+};
+
+// A sequence id the manager does not know (Python: KeyError naming the id).
+class UnknownSequenceError : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+
+// Not enough primary blocks for a request (Python: RuntimeError with the numbers).
+class OutOfBlocksError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 }  // namespace kvtool

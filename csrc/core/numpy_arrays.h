@@ -1,0 +1,91 @@
+// Conversions between C++ vectors and 1-D numpy arrays at the Python boundary, without
+// per-element Python objects. Shared by the cache manager and scheduler bindings.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kv_cache_types.h"
+
+namespace kvtool {
+
+namespace nb = nanobind;
+
+template <typename T>
+using NumpyArray1D = nb::ndarray<nb::numpy, T, nb::ndim<1>>;
+
+// Moves the vector onto the heap; the numpy array owns it (freed with the array).
+template <typename T>
+NumpyArray1D<T> to_numpy(std::vector<T>&& values) {
+  auto* owned = new std::vector<T>(std::move(values));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return NumpyArray1D<T>(owned->data(), {owned->size()}, owner);
+}
+
+// A 1-D integer sequence (numpy array of any integer dtype, or a list of ints) as a vector of T.
+// Throws std::invalid_argument naming `name` when obj is not one, or a value does not fit T.
+template <typename T>
+std::vector<T> to_vector(nb::handle obj, const char* name) {
+  using Array = nb::ndarray<const T, nb::ndim<1>, nb::device::cpu>;
+  Array array;
+  bool is_array = nb::try_cast(obj, array, /*convert=*/false);
+  if (!is_array) {
+    // Another integer dtype (numpy's default int64, say) is converted; floats are refused.
+    nb::ndarray<nb::ndim<1>, nb::device::cpu> any_array;
+    if (nb::try_cast(obj, any_array, /*convert=*/false)) {
+      const auto code = static_cast<nb::dlpack::dtype_code>(any_array.dtype().code);
+      if (code != nb::dlpack::dtype_code::Int && code != nb::dlpack::dtype_code::UInt) {
+        throw std::invalid_argument(std::string(name) + " must be an integer array; got a non-integer dtype");
+      }
+      is_array = nb::try_cast(obj, array, /*convert=*/true);
+    }
+  }
+  if (is_array) {
+    std::vector<T> out(array.shape(0));
+    const T* data = array.data();
+    const int64_t stride = array.stride(0);
+    if (stride == 1) {
+      std::copy(data, data + out.size(), out.begin());
+    } else {
+      for (size_t i = 0; i < out.size(); ++i) out[i] = data[static_cast<int64_t>(i) * stride];
+    }
+    return out;
+  }
+  std::vector<T> out;
+  if (nb::isinstance<nb::list>(obj) || nb::isinstance<nb::tuple>(obj)) {
+    out.reserve(nb::len(obj));
+    for (nb::handle item : obj) {
+      T value;
+      if (!nb::try_cast(item, value, /*convert=*/false)) {
+        throw std::invalid_argument(std::string(name) + " must hold integers that fit " +
+                                    (sizeof(T) == 4 ? "int32" : "uint64") + "; got " +
+                                    nb::cast<std::string>(nb::repr(item)));
+      }
+      out.push_back(value);
+    }
+    return out;
+  }
+  throw std::invalid_argument(std::string(name) +
+                              " must be a 1-D numpy integer array or a list of ints; got " +
+                              nb::cast<std::string>(nb::repr(nb::type_name(obj.type()))));
+}
+
+// take_copy_ops() / a step plan's copy ops as one struct of arrays, so the runtime can run a
+// batched copy without a Python loop per operation. Index i of every array is operation i, in
+// the order the operations must run.
+struct CopyOpArrays {
+  NumpyArray1D<uint8_t> src_pool;        // PoolKind values: 0 primary, 1 secondary
+  NumpyArray1D<int32_t> src_block_ids;
+  NumpyArray1D<uint8_t> dst_pool;
+  NumpyArray1D<int32_t> dst_block_ids;
+  NumpyArray1D<int32_t> num_tokens;      // tokens from the start of the block
+  size_t size = 0;
+};
+
+CopyOpArrays make_copy_op_arrays(const std::vector<CopyOp>& ops);
+
+}  // namespace kvtool

@@ -1,0 +1,232 @@
+"""The LLM API, named as TensorRT-LLM's: build (or load) a plan, generate, read cache stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from kvtool import _core
+from kvtool.config import KvCacheConfig, SamplingParams, SchedulerConfig
+from kvtool.errors import KvtoolError
+from kvtool.runtime.device import default_device, describe_device, free_device_memory_bytes
+from kvtool.runtime.engine import Engine
+from kvtool.runtime.kv_pool import BlockShape, KvCachePools, check_host_cache_size, size_pools
+from kvtool.runtime.model_runner import ModelRunner
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class GenerationOutput:
+    """What generate returns per prompt: the prompt and its completion(s)."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None
+
+
+def _attention_backend(device: torch.device):
+    if device.type == "cuda":
+        try:
+            from kvtool.layers.cuda_attention import CudaPagedAttention
+
+            return CudaPagedAttention()
+        except ImportError:
+            pass  # no CuPy: the torch backend is correct everywhere, just slower
+    from kvtool.layers.attention import TorchPagedAttention
+
+    return TorchPagedAttention()
+
+
+class LLM:
+    """A model served by kvtool's runtime.
+
+    ``model`` is a plan directory, a local Hugging Face checkpoint directory or ``preset:NAME``;
+    the latter two are built into a plan on the fly. Runtime limits default to the plan's and may
+    not exceed them.
+    """
+
+    def __init__(self, model: str, *, max_batch_size: int | None = None, max_seq_len: int | None = None,
+                 max_num_tokens: int | None = None, kv_cache_config: KvCacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None, device: str | None = None,
+                 build_options=None) -> None:
+        from kvtool.plan import resolve_model
+
+        kv_cache_config = kv_cache_config or KvCacheConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.plan = resolve_model(model, options=build_options)
+        opts = self.plan.build_options
+        self.max_batch_size = _runtime_limit("max_batch_size", max_batch_size, opts.max_batch_size)
+        self.max_seq_len = _runtime_limit("max_seq_len", max_seq_len, opts.max_seq_len)
+        self.max_num_tokens = _runtime_limit("max_num_tokens", max_num_tokens, opts.max_num_tokens)
+        _check_against_plan(self.plan, kv_cache_config, scheduler_config)
+
+        self.device = torch.device(device) if device else default_device()
+        self.device_description = describe_device(self.device)
+        config = self.plan.model_config
+        window = _attention_window(config.sliding_window, kv_cache_config.max_attention_window, self.max_seq_len)
+        model_module = self.plan.load_model(self.device, _attention_backend(self.device), attention_window=window)
+        tokens_per_block = opts.tokens_per_block
+        shape = BlockShape(config.num_layers, tokens_per_block, config.num_kv_heads, config.head_dim,
+                           DTYPES[opts.kv_cache_dtype])
+        check_host_cache_size(kv_cache_config.host_cache_size)
+        sizes = size_pools(shape.num_bytes, tokens_per_block, max_tokens=kv_cache_config.max_tokens,
+                           free_memory_fraction=kv_cache_config.free_gpu_memory_fraction,
+                           free_memory_bytes=free_device_memory_bytes(self.device),
+                           host_cache_size=kv_cache_config.host_cache_size, on_cpu=self.device.type == "cpu")
+        pools = KvCachePools(shape, sizes.num_primary_blocks, sizes.num_secondary_blocks, self.device)
+        cache_cfg = _core.CacheConfig(
+            tokens_per_block=tokens_per_block,
+            num_primary_blocks=sizes.num_primary_blocks,
+            num_secondary_blocks=sizes.num_secondary_blocks,
+            enable_block_reuse=kv_cache_config.enable_block_reuse,
+            enable_partial_reuse=kv_cache_config.enable_partial_reuse,
+            secondary_offload_min_priority=kv_cache_config.secondary_offload_min_priority,
+            max_attention_window=window or 0,
+            event_buffer_max_size=kv_cache_config.event_buffer_max_size)
+        sched_cfg = _core.SchedulerConfig(
+            capacity_scheduler_policy=getattr(_core.CapacitySchedulerPolicy,
+                                              scheduler_config.capacity_scheduler_policy.value),
+            context_chunking_policy=getattr(_core.ContextChunkingPolicy,
+                                            scheduler_config.context_chunking_policy.value),
+            enable_chunked_context=scheduler_config.enable_chunked_context,
+            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
+            max_seq_len=self.max_seq_len)
+        self.tokenizer = self.plan.tokenizer
+        self.engine = Engine(ModelRunner(model_module, pools, tokens_per_block, self.device), cache_cfg,
+                             sched_cfg, vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids,
+                             bytes_per_token=shape.bytes_per_token, tokenizer=self.tokenizer)
+        self.kv_cache_config = kv_cache_config
+        self.scheduler_config = scheduler_config
+        self._request_ids = count()
+
+    # -- generation -------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 extra_ids: Sequence[Sequence[int]] | None = None):
+        """Generates for one prompt or a list (text, or token-id lists); returns output(s) in order.
+
+        A prompt the runtime cannot serve (e.g. longer than max_seq_len) gets an output whose
+        ``error`` says why; the other prompts still complete.
+        """
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        prompt_list = [prompts] if single else list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list))
+        extra_list = [None] * len(prompt_list) if extra_ids is None else list(extra_ids)
+        results = [self._submit(p, sp, e) for p, sp, e in zip(prompt_list, params_list, extra_list)]
+        by_id = {r.request_id: r for r in results if r.error is None}
+        while self.engine.has_unfinished_requests():
+            for step_output in self.engine.step():
+                self._update(by_id.get(step_output.request_id), step_output)
+        return results[0] if single else results
+
+    def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *,
+                       extra_ids: Sequence[int] | None = None, streaming: bool = True) -> Iterator[GenerationOutput]:
+        """Streams one request: yields its output each time it grows (other queued work runs too)."""
+        result = self._submit(prompt, sampling_params or SamplingParams(), extra_ids)
+        if result.error is not None:
+            yield result
+            return
+        while not result.finished:
+            for step_output in self.engine.step():
+                if step_output.request_id == result.request_id:
+                    self._update(result, step_output)
+                    if streaming or result.finished:
+                        yield result
+
+    def _submit(self, prompt, params: SamplingParams, extra_ids) -> GenerationOutput:
+        request_id = next(self._request_ids)
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        result = GenerationOutput(request_id, text, token_ids, [CompletionOutput(0, "", [], None)])
+        try:
+            self.engine.add_request(request_id, token_ids, params, extra_ids=extra_ids)
+        except ValueError as error:
+            result.error, result.finished = str(error), True
+            result.outputs[0].finish_reason = "error"
+        return result
+
+    def _update(self, result: GenerationOutput | None, step_output) -> None:
+        if result is None:
+            return
+        completion = result.outputs[0]
+        completion.token_ids = step_output.token_ids
+        completion.text = self.tokenizer.decode(step_output.token_ids)
+        completion.finish_reason = step_output.finish_reason
+        result.finished = step_output.finished
+
+    # -- stats and lifetime -----------------------------------------------------------------
+    def get_stats(self) -> dict[str, int | float]:
+        """KV cache statistics: reused/missed blocks, hit rate, offloaded/onboarded/evicted, bytes moved."""
+        return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        """Frees the model and the KV pools."""
+        self.engine = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: give one, or one per prompt")
+    return params
+
+
+def _runtime_limit(name: str, value: int | None, plan_value: int) -> int:
+    if value is None:
+        return plan_value
+    if value < 1 or value > plan_value:
+        raise ValueError(f"{name}={value} is outside what the plan was built for (1..{plan_value}): "
+                         f"rebuild with `kvtool build --{name} {value}` or choose at most {plan_value}")
+    return value
+
+
+def _attention_window(model_window: int | None, user_window: int | None, max_seq_len: int) -> int | None:
+    windows = [w for w in (model_window, user_window) if w]
+    window = min(windows) if windows else None
+    return window if window is not None and window < max_seq_len else None
+
+
+def _check_against_plan(plan, kv_cache_config: KvCacheConfig, scheduler_config: SchedulerConfig) -> None:
+    opts = plan.build_options
+    if kv_cache_config.tokens_per_block is not None and kv_cache_config.tokens_per_block != opts.tokens_per_block:
+        raise KvtoolError(
+            f"tokens_per_block={kv_cache_config.tokens_per_block} does not match the plan {plan.path}, "
+            f"built with tokens_per_block={opts.tokens_per_block}: rebuild with "
+            f"`kvtool build --tokens_per_block {kv_cache_config.tokens_per_block}` or drop the option")
+    if not opts.use_paged_context_fmha:
+        if kv_cache_config.enable_block_reuse:
+            raise KvtoolError(
+                f"the plan {plan.path} was built with --use_paged_context_fmha disable, which cannot reuse "
+                "KV: rebuild with --use_paged_context_fmha enable or disable reuse (--disable_kv_cache_reuse)")
+        if scheduler_config.enable_chunked_context:
+            raise KvtoolError(
+                f"the plan {plan.path} was built with --use_paged_context_fmha disable, which cannot chunk "
+                "contexts: rebuild with --use_paged_context_fmha enable or drop --enable_chunked_context")

@@ -1,0 +1,181 @@
+"""The executor loop: schedule (C++) -> copies -> forward -> sample -> report back to C++.
+
+One Engine serves one plan on one device. It owns the scheduler (which owns the KV cache
+manager), the KV pools and the model runner, and records per-request timestamps for metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtool import _core
+from kvtool.config import KvCacheConfig, SamplingParams, SchedulerConfig
+from kvtool.layers.sampler import make_generator, sample
+from kvtool.runtime.model_runner import ModelRunner
+from kvtool.runtime.request import RequestOutput, RequestRecord
+
+
+@dataclass
+class _Request:
+    """What the engine keeps about a running request beyond what C++ tracks."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    record: RequestRecord
+
+
+def cache_salt_id(cache_salt: str | None) -> int:
+    """Stable 64-bit id of a cache salt string (0 = no salt)."""
+    if not cache_salt:
+        return 0
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little") or 1
+
+
+class Engine:
+    """Runs requests through the C++ scheduler and the model, step by step."""
+
+    def __init__(self, runner: ModelRunner, cache_config: _core.CacheConfig,
+                 scheduler_config: _core.SchedulerConfig, *, vocab_size: int, eos_token_ids: list[int],
+                 bytes_per_token: int, tokenizer=None) -> None:
+        self.runner = runner
+        self.scheduler = _core.Scheduler(cache_config, scheduler_config)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.bytes_per_token = bytes_per_token
+        self.tokenizer = tokenizer
+        self.max_seq_len = scheduler_config.max_seq_len
+        self.records: dict[int, RequestRecord] = {}
+        self._running: dict[int, _Request] = {}
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: int, prompt_token_ids, sampling_params: SamplingParams, *,
+                    extra_ids=None, arrival_time: float | None = None) -> None:
+        """Queues a request. Raises ValueError naming the request when it cannot be served."""
+        if request_id in self.records:
+            raise ValueError(f"request {request_id}: the id is already used; give each request its own id")
+        token_ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        if token_ids.ndim != 1 or token_ids.size == 0:
+            raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
+        if token_ids.min() < 0 or token_ids.max() >= self.vocab_size:
+            raise ValueError(f"request {request_id}: token id {int(token_ids.max() if token_ids.max() >= self.vocab_size else token_ids.min())} "
+                             f"is outside the model's vocabulary [0, {self.vocab_size}): "
+                             "use token ids the model knows")
+        extra = None if extra_ids is None else np.asarray(extra_ids, dtype=np.uint64)
+        params = sampling_params
+        self.scheduler.add_request(request_id, token_ids.astype(np.int32), params.max_tokens,
+                                   extra_ids=extra, lora_task_id=params.lora_task_id,
+                                   cache_salt=cache_salt_id(params.cache_salt), priority=params.priority)
+        record = RequestRecord(request_id=request_id,
+                               arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                               num_prompt_tokens=int(token_ids.size))
+        self.records[request_id] = record
+        self._running[request_id] = _Request(params, make_generator(params, request_id, self.runner.device),
+                                             record)
+
+    def abort_request(self, request_id: int) -> None:
+        if request_id in self._running:
+            self.scheduler.finish_request(request_id)
+            self._finish(request_id, "abort", time.perf_counter())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of requests that produced a token this step."""
+        plan = self.scheduler.schedule()
+        if len(plan.requests) == 0:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("the scheduler could not fit any request into the KV cache; "
+                                   "raise max_tokens / free_gpu_memory_fraction")
+            return []
+        copies = plan.copy_ops
+        self.runner.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool,
+                                         copies.dst_block_ids, copies.num_tokens)
+        sampling = [r for r in plan.requests if r.samples]
+        logits = self.runner.execute(plan.requests)
+        params = [self._running[r.request_id].params for r in sampling]
+        generators = [self._running[r.request_id].generator for r in sampling]
+        token_ids = sample(logits, params, generators)  # syncs with the device: tokens are on the host
+        now = time.perf_counter()
+        request_ids = [r.request_id for r in sampling]
+        for request_id in plan.paused_request_ids:
+            self.records[request_id].num_pauses += 1
+        finished_ids = set(self.scheduler.complete_step(np.asarray(request_ids, dtype=np.int64),
+                                                        np.asarray(token_ids, dtype=np.int32)))
+        outputs = []
+        for request_id, token_id in zip(request_ids, token_ids):
+            outputs.append(self._on_token(request_id, token_id, now, request_id in finished_ids))
+        return outputs
+
+    def _on_token(self, request_id: int, token_id: int, now: float, reached_length: bool) -> RequestOutput:
+        request = self._running[request_id]
+        record = request.record
+        if record.first_token_time is None:
+            record.first_token_time = now
+            stats = self.scheduler.request_stats(request_id)
+            record.num_reused_tokens = stats.num_reused_tokens
+            record.num_reused_blocks = stats.num_reused_blocks
+            record.num_onboarded_blocks = stats.num_onboarded_blocks
+            record.num_early_reused_blocks = stats.num_early_reused_blocks
+        record.output_token_ids.append(token_id)
+        record.token_times.append(now)
+        reason = "length" if reached_length else self._stop_reason(request, token_id)
+        if reason is not None and not reached_length:
+            self.scheduler.finish_request(request_id)
+        if reason is not None:
+            self._finish(request_id, reason, now)
+        return RequestOutput(request_id, [token_id], list(record.output_token_ids), reason is not None, reason)
+
+    def _stop_reason(self, request: _Request, token_id: int) -> str | None:
+        params = request.params
+        if params.ignore_eos:
+            return None
+        if token_id in self.eos_token_ids or token_id in params.stop_token_ids:
+            return "stop"
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.record.output_token_ids)
+            if any(stop in text for stop in params.stop):
+                return "stop"
+        return None
+
+    def _finish(self, request_id: int, reason: str, now: float) -> None:
+        record = self._running.pop(request_id).record
+        record.finish_time = now
+        record.finish_reason = reason
+
+    # -- stats ------------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, int | float]:
+        """Cache statistics (DESIGN.md list), bytes moved each way included."""
+        s = self.scheduler.cache_manager.stats()
+        return {
+            "reused_blocks": s.reused_blocks,
+            "missed_blocks": s.missed_blocks,
+            "cache_hit_rate": s.cache_hit_rate,
+            "early_reused_blocks": s.early_reused_blocks,
+            "partial_reused_blocks": s.partial_reused_blocks,
+            "alloc_total_blocks": s.alloc_total_blocks,
+            "alloc_new_blocks": s.alloc_new_blocks,
+            "offloaded_blocks": s.offloaded_blocks,
+            "onboarded_blocks": s.onboarded_blocks,
+            "evicted_blocks": s.evicted_blocks,
+            "offloaded_bytes": s.num_offloaded_tokens * self.bytes_per_token,
+            "onboarded_bytes": s.num_onboarded_tokens * self.bytes_per_token,
+            "primary_blocks": s.primary.num_blocks,
+            "primary_free_blocks": s.primary.num_free_blocks,
+            "primary_cached_blocks": s.primary.num_cached_blocks,
+            "primary_used_blocks": s.primary.num_used_blocks,
+            "secondary_blocks": s.secondary.num_blocks,
+            "secondary_free_blocks": s.secondary.num_free_blocks,
+            "secondary_cached_blocks": s.secondary.num_cached_blocks,
+            "secondary_used_blocks": s.secondary.num_used_blocks,
+        }
+
+    def reset_stats(self) -> None:
+        """Zeroes the cache counters, keeping the cache (after warm-up requests)."""
+        self.scheduler.cache_manager.reset_stats()

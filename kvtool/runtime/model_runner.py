@@ -1,0 +1,70 @@
+"""Turns one step plan from the scheduler into tensors, runs the model forward, returns logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvtool.layers.attention_metadata import AttentionMetadata
+from kvtool.runtime.kv_pool import KvCachePools
+
+
+class ModelRunner:
+    """Owns the model and the KV pools of one engine; executes step plans."""
+
+    def __init__(self, model: torch.nn.Module, pools: KvCachePools, tokens_per_block: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.pools = pools
+        self.tokens_per_block = tokens_per_block
+        self.device = device
+        self.kv_caches = pools.layer_caches()
+
+    def prepare(self, requests) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flattens the step's requests (context chunks first, then decode tokens).
+
+        Returns input_ids [num_tokens], the attention metadata, and the row of the last token of
+        each sampling request [num_sampling] (whose logits are needed).
+        """
+        tpb = self.tokens_per_block
+        token_ids = [np.asarray(r.token_ids, dtype=np.int64) for r in requests]
+        query_lens = np.array([len(t) for t in token_ids], dtype=np.int32)
+        num_cached = np.array([r.num_cached_tokens for r in requests], dtype=np.int32)
+        seq_lens = num_cached + query_lens
+        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+
+        positions = np.concatenate([np.arange(c, c + q, dtype=np.int64) for c, q in zip(num_cached, query_lens)])
+        max_blocks = max(len(r.block_ids) for r in requests)
+        block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)
+        for i, r in enumerate(requests):
+            block_tables[i, : len(r.block_ids)] = r.block_ids
+        # Each new token's KV goes to slot block_id * tokens_per_block + offset of its position.
+        seq_index = np.repeat(np.arange(len(requests)), query_lens)
+        slot_blocks = block_tables[seq_index, positions // tpb].astype(np.int64)
+        slot_mapping = slot_blocks * tpb + positions % tpb
+
+        sample_rows = np.array([query_start_loc[i + 1] - 1 for i, r in enumerate(requests) if r.samples],
+                               dtype=np.int64)
+        device = self.device
+        meta = AttentionMetadata(
+            positions=torch.from_numpy(positions).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            query_lens=torch.from_numpy(query_lens).to(device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            block_tables=torch.from_numpy(block_tables).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            tokens_per_block=tpb,
+            num_context_seqs=sum(1 for r in requests if r.is_context),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        input_ids = torch.from_numpy(np.concatenate(token_ids)).to(device)
+        return input_ids, meta, torch.from_numpy(sample_rows).to(device)
+
+    @torch.inference_mode()
+    def execute(self, requests) -> torch.Tensor:
+        """Runs the forward for the step; returns logits [num_sampling_requests, vocab] float32."""
+        input_ids, meta, sample_rows = self.prepare(requests)
+        hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
+        return self.model.compute_logits(hidden[sample_rows])

@@ -1,0 +1,214 @@
+"""The LLM API end to end on the CPU: outputs never depend on how the KV cache was obtained."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtool import (LLM, CapacitySchedulerPolicy, ContextChunkingPolicy, KvCacheConfig, SamplingParams,
+                    SchedulerConfig)
+from kvtool.plan import BuildOptions, build_plan
+
+TOKENS_PER_BLOCK = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "tiny-llama"
+    build_plan("preset:tiny-llama", out, BuildOptions(tokens_per_block=TOKENS_PER_BLOCK, max_seq_len=512,
+                                                       max_batch_size=8, max_num_tokens=512))
+    return str(out)
+
+
+def shared_prefix_prompts(num_prompts: int = 4, prefix_len: int = 80, suffix_len: int = 23, seed: int = 0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(10, 1000) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(10, 1000) for _ in range(suffix_len)] for _ in range(num_prompts)]
+
+
+def greedy_tokens(plan_dir, prompts, **llm_kwargs) -> tuple[list[list[int]], dict]:
+    llm = LLM(model=plan_dir, **llm_kwargs)
+    outputs = llm.generate(prompts, GREEDY)
+    stats = llm.get_stats()
+    llm.shutdown()
+    assert all(o.error is None for o in outputs)
+    return [o.outputs[0].token_ids for o in outputs], stats
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(plan_dir):
+    """Greedy outputs with reuse off, one prompt at a time: nothing shared, nothing evicted."""
+    prompts = shared_prefix_prompts()
+    tokens = []
+    for prompt in prompts:
+        out, _ = greedy_tokens(plan_dir, [prompt], max_batch_size=1,
+                               kv_cache_config=KvCacheConfig(enable_block_reuse=False))
+        tokens += out
+    return tokens
+
+
+def test_greedy_outputs_identical_with_reuse_on_and_off(plan_dir, reference_tokens):
+    tokens, stats = greedy_tokens(plan_dir, shared_prefix_prompts(),
+                                  kv_cache_config=KvCacheConfig(enable_block_reuse=True))
+    assert tokens == reference_tokens
+    assert stats["reused_blocks"] > 0
+
+
+def test_greedy_outputs_identical_when_host_offloading_forces_evictions(plan_dir, reference_tokens):
+    # 8 blocks hold one request (103 prompt + 6 generated tokens = 7 blocks): every request evicts.
+    prompts = shared_prefix_prompts()
+    llm = LLM(model=plan_dir, max_batch_size=1,
+              kv_cache_config=KvCacheConfig(max_tokens=8 * TOKENS_PER_BLOCK, host_cache_size=1 << 20))
+    tokens = [llm.generate(p, GREEDY).outputs[0].token_ids for p in prompts + prompts]
+    stats = llm.get_stats()
+    assert tokens == reference_tokens + reference_tokens
+    assert stats["offloaded_blocks"] > 0 and stats["onboarded_blocks"] > 0
+
+
+@pytest.mark.parametrize("policy", list(ContextChunkingPolicy))
+def test_greedy_outputs_identical_with_chunked_context(plan_dir, reference_tokens, policy):
+    tokens, _ = greedy_tokens(plan_dir, shared_prefix_prompts(), max_num_tokens=32,
+                              scheduler_config=SchedulerConfig(enable_chunked_context=True,
+                                                               context_chunking_policy=policy))
+    assert tokens == reference_tokens
+
+
+@pytest.mark.parametrize("policy", list(CapacitySchedulerPolicy))
+def test_greedy_outputs_identical_under_every_capacity_policy(plan_dir, reference_tokens, policy):
+    tokens, _ = greedy_tokens(plan_dir, shared_prefix_prompts(), max_batch_size=3,
+                              scheduler_config=SchedulerConfig(capacity_scheduler_policy=policy))
+    assert tokens == reference_tokens
+
+
+def test_max_utilization_pauses_and_still_produces_the_same_outputs(plan_dir):
+    # 13 blocks: three prompts (7 blocks each) cannot all grow to 123 tokens (8 blocks), so
+    # MAX_UTILIZATION must pause the most recently started request and resume it later.
+    prompts = shared_prefix_prompts()
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    llm = LLM(model=plan_dir, max_batch_size=4,
+              kv_cache_config=KvCacheConfig(enable_block_reuse=False, max_tokens=13 * TOKENS_PER_BLOCK),
+              scheduler_config=SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION))
+    outputs = llm.generate(prompts, params)
+    assert sum(r.num_pauses for r in llm.engine.records.values()) > 0
+    unconstrained = LLM(model=plan_dir, max_batch_size=1).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in unconstrained]
+
+
+def test_second_request_with_same_five_block_prefix_reuses_five_blocks(plan_dir):
+    rng = random.Random(1)
+    prefix = [rng.randrange(10, 1000) for _ in range(5 * TOKENS_PER_BLOCK)]
+    llm = LLM(model=plan_dir, kv_cache_config=KvCacheConfig(enable_partial_reuse=False))
+    llm.generate(prefix + [11, 12, 13], GREEDY)
+    llm.generate(prefix + [21, 22, 23], GREEDY)
+    record = llm.engine.records[1]
+    assert record.num_reused_blocks == 5
+    assert record.num_reused_tokens == 5 * TOKENS_PER_BLOCK
+
+
+def test_cache_salt_prevents_reuse(plan_dir):
+    prompt = shared_prefix_prompts(1)[0]
+    llm = LLM(model=plan_dir)
+    llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"))
+    llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-b"))
+    llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"))
+    assert llm.engine.records[1].num_reused_tokens == 0
+    assert llm.engine.records[2].num_reused_tokens > 0
+
+
+def test_extra_ids_prevent_reuse_across_prompt_tables(plan_dir):
+    prompt = shared_prefix_prompts(1)[0]
+    table_1 = [1] * 16 + [0] * (len(prompt) - 16)
+    table_2 = [2] * 16 + [0] * (len(prompt) - 16)
+    llm = LLM(model=plan_dir)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate([prompt], params, extra_ids=[table_1])
+    llm.generate([prompt], params, extra_ids=[table_2])
+    llm.generate([prompt], params, extra_ids=[table_1])
+    assert llm.engine.records[1].num_reused_tokens == 0
+    assert llm.engine.records[2].num_reused_tokens > 0
+
+
+def test_prompt_longer_than_max_seq_len_fails_alone(plan_dir):
+    prompts = shared_prefix_prompts(2)
+    too_long = list(range(10, 10 + 600))
+    llm = LLM(model=plan_dir)
+    outputs = llm.generate([prompts[0], too_long, prompts[1]], GREEDY)
+    assert outputs[1].error is not None and "max_seq_len" in outputs[1].error
+    assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert outputs[2].error is None and len(outputs[2].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_reuse_on_plan_without_paged_context_is_refused(tmp_path):
+    out = tmp_path / "no-paged"
+    build_plan("preset:tiny-llama", out, BuildOptions(use_paged_context_fmha=False, max_seq_len=256))
+    with pytest.raises(Exception, match="use_paged_context_fmha"):
+        LLM(model=str(out), kv_cache_config=KvCacheConfig(enable_block_reuse=True))
+    # Without reuse the same plan serves requests.
+    llm = LLM(model=str(out), kv_cache_config=KvCacheConfig(enable_block_reuse=False))
+    assert len(llm.generate([5, 6, 7], GREEDY).outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_primary_pool_smaller_than_one_request_is_a_clear_error(plan_dir):
+    llm = LLM(model=plan_dir, kv_cache_config=KvCacheConfig(max_tokens=2 * TOKENS_PER_BLOCK))
+    output = llm.generate(list(range(10, 110)), GREEDY)
+    assert output.error is not None and "primary pool" in output.error
+
+
+def test_unknown_preset_is_a_clear_error():
+    with pytest.raises(ValueError, match="preset"):
+        LLM(model="preset:no-such-model")
+
+
+def test_tokens_per_block_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of 2"):
+        KvCacheConfig(tokens_per_block=48)
+    with pytest.raises(ValueError, match="power of 2"):
+        BuildOptions(tokens_per_block=48)
+
+
+def test_tokens_per_block_is_checked_against_the_plan(plan_dir):
+    with pytest.raises(Exception, match="tokens_per_block"):
+        LLM(model=plan_dir, kv_cache_config=KvCacheConfig(tokens_per_block=64))
+
+
+def test_streaming_yields_each_token_as_it_is_produced(plan_dir):
+    llm = LLM(model=plan_dir)
+    seen = [len(out.outputs[0].token_ids) for out in llm.generate_async([5, 6, 7, 8], GREEDY, streaming=True)]
+    assert seen == list(range(1, GREEDY.max_tokens + 1))
+
+
+def test_seeded_sampling_repeats(plan_dir):
+    llm = LLM(model=plan_dir)
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_k=50, top_p=0.9, seed=123, ignore_eos=True)
+    first = llm.generate([5, 6, 7, 8], params).outputs[0].token_ids
+    second = llm.generate([5, 6, 7, 8], params).outputs[0].token_ids
+    assert first == second
+
+
+def test_text_prompt_round_trips_through_the_tokenizer(plan_dir):
+    llm = LLM(model=plan_dir)
+    out = llm.generate("Hello, kvtool!", GREEDY)
+    assert out.prompt == "Hello, kvtool!"
+    assert isinstance(out.outputs[0].text, str) and len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_all_blocks_released_after_generation(plan_dir):
+    llm = LLM(model=plan_dir)
+    llm.generate(shared_prefix_prompts(), GREEDY)
+    stats = llm.get_stats()
+    assert stats["primary_used_blocks"] == 0
+    assert list(llm.engine.scheduler.cache_manager.check_invariants()) == []
+
+
+def test_offloading_example_turns_second_round_misses_into_host_hits():
+    from examples.kv_cache_offloading import run  # noqa: PLC0415
+
+    without = run("preset:tiny-llama", enable_offloading=False, prompt_len=160, max_tokens=4, seed=0)
+    with_offload = run("preset:tiny-llama", enable_offloading=True, prompt_len=160, max_tokens=4, seed=0)
+    assert without["rounds"][1]["reused_blocks"] == 0 and without["second_round_hit_rate"] == 0.0
+    assert with_offload["rounds"][1]["reused_blocks"] > 0 and with_offload["rounds"][1]["onboarded_blocks"] > 0
+    # Offloading changes where KV comes from, never what the model says.
+    assert with_offload["rounds"][1]["outputs"] == without["rounds"][1]["outputs"]
+    assert with_offload["rounds"][0]["outputs"] == without["rounds"][0]["outputs"]
