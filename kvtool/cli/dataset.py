@@ -1,1 +1,194 @@
-"""`kvtool dataset`: registered on the app by kvtool.cli (module owned by the dataset work)."""
+"""`kvtool dataset ...`: generate synthetic workloads, import ShareGPT, describe a dataset file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.bench import generators
+from kvtool.bench.dataset_stats import LengthStats, dataset_stats
+from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.bench.sharegpt import approximate_token_count, import_sharegpt
+from kvtool.cli import app
+from kvtool.cli.errors import user_errors
+
+dataset_app = typer.Typer(help="Generate or import benchmark datasets (JSON Lines) and describe them.",
+                          no_args_is_help=True)
+app.add_typer(dataset_app, name="dataset")
+
+
+def flag(name: str, help: str, **kwargs):
+    """A typer option spelled both --under_score and --dash-ed."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    return typer.Option(*spellings, help=help, **kwargs)
+
+
+Output = Annotated[Path, flag("output", "The JSON Lines file to write.", show_default=False)]
+Seed = Annotated[int, flag("seed", "Random seed: the same seed writes the same file.")]
+Spread = Annotated[float, flag("length_spread", "Draw each length uniformly within +-this fraction (0.2 = +-20%).")]
+MinTokenId = Annotated[int, flag("min_token_id", "Smallest token id drawn.")]
+MaxTokenId = Annotated[int, flag("max_token_id", "Token ids are drawn below this (keep it within the model's vocabulary).")]
+
+
+def _options(seed: int, length_spread: float, min_token_id: int, max_token_id: int) -> generators.GeneratorOptions:
+    return generators.GeneratorOptions(seed=seed, min_token_id=min_token_id, max_token_id=max_token_id,
+                                       length_spread=length_spread)
+
+
+def _write(output: Path, lines: list[dict]) -> None:
+    write_jsonl(output, lines)
+    sessions = {line["session_id"] for line in lines if "session_id" in line}
+    detail = f" in {len(sessions)} sessions" if sessions else ""
+    typer.echo(f"wrote {len(lines)} requests{detail} to {output}")
+
+
+@dataset_app.command("system-prompt")
+def system_prompt(
+    output: Output,
+    num_groups: Annotated[int, flag("num_groups", "Number of distinct system prompts.")] = 8,
+    prompts_per_group: Annotated[int, flag("prompts_per_group", "Requests per system prompt.")] = 16,
+    system_prompt_len: Annotated[int, flag("system_prompt_len", "System prompt length (tokens).")] = 512,
+    question_len: Annotated[int, flag("question_len", "Question length after the system prompt (tokens).")] = 128,
+    output_len: Annotated[int, flag("output_len", "Tokens to generate per request.")] = 64,
+    shuffle: Annotated[bool, flag("shuffle", "Shuffle the requests instead of writing them group by group.")] = False,
+    seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+) -> None:
+    """Groups of requests sharing a system prompt (like SGLang's generated-shared-prefix)."""
+    with user_errors():
+        _write(output, generators.generate_system_prompt(
+            _options(seed, length_spread, min_token_id, max_token_id), num_groups=num_groups,
+            prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len, question_len=question_len,
+            output_len=output_len, shuffle=shuffle))
+
+
+@dataset_app.command("multi-turn")
+def multi_turn(
+    output: Output,
+    num_sessions: Annotated[int, flag("num_sessions", "Number of chat sessions.")] = 8,
+    num_turns: Annotated[int, flag("num_turns", "Turns per session.")] = 4,
+    user_turn_len: Annotated[int, flag("user_turn_len", "Tokens of each user message.")] = 64,
+    answer_len: Annotated[int, flag("answer_len", "Tokens generated per turn.")] = 64,
+    system_prompt_len: Annotated[int, flag("system_prompt_len", "System prompt before the first message (0: none).")] = 0,
+    shared_system_prompt: Annotated[bool, typer.Option(
+        "--shared_system_prompt/--per_session_system_prompt", "--shared-system-prompt/--per-session-system-prompt",
+        help="One system prompt for every session, or one per session.")] = True,
+    seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+) -> None:
+    """Multi-turn chat sessions: each turn's prompt is the history + the generated answer + a new message."""
+    with user_errors():
+        _write(output, generators.generate_multi_turn(
+            _options(seed, length_spread, min_token_id, max_token_id), num_sessions=num_sessions,
+            num_turns=num_turns, user_turn_len=user_turn_len, answer_len=answer_len,
+            system_prompt_len=system_prompt_len, shared_system_prompt=shared_system_prompt))
+
+
+@dataset_app.command("abab")
+def abab(
+    output: Output,
+    prompt_len: Annotated[int, flag("prompt_len", "Length of each of the prompts A and B (tokens).")] = 1024,
+    num_rounds: Annotated[int, flag("num_rounds", "Rounds of A, B.")] = 4,
+    output_len: Annotated[int, flag("output_len", "Tokens to generate per request.")] = 16,
+    seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+) -> None:
+    """Two prompts alternating A, B, A, B, ... (replay it with --mode sequential to see offloading)."""
+    with user_errors():
+        _write(output, generators.generate_abab(_options(seed, length_spread, min_token_id, max_token_id),
+                                                prompt_len=prompt_len, num_rounds=num_rounds, output_len=output_len))
+
+
+@dataset_app.command("random")
+def random_prompts(
+    output: Output,
+    num_requests: Annotated[int, flag("num_requests", "Number of requests.")] = 64,
+    input_len: Annotated[int, flag("input_len", "Prompt length (tokens).")] = 512,
+    output_len: Annotated[int, flag("output_len", "Tokens to generate per request.")] = 64,
+    seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+) -> None:
+    """Independent random prompts with no shared prefix (the no-reuse baseline)."""
+    with user_errors():
+        _write(output, generators.generate_random(_options(seed, length_spread, min_token_id, max_token_id),
+                                                  num_requests=num_requests, input_len=input_len,
+                                                  output_len=output_len))
+
+
+@dataset_app.command("prefix-repetition")
+def prefix_repetition(
+    output: Output,
+    num_prefixes: Annotated[int, flag("num_prefixes", "Number of distinct prefixes.")] = 4,
+    prefix_len: Annotated[int, flag("prefix_len", "Prefix length (tokens).")] = 512,
+    suffix_len: Annotated[int, flag("suffix_len", "Distinct suffix after the prefix (tokens).")] = 64,
+    num_requests: Annotated[int, flag("num_requests", "Number of requests, spread evenly over the prefixes.")] = 64,
+    output_len: Annotated[int, flag("output_len", "Tokens to generate per request.")] = 64,
+    seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+) -> None:
+    """A few prefixes, each repeated by many requests with their own suffix (shuffled)."""
+    with user_errors():
+        _write(output, generators.generate_prefix_repetition(
+            _options(seed, length_spread, min_token_id, max_token_id), num_prefixes=num_prefixes,
+            prefix_len=prefix_len, suffix_len=suffix_len, num_requests=num_requests, output_len=output_len))
+
+
+@dataset_app.command("import-sharegpt")
+def import_sharegpt_command(
+    source: Annotated[Path, typer.Argument(help="A local ShareGPT-style JSON file.", show_default=False)],
+    output: Output,
+    plan: Annotated[Path | None, flag(
+        "plan", "Count answer tokens with this plan's tokenizer (default: approximate, characters / 4).")] = None,
+    max_sessions: Annotated[int | None, flag("max_sessions", "Import at most this many conversations.")] = None,
+    max_turns: Annotated[int | None, flag("max_turns", "Keep at most this many turns per conversation.")] = None,
+    max_output_tokens: Annotated[int | None, flag("max_output_tokens", "Cap each turn's max_tokens.")] = None,
+) -> None:
+    """ShareGPT conversations -> multi-turn sessions (text prompts, max_tokens from the recorded answers)."""
+    with user_errors():
+        count_tokens, method = approximate_token_count, "approximated as characters / 4"
+        if plan is not None:
+            tokenizer = _plan_tokenizer(plan)
+            count_tokens, method = (lambda text: len(tokenizer.encode(text))), f"counted with the tokenizer of {plan}"
+        result = import_sharegpt(source, count_tokens=count_tokens, max_sessions=max_sessions, max_turns=max_turns,
+                                 max_output_tokens=max_output_tokens)
+        if not result.lines:
+            raise ValueError(f"{source} has no conversation with a human message followed by an answer")
+        write_jsonl(output, result.lines)
+        typer.echo(f"wrote {result.num_turns} turns in {result.num_sessions} sessions to {output} "
+                   f"(skipped {result.num_skipped_conversations} conversations without a human-then-answer pair; "
+                   f"answer lengths {method})")
+
+
+def _plan_tokenizer(plan: Path):
+    """The tokenizer a plan was built with (read from the plan directory)."""
+    from kvtool.plan import load_plan  # noqa: PLC0415 - torch-free, but only needed here
+
+    return load_plan(plan).tokenizer
+
+
+def _length_cells(stats: LengthStats) -> list[str]:
+    if not stats.count:
+        return ["-"] * 5
+    return [str(stats.min), f"{stats.mean:.1f}", f"{stats.p50:.0f}", f"{stats.p90:.0f}", str(stats.max)]
+
+
+@dataset_app.command("stats")
+def stats(
+    dataset: Annotated[Path, typer.Argument(help="A JSON Lines dataset file.", show_default=False)],
+    tokens_per_block: Annotated[int, flag("tokens_per_block", "Block size for the shared-prefix fraction.")] = 32,
+) -> None:
+    """Counts, length distributions and the shared-prefix fraction of a dataset."""
+    with user_errors():
+        result = dataset_stats(load_dataset(dataset), tokens_per_block=tokens_per_block)
+        console = Console()
+        console.print(f"[bold]{dataset}[/]: {result.num_lines} requests, {result.num_sessions} sessions "
+                      f"({result.num_session_turns} session turns), {result.num_text_prompts} text prompts"
+                      + (" (not tokenized: left out of the token figures)" if result.num_text_prompts else ""))
+        table = Table("tokens", "min", "mean", "p50", "p90", "max")
+        table.add_row("prompt (with session history)", *_length_cells(result.prompt_tokens))
+        table.add_row("new per line", *_length_cells(result.new_tokens))
+        table.add_row("output", *_length_cells(result.output_tokens))
+        console.print(table)
+        fraction = result.shared_prefix_fraction
+        console.print(f"shared prefix fraction: {'-' if fraction is None else f'{fraction:.1%}'} "
+                      f"({result.shared_prefix_tokens} of {result.total_prompt_tokens} prompt tokens lie in full "
+                      f"blocks of {result.tokens_per_block} tokens that an earlier prompt already has)")

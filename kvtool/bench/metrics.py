@@ -1,0 +1,190 @@
+"""Per-request and summary metrics of a bench run (definitions as trtllm-bench's).
+
+Times come from the engine's RequestRecord (time.perf_counter seconds); reports give them in
+seconds relative to the bench start (``arrival_s``, ``first_token_s``, ``finish_s``) and
+latencies in milliseconds.
+
+- **arrival**: when the request was due (request-rate mode, and dataset ``arrival_time_s``),
+  else when it was handed to the engine. A later session turn arrives when it is handed to
+  the engine, right after the previous turn finishes.
+- **TTFT** (time to first token) = first token time - arrival.
+- **E2E** (end-to-end latency) = finish time - arrival.
+- **TPOT** (time per output token) = (E2E - TTFT) / (output_tokens - 1); undefined (empty) for a
+  request with a single output token.
+- **ITL** (inter-token latency) = gap between consecutive output tokens of a request. A
+  request's ``itl_ms`` is the mean of its gaps; the summary's ITL mean/percentiles pool every
+  gap of every request, so a p99 ITL shows decode steps stalled behind long context steps.
+  (Computed from a per-request CSV, which holds only per-request means, the pooled mean is
+  exact and the percentiles are left empty.)
+- **output tokens/s** = total output tokens / (last finish - first arrival).
+- **requests/s** = finished requests / (last finish - first arrival).
+- Latency statistics: mean, p50, p90, p99 (linear interpolation between the closest ranks,
+  as numpy.percentile's default) over the requests that finished without error.
+
+The cache figures (reused/missed blocks, cache hit rate = reused / (reused + missed),
+offloaded/onboarded/evicted blocks, bytes moved each way) are the engine's counters, reset
+after warm-up unless asked otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from kvtool.runtime.request import RequestRecord
+
+MS_PER_S = 1000.0
+PERCENTILES = (50, 90, 99)
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One row of the per-request CSV. Times in seconds since the bench start, latencies in ms."""
+
+    label: str
+    request_id: str
+    session_id: str | None
+    turn: int | None
+    input_tokens: int
+    output_tokens: int
+    reused_tokens: int
+    onboarded_blocks: int
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    itl_ms: float | None
+    e2e_ms: float | None
+    error: str | None = None
+    # Every gap between consecutive tokens (ms); kept in memory for the pooled ITL, not written to CSV.
+    token_gaps_ms: tuple[float, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_s is not None
+
+
+CSV_COLUMNS = tuple(name for name in RequestMetrics.__dataclass_fields__ if name != "token_gaps_ms")
+
+
+def request_metrics(record: RequestRecord, *, label: str, request_id: str, bench_start: float,
+                    session_id: str | None = None, turn: int | None = None) -> RequestMetrics:
+    """Computes one request's metrics from its engine record (see the module docstring)."""
+
+    def since_start(t: float | None) -> float | None:
+        return None if t is None else t - bench_start
+
+    arrival = record.arrival_time
+    ttft = e2e = tpot = itl = None
+    gaps: tuple[float, ...] = ()
+    if record.first_token_time is not None:
+        ttft = (record.first_token_time - arrival) * MS_PER_S
+    if record.finish_time is not None:
+        e2e = (record.finish_time - arrival) * MS_PER_S
+    num_output = record.num_output_tokens
+    if ttft is not None and e2e is not None and num_output > 1:
+        tpot = (e2e - ttft) / (num_output - 1)
+    if len(record.token_times) > 1:
+        times = record.token_times
+        gaps = tuple((b - a) * MS_PER_S for a, b in zip(times, times[1:]))
+        itl = sum(gaps) / len(gaps)
+    error = record.error
+    if error is None and record.finish_reason in ("error", "abort"):
+        error = record.finish_reason
+    return RequestMetrics(
+        label=label, request_id=request_id, session_id=session_id, turn=turn,
+        input_tokens=record.num_prompt_tokens, output_tokens=num_output,
+        reused_tokens=record.num_reused_tokens, onboarded_blocks=record.num_onboarded_blocks,
+        arrival_s=arrival - bench_start, first_token_s=since_start(record.first_token_time),
+        finish_s=since_start(record.finish_time), ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
+        error=error, token_gaps_ms=gaps)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Mean and percentiles of one latency metric (ms); None where no value exists."""
+
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> LatencyStats:
+        if not values:
+            return cls(None, None, None, None)
+        return cls(sum(values) / len(values), *(percentile(values, q) for q in PERCENTILES))
+
+
+@dataclass(frozen=True)
+class BenchMetrics:
+    """The summary metrics of a run (what the summary CSV's metric columns hold)."""
+
+    num_requests: int            # finished without error
+    num_errors: int
+    total_input_tokens: int
+    total_output_tokens: int
+    total_reused_tokens: int
+    duration_s: float | None     # last finish - first arrival
+    output_tokens_per_s: float | None
+    requests_per_s: float | None
+    ttft_ms: LatencyStats
+    tpot_ms: LatencyStats
+    itl_ms: LatencyStats
+    e2e_ms: LatencyStats
+
+    def as_row(self) -> dict[str, float | int | None]:
+        """Flat columns: scalars by name, latency stats as '<metric>_<stat>' (ttft_ms_p99, ...)."""
+        row: dict[str, float | int | None] = {}
+        for name, value in asdict(self).items():
+            if isinstance(value, dict):
+                row.update({f"{name}_{stat}": v for stat, v in value.items()})
+            else:
+                row[name] = value
+        return row
+
+
+def summarize(requests: Sequence[RequestMetrics]) -> BenchMetrics:
+    """Summary metrics of finished requests (see the module docstring for the definitions)."""
+    ok = [r for r in requests if r.ok]
+    errors = [r for r in requests if not r.ok]
+    duration = None
+    if ok:
+        duration = max(r.finish_s for r in ok) - min(r.arrival_s for r in ok)
+    total_output = sum(r.output_tokens for r in ok)
+
+    def rate(amount: float) -> float | None:
+        return amount / duration if duration else None
+
+    gaps = [g for r in ok for g in r.token_gaps_ms]
+    if gaps or not ok:
+        itl = LatencyStats.of(gaps)
+    else:
+        # Rows read back from a CSV carry only each request's mean gap: the pooled mean is exact.
+        weighted = [(r.itl_ms, r.output_tokens - 1) for r in ok if r.itl_ms is not None and r.output_tokens > 1]
+        num_gaps = sum(n for _, n in weighted)
+        itl = LatencyStats(sum(m * n for m, n in weighted) / num_gaps if num_gaps else None, None, None, None)
+
+    def stats(name: str) -> LatencyStats:
+        return LatencyStats.of([getattr(r, name) for r in ok if getattr(r, name) is not None])
+
+    return BenchMetrics(
+        num_requests=len(ok), num_errors=len(errors),
+        total_input_tokens=sum(r.input_tokens for r in ok), total_output_tokens=total_output,
+        total_reused_tokens=sum(r.reused_tokens for r in ok), duration_s=duration,
+        output_tokens_per_s=rate(total_output), requests_per_s=rate(len(ok)),
+        ttft_ms=stats("ttft_ms"), tpot_ms=stats("tpot_ms"), itl_ms=itl, e2e_ms=stats("e2e_ms"))

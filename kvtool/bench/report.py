@@ -1,0 +1,134 @@
+"""CSV reports: per-request rows appended and flushed as requests finish; summaries written atomically.
+
+An interrupted bench therefore keeps every finished request's row, and a summary file is
+either the previous complete one or the new complete one, never half written.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+from kvtool.bench.metrics import CSV_COLUMNS, RequestMetrics
+from kvtool.errors import KvtoolError
+
+SUMMARY_FILE = "summary.csv"
+
+
+def format_cell(value) -> str:
+    """CSV text of a value: '' for None, floats to 6 significant decimals, booleans as True/False."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6f}".rstrip("0").rstrip(".") if abs(value) < 1e15 else repr(value)
+    return str(value)
+
+
+def safe_label(label: str) -> str:
+    """A label usable in a file name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"
+
+
+def requests_file_name(label: str | None) -> str:
+    return "requests.csv" if not label else f"requests-{safe_label(label)}.csv"
+
+
+class RequestCsvWriter:
+    """Appends one row per finished request to a CSV file, flushing each row to disk."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("w", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(CSV_COLUMNS)
+        self._file.flush()
+        self.num_rows = 0
+
+    def write(self, metrics: RequestMetrics) -> None:
+        if self._file is None:
+            raise RuntimeError(f"{self.path} is closed")
+        self._writer.writerow([format_cell(getattr(metrics, column)) for column in CSV_COLUMNS])
+        # Flushed to the OS (survives Ctrl-C and a crash of the process); no fsync, which would
+        # stall the replay loop between engine steps and show up in the latencies.
+        self._file.flush()
+        self.num_rows += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> RequestCsvWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_summary_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, object]]) -> Path:
+    """Writes rows (one per variant) atomically; columns are the union of keys in first-seen order."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", newline="", encoding="utf-8") as out:
+            writer = csv.writer(out)
+            writer.writerow(columns)
+            for row in rows:
+                writer.writerow([format_cell(row.get(column)) for column in columns])
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
+    """Rows of a CSV report as dicts of strings; a missing or empty file is a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvtoolError(f"report {path} does not exist or is not a file")
+    with path.open(newline="", encoding="utf-8") as source:
+        reader = csv.DictReader(source)
+        if not reader.fieldnames:
+            raise KvtoolError(f"report {path} is empty (no header row)")
+        return list(reader)
+
+
+def _optional_float(text: str | None) -> float | None:
+    return None if text in (None, "") else float(text)
+
+
+def _optional_int(text: str | None) -> int | None:
+    return None if text in (None, "") else int(float(text))
+
+
+def request_metrics_from_row(row: Mapping[str, str]) -> RequestMetrics:
+    """A per-request CSV row back as RequestMetrics (without the individual token gaps)."""
+    return RequestMetrics(
+        label=row.get("label", ""), request_id=row["request_id"], session_id=row.get("session_id") or None,
+        turn=_optional_int(row.get("turn")), input_tokens=int(row["input_tokens"]),
+        output_tokens=int(row["output_tokens"]), reused_tokens=_optional_int(row.get("reused_tokens")) or 0,
+        onboarded_blocks=_optional_int(row.get("onboarded_blocks")) or 0,
+        arrival_s=float(row["arrival_s"]), first_token_s=_optional_float(row.get("first_token_s")),
+        finish_s=_optional_float(row.get("finish_s")), ttft_ms=_optional_float(row.get("ttft_ms")),
+        tpot_ms=_optional_float(row.get("tpot_ms")), itl_ms=_optional_float(row.get("itl_ms")),
+        e2e_ms=_optional_float(row.get("e2e_ms")), error=row.get("error") or None)
+
+
+def rows_by_label(rows: Iterable[Mapping[str, str]]) -> dict[str, list[Mapping[str, str]]]:
+    groups: dict[str, list[Mapping[str, str]]] = {}
+    for row in rows:
+        groups.setdefault(row.get("label", ""), []).append(row)
+    return groups

@@ -1,0 +1,191 @@
+"""One bench run: replay a dataset through an LLM, write the per-request CSV, build the summary row."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtool.bench.datasets import Dataset
+from kvtool.bench.device import describe_device
+from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
+from kvtool.bench.options import BenchOptions
+from kvtool.bench.replay import FinishedRequest, Replayer, prepare_items
+from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.version import __version__, git_revision
+
+
+@dataclass
+class BenchResult:
+    """A run's summary row (configuration + metrics + cache stats + device + version) and its requests."""
+
+    row: dict
+    requests: list[RequestMetrics]
+    interrupted: bool
+
+
+def create_llm(model: str, options: BenchOptions):
+    """kvtool.LLM for a plan directory, checkpoint or preset, configured from the bench flags."""
+    from kvtool import LLM  # torch and the C++ extension load only when a bench really runs
+
+    return LLM(model=model, **options.llm_kwargs())
+
+
+def default_output_dir(stem: str, now: datetime.datetime | None = None) -> Path:
+    """results/<stem>-<YYYYmmdd-HHMMSS>."""
+    now = now or datetime.datetime.now()
+    return Path("results") / f"{stem}-{now:%Y%m%d-%H%M%S}"
+
+
+def _as_dict(obj) -> dict:
+    if obj is None:
+        return {}
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def plan_columns(llm) -> dict:
+    """plan path, model architecture/shape fields and build options (tokens_per_block, dtype, ...)."""
+    plan = getattr(llm, "plan", None)
+    if plan is None:
+        return {}
+    columns: dict = {"plan_path": str(getattr(plan, "path", ""))}
+    for prefix, obj in (("model_", getattr(plan, "model_config", None)),
+                        ("plan_", getattr(plan, "build_options", None))):
+        for key, value in _as_dict(obj).items():
+            if hasattr(value, "value"):  # enums
+                value = value.value
+            if _scalar(value):
+                columns[f"{prefix}{key}"] = value
+    return columns
+
+
+def _vocab_size(llm) -> int:
+    config = getattr(getattr(llm, "plan", None), "model_config", None)
+    if getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    return int(llm.tokenizer.vocab_size)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False)
+
+
+def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, requests_csv: Path,
+              config_columns: Mapping[str, object] | None = None, console: Console | None = None,
+              clock: Callable[[], float] = time.perf_counter,
+              sleep: Callable[[float], None] = time.sleep) -> BenchResult:
+    """Replays the dataset (warm-up first), appending a row to requests_csv as each request finishes.
+
+    A KeyboardInterrupt ends the replay early: the result holds what finished and interrupted=True.
+    """
+    console = console or Console(stderr=True)
+    engine = llm.engine
+    items = prepare_items(dataset, tokenizer=llm.tokenizer, vocab_size=_vocab_size(llm))
+    warmup_items = items[:options.warmup]
+    measured = items[options.warmup:]
+    if options.num_requests is not None:
+        measured = measured[:options.num_requests]
+    if not measured:
+        raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(items)} requests and --warmup "
+                         f"is {options.warmup}; lower --warmup or use a bigger dataset")
+
+    replayer = Replayer(engine, options.schedule(), clock=clock, sleep=sleep)
+    finished: list[RequestMetrics] = []
+    interrupted = False
+    started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    with RequestCsvWriter(requests_csv) as writer, _progress(console) as progress:
+        try:
+            if warmup_items:
+                task = progress.add_task(f"{label} warm-up", total=len(warmup_items))
+                replayer.run(warmup_items, lambda done: progress.advance(task), timed=False)
+                if not options.warmup_counts_in_stats:
+                    engine.reset_stats()
+            task = progress.add_task(label, total=len(measured))
+
+            def on_finish(done: FinishedRequest) -> None:
+                metrics = request_metrics(done.record, label=label, request_id=done.item.request_id,
+                                          bench_start=done.bench_start, session_id=done.item.record.session_id,
+                                          turn=done.item.record.turn)
+                writer.write(metrics)
+                finished.append(metrics)
+                progress.advance(task)
+
+            replayer.run(measured, on_finish)
+        except KeyboardInterrupt:
+            interrupted = True
+
+    row = {"label": label, "interrupted": interrupted, "started_at": started_at,
+           "dataset": str(dataset.path), "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
+           **plan_columns(llm), **(config_columns or {}), **options.as_row(),
+           "replay": options.schedule().describe()}
+    # The block size in effect: the flag, else the plan's (the LLM refuses a flag that contradicts the plan).
+    row["tokens_per_block"] = options.tokens_per_block or row.get("plan_tokens_per_block")
+    row.update(summarize(finished).as_row())
+    row.update(engine.get_stats())
+    row.update(describe_device(llm))
+    row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
+    return BenchResult(row=row, requests=finished, interrupted=interrupted)
+
+
+def write_summary(path: Path, rows: list[dict]) -> Path:
+    return write_summary_csv(path, rows)
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:,.2f}"
+
+
+def summary_table(rows: list[Mapping]) -> Table:
+    """The end-of-run table: one column per variant (label)."""
+    table = Table(title="kvtool bench summary", show_lines=False)
+    table.add_column("metric")
+    for row in rows:
+        title = str(row.get("label", ""))
+        if row.get("interrupted"):
+            title += " (interrupted)"
+        table.add_column(title, justify="right")
+    lines: list[tuple[str, Callable[[Mapping], str]]] = [
+        ("requests (errors)", lambda r: f"{r.get('num_requests')} ({r.get('num_errors')})"),
+    ]
+    for metric, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
+        for stat in ("mean", "p50", "p90", "p99"):
+            lines.append((f"{name} {stat} (ms)", lambda r, k=f"{metric}_{stat}": _ms(r.get(k))))
+    lines += [
+        ("output tokens/s", lambda r: _ms(r.get("output_tokens_per_s"))),
+        ("requests/s", lambda r: _ms(r.get("requests_per_s"))),
+        ("reused / missed blocks", lambda r: f"{r.get('reused_blocks', '-')} / {r.get('missed_blocks', '-')}"),
+        ("cache hit rate", lambda r: "-" if r.get("cache_hit_rate") is None else f"{float(r['cache_hit_rate']):.1%}"),
+        ("offloaded / onboarded blocks",
+         lambda r: f"{r.get('offloaded_blocks', '-')} / {r.get('onboarded_blocks', '-')}"),
+        ("bytes offloaded / onboarded", lambda r: f"{_bytes(r.get('offloaded_bytes'))} / {_bytes(r.get('onboarded_bytes'))}"),
+    ]
+    for name, cell in lines:
+        table.add_row(name, *(cell(row) for row in rows))
+    return table
+
+
+def _bytes(value) -> str:
+    if value is None:
+        return "-"
+    value = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value}"

@@ -1,0 +1,177 @@
+"""`build_plan`: convert a Hugging Face checkpoint, or generate a preset, into a plan directory.
+
+Weights are streamed tensor by tensor into weights.safetensors in kvtool's fused layout and the
+target dtype, so building needs memory for one tensor, not the whole model. Checkpoints are read
+through safetensors only: pickled weights (*.bin, *.pt) are never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtool.errors import PlanError
+from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
+from kvtool.models.presets import PRESET_PREFIX, preset_config
+from kvtool.models.tokenizer import write_tokenizer
+from kvtool.plan.format import (CHECKSUM_ALGORITHM, FORMAT_VERSION, TOKENIZER_DIR, WEIGHTS_FILE,
+                                write_manifest, write_safetensors_streaming)
+from kvtool.plan.options import BuildOptions
+from kvtool.version import __version__
+
+_PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_INIT_STD = 0.02  # transformers' initializer_range for these families
+
+
+def build_plan(source: str, output_dir: Path, options: BuildOptions) -> Path:
+    """Build ``source`` (a Hugging Face checkpoint directory or ``preset:NAME``) into the plan
+    directory ``output_dir`` and return it. An existing plan there is replaced."""
+    output_dir = Path(output_dir)
+    if source.startswith(PRESET_PREFIX):
+        config = preset_config(source)
+        options = options.resolved(config.max_position_embeddings)
+        name = source[len(PRESET_PREFIX):]
+        tensors = _preset_tensors(config, options)
+        source_info: dict[str, Any] = {"kind": "preset", "name": name, "seed": options.seed}
+        checkpoint_dir = None
+    else:
+        checkpoint_dir = Path(source)
+        config = read_checkpoint_config(checkpoint_dir)
+        options = options.resolved(config.max_position_embeddings)
+        reader = _CheckpointReader(checkpoint_dir)
+        config = reader.check_tied_embeddings(config)
+        tensors = reader.tensors(config, torch_dtype(options.dtype))
+        source_info = {"kind": "checkpoint", "path": str(checkpoint_dir.resolve()),
+                       "files": sorted(path.name for path in reader.files)}
+    if output_dir.exists() and not (output_dir / "plan.json").is_file() and any(output_dir.iterdir()):
+        raise ValueError(f"output directory {output_dir} exists and is not a plan: choose an empty or new directory")
+    # Build beside the target, then swap it in: an interrupted build never leaves a half plan.
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.building-", dir=output_dir.parent))
+    try:
+        dtype = torch_dtype(options.dtype)
+        specs = {name: (shape, dtype) for name, shape in weight_shapes(config).items()}
+        size_bytes, checksum = write_safetensors_streaming(
+            staging / WEIGHTS_FILE, specs, tensors, metadata={"format": "pt", "producer": "kvtool"})
+        tokenizer_kind = write_tokenizer(staging / TOKENIZER_DIR, checkpoint_dir=checkpoint_dir,
+                                         vocab_size=config.vocab_size, bos_token_id=config.bos_token_id,
+                                         eos_token_ids=config.eos_token_ids)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kvtool_version": __version__,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model_config": config.to_dict(),
+            "build_options": options.to_dict(),
+            "source": source_info,
+            "weights": {"file": WEIGHTS_FILE, "size_bytes": size_bytes, "checksum_algorithm": CHECKSUM_ALGORITHM,
+                        "checksum": checksum, "dtype": options.dtype, "num_parameters": config.num_parameters()},
+            "tokenizer": {"kind": tokenizer_kind, "dir": TOKENIZER_DIR},
+            # Filled by the CUDA build: [{"file", "size_bytes", "checksum", ...}] verified on load.
+            "kernel_artifacts": [],
+            "kernel_target": None,
+        }
+        write_manifest(staging, manifest)
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        staging.rename(output_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return output_dir
+
+
+def read_checkpoint_config(checkpoint_dir: Path) -> ModelConfig:
+    """The ModelConfig of a local Hugging Face checkpoint, EOS ids merged from generation_config.json."""
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"model {str(checkpoint_dir)!r} is not a directory: give a Hugging Face "
+                                f"checkpoint directory (config.json + *.safetensors) or preset:NAME")
+    config_path = checkpoint_dir / "config.json"
+    if not config_path.is_file():
+        raise PlanError(f"{checkpoint_dir} has no config.json: it is not a Hugging Face checkpoint directory")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise PlanError(f"{config_path} is not valid JSON ({error})") from None
+    config = ModelConfig.from_hf_config(hf)
+    # Chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.json.
+    generation_path = checkpoint_dir / "generation_config.json"
+    if generation_path.is_file():
+        try:
+            eos = json.loads(generation_path.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        extra = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        config.eos_token_ids += [t for t in extra if t not in config.eos_token_ids and 0 <= t < config.vocab_size]
+    return config
+
+
+class _CheckpointReader:
+    """Lazily reads a (possibly sharded) safetensors checkpoint tensor by tensor."""
+
+    def __init__(self, checkpoint_dir: Path) -> None:
+        self.files = sorted(checkpoint_dir.glob("*.safetensors"))
+        if not self.files:
+            pickled = sorted(p.name for p in checkpoint_dir.iterdir() if p.suffix in _PICKLED_SUFFIXES)
+            hint = (f" (found pickled weights {pickled}: kvtool never unpickles weights; convert them with "
+                    "transformers' save_pretrained(..., safe_serialization=True))") if pickled else ""
+            raise PlanError(f"{checkpoint_dir} has no *.safetensors weights{hint}")
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(path), framework="pt") for path in self.files]
+        self._where = {name: handle for handle in self._handles for name in handle.keys()}
+        self._prefix = "model." if "model.embed_tokens.weight" in self._where else ""
+
+    def check_tied_embeddings(self, config: ModelConfig) -> ModelConfig:
+        if not config.tie_word_embeddings and "lm_head.weight" not in self._where:
+            raise PlanError("the checkpoint has no lm_head.weight but config.json says tie_word_embeddings=false")
+        return config
+
+    def _get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        full = name if name == "lm_head.weight" else self._prefix + name
+        if full not in self._where:
+            raise PlanError(f"the checkpoint has no tensor {full!r}: it does not match its config.json")
+        return self._where[full].get_tensor(full).to(dtype)
+
+    def tensors(self, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors in the order of ``weight_shapes``: HF names mapped, q/k/v and gate/up fused."""
+        get = self._get
+        for name in weight_shapes(config):
+            if name.startswith("layers."):
+                _, index, rest = name.split(".", 2)
+                hf = f"layers.{index}."
+                if rest == "attention.qkv_proj.weight" or rest == "attention.qkv_proj.bias":
+                    kind = rest.rsplit(".", 1)[1]
+                    parts = [get(f"{hf}self_attn.{p}_proj.{kind}", dtype) for p in ("q", "k", "v")]
+                    yield name, torch.cat(parts, dim=0)
+                elif rest == "mlp.gate_up_proj.weight":
+                    yield name, torch.cat([get(f"{hf}mlp.gate_proj.weight", dtype),
+                                           get(f"{hf}mlp.up_proj.weight", dtype)], dim=0)
+                else:
+                    renamed = (rest.replace("input_norm", "input_layernorm")
+                               .replace("post_attention_norm", "post_attention_layernorm")
+                               .replace("attention.", "self_attn."))
+                    yield name, get(hf + renamed, dtype)
+            else:
+                yield name, get(name, dtype)
+
+
+def _preset_tensors(config: ModelConfig, options: BuildOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights in the target dtype, as transformers initialises these models:
+    N(0, 0.02) matrices, unit norms, zero biases. Each tensor has its own seed (base seed +
+    its index), so a tensor's values do not depend on the order they are generated in."""
+    dtype = torch_dtype(options.dtype)
+    for index, (name, shape) in enumerate(weight_shapes(config).items()):
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, dtype=dtype)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape, dtype=dtype)
+        else:
+            generator = torch.Generator().manual_seed(options.seed * 1_000_003 + index)
+            yield name, torch.empty(shape, dtype=dtype).normal_(0.0, _INIT_STD, generator=generator)

@@ -1,0 +1,215 @@
+"""Loading plans: `load_plan` validates a plan directory; `resolve_model` is what `LLM(model=...)`
+calls to turn a plan directory, a checkpoint directory or ``preset:NAME`` into a Plan."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtool.errors import PlanError
+from kvtool.layers.attention import AttentionBackend
+from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
+from kvtool.models.llama import LlamaModel
+from kvtool.models.presets import PRESET_PREFIX, preset_config
+from kvtool.models.tokenizer import Tokenizer, load_tokenizer
+from kvtool.plan.build import build_plan
+from kvtool.plan.format import FORMAT_VERSION, PLAN_FILE, file_checksum, manifest_digest
+from kvtool.plan.options import BuildOptions
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclass
+class Plan:
+    """A validated plan directory. ``manifest`` is plan.json as a dict."""
+
+    path: Path
+    model_config: ModelConfig
+    build_options: BuildOptions
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / self.manifest["weights"]["file"]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.build_options.dtype)
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return torch_dtype(self.build_options.resolved_kv_cache_dtype)
+
+    @property
+    def supports_kv_reuse(self) -> bool:
+        """Reusing cached KV needs context attention that reads the paged cache (TensorRT-LLM's rule)."""
+        return self.build_options.use_paged_context_fmha
+
+    @property
+    def source(self) -> dict[str, Any]:
+        return self.manifest["source"]
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        info = self.manifest["tokenizer"]
+        return load_tokenizer(self.path / info["dir"], info["kind"], vocab_size=self.model_config.vocab_size,
+                              eos_token_ids=self.model_config.eos_token_ids)
+
+    def load_model(self, device: torch.device | str, backend: AttentionBackend, attention_window: int | None = None,
+                   dtype: torch.dtype | None = None) -> LlamaModel:
+        """The model with the plan's weights on ``device`` (cast to ``dtype`` when given), in eval mode."""
+        from safetensors.torch import load_file
+
+        device = torch.device(device)
+        # Build on the meta device: no random init, no second copy of the weights.
+        with torch.device("meta"):
+            model = LlamaModel(self.model_config, backend, attention_window)
+        state = load_file(str(self.weights_path), device=str(device))
+        if dtype is not None:
+            state = {name: tensor.to(dtype) for name, tensor in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.to(device).eval().requires_grad_(False)
+
+
+def _rebuild_hint(plan_dir: Path, manifest: dict[str, Any] | None = None) -> str:
+    source = "<HF checkpoint dir | preset:NAME>"
+    if manifest is not None:
+        info = manifest.get("source") or {}
+        if info.get("kind") == "preset":
+            source = f"preset:{info.get('name')}"
+        elif info.get("kind") == "checkpoint":
+            source = str(info.get("path"))
+    return f"rebuild it with `kvtool build --model {source} --output {plan_dir}`"
+
+
+def load_plan(plan_dir: Path | str) -> Plan:
+    """Open and validate a plan directory; any problem is a PlanError saying why and how to rebuild.
+
+    Checks: plan.json parses and was not edited (digest), its format version is ours, the weights
+    file has the recorded size and checksum, its tensors have the shapes and dtype the config
+    implies, and every recorded kernel artifact is present and intact.
+    """
+    plan_dir = Path(plan_dir)
+    if not plan_dir.is_dir():
+        raise PlanError(f"plan directory {plan_dir} does not exist: {_rebuild_hint(plan_dir)}")
+    plan_file = plan_dir / PLAN_FILE
+    if not plan_file.is_file():
+        raise PlanError(f"{plan_dir} has no {PLAN_FILE}, so it is not a plan: {_rebuild_hint(plan_dir)}")
+    try:
+        manifest = json.loads(plan_file.read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as error:
+        raise PlanError(f"{plan_file} does not parse ({error}): {_rebuild_hint(plan_dir)}") from None
+    hint = _rebuild_hint(plan_dir, manifest)
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise PlanError(f"{plan_dir} has plan format version {version!r}, this kvtool reads version "
+                        f"{FORMAT_VERSION}: {hint}")
+    if manifest.get("plan_digest") != manifest_digest(manifest):
+        raise PlanError(f"{plan_file} was edited after it was built (its digest does not match): {hint}")
+    try:
+        config = ModelConfig.from_dict(manifest["model_config"])
+        options = BuildOptions.from_dict(manifest["build_options"])
+        weights = manifest["weights"]
+        weights_path = plan_dir / weights["file"]
+        expected_size, expected_checksum = int(weights["size_bytes"]), weights["checksum"]
+        manifest["tokenizer"]["kind"]
+    except (KeyError, TypeError, ValueError) as error:
+        raise PlanError(f"{plan_file} is incomplete or invalid ({error!r}): {hint}") from None
+    _verify_file(weights_path, expected_size, expected_checksum, hint)
+    _verify_weight_shapes(weights_path, config, options.dtype, hint)
+    for artifact in manifest.get("kernel_artifacts") or []:
+        _verify_file(plan_dir / artifact["file"], int(artifact["size_bytes"]), artifact["checksum"], hint)
+    return Plan(path=plan_dir, model_config=config, build_options=options, manifest=manifest)
+
+
+def _verify_file(path: Path, expected_size: int, expected_checksum: str, hint: str) -> None:
+    if not path.is_file():
+        raise PlanError(f"{path} is missing: {hint}")
+    size = path.stat().st_size
+    if size != expected_size:
+        raise PlanError(f"{path} has {size} bytes, the plan recorded {expected_size} (truncated or replaced): {hint}")
+    if file_checksum(path) != expected_checksum:
+        raise PlanError(f"{path} does not match its recorded checksum (modified or corrupted): {hint}")
+
+
+def _verify_weight_shapes(weights_path: Path, config: ModelConfig, dtype: str, hint: str) -> None:
+    header = _safetensors_header(weights_path, hint)
+    expected = weight_shapes(config)
+    found = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    if set(found) != set(expected):
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        raise PlanError(f"{weights_path} does not hold the tensors its config needs (missing {missing[:3]}, "
+                        f"unexpected {extra[:3]}): {hint}")
+    for name, shape in expected.items():
+        entry = found[name]
+        if tuple(entry["shape"]) != shape or _SAFETENSORS_DTYPES.get(entry["dtype"]) != dtype:
+            raise PlanError(f"{weights_path}: tensor {name} is {entry['dtype']} {entry['shape']}, the config needs "
+                            f"{dtype} {list(shape)}: {hint}")
+
+
+def _safetensors_header(path: Path, hint: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if header_len <= 0 or header_len > path.stat().st_size - 8:
+            raise PlanError(f"{path} is not a safetensors file: {hint}")
+        try:
+            return json.loads(f.read(header_len))
+        except ValueError:
+            raise PlanError(f"{path} has a corrupt safetensors header: {hint}") from None
+
+
+def default_cache_dir() -> Path:
+    """Where plans built on the fly live: $KVTOOL_CACHE_DIR, else ~/.cache/kvtool/plans."""
+    configured = os.environ.get("KVTOOL_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "kvtool" / "plans"
+
+
+def resolve_model(model: str, *, options: BuildOptions | None = None, cache_dir: Path | None = None) -> Plan:
+    """A plan directory is loaded as is (``options`` are baked into it and ignored); a Hugging Face
+    checkpoint directory or ``preset:NAME`` is built once into ``cache_dir`` (keyed by source and
+    options; a changed checkpoint or an invalid cached plan is rebuilt) and loaded from there."""
+    model = str(model)
+    options = options or BuildOptions()
+    if model.startswith(PRESET_PREFIX):
+        preset_config(model)  # unknown preset: ValueError listing the presets, before any work
+        source_key: dict[str, Any] = {"preset": model[len(PRESET_PREFIX):]}
+    else:
+        path = Path(model)
+        if (path / PLAN_FILE).is_file():
+            return load_plan(path)
+        if not (path / "config.json").is_file():
+            raise PlanError(f"model {model!r} is neither a plan directory (plan.json), a Hugging Face checkpoint "
+                            "directory (config.json + *.safetensors) nor preset:NAME")
+        source_key = _checkpoint_key(path)
+        model = str(path.resolve())
+    key_text = json.dumps({"format_version": FORMAT_VERSION, "source": source_key, "options": options.to_dict()},
+                          sort_keys=True)
+    plan_dir = Path(cache_dir or default_cache_dir()) / hashlib.sha256(key_text.encode()).hexdigest()[:24]
+    if (plan_dir / PLAN_FILE).is_file():
+        try:
+            return load_plan(plan_dir)
+        except PlanError:
+            shutil.rmtree(plan_dir, ignore_errors=True)
+    build_plan(model, plan_dir, options)
+    return load_plan(plan_dir)
+
+
+def _checkpoint_key(path: Path) -> dict[str, Any]:
+    # Identify the checkpoint by location and file stats: editing or replacing it forces a rebuild.
+    files = []
+    for entry in sorted(path.iterdir()):
+        if entry.is_file():
+            stat = entry.stat()
+            files.append([entry.name, stat.st_size, stat.st_mtime_ns])
+    return {"path": str(path.resolve()), "files": files}

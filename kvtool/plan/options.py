@@ -1,0 +1,69 @@
+"""BuildOptions: what `kvtool build` bakes into a plan (TensorRT-LLM's trtllm-build flags)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from kvtool.config import is_power_of_two
+from kvtool.models.config import torch_dtype
+
+DEFAULT_MAX_SEQ_LEN_CAP = 4096
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class BuildOptions:
+    """``max_seq_len=None`` becomes min(model max_position_embeddings, 4096) at build time;
+    ``kv_cache_dtype=None`` means ``dtype``. ``seed`` seeds a preset's random weights."""
+
+    tokens_per_block: int = 32
+    use_paged_context_fmha: bool = True
+    max_batch_size: int = 8
+    max_seq_len: int | None = None
+    max_num_tokens: int = 8192
+    dtype: str = "float32"
+    kv_cache_dtype: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.tokens_per_block, int) and is_power_of_two(self.tokens_per_block),
+               f"tokens_per_block must be a power of 2 (16, 32, 64, ...), got {self.tokens_per_block}")
+        _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        _check(self.max_seq_len is None or self.max_seq_len >= 1,
+               f"max_seq_len must be >= 1 (or unset for the model's limit), got {self.max_seq_len}")
+        _check(self.max_num_tokens >= 1, f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+        _check(isinstance(self.use_paged_context_fmha, bool),
+               f"use_paged_context_fmha must be a bool, got {self.use_paged_context_fmha!r}")
+        torch_dtype(self.dtype)
+        if self.kv_cache_dtype is not None:
+            torch_dtype(self.kv_cache_dtype)
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
+
+    def resolved(self, max_position_embeddings: int) -> BuildOptions:
+        """A copy with max_seq_len and kv_cache_dtype filled in for a model."""
+        max_seq_len = self.max_seq_len
+        if max_seq_len is None:
+            max_seq_len = min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN_CAP)
+        _check(max_seq_len <= max_position_embeddings,
+               f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+               f"{max_position_embeddings}: pass --max_seq_len {max_position_embeddings} or less")
+        return BuildOptions(**{**asdict(self), "max_seq_len": max_seq_len,
+                               "kv_cache_dtype": self.resolved_kv_cache_dtype})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        _check(not unknown, f"BuildOptions: unknown keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,168 @@
+"""A fake engine and LLM implementing the interface kvtool.bench drives, with deterministic timings.
+
+The fake engine is a small independent model of the real one: it admits requests in order up
+to max_batch_size, computes a whole context in one step (cost proportional to the tokens not
+found in its prefix cache of full blocks), then emits one token per step. Time comes from a
+FakeClock that each step advances, so latencies are exact numbers tests can compute by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from kvtool.runtime.request import RequestOutput, RequestRecord
+
+
+class FakeClock:
+    """A clock that only moves when told to (sleep and engine steps advance it)."""
+
+    def __init__(self, start: float = 100.0) -> None:
+        self.now = start
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class FakeTokenizer:
+    """One token per character: id = code point (ASCII text stays below the fake vocabulary)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+class FakeEngine:
+    def __init__(self, *, clock=time.perf_counter, advance=None, vocab_size: int = 1000, max_seq_len: int = 4096,
+                 max_batch_size: int = 64, tokens_per_block: int = 4, step_s: float = 0.010,
+                 context_s_per_token: float = 0.001, interrupt_at_step: int | None = None,
+                 enable_block_reuse: bool = True) -> None:
+        self.clock = clock
+        self.advance = advance or (lambda seconds: None)
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.tokens_per_block = tokens_per_block
+        self.step_s = step_s
+        self.context_s_per_token = context_s_per_token
+        self.interrupt_at_step = interrupt_at_step
+        self.enable_block_reuse = enable_block_reuse
+        self.records: dict[int, RequestRecord] = {}
+        self.prompts: dict[int, list[int]] = {}
+        self.extra_ids: dict[int, list[int] | None] = {}
+        self.params: dict[int, object] = {}
+        self.add_times: dict[int, float] = {}
+        self._waiting: list[int] = []
+        self._running: list[int] = []
+        self._cached_blocks: set[tuple] = set()
+        self.num_steps = 0
+        self.max_in_engine = 0
+        self.num_resets = 0
+        self.stats = {"reused_blocks": 0, "missed_blocks": 0}
+
+    def add_request(self, request_id, prompt_token_ids, sampling_params, *, extra_ids=None, arrival_time=None):
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        if max(prompt) >= self.vocab_size:
+            raise ValueError(f"request {request_id}: token id {max(prompt)} is outside the vocabulary")
+        if len(prompt) + sampling_params.max_tokens > self.max_seq_len:
+            raise ValueError(f"request {request_id}: {len(prompt)} prompt tokens + {sampling_params.max_tokens} "
+                             f"output tokens exceed max_seq_len {self.max_seq_len}")
+        now = self.clock()
+        self.records[request_id] = RequestRecord(request_id=request_id,
+                                                 arrival_time=now if arrival_time is None else arrival_time,
+                                                 num_prompt_tokens=len(prompt))
+        self.prompts[request_id] = prompt
+        self.extra_ids[request_id] = None if extra_ids is None else list(extra_ids)
+        self.params[request_id] = sampling_params
+        self.add_times[request_id] = now
+        self._waiting.append(request_id)
+        self.max_in_engine = max(self.max_in_engine, len(self._waiting) + len(self._running))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _block_keys(self, prompt):
+        tpb = self.tokens_per_block
+        return [tuple(prompt[:end]) for end in range(tpb, len(prompt) + 1, tpb)]
+
+    def step(self):
+        self.num_steps += 1
+        if self.interrupt_at_step is not None and self.num_steps >= self.interrupt_at_step:
+            raise KeyboardInterrupt
+        while self._waiting and len(self._running) < self.max_batch_size:
+            self._running.append(self._waiting.pop(0))
+        duration = self.step_s
+        for request_id in self._running:
+            record = self.records[request_id]
+            if record.first_token_time is None:
+                keys = self._block_keys(self.prompts[request_id])
+                reused = 0
+                # At least the last prompt token is computed, so a fully cached prompt still yields logits.
+                reusable = keys[:(record.num_prompt_tokens - 1) // self.tokens_per_block]
+                while self.enable_block_reuse and reused < len(reusable) and reusable[reused] in self._cached_blocks:
+                    reused += 1
+                record.num_reused_blocks = reused
+                record.num_reused_tokens = reused * self.tokens_per_block
+                self.stats["reused_blocks"] += reused
+                self.stats["missed_blocks"] += len(keys) - reused
+                duration += (record.num_prompt_tokens - record.num_reused_tokens) * self.context_s_per_token
+                self._cached_blocks.update(keys)
+        self.advance(duration)
+        now = self.clock()
+        outputs = []
+        for request_id in list(self._running):
+            record = self.records[request_id]
+            if record.first_token_time is None:
+                record.first_token_time = now
+            token = (sum(self.prompts[request_id]) + len(record.output_token_ids)) % self.vocab_size
+            record.output_token_ids.append(token)
+            record.token_times.append(now)
+            finished = record.num_output_tokens >= self.params[request_id].max_tokens
+            if finished:
+                record.finish_time = now
+                record.finish_reason = "length"
+                self._running.remove(request_id)
+            outputs.append(RequestOutput(request_id, [token], list(record.output_token_ids), finished,
+                                         "length" if finished else None))
+        return outputs
+
+    def get_stats(self):
+        total = self.stats["reused_blocks"] + self.stats["missed_blocks"]
+        return {**self.stats, "cache_hit_rate": self.stats["reused_blocks"] / total if total else 0.0,
+                "offloaded_blocks": 0, "onboarded_blocks": 0, "offloaded_bytes": 0, "onboarded_bytes": 0}
+
+    def reset_stats(self):
+        self.num_resets += 1
+        self.stats = {"reused_blocks": 0, "missed_blocks": 0}
+
+
+class FakeLLM:
+    """What kvtool.bench reads from an LLM: tokenizer, plan, device description, engine, shutdown."""
+
+    def __init__(self, engine: FakeEngine | None = None, *, tokens_per_block: int = 4, **engine_kwargs) -> None:
+        self.engine = engine or FakeEngine(tokens_per_block=tokens_per_block, **engine_kwargs)
+        self.tokenizer = FakeTokenizer(self.engine.vocab_size)
+        self.device_description = "fake: deterministic test engine"
+        self.plan = SimpleNamespace(
+            path="plans/fake",
+            model_config=SimpleNamespace(architecture="FakeForCausalLM", vocab_size=self.engine.vocab_size),
+            build_options=SimpleNamespace(tokens_per_block=self.engine.tokens_per_block, dtype="float32"))
+        self.shut_down = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
