@@ -1,173 +1,393 @@
-// First, simple implementation of KVCacheManager: allocation, release, block tables and
-// mark_computed without reuse. Full reuse / offload semantics follow.
+// KVCacheManager: sequences, prefix matching, allocation, early reuse and the sliding window.
+// The tree / pool / eviction mechanics are in kv_cache_blocks.cpp.
 #include "kv_cache_manager.h"
 
 #include <algorithm>
-#include <deque>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
+
+#include "kv_cache_manager_impl.h"
 
 namespace kvtool {
 
+namespace {
+std::string str(int64_t v) { return std::to_string(v); }
+}  // namespace
+
 void CacheConfig::validate() const {
   if (tokens_per_block <= 0 || (tokens_per_block & (tokens_per_block - 1)) != 0) {
-    throw std::invalid_argument("tokens_per_block=" + std::to_string(tokens_per_block) +
+    throw std::invalid_argument("tokens_per_block=" + str(tokens_per_block) +
                                 " is not a power of 2: use 8, 16, 32 or 64");
   }
   if (num_primary_blocks <= 0) {
-    throw std::invalid_argument("num_primary_blocks=" + std::to_string(num_primary_blocks) +
+    throw std::invalid_argument("num_primary_blocks=" + str(num_primary_blocks) +
                                 " leaves no room for KV: give the primary pool at least one block");
   }
   if (num_secondary_blocks < 0) {
-    throw std::invalid_argument("num_secondary_blocks=" + std::to_string(num_secondary_blocks) +
+    throw std::invalid_argument("num_secondary_blocks=" + str(num_secondary_blocks) +
                                 " is negative: use 0 to disable host offloading");
   }
   if (secondary_offload_min_priority < 0 || secondary_offload_min_priority > 100) {
-    throw std::invalid_argument("secondary_offload_min_priority=" +
-                                std::to_string(secondary_offload_min_priority) + " is outside 0..100");
+    throw std::invalid_argument("secondary_offload_min_priority=" + str(secondary_offload_min_priority) +
+                                " is outside 0..100");
   }
   if (max_attention_window < 0) {
-    throw std::invalid_argument("max_attention_window=" + std::to_string(max_attention_window) +
+    throw std::invalid_argument("max_attention_window=" + str(max_attention_window) +
                                 " is negative: use 0 for full attention");
   }
   if (event_buffer_max_size < 0) {
-    throw std::invalid_argument("event_buffer_max_size=" + std::to_string(event_buffer_max_size) +
+    throw std::invalid_argument("event_buffer_max_size=" + str(event_buffer_max_size) +
                                 " is negative: use 0 to record no events");
   }
 }
 
-struct KVCacheManager::Impl {
-  struct Sequence {
-    std::vector<TokenId> token_ids;
-    std::vector<BlockId> block_ids;
-    int32_t num_computed_tokens = 0;
-  };
+// ---------------------------------------------------------------------------------------------
+// Impl: sequences
 
-  CacheConfig config;
-  std::vector<int32_t> refcounts;
-  std::vector<BlockId> free_ids;
-  std::unordered_map<SequenceId, Sequence> sequences;
-  std::vector<CopyOp> copy_ops;
-  std::vector<KvCacheEvent> events;
-  CacheStats stats;
+KVCacheManager::Impl::Sequence& KVCacheManager::Impl::get(SequenceId id) {
+  auto it = sequences.find(id);
+  if (it == sequences.end()) throw UnknownSequenceError("unknown sequence id " + str(id));
+  return it->second;
+}
 
-  explicit Impl(CacheConfig c) : config(c) {
-    config.validate();
-    refcounts.assign(config.num_primary_blocks, 0);
-    for (BlockId b = config.num_primary_blocks - 1; b >= 0; --b) free_ids.push_back(b);
-  }
+const KVCacheManager::Impl::Sequence& KVCacheManager::Impl::get(SequenceId id) const {
+  auto it = sequences.find(id);
+  if (it == sequences.end()) throw UnknownSequenceError("unknown sequence id " + str(id));
+  return it->second;
+}
 
-  int32_t blocks_for(int32_t num_tokens) const {
-    return (num_tokens + config.tokens_per_block - 1) / config.tokens_per_block;
+void KVCacheManager::Impl::validate_spec(const SequenceSpec& spec) const {
+  if (spec.token_ids.empty()) throw std::invalid_argument("token_ids is empty: a prompt needs at least one token");
+  if (!spec.extra_ids.empty() && spec.extra_ids.size() != spec.token_ids.size()) {
+    throw std::invalid_argument("extra_ids has " + str(static_cast<int64_t>(spec.extra_ids.size())) +
+                                " values for " + str(static_cast<int64_t>(spec.token_ids.size())) +
+                                " token ids: give one per token (0 for a normal token) or none");
   }
-  Sequence& get(SequenceId id) {
-    auto it = sequences.find(id);
-    if (it == sequences.end()) throw UnknownSequenceError("unknown sequence id " + std::to_string(id));
-    return it->second;
+  if (spec.priority < 0 || spec.priority > 100) {
+    throw std::invalid_argument("priority=" + str(spec.priority) + " is outside 0..100");
   }
-  const Sequence& get(SequenceId id) const {
-    auto it = sequences.find(id);
-    if (it == sequences.end()) throw UnknownSequenceError("unknown sequence id " + std::to_string(id));
-    return it->second;
-  }
-  void grow(Sequence& seq, int32_t num_tokens) {
-    int32_t need = blocks_for(num_tokens) - static_cast<int32_t>(seq.block_ids.size());
-    if (need <= 0) return;
-    if (need > static_cast<int32_t>(free_ids.size())) {
-      throw OutOfBlocksError("need " + std::to_string(need) + " blocks, " +
-                             std::to_string(free_ids.size()) + " available");
+}
+
+KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceSpec& spec) const {
+  MatchPlan plan;
+  if (!config.enable_block_reuse) return plan;
+  const TokenId* tokens = spec.token_ids.data();
+  const ExtraId* extras = spec.extra_ids.empty() ? nullptr : spec.extra_ids.data();
+  // The last prompt token is always computed, so a fully cached prompt still yields logits.
+  const int64_t max_tokens = static_cast<int64_t>(spec.token_ids.size()) - 1;
+  NodeId parent = root;
+  int64_t i = 0;
+  for (; (i + 1) * tpb <= max_tokens; ++i) {
+    const TokenId* t = tokens + i * tpb;
+    const ExtraId* e = extras ? extras + i * tpb : nullptr;
+    const uint64_t h = block_key_hash(plan.last_hash, t, e, tpb, spec.lora_task_id, spec.cache_salt, key_hash_bits);
+    const NodeId n = find_child(parent, h, t, e, spec.lora_task_id, spec.cache_salt);
+    if (n == kNoNode) break;
+    plan.nodes.push_back(n);
+    plan.last_hash = h;
+    parent = n;
+    const Node& x = nodes[n];
+    if (x.pool == PoolKind::kSecondary) {
+      ++plan.num_secondary;
+    } else {
+      if (is_held(n)) ++plan.num_held_primary;
+      if (x.owner_running) ++plan.num_early;
     }
-    for (int32_t i = 0; i < need; ++i) {
-      BlockId b = free_ids.back();
-      free_ids.pop_back();
-      refcounts[b] = 1;
-      seq.block_ids.push_back(b);
-    }
-    stats.alloc_total_blocks += need;
-    stats.alloc_new_blocks += need;
   }
-};
+  if (!config.enable_partial_reuse) return plan;
+  const int64_t limit = std::min<int64_t>(tpb, max_tokens - i * tpb);
+  if (limit <= 0) return plan;
+  // Copy-on-write candidates: cached children of the last matched node that start like the
+  // next block. The longest common prefix wins; on a tie the primary copy (no host read).
+  const TokenId* t = tokens + i * tpb;
+  const ExtraId* e = extras ? extras + i * tpb : nullptr;
+  const uint64_t key = partial_key(parent, t[0], spec.lora_task_id, spec.cache_salt);
+  for (NodeId n = partial_index.head(key); n != kNoNode; n = partial_next[n]) {
+    const Node& x = nodes[n];
+    if (x.parent != parent || x.lora_task_id != spec.lora_task_id || x.cache_salt != spec.cache_salt) continue;
+    const TokenId* nt = node_tokens(n);
+    const ExtraId* ne = node_extras(n);
+    int32_t k = 0;
+    while (k < limit && nt[k] == t[k] && (ne ? ne[k] : 0) == (e ? e[k] : 0)) ++k;
+    const bool better = k > plan.num_partial_tokens ||
+                        (k == plan.num_partial_tokens && k > 0 && x.pool == PoolKind::kPrimary &&
+                         nodes[plan.partial_source].pool == PoolKind::kSecondary);
+    if (better) {
+      plan.num_partial_tokens = k;
+      plan.partial_source = n;
+    }
+  }
+  if (plan.partial_source != kNoNode) {
+    plan.partial_source_evictable =
+        nodes[plan.partial_source].pool == PoolKind::kPrimary && !is_held(plan.partial_source);
+  }
+  return plan;
+}
 
-KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config)) {}
-KVCacheManager::KVCacheManager(CacheConfig config, int32_t) : impl_(std::make_unique<Impl>(config)) {}
+int32_t KVCacheManager::Impl::blocks_to_add(const MatchPlan& plan, int32_t num_tokens) const {
+  const int32_t num_matched = static_cast<int32_t>(plan.nodes.size()) + (plan.num_partial_tokens > 0 ? 1 : 0);
+  const int32_t total = std::max(blocks_for(num_tokens), num_matched);
+  // Held matched blocks are already out of num_available(); every other block comes out of it.
+  // A partial-copy source that is itself evictable stays pinned during its copy: count it.
+  return total - plan.num_held_primary + (plan.partial_source_evictable ? 1 : 0);
+}
+
+// Gives keys to the sequence's newly computed full blocks (early reuse). A block whose key is
+// already cached in the primary pool stays an unkeyed duplicate (the chain continues through the
+// cached node); one cached only in the secondary pool is adopted: the node moves to this block.
+void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
+  const int32_t num_full = seq.num_computed_tokens / tpb;
+  while (seq.num_stored_blocks < num_full && !seq.chain_broken) {
+    const int32_t i = seq.num_stored_blocks;
+    const NodeId parent = i == 0 ? root : seq.last_node;
+    const BlockId block = seq.block_ids[i];
+    if (i > 0 && (!nodes[parent].live || nodes[parent].generation != seq.last_node_generation ||
+                  nodes[parent].pool != PoolKind::kPrimary)) {
+      seq.chain_broken = true;  // the parent was evicted or offloaded after the window let it go
+      break;
+    }
+    if (block == kNoBlock) {
+      seq.chain_broken = true;
+      break;
+    }
+    const TokenId* t = seq.token_ids.data() + static_cast<size_t>(i) * tpb;
+    const ExtraId* e = seq.extra_ids.empty() ? nullptr : seq.extra_ids.data() + static_cast<size_t>(i) * tpb;
+    const uint64_t parent_hash = parent == root ? 0 : nodes[parent].hash;
+    const uint64_t h = block_key_hash(parent_hash, t, e, tpb, seq.lora_task_id, seq.cache_salt, key_hash_bits);
+    NodeId n = find_child(parent, h, t, e, seq.lora_task_id, seq.cache_salt);
+    if (n == kNoNode) {
+      n = store_node(parent, h, t, e, seq, seq_id, block);
+    } else if (nodes[n].pool == PoolKind::kSecondary && primary_node[block] == kNoNode) {
+      move_to_primary(n, block);
+      nodes[n].priority = seq.priority;
+      nodes[n].owner = seq_id;
+      nodes[n].owner_running = true;
+      emit_event(KvCacheEventKind::kOnboarded, n, false);
+    }
+    seq.last_node = n;
+    seq.last_node_generation = nodes[n].generation;
+    ++seq.num_stored_blocks;
+  }
+}
+
+// Blocks wholly before (num_computed_tokens - window) leave the sequence's table.
+void KVCacheManager::Impl::release_window(SequenceId seq_id, Sequence& seq) {
+  if (config.max_attention_window <= 0) return;
+  const int64_t limit = static_cast<int64_t>(seq.num_computed_tokens) - config.max_attention_window;
+  if (limit <= 0) return;
+  const int32_t end = std::min<int32_t>(static_cast<int32_t>(limit / tpb), static_cast<int32_t>(seq.block_ids.size()));
+  for (int32_t i = end; i-- > seq.num_window_released;) {
+    const BlockId b = seq.block_ids[i];
+    if (b == kNoBlock) continue;
+    seq.block_ids[i] = kNoBlock;
+    unref_block(b, seq_id);
+  }
+  seq.num_window_released = std::max(seq.num_window_released, end);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public interface
+
+KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config, 64)) {}
+KVCacheManager::KVCacheManager(CacheConfig config, int32_t key_hash_bits)
+    : impl_(std::make_unique<Impl>(config, key_hash_bits)) {}
 KVCacheManager::~KVCacheManager() = default;
 KVCacheManager::KVCacheManager(KVCacheManager&&) noexcept = default;
 KVCacheManager& KVCacheManager::operator=(KVCacheManager&&) noexcept = default;
 
 const CacheConfig& KVCacheManager::config() const { return impl_->config; }
 
-MatchResult KVCacheManager::match_prefix(const SequenceSpec&) const { return {}; }
+MatchResult KVCacheManager::match_prefix(const SequenceSpec& spec) const {
+  impl_->validate_spec(spec);
+  const Impl::MatchPlan plan = impl_->plan_match(spec);
+  MatchResult r;
+  r.num_matched_blocks = static_cast<int32_t>(plan.nodes.size());
+  r.num_secondary_blocks = plan.num_secondary;
+  r.num_partial_tokens = plan.num_partial_tokens;
+  r.num_matched_tokens = r.num_matched_blocks * impl_->tpb + r.num_partial_tokens;
+  return r;
+}
 
-int32_t KVCacheManager::num_blocks_to_add(const SequenceSpec&, int32_t num_tokens) const {
-  return impl_->blocks_for(num_tokens);
+int32_t KVCacheManager::num_blocks_to_add(const SequenceSpec& spec, int32_t num_tokens) const {
+  impl_->validate_spec(spec);
+  return impl_->blocks_to_add(impl_->plan_match(spec), num_tokens);
 }
-int32_t KVCacheManager::num_available_blocks() const {
-  return static_cast<int32_t>(impl_->free_ids.size());
-}
+
+int32_t KVCacheManager::num_available_blocks() const { return impl_->num_available(); }
+
 bool KVCacheManager::can_add_sequence(const SequenceSpec& spec, int32_t num_tokens) const {
   return num_blocks_to_add(spec, num_tokens) <= num_available_blocks();
 }
 
-AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, const SequenceSpec& spec,
-                                               int32_t num_tokens) {
-  if (impl_->sequences.count(seq_id)) {
-    throw std::invalid_argument("sequence id " + std::to_string(seq_id) + " is already known");
+AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, const SequenceSpec& spec, int32_t num_tokens) {
+  Impl& m = *impl_;
+  if (m.sequences.count(seq_id)) {
+    throw std::invalid_argument("sequence id " + str(seq_id) + " is already known: release it first or use a new id");
   }
-  if (spec.token_ids.empty()) throw std::invalid_argument("token_ids is empty");
-  if (num_tokens < 1) throw std::invalid_argument("num_tokens must be >= 1");
+  m.validate_spec(spec);
+  if (num_tokens < 1) throw std::invalid_argument("num_tokens=" + str(num_tokens) + " must be >= 1");
+  const Impl::MatchPlan plan = m.plan_match(spec);
+  const int32_t needed = m.blocks_to_add(plan, num_tokens);
+  if (needed > m.num_available()) {
+    throw OutOfBlocksError("sequence " + str(seq_id) + " needs " + str(needed) + " more KV cache blocks for " +
+                           str(num_tokens) + " tokens but only " + str(m.num_available()) + " of " +
+                           str(m.config.num_primary_blocks) + " are available");
+  }
+
   Impl::Sequence seq;
   seq.token_ids = spec.token_ids;
-  impl_->grow(seq, num_tokens);
+  if (any_extra(spec.extra_ids.empty() ? nullptr : spec.extra_ids.data(), spec.extra_ids.size())) {
+    seq.extra_ids = spec.extra_ids;
+  }
+  seq.lora_task_id = spec.lora_task_id;
+  seq.cache_salt = spec.cache_salt;
+  seq.priority = spec.priority;
+
+  // Pin what this sequence is about to read so the allocations below cannot evict it.
+  for (NodeId n : plan.nodes) {
+    if (m.nodes[n].pool == PoolKind::kSecondary) m.nodes[n].pinned = true;
+  }
+  if (plan.partial_source != kNoNode) m.nodes[plan.partial_source].pinned = true;
+  // Share the primary blocks first: referenced, they are out of the eviction candidates.
+  seq.block_ids.reserve(std::max<int32_t>(m.blocks_for(num_tokens), static_cast<int32_t>(plan.nodes.size()) + 1));
+  for (NodeId n : plan.nodes) {
+    if (m.nodes[n].pool == PoolKind::kPrimary) m.ref_block(m.nodes[n].block_id);
+  }
+  // Then onboard host blocks in chain order (a parent is primary before its child arrives).
+  for (NodeId n : plan.nodes) {
+    Impl::Node& x = m.nodes[n];
+    if (x.pool == PoolKind::kSecondary) {
+      const BlockId dst = m.take_new_primary_block();
+      m.emit_copy(PoolKind::kSecondary, x.block_id, PoolKind::kPrimary, dst, m.tpb);
+      m.move_to_primary(n, dst);
+      ++m.stats.onboarded_blocks;
+      m.stats.num_onboarded_tokens += m.tpb;
+      m.emit_event(KvCacheEventKind::kOnboarded, n, false);
+    }
+    seq.block_ids.push_back(x.block_id);
+  }
+  if (plan.partial_source != kNoNode) {
+    const BlockId dst = m.take_new_primary_block();
+    Impl::Node& src = m.nodes[plan.partial_source];
+    m.emit_copy(src.pool, src.block_id, PoolKind::kPrimary, dst, plan.num_partial_tokens);
+    if (src.pool == PoolKind::kSecondary) m.stats.num_onboarded_tokens += plan.num_partial_tokens;
+    src.pinned = false;
+    seq.block_ids.push_back(dst);
+    ++m.stats.partial_reused_blocks;
+  }
+  const int32_t total = std::max(m.blocks_for(num_tokens), static_cast<int32_t>(seq.block_ids.size()));
+  while (static_cast<int32_t>(seq.block_ids.size()) < total) seq.block_ids.push_back(m.take_new_primary_block());
+
   AddSequenceResult r;
-  r.num_new_blocks = static_cast<int32_t>(seq.block_ids.size());
-  impl_->stats.missed_blocks += static_cast<int64_t>(spec.token_ids.size()) / impl_->config.tokens_per_block;
-  impl_->sequences.emplace(seq_id, std::move(seq));
+  r.num_reused_blocks = static_cast<int32_t>(plan.nodes.size());
+  r.num_onboarded_blocks = plan.num_secondary;
+  r.num_partial_tokens = plan.num_partial_tokens;
+  r.num_reused_tokens = r.num_reused_blocks * m.tpb + r.num_partial_tokens;
+  r.num_early_reused_blocks = plan.num_early;
+  r.num_new_blocks = total - r.num_reused_blocks;
+
+  const int64_t num_prompt_blocks = static_cast<int64_t>(spec.token_ids.size()) / m.tpb;
+  m.stats.reused_blocks += r.num_reused_blocks;
+  m.stats.missed_blocks += num_prompt_blocks - r.num_reused_blocks;
+  m.stats.early_reused_blocks += r.num_early_reused_blocks;
+  m.stats.alloc_total_blocks += total;
+  m.stats.alloc_new_blocks += r.num_new_blocks;
+
+  seq.num_computed_tokens = r.num_reused_tokens;
+  seq.num_stored_blocks = r.num_reused_blocks;
+  seq.last_node = plan.nodes.empty() ? m.root : plan.nodes.back();
+  seq.last_node_generation = m.nodes[seq.last_node].generation;
+  auto& stored = m.sequences.emplace(seq_id, std::move(seq)).first->second;
+  m.release_window(seq_id, stored);
   return r;
 }
 
 bool KVCacheManager::can_allocate(SequenceId seq_id, int32_t num_tokens) const {
   const auto& seq = impl_->get(seq_id);
-  int32_t need = impl_->blocks_for(num_tokens) - static_cast<int32_t>(seq.block_ids.size());
-  return need <= num_available_blocks();
+  const int32_t need = impl_->blocks_for(num_tokens) - static_cast<int32_t>(seq.block_ids.size());
+  return need <= impl_->num_available();
 }
+
 void KVCacheManager::allocate(SequenceId seq_id, int32_t num_tokens) {
-  impl_->grow(impl_->get(seq_id), num_tokens);
+  Impl& m = *impl_;
+  auto& seq = m.get(seq_id);
+  const int32_t need = m.blocks_for(num_tokens) - static_cast<int32_t>(seq.block_ids.size());
+  if (need <= 0) return;
+  if (need > m.num_available()) {
+    throw OutOfBlocksError("sequence " + str(seq_id) + " needs " + str(need) + " more KV cache blocks to hold " +
+                           str(num_tokens) + " tokens but only " + str(m.num_available()) + " of " +
+                           str(m.config.num_primary_blocks) + " are available");
+  }
+  for (int32_t i = 0; i < need; ++i) seq.block_ids.push_back(m.take_new_primary_block());
+  m.stats.alloc_total_blocks += need;
+  m.stats.alloc_new_blocks += need;
 }
+
 void KVCacheManager::append_tokens(SequenceId seq_id, const std::vector<TokenId>& token_ids) {
   auto& seq = impl_->get(seq_id);
   seq.token_ids.insert(seq.token_ids.end(), token_ids.begin(), token_ids.end());
+  if (!seq.extra_ids.empty()) seq.extra_ids.resize(seq.token_ids.size(), 0);  // generated tokens: 0
 }
+
 void KVCacheManager::mark_computed(SequenceId seq_id, int32_t num_computed_tokens) {
-  impl_->get(seq_id).num_computed_tokens = num_computed_tokens;
-}
-void KVCacheManager::release(SequenceId seq_id) {
-  auto& seq = impl_->get(seq_id);
-  for (BlockId b : seq.block_ids) {
-    if (b != kNoBlock && --impl_->refcounts[b] == 0) impl_->free_ids.push_back(b);
+  Impl& m = *impl_;
+  auto& seq = m.get(seq_id);
+  if (num_computed_tokens < seq.num_computed_tokens) {
+    throw std::invalid_argument("num_computed_tokens=" + str(num_computed_tokens) + " for sequence " + str(seq_id) +
+                                " is below the " + str(seq.num_computed_tokens) + " already computed");
   }
-  impl_->sequences.erase(seq_id);
+  if (num_computed_tokens > static_cast<int32_t>(seq.token_ids.size())) {
+    throw std::invalid_argument("num_computed_tokens=" + str(num_computed_tokens) + " for sequence " + str(seq_id) +
+                                " exceeds its " + str(static_cast<int64_t>(seq.token_ids.size())) +
+                                " known tokens: append_tokens first");
+  }
+  if (num_computed_tokens > static_cast<int64_t>(seq.block_ids.size()) * m.tpb) {
+    throw std::invalid_argument("num_computed_tokens=" + str(num_computed_tokens) + " for sequence " + str(seq_id) +
+                                " exceeds its " + str(static_cast<int64_t>(seq.block_ids.size()) * m.tpb) +
+                                " allocated token slots: allocate first");
+  }
+  seq.num_computed_tokens = num_computed_tokens;
+  if (m.config.enable_block_reuse) m.store_blocks(seq_id, seq);
+  m.release_window(seq_id, seq);
 }
+
+void KVCacheManager::release(SequenceId seq_id) {
+  Impl& m = *impl_;
+  auto& seq = m.get(seq_id);
+  // Last block first: the chain's leaf becomes the least recently used of the sequence's blocks.
+  for (size_t i = seq.block_ids.size(); i-- > 0;) {
+    if (seq.block_ids[i] != kNoBlock) m.unref_block(seq.block_ids[i], seq_id);
+  }
+  m.sequences.erase(seq_id);
+}
+
 bool KVCacheManager::has_sequence(SequenceId seq_id) const { return impl_->sequences.count(seq_id) > 0; }
+
 int32_t KVCacheManager::num_tokens(SequenceId seq_id) const {
   return static_cast<int32_t>(impl_->get(seq_id).token_ids.size());
 }
+
 int32_t KVCacheManager::num_computed_tokens(SequenceId seq_id) const {
   return impl_->get(seq_id).num_computed_tokens;
 }
+
 std::vector<BlockId> KVCacheManager::block_ids(SequenceId seq_id) const { return impl_->get(seq_id).block_ids; }
-std::vector<CopyOp> KVCacheManager::take_copy_ops() { return std::move(impl_->copy_ops); }
-std::vector<KvCacheEvent> KVCacheManager::take_events() { return std::move(impl_->events); }
-CacheStats KVCacheManager::stats() const {
-  CacheStats s = impl_->stats;
-  s.primary.num_blocks = impl_->config.num_primary_blocks;
-  s.primary.num_free_blocks = static_cast<int32_t>(impl_->free_ids.size());
-  s.primary.num_used_blocks = s.primary.num_blocks - s.primary.num_free_blocks;
-  s.secondary.num_blocks = impl_->config.num_secondary_blocks;
-  s.secondary.num_free_blocks = impl_->config.num_secondary_blocks;
-  return s;
+
+std::vector<CopyOp> KVCacheManager::take_copy_ops() {
+  std::vector<CopyOp> out;
+  out.swap(impl_->copy_ops);
+  return out;
 }
-void KVCacheManager::reset_stats() { impl_->stats = CacheStats{}; }
-std::vector<std::string> KVCacheManager::check_invariants() const { return {}; }
+
+std::vector<KvCacheEvent> KVCacheManager::take_events() {
+  std::vector<KvCacheEvent> out(std::make_move_iterator(impl_->events.begin()),
+                                std::make_move_iterator(impl_->events.end()));
+  impl_->events.clear();
+  return out;
+}
+
+void KVCacheManager::reset_stats() {
+  impl_->stats = CacheStats{};
+}
 
 }  // namespace kvtool

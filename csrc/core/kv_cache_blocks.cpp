@@ -1,0 +1,338 @@
+// Prefix tree, pools, reference counts, LRU eviction and host offload of KVCacheManager.
+#include <cstring>
+#include <stdexcept>
+
+#include "kv_cache_manager_impl.h"
+
+namespace kvtool {
+
+KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
+    : config(c),
+      tpb(c.tokens_per_block),
+      key_hash_bits(bits),
+      key_index((c.validate(), static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks)),
+      partial_index(c.enable_partial_reuse ? static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks
+                                           : 0) {
+  if (bits < 0 || bits > 64) {
+    throw std::invalid_argument("key_hash_bits=" + std::to_string(bits) + " is outside 0..64: use 64");
+  }
+  const size_t max_nodes = config.enable_block_reuse
+                               ? static_cast<size_t>(config.num_primary_blocks) + config.num_secondary_blocks
+                               : 0;
+  nodes.assign(max_nodes + 1, Node{});
+  root = static_cast<NodeId>(max_nodes);
+  nodes[root].live = true;
+  free_node_ids.reserve(max_nodes);
+  for (size_t n = max_nodes; n-- > 0;) free_node_ids.push_back(static_cast<NodeId>(n));
+  node_token_ids.assign(max_nodes * tpb, 0);
+  key_next.assign(max_nodes + 1, kNoNode);
+  partial_next.assign(max_nodes + 1, kNoNode);
+  primary_refcount.assign(config.num_primary_blocks, 0);
+  primary_node.assign(config.num_primary_blocks, kNoNode);
+  primary_free.reserve(config.num_primary_blocks);
+  for (BlockId b = config.num_primary_blocks; b-- > 0;) primary_free.push_back(b);
+  secondary_node.assign(config.num_secondary_blocks, kNoNode);
+  secondary_free.reserve(config.num_secondary_blocks);
+  for (BlockId b = config.num_secondary_blocks; b-- > 0;) secondary_free.push_back(b);
+}
+
+NodeId KVCacheManager::Impl::find_child(NodeId parent, uint64_t hash, const TokenId* token_ids,
+                                        const ExtraId* extra_ids, uint64_t lora, uint64_t salt) const {
+  const bool has_extras = any_extra(extra_ids, tpb);
+  // The collision guard: a hash hit is only a candidate; every key field must be equal too.
+  for (NodeId n = key_index.head(hash); n != kNoNode; n = key_next[n]) {
+    const Node& x = nodes[n];
+    if (x.parent != parent || x.hash != hash || x.lora_task_id != lora || x.cache_salt != salt ||
+        x.has_extras != has_extras) {
+      continue;
+    }
+    if (std::memcmp(node_tokens(n), token_ids, sizeof(TokenId) * tpb) != 0) continue;
+    if (has_extras && std::memcmp(node_extras(n), extra_ids, sizeof(ExtraId) * tpb) != 0) continue;
+    return n;
+  }
+  return kNoNode;
+}
+
+// Held = a primary node that is referenced or has a held child: it cannot be evicted until the
+// sequences below it let go. Unheld primary nodes are counted as available blocks.
+void KVCacheManager::Impl::on_held_change(NodeId n, bool was_held) {
+  while (n != root) {
+    const bool now = is_held(n);
+    if (now == was_held) return;
+    num_unheld_primary += now ? -1 : 1;
+    const NodeId p = nodes[n].parent;
+    if (p == root) return;
+    const bool parent_was_held = is_held(p);
+    nodes[p].num_held_children += now ? 1 : -1;
+    n = p;
+    was_held = parent_was_held;
+  }
+}
+
+void KVCacheManager::Impl::lru_push(NodeId n) {
+  Node& x = nodes[n];
+  LruLists& l = lru[static_cast<int>(x.pool)];
+  const int p = x.priority;
+  x.lru_prev = l.tail[p];
+  x.lru_next = kNoNode;
+  if (l.tail[p] != kNoNode) {
+    nodes[l.tail[p]].lru_next = n;
+  } else {
+    l.head[p] = n;
+  }
+  l.tail[p] = n;
+  l.nonempty[p >> 6] |= 1ULL << (p & 63);
+  x.in_lru = true;
+}
+
+void KVCacheManager::Impl::lru_remove(NodeId n) {
+  Node& x = nodes[n];
+  if (!x.in_lru) return;
+  LruLists& l = lru[static_cast<int>(x.pool)];
+  const int p = x.priority;
+  if (x.lru_prev != kNoNode) {
+    nodes[x.lru_prev].lru_next = x.lru_next;
+  } else {
+    l.head[p] = x.lru_next;
+  }
+  if (x.lru_next != kNoNode) {
+    nodes[x.lru_next].lru_prev = x.lru_prev;
+  } else {
+    l.tail[p] = x.lru_prev;
+  }
+  if (l.head[p] == kNoNode) l.nonempty[p >> 6] &= ~(1ULL << (p & 63));
+  x.lru_prev = x.lru_next = kNoNode;
+  x.in_lru = false;
+}
+
+void KVCacheManager::Impl::add_child(NodeId parent, NodeId n) {
+  Node& p = nodes[parent];
+  Node& x = nodes[n];
+  x.parent = parent;
+  x.prev_sibling = kNoNode;
+  x.next_sibling = p.first_child;
+  if (p.first_child != kNoNode) nodes[p.first_child].prev_sibling = n;
+  p.first_child = n;
+  ++p.num_children;
+  if (x.pool == PoolKind::kPrimary) ++p.num_primary_children;
+}
+
+void KVCacheManager::Impl::remove_child(NodeId n) {
+  Node& x = nodes[n];
+  Node& p = nodes[x.parent];
+  if (x.prev_sibling != kNoNode) {
+    nodes[x.prev_sibling].next_sibling = x.next_sibling;
+  } else {
+    p.first_child = x.next_sibling;
+  }
+  if (x.next_sibling != kNoNode) nodes[x.next_sibling].prev_sibling = x.prev_sibling;
+  --p.num_children;
+  if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
+  x.prev_sibling = x.next_sibling = kNoNode;
+}
+
+NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
+                                        const ExtraId* extra_ids, const Sequence& seq, SequenceId seq_id,
+                                        BlockId block) {
+  const NodeId n = free_node_ids.back();
+  free_node_ids.pop_back();
+  Node& x = nodes[n];
+  const uint32_t generation = x.generation;
+  x = Node{};
+  x.generation = generation;
+  x.live = true;
+  x.hash = hash;
+  x.lora_task_id = seq.lora_task_id;
+  x.cache_salt = seq.cache_salt;
+  x.priority = seq.priority;
+  x.owner = seq_id;
+  x.owner_running = true;
+  x.pool = PoolKind::kPrimary;
+  x.block_id = block;
+  std::memcpy(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, sizeof(TokenId) * tpb);
+  x.has_extras = any_extra(extra_ids, tpb);
+  if (x.has_extras) {
+    if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
+    std::memcpy(&node_extra_ids[static_cast<size_t>(n) * tpb], extra_ids, sizeof(ExtraId) * tpb);
+  }
+  primary_node[block] = n;
+  add_child(parent, n);
+  key_index.insert(hash, n, key_next);
+  if (config.enable_partial_reuse) {
+    partial_index.insert(partial_key(parent, token_ids[0], x.lora_task_id, x.cache_salt), n, partial_next);
+  }
+  ++num_unheld_primary;  // appears unheld, then counted held (its block is referenced)
+  on_held_change(n, false);
+  emit_event(KvCacheEventKind::kStored, n, true);
+  return n;
+}
+
+void KVCacheManager::Impl::move_to_primary(NodeId n, BlockId block) {
+  Node& x = nodes[n];
+  lru_remove(n);
+  secondary_node[x.block_id] = kNoNode;
+  secondary_free.push_back(x.block_id);
+  x.pool = PoolKind::kPrimary;
+  x.block_id = block;
+  x.pinned = false;
+  primary_node[block] = n;
+  ++nodes[x.parent].num_primary_children;
+  ++num_unheld_primary;  // appears unheld, then counted held (the caller referenced its block)
+  on_held_change(n, false);
+}
+
+void KVCacheManager::Impl::ref_block(BlockId b) {
+  if (primary_refcount[b]++ == 0) {
+    ++num_used_primary;
+    const NodeId n = primary_node[b];
+    if (n != kNoNode) {
+      lru_remove(n);
+      on_held_change(n, nodes[n].num_held_children > 0);
+    }
+  }
+}
+
+void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
+  const NodeId n = primary_node[b];
+  if (n != kNoNode && nodes[n].owner_running && nodes[n].owner == seq_id) nodes[n].owner_running = false;
+  if (--primary_refcount[b] == 0) {
+    --num_used_primary;
+    if (n == kNoNode) {
+      primary_free.push_back(b);
+    } else {
+      lru_push(n);
+      on_held_change(n, true);
+    }
+  }
+}
+
+BlockId KVCacheManager::Impl::take_new_primary_block() {
+  const BlockId b = acquire_primary();
+  primary_refcount[b] = 1;
+  ++num_used_primary;
+  return b;
+}
+
+BlockId KVCacheManager::Impl::acquire_primary() {
+  if (!primary_free.empty()) {
+    const BlockId b = primary_free.back();
+    primary_free.pop_back();
+    return b;
+  }
+  const NodeId victim = find_victim(PoolKind::kPrimary);
+  if (victim == kNoNode) {
+    // Callers check num_available() first; reaching this is a bug, reported, not a crash.
+    throw std::logic_error("KV cache manager: no free or evictable primary block left");
+  }
+  return evict_primary(victim);
+}
+
+BlockId KVCacheManager::Impl::acquire_secondary() {
+  if (secondary_free.empty()) {
+    const NodeId victim = find_victim(PoolKind::kSecondary);
+    if (victim == kNoNode) return kNoBlock;
+    drop_tree(victim);  // a leaf: its block goes back to secondary_free
+  }
+  const BlockId b = secondary_free.back();
+  secondary_free.pop_back();
+  return b;
+}
+
+// Lowest priority first, least recently used within a priority, leaves only: a primary node
+// with primary children (or any node with children in the secondary pool) is skipped, so a
+// chain is never broken in the middle.
+NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
+  const LruLists& l = lru[static_cast<int>(pool)];
+  for (int word = 0; word < 2; ++word) {
+    uint64_t bits = l.nonempty[word];
+    while (bits != 0) {
+      const int p = word * 64 + __builtin_ctzll(bits);
+      bits &= bits - 1;
+      for (NodeId n = l.head[p]; n != kNoNode; n = nodes[n].lru_next) {
+        const Node& x = nodes[n];
+        if (x.pinned) continue;
+        if ((pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) return n;
+      }
+    }
+  }
+  return kNoNode;
+}
+
+// Frees the victim's primary block for the caller: the node moves to the secondary pool
+// (offload) when its priority allows and a secondary block can be had, else it is dropped.
+BlockId KVCacheManager::Impl::evict_primary(NodeId victim) {
+  Node& x = nodes[victim];
+  const BlockId block = x.block_id;
+  lru_remove(victim);
+  --num_unheld_primary;
+  if (config.num_secondary_blocks > 0 && x.priority >= config.secondary_offload_min_priority) {
+    const BlockId dst = acquire_secondary();
+    if (dst != kNoBlock) {
+      emit_copy(PoolKind::kPrimary, block, PoolKind::kSecondary, dst, tpb);
+      primary_node[block] = kNoNode;
+      --nodes[x.parent].num_primary_children;
+      x.pool = PoolKind::kSecondary;
+      x.block_id = dst;
+      secondary_node[dst] = victim;
+      lru_push(victim);
+      ++stats.offloaded_blocks;
+      stats.num_offloaded_tokens += tpb;
+      emit_event(KvCacheEventKind::kOffloaded, victim, false);
+      return block;
+    }
+  }
+  drop_tree(victim);
+  return block;
+}
+
+// Drops n and its descendants (all in the secondary pool) from the cache, leaves first.
+// Secondary blocks go back to secondary_free; a primary block is left to the caller.
+void KVCacheManager::Impl::drop_tree(NodeId top) {
+  std::vector<NodeId> order{top};
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (NodeId c = nodes[order[i]].first_child; c != kNoNode; c = nodes[c].next_sibling) order.push_back(c);
+  }
+  for (size_t i = order.size(); i-- > 0;) {
+    const NodeId n = order[i];
+    Node& x = nodes[n];
+    emit_event(KvCacheEventKind::kRemoved, n, false);
+    ++stats.evicted_blocks;
+    lru_remove(n);
+    key_index.erase(x.hash, n, key_next);
+    if (config.enable_partial_reuse) {
+      partial_index.erase(partial_key(x.parent, node_tokens(n)[0], x.lora_task_id, x.cache_salt), n,
+                          partial_next);
+    }
+    remove_child(n);
+    if (x.pool == PoolKind::kSecondary) {
+      secondary_node[x.block_id] = kNoNode;
+      secondary_free.push_back(x.block_id);
+    } else {
+      primary_node[x.block_id] = kNoNode;
+    }
+    const uint32_t generation = x.generation + 1;
+    x = Node{};
+    x.generation = generation;
+    free_node_ids.push_back(n);
+  }
+}
+
+void KVCacheManager::Impl::emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst,
+                                     int32_t num_tokens) {
+  copy_ops.push_back(CopyOp{src_pool, src, dst_pool, dst, num_tokens});
+}
+
+void KVCacheManager::Impl::emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
+  const int64_t id = next_event_id++;
+  if (config.event_buffer_max_size <= 0) return;
+  if (static_cast<int32_t>(events.size()) >= config.event_buffer_max_size) events.pop_front();
+  KvCacheEvent e;
+  e.event_id = id;
+  e.kind = kind;
+  e.block_hash = nodes[n].hash;
+  e.parent_hash = nodes[n].parent == root ? 0 : nodes[nodes[n].parent].hash;
+  if (with_tokens) e.token_ids.assign(node_tokens(n), node_tokens(n) + tpb);
+  events.push_back(std::move(e));
+}
+
+}  // namespace kvtool

@@ -1,0 +1,179 @@
+// KVCacheManager::stats and check_invariants: recounts everything from scratch and compares it
+// with the incrementally kept state.
+#include <string>
+#include <vector>
+
+#include "kv_cache_manager_impl.h"
+
+namespace kvtool {
+
+CacheStats KVCacheManager::stats() const {
+  const Impl& m = *impl_;
+  CacheStats s = m.stats;
+  const int64_t looked_up = s.reused_blocks + s.missed_blocks;
+  s.cache_hit_rate = looked_up > 0 ? static_cast<double>(s.reused_blocks) / static_cast<double>(looked_up) : 0.0;
+  s.primary.num_blocks = m.config.num_primary_blocks;
+  s.primary.num_free_blocks = static_cast<int32_t>(m.primary_free.size());
+  s.primary.num_used_blocks = m.num_used_primary;
+  s.primary.num_cached_blocks = s.primary.num_blocks - s.primary.num_free_blocks - s.primary.num_used_blocks;
+  s.secondary.num_blocks = m.config.num_secondary_blocks;
+  s.secondary.num_free_blocks = static_cast<int32_t>(m.secondary_free.size());
+  s.secondary.num_used_blocks = 0;  // sequences never hold host blocks
+  s.secondary.num_cached_blocks = s.secondary.num_blocks - s.secondary.num_free_blocks;
+  return s;
+}
+
+std::vector<std::string> KVCacheManager::check_invariants() const {
+  const Impl& m = *impl_;
+  std::vector<std::string> bad;
+  auto fail = [&bad](std::string msg) { bad.push_back(std::move(msg)); };
+  const auto s = [](int64_t v) { return std::to_string(v); };
+  const int32_t num_primary = m.config.num_primary_blocks;
+  const int32_t num_secondary = m.config.num_secondary_blocks;
+
+  // Blocks held by sequences, counted from the block tables.
+  std::vector<int32_t> holders(num_primary, 0);
+  for (const auto& [id, seq] : m.sequences) {
+    std::vector<char> seen(num_primary, 0);
+    for (BlockId b : seq.block_ids) {
+      if (b == kNoBlock) continue;
+      if (b < 0 || b >= num_primary) {
+        fail("sequence " + s(id) + " holds out-of-range block " + s(b));
+        continue;
+      }
+      if (seen[b]++) fail("sequence " + s(id) + " holds primary block " + s(b) + " twice");
+      ++holders[b];
+    }
+    if (seq.num_computed_tokens > static_cast<int32_t>(seq.token_ids.size())) {
+      fail("sequence " + s(id) + " has more computed tokens than tokens");
+    }
+    if (seq.num_computed_tokens > static_cast<int64_t>(seq.block_ids.size()) * m.tpb) {
+      fail("sequence " + s(id) + " has computed tokens beyond its block table");
+    }
+    if (!seq.extra_ids.empty() && seq.extra_ids.size() != seq.token_ids.size()) {
+      fail("sequence " + s(id) + " has extra ids not matching its tokens");
+    }
+  }
+
+  // Primary pool: every block exactly one of free / referenced / cached.
+  std::vector<char> in_free(num_primary, 0);
+  for (BlockId b : m.primary_free) {
+    if (in_free[b]++) fail("primary block " + s(b) + " is on the free list twice");
+  }
+  int32_t num_used = 0;
+  for (BlockId b = 0; b < num_primary; ++b) {
+    const int32_t rc = m.primary_refcount[b];
+    const bool has_node = m.primary_node[b] != kNoNode;
+    if (rc < 0) fail("primary block " + s(b) + " has negative refcount " + s(rc));
+    if (rc != holders[b]) {
+      fail("primary block " + s(b) + " has refcount " + s(rc) + " but " + s(holders[b]) + " sequences hold it");
+    }
+    if (rc > 0) ++num_used;
+    const int states = (in_free[b] ? 1 : 0) + (rc > 0 ? 1 : 0) + (rc == 0 && has_node ? 1 : 0);
+    if (states != 1 || (in_free[b] && has_node)) {
+      fail("primary block " + s(b) + " is not exactly one of free / referenced / cached (free=" + s(in_free[b]) +
+           ", refcount=" + s(rc) + ", cached=" + s(has_node) + ")");
+    }
+  }
+  if (num_used != m.num_used_primary) fail("used primary block count is off: " + s(m.num_used_primary) + " kept, " + s(num_used) + " counted");
+
+  // Secondary pool: every block exactly one of free / cached.
+  std::vector<char> in_secondary_free(num_secondary, 0);
+  for (BlockId b : m.secondary_free) {
+    if (in_secondary_free[b]++) fail("secondary block " + s(b) + " is on the free list twice");
+  }
+  for (BlockId b = 0; b < num_secondary; ++b) {
+    if ((in_secondary_free[b] != 0) == (m.secondary_node[b] != kNoNode)) {
+      fail("secondary block " + s(b) + " is not exactly one of free / cached");
+    }
+  }
+
+  // Prefix tree.
+  const NodeId root = m.root;
+  const int32_t num_slots = static_cast<int32_t>(m.nodes.size());
+  std::vector<int32_t> children(num_slots, 0), primary_children(num_slots, 0), held_children(num_slots, 0);
+  int32_t num_live = 0, num_unheld = 0;
+  if (!m.config.enable_block_reuse && num_slots > 1) fail("nodes exist although block reuse is disabled");
+  for (NodeId n = 0; n < num_slots; ++n) {
+    const auto& x = m.nodes[n];
+    if (n == root || !x.live) continue;
+    ++num_live;
+    const std::string name = "node " + s(n) + " (block " + s(x.block_id) + (x.pool == PoolKind::kPrimary ? " primary)" : " secondary)");
+    if (x.pinned) fail(name + " is still pinned between calls");
+    if (x.pool == PoolKind::kPrimary) {
+      if (x.block_id < 0 || x.block_id >= num_primary || m.primary_node[x.block_id] != n) fail(name + " and its primary block disagree");
+    } else if (x.block_id < 0 || x.block_id >= num_secondary || m.secondary_node[x.block_id] != n) {
+      fail(name + " and its secondary block disagree");
+    }
+    if (x.parent < 0 || x.parent >= num_slots || !m.nodes[x.parent].live) {
+      fail(name + " has a parent that is not in the tree");
+      continue;
+    }
+    ++children[x.parent];
+    if (x.pool == PoolKind::kPrimary) {
+      ++primary_children[x.parent];
+      if (x.parent != root && m.nodes[x.parent].pool != PoolKind::kPrimary) {
+        fail(name + " is in the primary pool but its parent is only in the secondary pool");
+      }
+      const bool held = m.is_held(n);
+      if (held) ++held_children[x.parent];
+      if (!held) ++num_unheld;
+      if ((m.primary_refcount[x.block_id] == 0) != x.in_lru) fail(name + " is in the LRU list iff unreferenced: violated");
+    } else if (!x.in_lru) {
+      fail(name + " is cached in the secondary pool but not in its LRU list");
+    }
+    const uint64_t parent_hash = x.parent == root ? 0 : m.nodes[x.parent].hash;
+    const uint64_t h = block_key_hash(parent_hash, m.node_tokens(n), m.node_extras(n), m.tpb, x.lora_task_id,
+                                      x.cache_salt, m.key_hash_bits);
+    if (h != x.hash) fail(name + " has a key that does not match its tokens and parent");
+    if (m.find_child(x.parent, x.hash, m.node_tokens(n), m.node_extras(n), x.lora_task_id, x.cache_salt) == kNoNode) {
+      fail(name + " cannot be found through the key index");
+    }
+  }
+  for (NodeId n = 0; n < num_slots; ++n) {
+    const auto& x = m.nodes[n];
+    if (!x.live) continue;
+    int32_t listed = 0;
+    for (NodeId c = x.first_child; c != kNoNode && listed <= num_slots; c = m.nodes[c].next_sibling) {
+      if (m.nodes[c].parent != n) fail("node " + s(c) + " is listed as a child of node " + s(n) + " but has another parent");
+      ++listed;
+    }
+    if (listed != children[n] || x.num_children != children[n] || x.num_primary_children != primary_children[n] ||
+        (n != root && x.num_held_children != held_children[n])) {
+      fail("node " + s(n) + " has wrong child counts (" + s(x.num_children) + "/" + s(x.num_primary_children) + "/" +
+           s(x.num_held_children) + " kept, " + s(children[n]) + "/" + s(primary_children[n]) + "/" +
+           s(held_children[n]) + " counted)");
+    }
+  }
+  if (num_unheld != m.num_unheld_primary) {
+    fail("evictable primary node count is off: " + s(m.num_unheld_primary) + " kept, " + s(num_unheld) + " counted");
+  }
+  if (num_live + static_cast<int32_t>(m.free_node_ids.size()) != num_slots - 1) fail("node slots leaked");
+
+  // LRU lists hold exactly the unreferenced nodes of their pool, at their priority.
+  int32_t num_listed = 0, num_should = 0;
+  for (int pool = 0; pool < 2; ++pool) {
+    const auto& l = m.lru[pool];
+    for (int p = 0; p < kNumPriorities; ++p) {
+      const bool flagged = (l.nonempty[p >> 6] >> (p & 63)) & 1;
+      if (flagged != (l.head[p] != kNoNode)) fail("LRU list " + s(pool) + "/" + s(p) + " has a wrong non-empty bit");
+      NodeId prev = kNoNode;
+      for (NodeId n = l.head[p]; n != kNoNode && num_listed <= num_slots; n = m.nodes[n].lru_next) {
+        const auto& x = m.nodes[n];
+        if (!x.live || !x.in_lru || static_cast<int>(x.pool) != pool || x.priority != p || x.lru_prev != prev) {
+          fail("LRU list " + s(pool) + "/" + s(p) + " holds node " + s(n) + " wrongly");
+        }
+        prev = n;
+        ++num_listed;
+      }
+      if (l.tail[p] != prev) fail("LRU list " + s(pool) + "/" + s(p) + " has a wrong tail");
+    }
+  }
+  for (NodeId n = 0; n < num_slots; ++n) {
+    if (n != root && m.nodes[n].live && m.nodes[n].in_lru) ++num_should;
+  }
+  if (num_listed != num_should) fail("LRU lists hold " + s(num_listed) + " nodes, " + s(num_should) + " are flagged");
+  return bad;
+}
+
+}  // namespace kvtool

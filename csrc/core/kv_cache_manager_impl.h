@@ -1,0 +1,167 @@
+// Internal state of KVCacheManager (shared by kv_cache_manager.cpp, kv_cache_blocks.cpp and
+// kv_cache_invariants.cpp; not part of the interface).
+//
+// Model: every cached block is a node of a prefix tree (one node per full block whose KV is
+// computed). A node lives in exactly one block of the primary or the secondary pool and moves
+// between pools on offload / onboard; sequences hold primary blocks (refcount), not nodes, so a
+// block may also be unkeyed (partially filled, or a duplicate of a node computed elsewhere).
+// Unreferenced nodes sit in per-pool LRU lists, one per retention priority, ordered by the
+// moment they became unreferenced (or arrived in the secondary pool).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "block_key.h"
+#include "kv_cache_manager.h"
+#include "node_index.h"
+
+namespace kvtool {
+
+inline constexpr int32_t kNumPriorities = 101;  // retention priorities 0..100
+
+struct KVCacheManager::Impl {
+  struct Node {
+    uint64_t hash = 0;            // chained block key (truncated with key_hash_bits)
+    uint64_t lora_task_id = 0;
+    uint64_t cache_salt = 0;
+    NodeId parent = kNoNode;
+    NodeId first_child = kNoNode;
+    NodeId next_sibling = kNoNode;
+    NodeId prev_sibling = kNoNode;
+    NodeId lru_prev = kNoNode;
+    NodeId lru_next = kNoNode;
+    int32_t num_children = 0;
+    int32_t num_primary_children = 0;
+    int32_t num_held_children = 0;  // primary children that are held (see is_held)
+    BlockId block_id = kNoBlock;
+    int32_t priority = kDefaultPriority;
+    SequenceId owner = 0;           // the sequence that computed it
+    uint32_t generation = 0;        // bumped when the node slot is freed
+    PoolKind pool = PoolKind::kPrimary;
+    bool live = false;
+    bool in_lru = false;
+    bool pinned = false;            // being onboarded / copied: not an eviction candidate
+    bool has_extras = false;        // some extra id of the block is non-zero
+    bool owner_running = false;     // owner still references the block (early reuse)
+  };
+
+  struct LruLists {
+    NodeId head[kNumPriorities];
+    NodeId tail[kNumPriorities];
+    uint64_t nonempty[2] = {0, 0};  // bit p: list of priority p is not empty
+    LruLists() {
+      for (int p = 0; p < kNumPriorities; ++p) head[p] = tail[p] = kNoNode;
+    }
+  };
+
+  struct Sequence {
+    std::vector<TokenId> token_ids;  // prompt + appended
+    std::vector<ExtraId> extra_ids;  // empty when all are 0; else one per token
+    uint64_t lora_task_id = 0;
+    uint64_t cache_salt = 0;
+    int32_t priority = kDefaultPriority;
+    std::vector<BlockId> block_ids;  // primary block table, kNoBlock where the window released
+    int32_t num_computed_tokens = 0;
+    int32_t num_stored_blocks = 0;     // leading full blocks whose canonical node is known
+    NodeId last_node = kNoNode;        // canonical node of block num_stored_blocks - 1 (root if 0)
+    uint32_t last_node_generation = 0;
+    bool chain_broken = false;         // a parent left the primary pool: no further blocks stored
+    int32_t num_window_released = 0;   // blocks [0, n) were released by the sliding window
+  };
+
+  // A prefix lookup, computed without side effects and applied by add_sequence.
+  struct MatchPlan {
+    std::vector<NodeId> nodes;       // the matched chain, root first
+    uint64_t last_hash = 0;
+    int32_t num_secondary = 0;
+    int32_t num_held_primary = 0;    // matched primary nodes already held (not in num_available)
+    int32_t num_early = 0;
+    NodeId partial_source = kNoNode;
+    int32_t num_partial_tokens = 0;
+    bool partial_source_evictable = false;  // pinned during the copy: one block less to evict
+  };
+
+  Impl(CacheConfig config, int32_t key_hash_bits);
+
+  // ---- prefix tree and pools (kv_cache_blocks.cpp) ----
+  const TokenId* node_tokens(NodeId n) const { return &node_token_ids[static_cast<size_t>(n) * tpb]; }
+  const ExtraId* node_extras(NodeId n) const {
+    return nodes[n].has_extras ? &node_extra_ids[static_cast<size_t>(n) * tpb] : nullptr;
+  }
+  uint64_t partial_key(NodeId parent, TokenId first_token, uint64_t lora, uint64_t salt) const {
+    return mix64(static_cast<uint64_t>(parent) * 0x9E3779B97F4A7C15ULL + static_cast<uint32_t>(first_token)) ^
+           mix64(lora + rotl64(salt, 29) + 0x632BE59BD9B4E019ULL);
+  }
+  NodeId find_child(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
+                    uint64_t lora, uint64_t salt) const;
+  bool is_held(NodeId n) const {
+    const Node& x = nodes[n];
+    return x.pool == PoolKind::kPrimary && (primary_refcount[x.block_id] > 0 || x.num_held_children > 0);
+  }
+  void on_held_change(NodeId n, bool was_held);
+  void lru_push(NodeId n);
+  void lru_remove(NodeId n);
+  void add_child(NodeId parent, NodeId n);
+  void remove_child(NodeId n);
+  NodeId store_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
+                    const Sequence& seq, SequenceId seq_id, BlockId block);
+  void move_to_primary(NodeId n, BlockId block);  // onboard / adopt into an already referenced block
+  void ref_block(BlockId b);
+  void unref_block(BlockId b, SequenceId seq_id);
+  BlockId take_new_primary_block();  // refcount 1, no node; evicts when none is free
+  BlockId acquire_primary();
+  BlockId acquire_secondary();       // kNoBlock when no secondary block can be had
+  NodeId find_victim(PoolKind pool) const;
+  BlockId evict_primary(NodeId victim);
+  void drop_tree(NodeId n);
+  void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
+  void emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens);
+
+  // ---- sequences (kv_cache_manager.cpp) ----
+  int32_t blocks_for(int64_t num_tokens) const {
+    return static_cast<int32_t>((num_tokens + tpb - 1) / tpb);
+  }
+  int32_t num_available() const { return static_cast<int32_t>(primary_free.size()) + num_unheld_primary; }
+  void validate_spec(const SequenceSpec& spec) const;
+  MatchPlan plan_match(const SequenceSpec& spec) const;
+  int32_t blocks_to_add(const MatchPlan& plan, int32_t num_tokens) const;
+  Sequence& get(SequenceId id);
+  const Sequence& get(SequenceId id) const;
+  void store_blocks(SequenceId seq_id, Sequence& seq);
+  void release_window(SequenceId seq_id, Sequence& seq);
+
+  CacheConfig config;
+  int32_t tpb = 0;
+  int32_t key_hash_bits = 64;
+  NodeId root = kNoNode;  // sentinel node: parent of every first block, never in a block
+
+  std::vector<Node> nodes;                 // [num_primary + num_secondary + 1 (root)]
+  std::vector<NodeId> free_node_ids;
+  std::vector<TokenId> node_token_ids;     // [num nodes * tokens_per_block]
+  std::vector<ExtraId> node_extra_ids;     // same shape, allocated at the first non-zero extra id
+  std::vector<NodeId> key_next;            // chains of NodeIndex key_index
+  std::vector<NodeId> partial_next;        // chains of NodeIndex partial_index
+  NodeIndex key_index;                     // block key hash -> nodes
+  NodeIndex partial_index;                 // (parent, first token, lora, salt) -> nodes
+
+  std::vector<int32_t> primary_refcount;   // [num_primary_blocks]
+  std::vector<NodeId> primary_node;        // [num_primary_blocks], kNoNode when unkeyed
+  std::vector<BlockId> primary_free;       // stack
+  std::vector<NodeId> secondary_node;      // [num_secondary_blocks]
+  std::vector<BlockId> secondary_free;     // stack
+  LruLists lru[2];                         // by PoolKind
+  int32_t num_unheld_primary = 0;          // primary nodes not held: evictable, part of num_available
+  int32_t num_used_primary = 0;            // primary blocks with refcount > 0
+
+  std::unordered_map<SequenceId, Sequence> sequences;
+  std::vector<CopyOp> copy_ops;
+  std::deque<KvCacheEvent> events;
+  int64_t next_event_id = 0;
+  CacheStats stats;
+};
+
+}  // namespace kvtool
