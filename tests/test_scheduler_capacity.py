@@ -67,9 +67,10 @@ def test_guaranteed_no_evict_never_pauses():
 
 
 def test_max_utilization_pauses_most_recent_request_and_resumes_it():
-    # 12 blocks of 4 tokens. A, B, C: 8 prompt tokens + 16 new, so each grows to 6 blocks.
-    # All three start (6 blocks); at 17 tokens each the pool is full and C, started last, is paused.
-    scheduler, model = make_scheduler(num_primary_blocks=12, capacity_scheduler_policy=MAX_UTILIZATION)
+    # 14 blocks of 4 tokens. A, B, C: 8 prompt tokens + 16 new, so each would grow to 6 blocks.
+    # All three start; at 17 tokens each needs a 5th block, A and B get the last two, and C,
+    # started last, is paused.
+    scheduler, model = make_scheduler(num_primary_blocks=14, capacity_scheduler_policy=MAX_UTILIZATION)
     prompts = {i: distinct_prompt(i, 8) for i in range(3)}
     for request_id, prompt in prompts.items():
         add(scheduler, request_id, prompt, 16)
@@ -77,14 +78,19 @@ def test_max_utilization_pauses_most_recent_request_and_resumes_it():
 
     pause_steps = [i for i, plan in enumerate(run.plans) if len(plan.paused_request_ids) > 0]
     assert [list(run.plans[i].paused_request_ids) for i in pause_steps] == [[2]]
-    assert 2 not in scheduled_ids(run.plans[pause_steps[0]])
+    pause_step = pause_steps[0]
+    assert scheduled_ids(run.plans[pause_step]) == {0, 1}
     assert [scheduler.request_stats(i).num_pauses for i in range(3)] == [0, 0, 1]
-    # The resumed request recomputes its prompt + the tokens generated before the pause, less
-    # the full blocks it computed before the pause, which stayed cached.
-    resume_step = min(i for i in range(pause_steps[0] + 1, len(run.plans)) if 2 in scheduled_ids(run.plans[i]))
+    # Resumed, it recomputes its prompt + the tokens generated before the pause, less the full
+    # blocks computed before the pause that are still cached.
+    num_generated_before_pause = sum(1 for plan in run.plans[:pause_step] for r in plan.requests
+                                     if r.request_id == 2 and r.samples)
+    assert num_generated_before_pause == 9
+    resume_step = min(i for i in range(pause_step + 1, len(run.plans)) if 2 in scheduled_ids(run.plans[i]))
     resumed = next(r for r in run.plans[resume_step].requests if r.request_id == 2)
-    assert resumed.is_context and resumed.num_cached_tokens > 0
-    assert resumed.num_cached_tokens % 4 == 0
+    assert resumed.is_context and resumed.samples
+    assert resumed.num_cached_tokens + len(resumed.token_ids) == 8 + num_generated_before_pause
+    assert resumed.num_cached_tokens > 0 and resumed.num_cached_tokens % 4 == 0
     # Its generated count and max_new_tokens carry on: the same output as an unconstrained run.
     for request_id, prompt in prompts.items():
         assert run.outputs[request_id] == reference_output(prompt, 16)

@@ -125,10 +125,12 @@ def run_steps(scheduler: _core.Scheduler, model: FakeModel, run: Run | None = No
 
 
 def make_scheduler(*, tokens_per_block: int = 4, num_primary_blocks: int = 64, num_secondary_blocks: int = 0,
-                   enable_block_reuse: bool = True, **scheduler_kwargs) -> tuple[_core.Scheduler, FakeModel]:
+                   enable_block_reuse: bool = True, enable_partial_reuse: bool = True,
+                   **scheduler_kwargs) -> tuple[_core.Scheduler, FakeModel]:
     cache_config = _core.CacheConfig(tokens_per_block=tokens_per_block, num_primary_blocks=num_primary_blocks,
                                      num_secondary_blocks=num_secondary_blocks,
-                                     enable_block_reuse=enable_block_reuse)
+                                     enable_block_reuse=enable_block_reuse,
+                                     enable_partial_reuse=enable_partial_reuse)
     scheduler = _core.Scheduler(cache_config, _core.SchedulerConfig(**scheduler_kwargs))
     return scheduler, FakeModel(cache_config)
 

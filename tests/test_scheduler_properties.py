@@ -47,7 +47,7 @@ def workloads(draw) -> Workload:
     cache = dict(tokens_per_block=tokens_per_block,
                  num_primary_blocks=draw(st.integers(num_lifetime_blocks, 2 * num_lifetime_blocks)),
                  num_secondary_blocks=draw(st.sampled_from([0, 3])),
-                 enable_block_reuse=draw(st.booleans()))
+                 enable_block_reuse=draw(st.booleans()), enable_partial_reuse=draw(st.booleans()))
     # MAX_UTILIZATION has the most paths (pause, resume): draw it half of the time.
     policy = draw(st.sampled_from(POLICIES + [_core.CapacitySchedulerPolicy.MAX_UTILIZATION] * 3))
     scheduler = dict(capacity_scheduler_policy=policy,

@@ -10,45 +10,29 @@
 //                        block, pause the most recently started request (its computed blocks stay
 //                        cached) until it can;
 //   STATIC_BATCH         admit as GUARANTEED_NO_EVICT does, but only when no request is running.
-#include <stdexcept>
-#include <string>
-
 #include "scheduler_impl.h"
 
 namespace kvtool {
 
 void Scheduler::Impl::schedule_capacity(StepPlan& plan) {
+  // Under GUARANTEED_NO_EVICT and STATIC_BATCH admission reserved every block a running request
+  // can need, so growing never pauses anyone. Should the cache manager's available blocks shrink
+  // by other means than the scheduler's own allocations, pausing keeps the run correct and alive
+  // where failing would lose it; tests assert that these policies never pause.
+  grow_generating_requests_or_pause(plan.paused_request_ids);
+  // Blocks a pause just freed go to the requests still running, not straight back to the paused
+  // one or a newcomer (which would be paused again at once). With none left running, admit.
+  if (!plan.paused_request_ids.empty() && !running.empty()) return;
   switch (config.capacity_scheduler_policy) {
     case CapacitySchedulerPolicy::kGuaranteedNoEvict:
-      grow_generating_requests();
       admit_guaranteed();
       break;
     case CapacitySchedulerPolicy::kStaticBatch:
-      grow_generating_requests();
       if (running.empty()) admit_guaranteed();
       break;
     case CapacitySchedulerPolicy::kMaxUtilization:
-      grow_generating_requests_or_pause(plan.paused_request_ids);
-      // Blocks a pause just freed go to the requests still running, not straight back to the
-      // paused one or a newcomer (which would be paused again at once).
-      if (plan.paused_request_ids.empty()) admit_max_utilization();
+      admit_max_utilization();
       break;
-  }
-}
-
-void Scheduler::Impl::grow_generating_requests() {
-  for (int64_t request_id : running) {
-    RequestRecord& r = record(request_id);
-    if (r.state != RequestState::kGeneration || r.num_allocated_tokens >= r.num_total_tokens()) continue;
-    if (!cache_manager.can_allocate(request_id, r.num_total_tokens())) {
-      // Admission reserved every block this request can need: running out is a bookkeeping bug.
-      throw std::logic_error("request " + std::to_string(request_id) + " cannot grow to " +
-                             std::to_string(r.num_total_tokens()) + " tokens although its blocks were reserved at " +
-                             "admission (" + std::to_string(cache_manager.num_available_blocks()) +
-                             " blocks available)");
-    }
-    cache_manager.allocate(request_id, r.num_total_tokens());
-    r.num_allocated_tokens = r.num_total_tokens();
   }
 }
 
@@ -90,10 +74,19 @@ void Scheduler::Impl::admit_guaranteed() {
     RequestRecord& r = record(waiting.front());
     SequenceSpec spec = admission_spec(r);
     const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
-    // Blocks for the whole lifetime, less the cached prefix it shares.
-    const int64_t num_needed_blocks = cache_manager.num_blocks_to_add(spec, num_context_tokens) +
-                                      num_blocks_for(r.num_lifetime_tokens()) - num_blocks_for(num_context_tokens);
-    if (num_reserved_blocks + num_needed_blocks > cache_manager.num_available_blocks()) break;
+    bool fits = false;
+    if (running.empty()) {
+      // Alone, a request fits for its whole lifetime (add_request checked it against the pool):
+      // it only needs its prompt blocks now.
+      fits = cache_manager.can_add_sequence(spec, num_context_tokens);
+    } else {
+      // Blocks for the whole lifetime, less the cached prefix it shares. (num_blocks_to_add also
+      // counts a partial-copy source held only during the copy: one block of caution at most.)
+      const int64_t num_needed_blocks = cache_manager.num_blocks_to_add(spec, num_context_tokens) +
+                                        num_blocks_for(r.num_lifetime_tokens()) - num_blocks_for(num_context_tokens);
+      fits = num_reserved_blocks + num_needed_blocks <= cache_manager.num_available_blocks();
+    }
+    if (!fits) break;
     admit(r, spec);
     num_reserved_blocks += num_remaining_blocks(r);
   }

@@ -74,10 +74,9 @@ struct Scheduler::Impl {
   // Releases a running request's blocks and marks it finished.
   void finish(RequestRecord& r);
 
-  // capacity_scheduler.cpp: grows generating requests by one token, pauses (MAX_UTILIZATION)
-  // and admits queued requests per the capacity policy.
+  // capacity_scheduler.cpp: grows generating requests by one token, pausing the most recently
+  // started request when blocks lack (MAX_UTILIZATION), and admits queued requests per the policy.
   void schedule_capacity(StepPlan& plan);
-  void grow_generating_requests();
   void grow_generating_requests_or_pause(std::vector<int64_t>& paused_request_ids);
   void pause(RequestRecord& r);
   void admit_guaranteed();
