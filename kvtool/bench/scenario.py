@@ -234,9 +234,14 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
         build = check.keys(_merged(base_build, raw_variant.get("build")), f"{where} build", BUILD_KEYS)
         flags = _merged(base_bench, {k: v for k, v in raw_variant.items() if k in flag_names})
         flags.update(bench_overrides or {})
-        if variant_plan is None and flags.get("tokens_per_block") is not None:
-            # Built from a recipe: the block size is baked into the plan, one plan per value.
-            build["tokens_per_block"] = flags.pop("tokens_per_block")
+        if variant_plan is None:
+            if flags.get("tokens_per_block") is not None:
+                # Built from a recipe: the block size is baked into the plan, one plan per value.
+                build["tokens_per_block"] = flags.pop("tokens_per_block")
+            for name in ("max_batch_size", "max_seq_len", "max_num_tokens"):
+                # The plan must admit the runtime limits the bench asks for.
+                if flags.get(name) is not None and name not in build:
+                    build[name] = flags[name]
         elif variant_plan is not None and raw_variant.get("build"):
             raise check.fail(where, "`build:` needs `model:` (a recipe to build); a `plan:` directory is already built")
         dataset_raw = document["dataset"]
