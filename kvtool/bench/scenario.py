@@ -170,6 +170,15 @@ def _dataset_spec(check: _Checker, raw, where: str, base_dir: Path) -> DatasetSp
     return DatasetSpec(generator=name, parameters=parameters)
 
 
+def _default_build_limits() -> dict[str, int]:
+    """The runtime limits a plan built with default BuildOptions admits."""
+    from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
+
+    defaults = BuildOptions()
+    return {"max_batch_size": defaults.max_batch_size, "max_num_tokens": defaults.max_num_tokens,
+            "max_seq_len": defaults.max_seq_len or DEFAULT_MAX_SEQ_LEN_CAP}
+
+
 def _merged(base: Mapping | None, override: Mapping | None) -> dict:
     return {**(base or {}), **(override or {})}
 
@@ -238,10 +247,10 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
             if flags.get("tokens_per_block") is not None:
                 # Built from a recipe: the block size is baked into the plan, one plan per value.
                 build["tokens_per_block"] = flags.pop("tokens_per_block")
-            for name in ("max_batch_size", "max_seq_len", "max_num_tokens"):
-                # The plan must admit the runtime limits the bench asks for.
-                if flags.get(name) is not None and name not in build:
-                    build[name] = flags[name]
+            for limit, built_for in _default_build_limits().items():
+                # The plan must admit the runtime limits the bench asks for (a lower limit needs no rebuild).
+                if flags.get(limit) is not None and limit not in build and flags[limit] > built_for:
+                    build[limit] = flags[limit]
         elif variant_plan is not None and raw_variant.get("build"):
             raise check.fail(where, "`build:` needs `model:` (a recipe to build); a `plan:` directory is already built")
         dataset_raw = document["dataset"]
