@@ -33,8 +33,11 @@ _ARCH_PATTERN = re.compile(r"^sm_\d{2,3}a?$")
 _DEFINE_PATTERN = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 
-class KernelToolchainError(KvtoolError):
-    """No CUDA compiler (nvcc or NVRTC) is usable on this machine; the message says what to install."""
+class KernelToolchainError(KvtoolError, ImportError):
+    """No CUDA compiler (nvcc or NVRTC) or no CuPy on this machine; the message says what to install.
+
+    An ImportError too, so a caller that picks the CUDA backend when it imports (and falls back to
+    the torch backend on ImportError) also falls back when the toolchain is missing."""
 
 
 class KernelCompileError(RuntimeError):

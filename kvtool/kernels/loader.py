@@ -23,6 +23,11 @@ def device_arch(device: torch.device | int | None = None) -> str:
     return f"sm_{major}{minor}"
 
 
+def require_cupy() -> None:
+    """Raises KernelToolchainError (an ImportError) when CuPy is not installed."""
+    _import_cupy()
+
+
 def _import_cupy():
     try:
         import cupy  # noqa: PLC0415 - optional dependency, only needed on a GPU

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvtool.kernels.kv_append import append_kv
-from kvtool.kernels.loader import KernelLibrary
+from kvtool.kernels.loader import KernelLibrary, require_cupy
 from kvtool.kernels.paged_context_attention import paged_context_attention
 from kvtool.kernels.paged_decode_attention import PARTITION_SIZE, paged_decode_attention
 from kvtool.layers.attention_metadata import AttentionMetadata
@@ -26,10 +26,14 @@ class CudaPagedAttention:
 
     ``library`` holds the compiled kernels (one per specialization, compiled on first use and
     cached on disk); pass one to share it between backends or to point at a plan's kernel cache.
+    Raises KernelToolchainError (an ImportError) at construction when CuPy or every CUDA compiler
+    is missing, so callers can fall back to TorchPagedAttention before the first forward.
     """
 
     def __init__(self, library: KernelLibrary | None = None, *, decode_partition_size: int = PARTITION_SIZE) -> None:
+        require_cupy()
         self.library = library if library is not None else KernelLibrary()
+        self.library.compiler.backends  # noqa: B018 - discovers nvcc / NVRTC now, not mid-forward
         self.decode_partition_size = decode_partition_size
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
