@@ -104,12 +104,16 @@ class PagedDriver:
             seq.num_computed = num_shared_blocks * T
         return seq
 
-    def release_blocks_outside_window(self, seq: PagedSequence, window: int) -> int:
-        """Mark blocks no future token of ``seq`` can see as -1 (as the runtime does); returns how many."""
+    def release_blocks_outside_window(self, seq: PagedSequence, window: int, *, poison: bool = True) -> int:
+        """Mark blocks no future token of ``seq`` can see as -1 (as the runtime does) and, with
+        ``poison``, fill them with NaN (only for blocks no other sequence shares); returns how many."""
         first_visible = max(0, seq.num_computed + 1 - window)  # the next token's window
         released = 0
         for index in range(first_visible // self.tokens_per_block):
-            if seq.block_ids[index] != -1:
+            block_id = seq.block_ids[index]
+            if block_id != -1:
+                if poison:
+                    self.pool[block_id] = float("nan")
                 seq.block_ids[index] = -1
                 released += 1
         return released

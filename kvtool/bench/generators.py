@@ -186,11 +186,8 @@ def _lookup(name: str) -> Callable[..., list[Line]]:
     return GENERATORS[key]
 
 
-def generate(name: str, parameters: Mapping[str, object]) -> list[Line]:
-    """Runs a generator by name with a flat mapping of parameters (common options included).
-
-    Unknown parameters are an error listing the allowed ones (scenario files use this).
-    """
+def check_parameters(name: str, parameters: Mapping[str, object]) -> None:
+    """Unknown or missing parameters of a generator are a ValueError listing the allowed ones."""
     function = _lookup(name)
     allowed = generator_parameters(name) + list(OPTION_NAMES)
     unknown = sorted(set(parameters) - set(allowed))
@@ -201,5 +198,14 @@ def generate(name: str, parameters: Mapping[str, object]) -> list[Line]:
     missing = [p for p in required if p not in parameters]
     if missing:
         raise ValueError(f"dataset generator {name!r} needs parameter(s) {missing}; allowed: {allowed}")
+
+
+def generate(name: str, parameters: Mapping[str, object]) -> list[Line]:
+    """Runs a generator by name with a flat mapping of parameters (common options included).
+
+    Unknown parameters are an error listing the allowed ones (scenario files use this).
+    """
+    check_parameters(name, parameters)
+    function = _lookup(name)
     options = GeneratorOptions(**{k: v for k, v in parameters.items() if k in OPTION_NAMES})
     return function(options, **{k: v for k, v in parameters.items() if k not in OPTION_NAMES})

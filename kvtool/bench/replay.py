@@ -98,12 +98,19 @@ class FinishedRequest(NamedTuple):
 def prepare_items(dataset: Dataset, *, tokenizer, vocab_size: int) -> list[ReplayItem]:
     """Tokenizes text prompts and checks every token id against the model's vocabulary."""
     items = []
+    bos_token_id = getattr(tokenizer, "bos_token_id", None)
+    sessions_seen: set[str] = set()
     for index, record in enumerate(dataset.records):
         where = dataset.where(record)
         if record.input_ids is not None:
             token_ids = record.input_ids
         else:
             token_ids = tuple(int(t) for t in tokenizer.encode(record.prompt)) if record.prompt else ()
+            if record.session_id in sessions_seen and bos_token_id is not None and token_ids[:1] == (bos_token_id,):
+                # A later turn continues the conversation: no second beginning-of-sequence token mid-prompt.
+                token_ids = token_ids[1:]
+        if record.session_id is not None:
+            sessions_seen.add(record.session_id)
         bad = [t for t in token_ids if t >= vocab_size]
         if bad:
             raise DatasetError(f"{where}: token id {max(bad)} is outside the model's vocabulary "

@@ -132,3 +132,12 @@ def rows_by_label(rows: Iterable[Mapping[str, str]]) -> dict[str, list[Mapping[s
     for row in rows:
         groups.setdefault(row.get("label", ""), []).append(row)
     return groups
+
+
+def output_paths(output: str | os.PathLike) -> tuple[Path, Path]:
+    """(summary CSV, per-request CSV) of a single run: OUTPUT/summary.csv + OUTPUT/requests.csv for a
+    directory, or OUTPUT itself + <stem>-requests.csv beside it when OUTPUT ends with .csv."""
+    output = Path(output)
+    if output.suffix.lower() == ".csv":
+        return output, output.with_name(f"{output.stem}-requests.csv")
+    return output / SUMMARY_FILE, output / requests_file_name(None)

@@ -31,11 +31,24 @@ class BenchResult:
     interrupted: bool
 
 
+def build_options_for(options: BenchOptions):
+    """BuildOptions for a model built on the fly (preset or checkpoint): the block size and the limits
+    the bench flags ask for, so a plan built for this bench admits them."""
+    from kvtool.plan import BuildOptions
+
+    wanted = {name: getattr(options, name) for name in ("tokens_per_block", "max_batch_size", "max_seq_len",
+                                                        "max_num_tokens") if getattr(options, name) is not None}
+    return BuildOptions(**wanted)
+
+
 def create_llm(model: str, options: BenchOptions):
-    """kvtool.LLM for a plan directory, checkpoint or preset, configured from the bench flags."""
+    """kvtool.LLM for a plan directory (used as built), or a checkpoint/preset (built on the fly with
+    build_options_for(options)), configured from the bench flags."""
     from kvtool import LLM  # torch and the C++ extension load only when a bench really runs
 
-    return LLM(model=model, **options.llm_kwargs())
+    is_plan_dir = (Path(model) / "plan.json").is_file()
+    build = None if is_plan_dir else build_options_for(options)
+    return LLM(model=model, build_options=build, **options.llm_kwargs())
 
 
 def default_output_dir(stem: str, now: datetime.datetime | None = None) -> Path:

@@ -1,1 +1,150 @@
-"""`kvtool bench`: registered on the app by kvtool.cli (module owned by the bench work)."""
+"""`kvtool bench`: replay a dataset (or run a scenario) and write per-request and summary CSVs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from kvtool.bench import runner, sweep
+from kvtool.bench.datasets import load_dataset
+from kvtool.bench.options import BenchOptions
+from kvtool.bench.report import output_paths, write_summary_csv
+from kvtool.bench.scenario import load_scenario
+from kvtool.cli import app
+from kvtool.cli.errors import user_errors
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def flag(name: str, help: str, **kwargs):
+    """A typer option spelled both --under_score and --dash-ed."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    return typer.Option(*spellings, help=help, **kwargs)
+
+
+def switch(on: str, off: str, help: str):
+    """A --on/--off boolean flag in both spellings; None when neither is given."""
+    return typer.Option(f"--{on}/--{off}", f"--{on.replace('_', '-')}/--{off.replace('_', '-')}", help=help)
+
+
+def _default_label(plan: Path | None, model: str | None) -> str:
+    if plan is not None:
+        return Path(plan).name or str(plan)
+    return str(model).removeprefix("preset:")
+
+
+@app.command()
+def bench(
+    plan: Annotated[Path | None, flag("plan", "A plan directory built by `kvtool build`.")] = None,
+    model: Annotated[str | None, flag("model", "preset:NAME or a Hugging Face checkpoint directory, built on the "
+                                      "fly (with --config: replaces the scenario's model).")] = None,
+    dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).")] = None,
+    config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.")] = None,
+    set_: Annotated[list[str] | None, flag("set", "Override a scenario value: --set bench.max_batch_size=4 "
+                                            "(repeatable; needs --config).")] = None,
+    output: Annotated[Path | None, flag("output", "Output directory (or a summary .csv path); default "
+                                        "results/<dataset or scenario>-<timestamp>.")] = None,
+    label: Annotated[str | None, flag("label", "Variant name in the reports (default: the plan/preset name).")] = None,
+    plan_cache_dir: Annotated[Path | None, flag("plan_cache_dir", "Where scenarios build their plans (default "
+                                                "$KVTOOL_CACHE_DIR or ~/.cache/kvtool/plans).")] = None,
+    enable_kv_cache_reuse: Annotated[bool | None, switch("enable_kv_cache_reuse", "disable_kv_cache_reuse",
+                                                         "Reuse cached KV blocks of shared prefixes [on].")] = None,
+    kv_host_cache_bytes: Annotated[str | None, flag("kv_host_cache_bytes", "Host memory for offloaded blocks: bytes "
+                                                    "or 512MB / 1GiB [0: no offloading].")] = None,
+    max_tokens_in_paged_kv_cache: Annotated[int | None, flag("max_tokens_in_paged_kv_cache",
+                                                             "Primary KV pool size in tokens.")] = None,
+    kv_cache_free_gpu_mem_fraction: Annotated[float | None, flag("kv_cache_free_gpu_mem_fraction",
+                                                                 "Fraction of free memory for the KV pool [0.9].")] = None,
+    max_attention_window_size: Annotated[int | None, flag("max_attention_window_size",
+                                                          "Sliding attention window (tokens).")] = None,
+    scheduler_policy: Annotated[str | None, flag("scheduler_policy", "guaranteed_no_evict | max_utilization | "
+                                                 "static_batch [guaranteed_no_evict].")] = None,
+    context_chunking_policy: Annotated[str | None, flag("context_chunking_policy", "first_come_first_served | "
+                                                        "equal_progress [first_come_first_served].")] = None,
+    enable_chunked_context: Annotated[bool | None, switch("enable_chunked_context", "disable_chunked_context",
+                                                          "Split long contexts into chunks [off].")] = None,
+    max_batch_size: Annotated[int | None, flag("max_batch_size", "Requests per step [the plan's].")] = None,
+    max_num_tokens: Annotated[int | None, flag("max_num_tokens", "Tokens per step [the plan's].")] = None,
+    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output [the plan's].")] = None,
+    tokens_per_block: Annotated[int | None, flag("tokens_per_block", "Checked against the plan (scenarios built "
+                                                 "from a model: one plan per value).")] = None,
+    mode: Annotated[str | None, flag("mode", "offline (all queued at t0) | sequential (one at a time) [offline].")] = None,
+    concurrency: Annotated[int | None, flag("concurrency", "Keep N requests in flight.")] = None,
+    request_rate: Annotated[float | None, flag("request_rate", "Poisson arrivals at R requests/s (seeded).")] = None,
+    seed: Annotated[int | None, flag("seed", "Seed of the Poisson arrivals [0].")] = None,
+    warmup: Annotated[int | None, flag("warmup", "Run the first N dataset requests first, uncounted [0].")] = None,
+    warmup_counts_in_stats: Annotated[bool | None, typer.Option(
+        "--warmup_counts_in_stats", "--warmup-counts-in-stats",
+        help="Keep the warm-up's cache counters (default: reset after warm-up).")] = None,
+    num_requests: Annotated[int | None, flag("num_requests", "Measure at most N requests.")] = None,
+) -> None:
+    """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
+    given = dict(enable_kv_cache_reuse=enable_kv_cache_reuse, kv_host_cache_bytes=kv_host_cache_bytes,
+                 max_tokens_in_paged_kv_cache=max_tokens_in_paged_kv_cache,
+                 kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
+                 max_attention_window_size=max_attention_window_size, scheduler_policy=scheduler_policy,
+                 context_chunking_policy=context_chunking_policy, enable_chunked_context=enable_chunked_context,
+                 max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                 tokens_per_block=tokens_per_block, mode=mode, concurrency=concurrency, request_rate=request_rate,
+                 seed=seed, warmup=warmup, warmup_counts_in_stats=warmup_counts_in_stats, num_requests=num_requests)
+    flags = {name: value for name, value in given.items() if value is not None}
+    console = Console(stderr=True)
+    try:
+        with user_errors():
+            if plan is not None and model is not None:
+                raise ValueError("give --plan DIR or --model preset:NAME, not both")
+            if config is not None:
+                if label is not None:
+                    raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
+                rows, interrupted, written = _run_scenario(config, set_ or [], plan, model, dataset, output, flags,
+                                                           plan_cache_dir, console)
+            else:
+                if set_:
+                    raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
+                rows, interrupted, written = _run_single(plan, model, dataset, output, label, flags, console)
+    except KeyboardInterrupt:
+        console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if not rows:
+        console.print("[bold yellow]interrupted[/] before any variant finished: nothing written")
+        raise typer.Exit(EXIT_INTERRUPTED)
+    Console().print(runner.summary_table(rows))
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+    if interrupted:
+        console.print("[bold yellow]interrupted[/]: the reports hold the requests that finished "
+                      "(summary marked interrupted=True)")
+        raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _run_single(plan, model, dataset, output, label, flags, console):
+    if dataset is None:
+        raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
+    if plan is None and model is None:
+        raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
+    options = BenchOptions(**flags)
+    data = load_dataset(dataset)
+    summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
+    llm = runner.create_llm(str(plan if plan is not None else model), options)
+    try:
+        result = runner.run_bench(llm, data, options, label=label or _default_label(plan, model),
+                                  requests_csv=requests_csv, console=console,
+                                  config_columns={"model": str(plan if plan is not None else model)})
+    finally:
+        llm.shutdown()
+    write_summary_csv(summary_csv, [result.row])
+    return [result.row], result.interrupted, [requests_csv, summary_csv]
+
+
+def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_dir, console):
+    scenario = load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags)
+    output_dir = Path(output) if output is not None else runner.default_output_dir(scenario.name)
+    if output_dir.suffix.lower() == ".csv":
+        raise ValueError(f"--output {output_dir}: a scenario writes several files; give a directory")
+    result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=runner.create_llm,
+                                plan_resolver=lambda variant: sweep.resolve_variant_plan(variant, plan_cache_dir))
+    written = [output_dir / row["requests_csv"] for row in result.rows] + [result.summary_csv]
+    return result.rows, result.interrupted, written

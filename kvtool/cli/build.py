@@ -1,1 +1,93 @@
-"""`kvtool build`: registered on the app by kvtool.cli (module owned by the build work)."""
+"""`kvtool build`: compile a Hugging Face checkpoint or a preset into a plan directory."""
+
+from __future__ import annotations
+
+import enum
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.cli import app
+from kvtool.cli.errors import user_errors
+
+
+class Toggle(str, enum.Enum):
+    enable = "enable"
+    disable = "disable"
+
+
+class DType(str, enum.Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+@app.command()
+def build(
+    model: Annotated[str, typer.Option("--model", "-m",
+                                       help="A local Hugging Face checkpoint directory or preset:NAME.")],
+    output: Annotated[Path, typer.Option("--output", "--output_dir", "--output-dir", "-o",
+                                         help="The plan directory to write.")],
+    tokens_per_block: Annotated[int, typer.Option("--tokens_per_block", "--tokens-per-block",
+                                                  help="KV cache block size in tokens (a power of 2).")] = 32,
+    use_paged_context_fmha: Annotated[Toggle, typer.Option(
+        "--use_paged_context_fmha", "--use-paged-context-fmha",
+        help="Context attention over the paged cache; 'disable' forbids KV reuse.")] = Toggle.enable,
+    max_batch_size: Annotated[int, typer.Option("--max_batch_size", "--max-batch-size")] = 8,
+    max_seq_len: Annotated[int | None, typer.Option("--max_seq_len", "--max-seq-len",
+                                                    help="Default: min(max_position_embeddings, 4096).")] = None,
+    max_num_tokens: Annotated[int, typer.Option("--max_num_tokens", "--max-num-tokens")] = 8192,
+    dtype: Annotated[DType, typer.Option("--dtype", help="Weight and activation dtype.")] = DType.float32,
+    kv_cache_dtype: Annotated[DType | None, typer.Option("--kv_cache_dtype", "--kv-cache-dtype",
+                                                         help="Default: --dtype.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of a preset's random weights.")] = 0,
+) -> None:
+    """Build a model (HF checkpoint directory or preset:NAME) into a plan directory."""
+    with user_errors():
+        from kvtool.plan import BuildOptions, build_plan, load_plan
+
+        options = BuildOptions(tokens_per_block=tokens_per_block,
+                               use_paged_context_fmha=use_paged_context_fmha is Toggle.enable,
+                               max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
+                               dtype=dtype.value, kv_cache_dtype=kv_cache_dtype.value if kv_cache_dtype else None,
+                               seed=seed)
+        start = time.perf_counter()
+        build_plan(model, output, options)
+        plan = load_plan(output)
+        _print_summary(plan, time.perf_counter() - start)
+
+
+def _print_summary(plan, seconds: float) -> None:
+    config, options, weights = plan.model_config, plan.build_options, plan.manifest["weights"]
+    table = Table(title=f"Plan written to {plan.path}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    source = plan.source
+    table.add_row("source", f"preset:{source['name']} (seed {source['seed']})" if source["kind"] == "preset"
+                  else source["path"])
+    table.add_row("model", f"{config.family}: {config.num_layers} layers, hidden {config.hidden_size}, "
+                           f"{config.num_heads} heads / {config.num_kv_heads} KV heads x {config.head_dim}, "
+                           f"vocab {config.vocab_size}")
+    extras = [name for name, on in (("qkv bias", config.attention_bias), ("q/k norm", config.qk_norm),
+                                    ("tied embeddings", config.tie_word_embeddings)) if on]
+    if config.rope_scaling:
+        extras.append(f"{config.rope_scaling['rope_type']} rope scaling")
+    if config.sliding_window:
+        extras.append(f"sliding window {config.sliding_window}")
+    if extras:
+        table.add_row("features", ", ".join(extras))
+    table.add_row("parameters", f"{weights['num_parameters'] / 1e6:,.1f} M")
+    table.add_row("weights", f"{weights['size_bytes'] / 2**20:,.1f} MiB {options.dtype}")
+    table.add_row("KV cache", f"{options.resolved_kv_cache_dtype}, {options.tokens_per_block} tokens per block, "
+                              f"{config.num_kv_bytes_per_token(plan.kv_cache_dtype) / 1024:,.1f} KiB per token")
+    table.add_row("limits", f"max_batch_size {options.max_batch_size}, max_seq_len {options.max_seq_len}, "
+                            f"max_num_tokens {options.max_num_tokens}")
+    table.add_row("paged context FMHA", "enabled (KV reuse possible)" if options.use_paged_context_fmha
+                  else "disabled (KV reuse not possible)")
+    table.add_row("tokenizer", plan.manifest["tokenizer"]["kind"])
+    table.add_row("build time", f"{seconds:.1f} s")
+    Console().print(table)

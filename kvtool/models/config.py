@@ -11,6 +11,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
+_HF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -131,6 +132,11 @@ class ModelConfig:
         model_type = hf.get("model_type")
         _check(model_type in FAMILIES,
                f"config.json model_type {model_type!r} is not supported: kvtool runs {list(FAMILIES)}")
+        missing = [key for key in _HF_REQUIRED_KEYS if key not in hf]
+        _check(not missing, f"config.json lacks {missing}: it is not a complete {model_type} config")
+        for key in _HF_REQUIRED_KEYS:
+            _check(isinstance(hf[key], int) and hf[key] > 0,
+                   f"config.json {key} must be a positive integer, got {hf[key]!r}")
         hidden_act = hf.get("hidden_act", "silu")
         _check(hidden_act == "silu", f"config.json hidden_act {hidden_act!r} is not supported: only 'silu'")
         _check(not hf.get("mlp_bias", False), "config.json mlp_bias=true is not supported")

@@ -19,6 +19,18 @@ from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.models.config import ModelConfig
 
 
+class Embedding(nn.Module):
+    """Token embedding without random init (weights always come from a plan; nn.Embedding's
+    normal_ init on the meta device would import torch._dynamo, seconds of start-up)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -138,7 +150,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"attention_window must be positive or None, got {attention_window}")
         self.config = config
         self.sliding_window = effective_window(config.sliding_window, attention_window)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, backend, self.sliding_window)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

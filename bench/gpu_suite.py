@@ -1,0 +1,362 @@
+"""GPU benchmark suite for kvtool's CUDA kernels, each against a baseline measured in the same run.
+
+Sections (``--sections``, default all):
+  copy     device-to-device copy bandwidth (the decode baseline) and pinned host<->device bandwidth
+  decode   paged decode attention effective bandwidth (KV bytes read / time) vs the D2D copy
+           bandwidth; batch 64, context 4096, 32 query / 8 KV heads, head_dim 128 (target >= 0.8)
+  context  paged context attention throughput vs torch SDPA (flash backend) on the same data laid
+           out contiguously; 4 x 4096-token causal prefills (target >= 0.9)
+  blocks   host<->device block copy (kernel and memcpy variants, scattered ids) vs one plain
+           pinned copy of the same bytes (target >= 0.8)
+  e2e      TTFT on preset:qwen3-8b with a cached shared prefix vs reuse off (through kvtool.LLM);
+           guarded: a failure there is recorded and the kernel sections still report
+
+Timing: CUDA events around each call, the GPU kept busy by a sleep kernel while Python enqueues
+(so launch overhead does not leave gaps inside the timed region), warm-up, median of --reps.
+Writes ``<output>/gpu_suite.csv`` and ``<output>/gpu_suite.md``.
+
+    python bench/gpu_suite.py --output out/gpu_suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SECTIONS = ("copy", "decode", "context", "blocks", "e2e")
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time: covers Python launch overhead of one timed call
+
+
+@dataclass
+class Row:
+    section: str
+    case: str
+    metric: str
+    value: float
+    unit: str
+    baseline: float | None = None  # the same-run figure the value is compared with
+    ratio: float | None = None     # value / baseline (higher is better)
+    target: float | None = None    # required ratio
+
+
+class Suite:
+    """Collects rows; one section failing does not stop the others."""
+
+    def __init__(self, reps: int, warmup: int) -> None:
+        self.reps, self.warmup = reps, warmup
+        self.rows: list[Row] = []
+        self.errors: list[str] = []
+        self.baselines: dict[str, float] = {}
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        ratio = f"  ratio {row.ratio:.3f} (target {row.target})" if row.ratio is not None else ""
+        print(f"[{row.section}] {row.case}: {row.metric} = {row.value:.4g} {row.unit}{ratio}", flush=True)
+
+    def time_ms(self, fn: Callable[[], None]) -> float:
+        """Median GPU time (ms) of fn() on the current stream."""
+        for _ in range(self.warmup):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(self.reps):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+# ---- baselines ----
+
+def section_copy(suite: Suite) -> None:
+    num_bytes = 1 << 30
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = suite.time_ms(lambda: dst.copy_(src))
+    d2d = 2 * num_bytes / (ms * 1e-3) / 1e9  # read + write traffic
+    suite.baselines["d2d_GBps"] = d2d
+    suite.add(Row("copy", "device->device 1 GiB", "bandwidth (read+write)", d2d, "GB/s"))
+    del src, dst
+    host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(host.shape, dtype=torch.uint8, device="cuda")
+    for name, fn in (("host->device", lambda: dev.copy_(host, non_blocking=True)),
+                     ("device->host", lambda: host.copy_(dev, non_blocking=True))):
+        ms = suite.time_ms(fn)
+        bandwidth = host.numel() / (ms * 1e-3) / 1e9
+        suite.baselines[f"{name}_GBps"] = bandwidth
+        suite.add(Row("copy", f"{name} pinned 256 MiB", "bandwidth", bandwidth, "GB/s"))
+
+
+# ---- paged attention inputs ----
+
+def paged_inputs(batch: int, seq_len: int, query_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 tokens_per_block: int, dtype: torch.dtype, seed: int = 0):
+    """Random pool with each sequence's blocks scattered (random permutation), metadata tensors."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per_seq = math.ceil(seq_len / tokens_per_block)
+    num_blocks = batch * blocks_per_seq
+    pool = torch.randn((num_blocks, 2, tokens_per_block, num_kv_heads, head_dim), generator=gen, device="cuda",
+                       dtype=torch.float32).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen, device="cuda").view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * query_len
+    query = torch.randn((batch * query_len, num_heads, head_dim), generator=gen, device="cuda").to(dtype)
+    return pool, block_tables, seq_lens, query_start_loc, query
+
+
+def section_decode(suite: Suite, library, dtype: torch.dtype) -> None:
+    from kvtool.kernels.paged_decode_attention import num_partitions, paged_decode_attention
+
+    d2d = suite.baselines.get("d2d_GBps")
+    cases = [(64, 4096, 16, 0.8), (64, 4096, 64, 0.8), (8, 16384, 16, None), (1, 32768, 16, None)]
+    for batch, seq_len, tpb, target in cases:
+        num_heads, num_kv_heads, head_dim = 32, 8, 128
+        pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, 1, num_heads, num_kv_heads, head_dim,
+                                                          tpb, dtype)
+        out = torch.empty_like(query)
+
+        def run():
+            paged_decode_attention(library, query, pool, tables, qsl, seq_lens, seq_offset=0, num_seqs=batch,
+                                   max_seq_len=seq_len, scale=head_dim ** -0.5, sliding_window=None, out=out)
+
+        ms = suite.time_ms(run)
+        kv_bytes = batch * seq_len * num_kv_heads * head_dim * 2 * pool.element_size()
+        bandwidth = kv_bytes / (ms * 1e-3) / 1e9
+        case = (f"batch {batch} x ctx {seq_len}, tpb {tpb}, 32/8 heads, hd 128, "
+                f"{num_partitions(seq_len)} partitions")
+        suite.add(Row("decode", case, "time", ms, "ms"))
+        suite.add(Row("decode", case, "effective KV bandwidth", bandwidth, "GB/s", d2d,
+                      bandwidth / d2d if d2d else None, target))
+        del pool, tables, query, out
+
+
+def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kvtool.kernels.paged_context_attention import paged_context_attention
+
+    batch, seq_len, num_heads, num_kv_heads, head_dim = 4, 4096, 32, 8, 128
+    scale = head_dim ** -0.5
+    flops = 4 * batch * num_heads * head_dim * seq_len * (seq_len + 1) / 2  # causal: half the square
+    sdpa_tflops = None
+    for tpb in (16, 64):
+        pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, seq_len, num_heads, num_kv_heads,
+                                                          head_dim, tpb, dtype)
+        out = torch.empty_like(query)
+
+        def run():
+            paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
+                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out)
+
+        ms = suite.time_ms(run)
+        ours = flops / (ms * 1e-3) / 1e12
+        if sdpa_tflops is None:
+            # The same keys/values, gathered out of the pool into contiguous [batch, heads, seq, dim].
+            order = tables.long().flatten()
+            kv = pool[order].view(batch, -1, 2, tpb, num_kv_heads, head_dim)
+            k = kv[:, :, 0].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
+            v = kv[:, :, 1].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
+            q = query.view(batch, seq_len, num_heads, head_dim).transpose(1, 2).contiguous()
+            group = num_heads // num_kv_heads
+            note = "enable_gqa"
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                try:
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+                    def sdpa():
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+                except RuntimeError:
+                    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                    note = "K/V heads expanded"
+
+                    def sdpa():
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+                sdpa_ms = suite.time_ms(sdpa)
+            sdpa_tflops = flops / (sdpa_ms * 1e-3) / 1e12
+            suite.add(Row("context", f"torch SDPA flash, contiguous ({note})", "throughput", sdpa_tflops, "TFLOP/s"))
+            del k, v, q, kv
+        case = f"{batch} x {seq_len} causal prefill, tpb {tpb}, 32/8 heads, hd 128"
+        suite.add(Row("context", case, "time", ms, "ms"))
+        suite.add(Row("context", case, "throughput", ours, "TFLOP/s", sdpa_tflops, ours / sdpa_tflops, 0.9))
+        del pool, tables, query, out
+    # Reuse: the second half of each sequence attends to a cached first half (read from the cache).
+    query_len = seq_len // 2
+    pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, query_len, num_heads, num_kv_heads,
+                                                      head_dim, 16, dtype)
+    out = torch.empty_like(query)
+
+    def run_chunk():
+        paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
+                                max_query_len=query_len, scale=scale, sliding_window=None, out=out)
+
+    ms = suite.time_ms(run_chunk)
+    chunk_flops = 4 * batch * num_heads * head_dim * query_len * (seq_len - query_len + (query_len + 1) / 2)
+    case = f"{batch} x {query_len} new tokens over a cached {seq_len - query_len}-token prefix, tpb 16"
+    suite.add(Row("context", case, "time", ms, "ms"))
+    suite.add(Row("context", case, "throughput", chunk_flops / (ms * 1e-3) / 1e12, "TFLOP/s"))
+
+
+def section_blocks(suite: Suite, library, dtype: torch.dtype) -> None:
+    from kvtool.kernels.block_copy import copy_blocks
+
+    # qwen3-8b block geometry: 36 layers x K/V x 16 tokens x 8 kv heads x 128 dims (2.36 MB in 16 bits).
+    block_dims = (36, 2, 16, 8, 128)
+    num_device_blocks, num_host_blocks, num_ops = 256, 160, 64
+    device_pool = torch.randn((num_device_blocks, *block_dims), device="cuda").to(dtype)
+    per_chunk = max(1, (64 << 20) // (device_pool[0].numel() * device_pool.element_size()))
+    host_chunks = [torch.empty((min(per_chunk, num_host_blocks - start), *block_dims), dtype=dtype).pin_memory()
+                   for start in range(0, num_host_blocks, per_chunk)]
+    gen = torch.Generator().manual_seed(0)
+    device_ids = torch.randperm(num_device_blocks, generator=gen)[:num_ops].tolist()
+    host_ids = torch.randperm(num_host_blocks, generator=gen)[:num_ops].tolist()
+    num_bytes = num_ops * device_pool[0].numel() * device_pool.element_size()
+    staging_host = torch.empty((num_ops, *block_dims), dtype=dtype).pin_memory()
+    staging_device = torch.empty((num_ops, *block_dims), dtype=dtype, device="cuda")
+    directions = {
+        "device->host (offload)": (device_pool, host_chunks, device_ids, host_ids,
+                                   lambda: staging_host.copy_(staging_device, non_blocking=True)),
+        "host->device (onboard)": (host_chunks, device_pool, host_ids, device_ids,
+                                   lambda: staging_device.copy_(staging_host, non_blocking=True)),
+    }
+    for direction, (src, dst, src_ids, dst_ids, plain_copy) in directions.items():
+        baseline = num_bytes / (suite.time_ms(plain_copy) * 1e-3) / 1e9
+        suite.add(Row("blocks", f"{direction}: one pinned copy of {num_bytes / 1e6:.0f} MB", "bandwidth",
+                      baseline, "GB/s"))
+        for method in ("kernel", "memcpy"):
+            def run(src=src, dst=dst, src_ids=src_ids, dst_ids=dst_ids, method=method):
+                copy_blocks(src, dst, src_ids, dst_ids, torch.cuda.current_stream(), method=method, library=library)
+
+            bandwidth = num_bytes / (suite.time_ms(run) * 1e-3) / 1e9
+            suite.add(Row("blocks", f"{direction}: {num_ops} scattered 2.36 MB blocks, {method}", "bandwidth",
+                          bandwidth, "GB/s", baseline, bandwidth / baseline, 0.8))
+
+
+def section_e2e(suite: Suite, model: str, prefix_len: int, question_len: int, repeats: int) -> None:
+    import gc
+    import random
+
+    from kvtool import LLM, KvCacheConfig, SamplingParams
+
+    rng = random.Random(0)
+    prefix = [rng.randrange(100, 30000) for _ in range(prefix_len)]
+    questions = [[rng.randrange(100, 30000) for _ in range(question_len)] for _ in range(repeats)]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    medians = {}
+    for reuse in (False, True):
+        started = time.perf_counter()
+        llm = LLM(model=model, max_batch_size=1, max_seq_len=prefix_len + question_len + 16,
+                  kv_cache_config=KvCacheConfig(enable_block_reuse=reuse, max_tokens=4 * (prefix_len + question_len)))
+        suite.add(Row("e2e", f"{model} load (reuse {'on' if reuse else 'off'})", "wall time",
+                      time.perf_counter() - started, "s"))
+        llm.generate(prefix + [7] * question_len, params)  # warm-up; caches the prefix when reuse is on
+        ttft = []
+        for question in questions:
+            out = llm.generate(prefix + question, params)
+            record = llm.engine.records[out.request_id]
+            ttft.append((record.first_token_time - record.arrival_time) * 1e3)
+        medians[reuse] = statistics.median(ttft)
+        suite.add(Row("e2e", f"{prefix_len}-token shared prefix + {question_len}-token question, reuse "
+                      f"{'on' if reuse else 'off'}", "median TTFT", medians[reuse], "ms"))
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    suite.add(Row("e2e", "TTFT reuse off / on", "speed-up", medians[False] / medians[True], "x"))
+
+
+def write_reports(suite: Suite, output: Path, header: dict[str, str]) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    with open(output / "gpu_suite.csv", "w", newline="") as handle:
+        fields = list(header) + list(asdict(suite.rows[0]).keys()) if suite.rows else list(header)
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for row in suite.rows:
+            writer.writerow({**header, **asdict(row)})
+    lines = ["# kvtool GPU suite", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
+    lines += ["| section | case | metric | value | unit | baseline | ratio | target |", "|---|---|---|---|---|---|---|---|"]
+    for r in suite.rows:
+        fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
+        verdict = "" if r.ratio is None or r.target is None else (" (met)" if r.ratio >= r.target else " (missed)")
+        lines.append(f"| {r.section} | {r.case} | {r.metric} | {r.value:.4g} | {r.unit} | {fmt(r.baseline)} | "
+                     f"{fmt(r.ratio)}{verdict} | {fmt(r.target)} |")
+    if suite.errors:
+        lines += ["", "## Errors", ""] + [f"```\n{e}\n```" for e in suite.errors]
+    (output / "gpu_suite.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, required=True, help="directory for gpu_suite.csv / gpu_suite.md")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per measurement (median)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--e2e_model", default="preset:qwen3-8b")
+    parser.add_argument("--e2e_prefix_len", type=int, default=2048)
+    parser.add_argument("--e2e_question_len", type=int, default=64)
+    parser.add_argument("--e2e_repeats", type=int, default=7)
+    args = parser.parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}: choose from {SECTIONS}")
+    if args.reps < 20:
+        parser.error("--reps must be at least 20 (medians of >= 20 repetitions)")
+    if not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device", file=sys.stderr)
+        return 2
+
+    from kvtool.kernels.loader import KernelLibrary
+
+    dtype = getattr(torch, args.dtype)
+    suite = Suite(args.reps, args.warmup)
+    library = KernelLibrary()
+    header = {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "torch": torch.__version__,
+              "torch_cuda": str(torch.version.cuda)}
+    try:
+        import cupy
+
+        header["cupy"] = cupy.__version__
+        header["kernel_compilers"] = " / ".join(b.identity for b in library.compiler.backends)
+    except Exception as error:  # noqa: BLE001 - reported, the baselines still run
+        suite.errors.append(f"kernel toolchain: {error}")
+    runners = {
+        "copy": lambda: section_copy(suite),
+        "decode": lambda: section_decode(suite, library, dtype),
+        "context": lambda: section_context(suite, library, dtype),
+        "blocks": lambda: section_blocks(suite, library, dtype),
+        "e2e": lambda: section_e2e(suite, args.e2e_model, args.e2e_prefix_len, args.e2e_question_len,
+                                   args.e2e_repeats),
+    }
+    if "decode" in sections and "copy" not in sections:
+        sections.insert(0, "copy")  # the decode ratio needs the D2D baseline of this run
+    for name in sections:
+        try:
+            runners[name]()
+        except Exception:  # noqa: BLE001 - one section's failure must not hide the others' figures
+            suite.errors.append(f"section {name} failed:\n{traceback.format_exc()}")
+            print(suite.errors[-1], file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    write_reports(suite, args.output, header)
+    return 1 if suite.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Side-by-side comparison of bench reports, and a plot of their TTFT distributions.
+
+Inputs are summary CSVs (every row a variant) and per-request CSVs (every label a variant,
+summarized with kvtool.bench.metrics.summarize). A summary row's per-request file
+(``requests_csv``, beside the summary) is read when present, for the plot.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtool.bench.metrics import RequestMetrics, summarize
+from kvtool.bench.report import read_csv, request_metrics_from_row, rows_by_label
+from kvtool.errors import KvtoolError
+
+# (column, display name) in table order.
+METRICS: tuple[tuple[str, str], ...] = (
+    ("num_requests", "requests"),
+    ("num_errors", "errors"),
+    *((f"ttft_ms_{s}", f"TTFT {s} (ms)") for s in ("mean", "p50", "p90", "p99")),
+    *((f"tpot_ms_{s}", f"TPOT {s} (ms)") for s in ("mean", "p50", "p90", "p99")),
+    *((f"itl_ms_{s}", f"ITL {s} (ms)") for s in ("mean", "p50", "p90", "p99")),
+    *((f"e2e_ms_{s}", f"E2E {s} (ms)") for s in ("mean", "p50", "p90", "p99")),
+    ("total_input_tokens", "input tokens"),
+    ("total_output_tokens", "output tokens"),
+    ("output_tokens_per_s", "output tokens/s"),
+    ("requests_per_s", "requests/s"),
+    ("total_reused_tokens", "reused tokens"),
+    ("reused_blocks", "reused blocks"),
+    ("missed_blocks", "missed blocks"),
+    ("cache_hit_rate", "cache hit rate"),
+    ("early_reused_blocks", "early reused blocks"),
+    ("offloaded_blocks", "offloaded blocks"),
+    ("onboarded_blocks", "onboarded blocks"),
+    ("evicted_blocks", "evicted blocks"),
+    ("offloaded_bytes", "offloaded bytes"),
+    ("onboarded_bytes", "onboarded bytes"),
+)
+# Configuration columns never worth a row (they differ on every run).
+_NOISY_COLUMNS = frozenset({"label", "started_at", "requests_csv", "duration_s"})
+
+
+@dataclass
+class CompareVariant:
+    """One column of the comparison: a name, its summary values and (when known) its requests."""
+
+    name: str
+    row: dict[str, str]
+    requests: list[RequestMetrics] | None
+    source: Path
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    name: str
+    column: str
+    values: tuple[float | str | None, ...]
+    ratios: tuple[float | None, ...]     # value / first variant's value
+
+
+def _number(text) -> float | str | None:
+    if text is None or text == "":
+        return None
+    if isinstance(text, (int, float)):
+        return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        return str(text)
+
+
+def _is_per_request(columns: Sequence[str]) -> bool:
+    return "request_id" in columns and "ttft_ms" in columns
+
+
+def _summary_from_requests(label: str, requests: list[RequestMetrics]) -> dict[str, str]:
+    row = {"label": label}
+    row.update({k: "" if v is None else v for k, v in summarize(requests).as_row().items()})
+    return row
+
+
+def load_variants(paths: Sequence[str | os.PathLike]) -> list[CompareVariant]:
+    """Every variant of the given reports, in order; duplicate labels get their file's name added."""
+    variants: list[CompareVariant] = []
+    for path in map(Path, paths):
+        rows = read_csv(path)
+        if not rows:
+            raise KvtoolError(f"report {path} has a header but no rows")
+        columns = list(rows[0])
+        if _is_per_request(columns):
+            for label, group in rows_by_label(rows).items():
+                try:
+                    requests = [request_metrics_from_row(row) for row in group]
+                except (KeyError, ValueError) as error:
+                    raise KvtoolError(f"{path}: a row is not a kvtool per-request row ({error})") from None
+                variants.append(CompareVariant(label or path.stem, _summary_from_requests(label, requests),
+                                               requests, path))
+        elif "ttft_ms_mean" in columns:
+            for row in rows:
+                variants.append(CompareVariant(row.get("label") or path.stem, dict(row),
+                                               _requests_beside(path, row), path))
+        else:
+            raise KvtoolError(f"{path} is neither a kvtool summary CSV (ttft_ms_mean column) nor a per-request CSV "
+                              "(request_id and ttft_ms columns)")
+    counts: dict[str, int] = {}
+    for variant in variants:
+        counts[variant.name] = counts.get(variant.name, 0) + 1
+    seen: dict[str, int] = {}
+    for variant in variants:
+        if counts[variant.name] > 1:
+            base = f"{variant.name} ({variant.source.stem})"
+            seen[base] = seen.get(base, 0) + 1
+            variant.name = base if seen[base] == 1 else f"{base} #{seen[base]}"
+    return variants
+
+
+def _requests_beside(summary_path: Path, row: dict[str, str]) -> list[RequestMetrics] | None:
+    name = row.get("requests_csv")
+    if not name:
+        return None
+    path = summary_path.parent / name
+    if not path.is_file():
+        return None
+    label = row.get("label", "")
+    return [request_metrics_from_row(r) for r in read_csv(path) if r.get("label", "") == label] or None
+
+
+def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
+    """Metric rows (those any variant has), then the configuration columns whose values differ."""
+    rows = []
+    for column, name in METRICS:
+        values = tuple(_number(v.row.get(column)) for v in variants)
+        if all(value is None for value in values):
+            continue
+        first = values[0]
+        ratios = tuple(value / first if isinstance(value, float) and isinstance(first, float) and first else None
+                       for value in values)
+        rows.append(CompareRow(name, column, values, ratios))
+    metric_columns = {column for column, _ in METRICS}
+    config_columns: dict[str, None] = {}
+    for variant in variants:
+        config_columns.update(dict.fromkeys(variant.row))
+    for column in config_columns:
+        if column in metric_columns or column in _NOISY_COLUMNS or "_ms_" in column:
+            continue
+        values = tuple(variant.row.get(column, "") for variant in variants)
+        if len({value for value in values if value != ""}) > 1:  # variants without the column do not count
+            rows.append(CompareRow(column, column, tuple(v if v != "" else None for v in values),
+                                   (None,) * len(values)))
+    return rows
+
+
+def format_value(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1e15:
+            return f"{int(value):,}"
+        return f"{value:,.3f}" if abs(value) < 1 else f"{value:,.2f}"
+    return str(value)
+
+
+def format_ratio(ratio: float | None) -> str:
+    return "" if ratio is None else f"{ratio:.2f}x"
+
+
+def plot_ttft(variants: Sequence[CompareVariant], path: str | os.PathLike) -> Path:
+    """A PNG with the TTFT distribution of every variant that has per-request data: a box plot and a CDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
+    with_data = [(v.name, sorted(r.ttft_ms for r in v.requests if r.ok and r.ttft_ms is not None))
+                 for v in variants if v.requests]
+    with_data = [(name, values) for name, values in with_data if values]
+    if not with_data:
+        raise KvtoolError("the TTFT plot needs per-request data: pass per-request CSVs, or keep each summary's "
+                          "requests_csv file beside it")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, (box_axes, cdf_axes) = plt.subplots(1, 2, figsize=(12, 5))
+    names = [name for name, _ in with_data]
+    box_axes.boxplot([values for _, values in with_data], showmeans=True)
+    box_axes.set_xticks(range(1, len(names) + 1), names, rotation=20, ha="right")
+    box_axes.set_ylabel("TTFT (ms)")
+    box_axes.set_title("TTFT per request (box: quartiles, whiskers 1.5 IQR, triangle: mean)")
+    box_axes.grid(axis="y", alpha=0.3)
+    for name, values in with_data:
+        fractions = [(i + 1) / len(values) for i in range(len(values))]
+        cdf_axes.step(values, fractions, where="post", label=f"{name} (n={len(values)})")
+    low, high = min(v[0] for _, v in with_data), max(v[-1] for _, v in with_data)
+    if low > 0 and high / low > 20:  # reuse on vs off spans orders of magnitude
+        cdf_axes.set_xscale("log")
+        box_axes.set_yscale("log")
+    cdf_axes.set_xlabel("TTFT (ms)")
+    cdf_axes.set_ylabel("fraction of requests")
+    cdf_axes.set_title("TTFT CDF")
+    cdf_axes.grid(alpha=0.3)
+    cdf_axes.legend(loc="lower right")
+    skipped = [v.name for v in variants if v.name not in names]
+    if skipped:
+        figure.text(0.01, 0.01, f"no per-request data: {', '.join(skipped)}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

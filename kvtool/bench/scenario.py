@@ -1,0 +1,276 @@
+"""Named benchmark scenarios (bench_configs/*.yaml): a dataset, a plan, bench flags and a sweep.
+
+::
+
+    name: system_prompt                  # default: the file's stem
+    description: reuse on vs off on a shared system prompt
+    model: preset:tiny-llama             # a preset or checkpoint, built into a plan (or `plan: DIR`)
+    build: {tokens_per_block: 32}        # kvtool.plan.BuildOptions for the build
+    dataset:                             # `path: FILE.jsonl`, or a generator and its parameters
+      generator: system-prompt
+      num_groups: 4
+      prompts_per_group: 8
+      system_prompt_len: 512
+      question_len: 32
+      output_len: 16
+    bench: {max_batch_size: 8, warmup: 0}   # any `kvtool bench` flag, underscore spelling
+    sweep:                               # variants: a label + overrides (bench flags, build, dataset, model)
+      - {label: reuse-on, enable_kv_cache_reuse: true}
+      - {label: reuse-off, enable_kv_cache_reuse: false}
+
+``tokens_per_block`` in ``bench`` or a variant is a build option when the plan is built from
+``model`` (each value builds its own plan), and a flag checked against the plan for ``plan: DIR``.
+Unknown keys anywhere are an error naming the key, the file and the allowed keys. Overrides
+from the command line (``--set bench.max_batch_size=4``, ``--set model=preset:small-llama``)
+are applied before validation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from kvtool.bench import generators
+from kvtool.bench.datasets import write_jsonl
+from kvtool.bench.options import BenchOptions
+from kvtool.errors import KvtoolError
+
+DEFAULT_MODEL = "preset:tiny-llama"
+TOP_LEVEL_KEYS = ("name", "description", "model", "plan", "build", "dataset", "bench", "sweep")
+BUILD_KEYS = ("tokens_per_block", "use_paged_context_fmha", "max_batch_size", "max_seq_len", "max_num_tokens",
+              "dtype", "kv_cache_dtype", "seed")  # kvtool.plan.BuildOptions (checked against it when building)
+VARIANT_KEYS = ("label", "model", "plan", "build", "dataset")
+
+
+class ScenarioError(KvtoolError):
+    """A scenario file that cannot be run (unknown key, bad value); the message names the file."""
+
+
+def bench_flag_names() -> list[str]:
+    return [f.name for f in fields(BenchOptions)]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset file, or a generator with its parameters (generated into the output directory)."""
+
+    path: Path | None = None
+    generator: str | None = None
+    parameters: Mapping[str, object] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.path is not None:
+            return str(self.path)
+        params = ",".join(f"{k}={v}" for k, v in sorted(self.parameters.items()))
+        return f"{self.generator}({params})"
+
+    def materialize(self, output_dir: Path, stem: str) -> Path:
+        """The dataset file: the given path, or the generator's output written to output_dir/<stem>.jsonl."""
+        if self.path is not None:
+            return self.path
+        return write_jsonl(output_dir / f"{stem}.jsonl", generators.generate(self.generator, self.parameters))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One run of a scenario: where the plan comes from, the dataset and the bench flags."""
+
+    label: str
+    model: str | None                # a preset/checkpoint to build (None: `plan` is used as is)
+    plan: Path | None
+    build: Mapping[str, object]      # BuildOptions fields for `model`
+    dataset: DatasetSpec
+    options: BenchOptions
+
+    @property
+    def plan_source(self) -> str:
+        return str(self.plan) if self.plan is not None else str(self.model)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    path: Path
+    name: str
+    description: str
+    variants: tuple[Variant, ...]
+
+
+def parse_set(assignment: str) -> tuple[list[str], object]:
+    """'bench.max_batch_size=4' -> (['bench', 'max_batch_size'], 4); the value is read as YAML."""
+    if "=" not in assignment:
+        raise ScenarioError(f"--set {assignment!r} is not KEY=VALUE (e.g. --set bench.max_batch_size=4)")
+    key, _, text = assignment.partition("=")
+    parts = [part for part in key.strip().split(".") if part]
+    if not parts:
+        raise ScenarioError(f"--set {assignment!r} has no key")
+    return parts, yaml.safe_load(text) if text.strip() else None
+
+
+def apply_set(document: dict, assignment: str) -> None:
+    """Applies one --set override to the raw scenario document (list items by index: sweep.0.label=x)."""
+    parts, value = parse_set(assignment)
+    node = document
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ScenarioError(f"--set {assignment}: {'.'.join(parts[:depth + 1])} is not an item of the list")
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ScenarioError(f"--set {assignment}: {'.'.join(parts[:depth + 1])} is not a mapping")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ScenarioError(f"--set {assignment}: {'.'.join(parts)} is not an item of the list")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+class _Checker:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, where: str, what: str) -> ScenarioError:
+        return ScenarioError(f"{self.path}: {where}: {what}")
+
+    def keys(self, mapping, where: str, allowed: Sequence[str]) -> dict:
+        if mapping is None:
+            return {}
+        if not isinstance(mapping, dict):
+            raise self.fail(where, f"expected a mapping, got {type(mapping).__name__}")
+        for key in mapping:
+            if key not in allowed:
+                raise self.fail(where, f"unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+        return dict(mapping)
+
+
+def _dataset_spec(check: _Checker, raw, where: str, base_dir: Path) -> DatasetSpec:
+    if not isinstance(raw, dict) or ("path" in raw) == ("generator" in raw):
+        raise check.fail(where, "give either `path: FILE.jsonl` or `generator: NAME` with its parameters; generators: "
+                         + ", ".join(generators.GENERATORS))
+    if "path" in raw:
+        check.keys(raw, where, ("path",))
+        path = Path(str(raw["path"]))
+        if not path.is_absolute() and not path.exists() and (base_dir / path).exists():
+            path = base_dir / path
+        return DatasetSpec(path=path)
+    name = str(raw["generator"])
+    parameters = {k: v for k, v in raw.items() if k != "generator"}
+    try:
+        allowed = ["generator"] + generators.generator_parameters(name) + list(generators.OPTION_NAMES)
+    except ValueError as error:
+        raise check.fail(where, str(error)) from None
+    check.keys(raw, where, allowed)
+    return DatasetSpec(generator=name, parameters=parameters)
+
+
+def _default_build_limits() -> dict[str, int]:
+    """The runtime limits a plan built with default BuildOptions admits."""
+    from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
+
+    defaults = BuildOptions()
+    return {"max_batch_size": defaults.max_batch_size, "max_num_tokens": defaults.max_num_tokens,
+            "max_seq_len": defaults.max_seq_len or DEFAULT_MAX_SEQ_LEN_CAP}
+
+
+def _merged(base: Mapping | None, override: Mapping | None) -> dict:
+    return {**(base or {}), **(override or {})}
+
+
+def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | None = None, plan: str | Path | None = None,
+                  dataset: str | Path | None = None, bench_overrides: Mapping[str, object] | None = None) -> Scenario:
+    """Reads, overrides and validates a scenario; every variant's flags are checked before anything runs.
+
+    ``model``/``plan``/``dataset``/``bench_overrides`` come from `kvtool bench` flags given beside
+    --config: they replace the scenario's values in every variant (the command line wins over a
+    variant's own overrides, since the user asked for it explicitly).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ScenarioError(f"scenario {path} does not exist; see bench_configs/ for examples")
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ScenarioError(f"{path}: not valid YAML ({error})") from None
+    check = _Checker(path)
+    document = copy.deepcopy(check.keys(document, "top level", TOP_LEVEL_KEYS))
+    for assignment in sets:
+        apply_set(document, assignment)
+    document = check.keys(document, "top level (after --set)", TOP_LEVEL_KEYS)
+    if dataset is not None:
+        document["dataset"] = {"path": str(dataset)}
+
+    flag_names = bench_flag_names()
+    base_bench = check.keys(document.get("bench"), "bench", flag_names)
+    base_build = check.keys(document.get("build"), "build", BUILD_KEYS)
+    if "dataset" not in document:
+        raise check.fail("top level", "no `dataset:` (a `path:` or a `generator:`); or pass --dataset FILE")
+    sweep = document.get("sweep") or [{}]
+    if not isinstance(sweep, list):
+        raise check.fail("sweep", "expected a list of variants (each a mapping with a label and overrides)")
+    name = str(document.get("name") or path.stem)
+
+    variants, labels = [], set()
+    for position, raw_variant in enumerate(sweep):
+        where = f"sweep[{position}]"
+        raw_variant = check.keys(raw_variant, where, VARIANT_KEYS + tuple(flag_names))
+        label = str(raw_variant.get("label") or (name if len(sweep) == 1 else f"variant{position}"))
+        if label in labels:
+            raise check.fail(where, f"label {label!r} is used twice; give each variant its own label")
+        labels.add(label)
+        where = f"sweep[{position}] ({label})"
+        if document.get("model") and document.get("plan"):
+            raise check.fail("top level", "give either `model:` (built into a plan) or `plan:` (a built plan), not both")
+        if raw_variant.get("model") and raw_variant.get("plan"):
+            raise check.fail(where, "give either `model:` (built into a plan) or `plan:` (a built plan), not both")
+        variant_model, variant_plan = document.get("model"), document.get("plan")
+        if raw_variant.get("model"):
+            variant_model, variant_plan = raw_variant["model"], None
+        if raw_variant.get("plan"):
+            variant_model, variant_plan = None, raw_variant["plan"]
+        if model is not None:  # the command line wins over the file
+            variant_model, variant_plan = model, None
+        if plan is not None:
+            variant_model, variant_plan = None, str(plan)
+        if not variant_plan:
+            variant_model = str(variant_model or DEFAULT_MODEL)
+        build = check.keys(_merged(base_build, raw_variant.get("build")), f"{where} build", BUILD_KEYS)
+        flags = _merged(base_bench, {k: v for k, v in raw_variant.items() if k in flag_names})
+        flags.update(bench_overrides or {})
+        if variant_plan is None:
+            if flags.get("tokens_per_block") is not None:
+                # Built from a recipe: the block size is baked into the plan, one plan per value.
+                build["tokens_per_block"] = flags.pop("tokens_per_block")
+            for limit, built_for in _default_build_limits().items():
+                # The plan must admit the runtime limits the bench asks for (a lower limit needs no rebuild).
+                if flags.get(limit) is not None and limit not in build and flags[limit] > built_for:
+                    build[limit] = flags[limit]
+        elif variant_plan is not None and raw_variant.get("build"):
+            raise check.fail(where, "`build:` needs `model:` (a recipe to build); a `plan:` directory is already built")
+        dataset_raw = document["dataset"]
+        if raw_variant.get("dataset") is not None:
+            dataset_raw = (raw_variant["dataset"] if "path" in raw_variant["dataset"] or "generator" in raw_variant["dataset"]
+                           else _merged(dataset_raw, raw_variant["dataset"]))
+        if dataset is not None:
+            dataset_raw = {"path": str(dataset)}
+        spec = _dataset_spec(check, dataset_raw, f"{where} dataset", path.parent)
+        try:
+            options = BenchOptions(**flags)
+            if variant_plan is None:
+                from kvtool.plan.options import BuildOptions  # torch loads only when a scenario is used
+
+                BuildOptions(**build)
+            if spec.generator is not None:
+                generators.check_parameters(spec.generator, spec.parameters)
+        except (TypeError, ValueError) as error:
+            raise check.fail(where, str(error)) from None
+        variants.append(Variant(label=label, model=variant_model, plan=Path(variant_plan) if variant_plan else None,
+                                build=build, dataset=spec, options=options))
+    return Scenario(path=path, name=name, description=str(document.get("description") or ""),
+                    variants=tuple(variants))

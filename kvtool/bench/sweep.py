@@ -1,0 +1,73 @@
+"""Runs a scenario's variants one after the other into one summary CSV (a row per variant)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from kvtool.bench.datasets import load_dataset
+from kvtool.bench.options import BenchOptions
+from kvtool.bench.report import SUMMARY_FILE, requests_file_name, write_summary_csv
+from kvtool.bench.runner import create_llm, run_bench
+from kvtool.bench.scenario import Scenario, Variant
+
+
+@dataclass
+class SweepResult:
+    """The summary rows of the variants that ran, and whether a Ctrl-C cut the sweep short."""
+
+    rows: list[dict]
+    interrupted: bool
+    summary_csv: Path
+
+
+def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -> str:
+    """The plan directory of a variant: its `plan:` as is, else its `model:` built with its build options
+    (kvtool.plan.resolve_model: built once per source and options, then reused from the cache)."""
+    if variant.plan is not None:
+        return str(variant.plan)
+    from kvtool.plan import BuildOptions, resolve_model
+
+    return str(resolve_model(variant.model, options=BuildOptions(**variant.build), cache_dir=plan_cache_dir).path)
+
+
+def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
+                 llm_factory: Callable[[str, BenchOptions], object] = create_llm,
+                 plan_resolver: Callable[[Variant], str] = resolve_variant_plan) -> SweepResult:
+    """Runs every variant; the summary CSV is rewritten (atomically) after each one, so an
+    interrupted sweep keeps the rows of the variants that finished plus the interrupted one's."""
+    console = console or Console(stderr=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    summary_csv = output_dir / SUMMARY_FILE
+    dataset_files: dict[str, Path] = {}
+    rows: list[dict] = []
+    for variant in scenario.variants:
+        key = variant.dataset.describe()
+        if key not in dataset_files:
+            stem = "dataset" if not dataset_files else f"dataset-{variant.label}"
+            dataset_files[key] = variant.dataset.materialize(output_dir, stem)
+        dataset = load_dataset(dataset_files[key])
+        console.print(f"[bold]{scenario.name}[/] variant [bold]{variant.label}[/]: {variant.plan_source} "
+                      f"{dict(variant.build) or ''} on {dataset.path}", highlight=False)
+        try:
+            plan_dir = plan_resolver(variant)
+            llm = llm_factory(plan_dir, variant.options)
+        except KeyboardInterrupt:
+            return SweepResult(rows, True, summary_csv)
+        try:
+            config_columns = {"scenario": scenario.name, "scenario_file": str(scenario.path),
+                              "model": variant.plan_source, "dataset_spec": key,
+                              **{f"build_{k}": v for k, v in variant.build.items()}}
+            result = run_bench(llm, dataset, variant.options, label=variant.label,
+                               requests_csv=output_dir / requests_file_name(variant.label),
+                               config_columns=config_columns, console=console)
+        finally:
+            llm.shutdown()
+        rows.append(result.row)
+        write_summary_csv(summary_csv, rows)
+        if result.interrupted:
+            return SweepResult(rows, True, summary_csv)
+    return SweepResult(rows, False, summary_csv)

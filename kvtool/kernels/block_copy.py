@@ -1,0 +1,206 @@
+"""Moves whole KV block slabs between the device pool and the pinned host pool.
+
+A pool is either one block-major tensor ``[num_blocks, num_layers, 2, tpb, kvh, hd]`` (the primary
+pool), a list of such chunk tensors whose block id ``b`` lives in chunk ``b // len(chunks[0])`` at
+index ``b % len(chunks[0])`` (the lazily grown host pool), or any object with ``block(block_id)``
+returning that block's ``[num_layers, 2, tpb, kvh, hd]`` view (``kvtool.runtime.kv_pool.HostBlockPool``).
+
+Two interchangeable methods, both asynchronous on the given stream:
+  * ``"kernel"``: one launch of csrc/kernels/block_copy.cu for the whole list; the GPU reads/writes
+    pinned host memory directly through its mapped (UVA) address. One launch per call.
+  * ``"memcpy"``: one ``cudaMemcpyAsync`` (torch ``copy_``) per run of consecutive block ids.
+bench/gpu_suite.py measures both against the plain pinned-copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from kvtool.kernels.compiler import KernelSpec
+from kvtool.kernels.loader import KernelLibrary, device_arch, i64, launch, ptr
+
+SOURCE = "block_copy.cu"
+KERNEL = "kvt_block_copy"
+NUM_THREADS = 256
+BYTES_PER_CTA = 64 * 1024
+
+CopyMethod = Literal["kernel", "memcpy"]
+
+
+def block_copy_spec(arch: str) -> KernelSpec:
+    return KernelSpec.create(SOURCE, arch)
+
+
+class CopyRun(NamedTuple):
+    """``count`` consecutive blocks from ``src_start`` to ``dst_start``."""
+
+    src_start: int
+    dst_start: int
+    count: int
+
+
+def coalesce_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list[CopyRun]:
+    """Groups copy ops whose source and destination ids both continue the previous op's."""
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(f"src_block_ids ({len(src_block_ids)}) and dst_block_ids ({len(dst_block_ids)}) "
+                         "must have the same length")
+    runs: list[CopyRun] = []
+    for src, dst in zip(src_block_ids, dst_block_ids):
+        src, dst = int(src), int(dst)
+        if runs and runs[-1].src_start + runs[-1].count == src and runs[-1].dst_start + runs[-1].count == dst:
+            last = runs[-1]
+            runs[-1] = CopyRun(last.src_start, last.dst_start, last.count + 1)
+        else:
+            runs.append(CopyRun(src, dst, 1))
+    return runs
+
+
+@dataclass
+class _Pool:
+    """Uniform view of the three pool forms."""
+
+    tensor: torch.Tensor | None = None            # one block-major tensor
+    chunks: Sequence[torch.Tensor] | None = None  # equal-size chunks (the last may be shorter)
+    holder: Any = None                            # object with block(block_id)
+
+    @classmethod
+    def of(cls, pool: Any, name: str) -> "_Pool":
+        if isinstance(pool, torch.Tensor):
+            return cls(tensor=pool)
+        if isinstance(pool, (list, tuple)):
+            if not pool or not all(isinstance(c, torch.Tensor) for c in pool):
+                raise ValueError(f"{name} as a list must hold the chunk tensors of a block pool")
+            return cls(chunks=pool)
+        if hasattr(pool, "block"):
+            return cls(holder=pool)
+        raise ValueError(f"{name} must be a tensor, a list of chunk tensors, or have block(block_id); got {type(pool)}")
+
+    def block(self, block_id: int) -> torch.Tensor:
+        if block_id < 0:
+            raise ValueError(f"block id {block_id} is negative")
+        if self.tensor is not None:
+            if block_id >= self.tensor.shape[0]:
+                raise ValueError(f"block id {block_id} is out of range for a pool of {self.tensor.shape[0]} blocks")
+            return self.tensor[block_id]
+        if self.chunks is not None:
+            chunk, index = divmod(block_id, self.chunks[0].shape[0])
+            if chunk >= len(self.chunks) or index >= self.chunks[chunk].shape[0]:
+                raise ValueError(f"block id {block_id} is out of range for the chunked pool")
+            return self.chunks[chunk][index]
+        return self.holder.block(block_id)
+
+    def run_view(self, start: int, count: int) -> torch.Tensor | None:
+        """[count, ...] view of consecutive blocks when they are contiguous in one tensor."""
+        if self.tensor is not None:
+            return self.tensor[start:start + count]
+        if self.chunks is not None:
+            per_chunk = self.chunks[0].shape[0]
+            chunk, index = divmod(start, per_chunk)
+            if index + count <= per_chunk and chunk < len(self.chunks):
+                return self.chunks[chunk][index:index + count]
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        if self.tensor is not None:
+            return self.tensor.device
+        if self.chunks is not None:
+            return self.chunks[0].device
+        return self.holder.block(0).device
+
+
+def _block_bytes(block: torch.Tensor, name: str) -> int:
+    if not block.is_contiguous():
+        raise ValueError(f"{name} blocks must be contiguous slabs [num_layers, 2, tpb, kvh, hd]")
+    return block.numel() * block.element_size()
+
+
+def _device_address(block: torch.Tensor, name: str) -> int:
+    """The address a kernel uses for this block: device memory as is, pinned host memory mapped."""
+    if block.is_cuda:
+        return block.data_ptr()
+    if not block.is_pinned():
+        raise ValueError(f"{name} is in pageable host memory, which a kernel cannot read: pin it "
+                         "(torch.empty(..., pin_memory=True)) or use method='memcpy'")
+    return _mapped_host_address(block.data_ptr())
+
+
+def _mapped_host_address(host_address: int) -> int:
+    # With unified addressing (every 64-bit CUDA platform) pinned host memory has the same address
+    # on the device; ask the driver anyway so a registered (cudaHostRegister) buffer also works.
+    try:
+        import cupy  # noqa: PLC0415
+
+        attributes = cupy.cuda.runtime.pointerGetAttributes(host_address)
+        device_pointer = int(getattr(attributes, "devicePointer", 0) or 0)
+        return device_pointer or host_address
+    except Exception:  # noqa: BLE001 - old CuPy without the call: UVA address
+        return host_address
+
+
+def copy_blocks(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                stream: torch.cuda.Stream | None = None, *, method: CopyMethod = "kernel",
+                library: KernelLibrary | None = None) -> None:
+    """Copies block ``src_block_ids[i]`` of ``src_pool`` to block ``dst_block_ids[i]`` of ``dst_pool``.
+
+    Asynchronous on ``stream`` (default: the current stream); the caller orders it against the
+    compute stream (wait_stream / events) and keeps host buffers alive until it completes.
+    """
+    if method not in ("kernel", "memcpy"):
+        raise ValueError(f"method must be 'kernel' or 'memcpy', got {method!r}")
+    runs = coalesce_runs(src_block_ids, dst_block_ids)
+    if not runs:
+        return
+    src, dst = _Pool.of(src_pool, "src_pool"), _Pool.of(dst_pool, "dst_pool")
+    cuda_devices = [p.device for p in (src, dst) if p.device.type == "cuda"]
+    if not cuda_devices:
+        raise ValueError("copy_blocks moves blocks to or from a GPU: at least one pool must be on a CUDA device")
+    device = cuda_devices[0]
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
+    first_src, first_dst = src.block(runs[0].src_start), dst.block(runs[0].dst_start)
+    bytes_per_block = _block_bytes(first_src, "src_pool")
+    if _block_bytes(first_dst, "dst_pool") != bytes_per_block:
+        raise ValueError(f"src_pool and dst_pool blocks differ in size ({bytes_per_block} vs "
+                         f"{_block_bytes(first_dst, 'dst_pool')} bytes): they must hold the same block shape")
+    with torch.cuda.stream(stream):
+        if method == "memcpy":
+            _copy_with_memcpy(src, dst, runs)
+        else:
+            _copy_with_kernel(src, dst, src_block_ids, dst_block_ids, bytes_per_block, device,
+                              library if library is not None else KernelLibrary())
+
+
+def _copy_with_memcpy(src: _Pool, dst: _Pool, runs: list[CopyRun]) -> None:
+    for run in runs:
+        src_view, dst_view = src.run_view(run.src_start, run.count), dst.run_view(run.dst_start, run.count)
+        if src_view is not None and dst_view is not None:
+            dst_view.copy_(src_view, non_blocking=True)
+            continue
+        for offset in range(run.count):
+            dst.block(run.dst_start + offset).copy_(src.block(run.src_start + offset), non_blocking=True)
+
+
+def _copy_with_kernel(src: _Pool, dst: _Pool, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                      bytes_per_block: int, device: torch.device, library: KernelLibrary) -> None:
+    if bytes_per_block % 16:
+        raise ValueError(f"a block of {bytes_per_block} bytes is not a multiple of 16: use method='memcpy'")
+    num_ops = len(src_block_ids)
+    addresses = np.empty((2, num_ops), dtype=np.int64)
+    for i, (s, d) in enumerate(zip(src_block_ids, dst_block_ids)):
+        src_block, dst_block = src.block(int(s)), dst.block(int(d))
+        addresses[0, i] = _device_address(src_block, "src_pool")
+        addresses[1, i] = _device_address(dst_block, "dst_pool")
+    if (addresses % 16).any():
+        raise ValueError("block addresses must be 16-byte aligned: allocate the pools with torch")
+    # Pinned staging + async upload on this stream: torch keeps the staging buffer alive until the
+    # copy has run, and the device table belongs to this stream's allocations.
+    table = torch.from_numpy(addresses).pin_memory().to(device, non_blocking=True)
+    kernel = library.kernel(block_copy_spec(device_arch(device)), KERNEL, device.index)
+    grid = (math.ceil(bytes_per_block / BYTES_PER_CTA), num_ops)
+    args = (ptr(table[0]), ptr(table[1]), i64(bytes_per_block), i64(BYTES_PER_CTA))
+    launch(kernel, grid, (NUM_THREADS,), args, device_index=device.index)

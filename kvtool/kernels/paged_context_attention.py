@@ -1,0 +1,78 @@
+"""Launcher for csrc/kernels/paged_context_attention.cu (FlashAttention-2-style prefill over the paged cache)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtool.kernels.compiler import KernelSpec
+from kvtool.kernels.loader import KernelLibrary, device_arch, f32, i32, i64, launch, ptr
+from kvtool.kernels.tensors import cache_strides, dtype_is_bf16, int32_on, row_strides
+
+SOURCE = "paged_context_attention.cu"
+KERNEL = "kvt_paged_context_attention"
+NUM_WARPS = 4             # BLOCK_M = 16 * NUM_WARPS query rows per CTA
+BLOCK_N = 64              # keys per tile
+LOG2_E = 1.4426950408889634
+
+
+def block_m(num_warps: int = NUM_WARPS) -> int:
+    return 16 * num_warps
+
+
+def smem_bytes(head_dim: int, num_warps: int = NUM_WARPS, block_n: int = BLOCK_N) -> int:
+    """Dynamic shared memory of one CTA: Q tile + double-buffered K and V tiles (rows padded by 8
+    elements) + two key-validity flag rows. The kernel static_asserts the same number."""
+    row_bytes = (head_dim + 8) * 2
+    return (block_m(num_warps) + 4 * block_n) * row_bytes + 2 * block_n * 4
+
+
+def context_attention_spec(head_dim: int, tokens_per_block: int, dtype: torch.dtype, arch: str) -> KernelSpec:
+    """The specialization for one (head_dim, tokens_per_block, dtype, arch)."""
+    return KernelSpec.create(SOURCE, arch, KVT_HEAD_DIM=head_dim, KVT_TOKENS_PER_BLOCK=tokens_per_block,
+                             KVT_DTYPE_BF16=dtype_is_bf16(dtype), KVT_CTX_NUM_WARPS=NUM_WARPS,
+                             KVT_CTX_BLOCK_N=BLOCK_N, KVT_CTX_SMEM_BYTES=smem_bytes(head_dim))
+
+
+def paged_context_attention(library: KernelLibrary, query: torch.Tensor, kv_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            *, num_seqs: int, max_query_len: int, scale: float, sliding_window: int | None,
+                            out: torch.Tensor) -> None:
+    """Attention of the new tokens of sequences ``0..num_seqs-1`` over their paged KV.
+
+    query/out: [num_tokens, num_heads, head_dim]; sequence i owns rows
+    ``query_start_loc[i]:query_start_loc[i+1]``, the last query tokens of its ``seq_lens[i]``
+    tokens, whose K/V (prefix and new tokens alike) are already in ``kv_cache``
+    [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim] at ``block_tables`` [num_seqs, *]
+    (-1 = released, never read). Causal aligned bottom-right; with ``sliding_window`` W the token at
+    position p sees positions > p - W. ``max_query_len`` bounds every query_len (grid size).
+    Writes only the rows of these sequences in ``out``; launches on torch's current stream.
+    """
+    if num_seqs == 0 or max_query_len <= 0:
+        return
+    strides = cache_strides(kv_cache)
+    _num_blocks, _two, tokens_per_block, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype != kv_cache.dtype or out.dtype != kv_cache.dtype:
+        raise ValueError(f"query ({query.dtype}), out ({out.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
+    q_token_stride, q_head_stride = row_strides(query, "query", num_heads, head_dim)
+    out_token_stride, out_head_stride = row_strides(out, "out", num_heads, head_dim)
+    device = kv_cache.device
+    block_tables = int32_on(block_tables, device, "block_tables")
+    query_start_loc = int32_on(query_start_loc, device, "query_start_loc")
+    seq_lens = int32_on(seq_lens, device, "seq_lens")
+
+    spec = context_attention_spec(head_dim, tokens_per_block, kv_cache.dtype, device_arch(device))
+    shared = smem_bytes(head_dim)
+    kernel = library.kernel(spec, KERNEL, device.index, dynamic_smem_bytes=shared)
+    grid = (math.ceil(max_query_len / block_m()), num_heads, num_seqs)
+    window = int(sliding_window) if sliding_window else 0
+    args = (ptr(query), i64(q_token_stride), i64(q_head_stride),
+            ptr(kv_cache), i64(strides.block), i64(strides.kv), i64(strides.token), i64(strides.head),
+            ptr(block_tables), i64(block_tables.stride(0)), ptr(query_start_loc), ptr(seq_lens),
+            ptr(out), i64(out_token_stride), i64(out_head_stride),
+            i32(num_heads), i32(num_kv_heads), f32(scale * LOG2_E), i32(window))
+    launch(kernel, grid, (32 * NUM_WARPS,), args, device_index=device.index, shared_mem=shared)

@@ -1,0 +1,96 @@
+"""Launcher for csrc/kernels/paged_decode_attention.cu (split-K decode attention + partition reduce)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtool.kernels.compiler import KernelSpec
+from kvtool.kernels.loader import KernelLibrary, device_arch, f32, i32, i64, launch, ptr
+from kvtool.kernels.tensors import cache_strides, dtype_is_bf16, int32_on, row_strides
+
+SOURCE = "paged_decode_attention.cu"
+KERNEL = "kvt_paged_decode_attention"
+REDUCE_KERNEL = "kvt_paged_decode_reduce"
+NUM_THREADS = 128
+PARTITION_SIZE = 512          # keys per split-K partition (a compile-time constant of the kernel)
+MAX_HEADS_PER_CTA = 8         # query heads sharing one K/V read; bounded by registers
+LOG2_E = 1.4426950408889634
+
+
+def heads_per_cta(group_size: int) -> int:
+    """The largest divisor of the GQA group size (num_heads / num_kv_heads) that is at most 8."""
+    if group_size < 1:
+        raise ValueError(f"GQA group size must be >= 1, got {group_size}")
+    return max(d for d in range(1, min(group_size, MAX_HEADS_PER_CTA) + 1) if group_size % d == 0)
+
+
+def num_partitions(max_seq_len: int, partition_size: int = PARTITION_SIZE) -> int:
+    """Split-K partitions of the longest sequence; 1 means no reduce pass."""
+    return max(1, math.ceil(max_seq_len / partition_size))
+
+
+def decode_attention_spec(head_dim: int, tokens_per_block: int, dtype: torch.dtype, group_size: int, arch: str,
+                          partition_size: int = PARTITION_SIZE) -> KernelSpec:
+    """The specialization for one (head_dim, tokens_per_block, dtype, GQA group, arch)."""
+    return KernelSpec.create(SOURCE, arch, KVT_HEAD_DIM=head_dim, KVT_TOKENS_PER_BLOCK=tokens_per_block,
+                             KVT_DTYPE_BF16=dtype_is_bf16(dtype), KVT_HEADS_PER_CTA=heads_per_cta(group_size),
+                             KVT_PARTITION_SIZE=partition_size)
+
+
+def paged_decode_attention(library: KernelLibrary, query: torch.Tensor, kv_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           *, seq_offset: int, num_seqs: int, max_seq_len: int, scale: float,
+                           sliding_window: int | None, out: torch.Tensor,
+                           partition_size: int = PARTITION_SIZE) -> None:
+    """Attention of one new token per sequence for sequences ``seq_offset..seq_offset+num_seqs-1``.
+
+    Sequence s's token is query row ``query_start_loc[s]`` (its query_len is 1) at position
+    ``seq_lens[s] - 1``; it attends to the sequence's keys in ``kv_cache``
+    [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim] through ``block_tables`` (-1 =
+    released, never read), the last ``sliding_window`` of them when set. ``max_seq_len`` bounds
+    every seq_len (it sizes the split-K grid). Writes those rows of ``out``
+    [num_tokens, num_heads, head_dim]; launches on torch's current stream.
+    """
+    if num_seqs == 0:
+        return
+    strides = cache_strides(kv_cache)
+    _num_blocks, _two, tokens_per_block, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype != kv_cache.dtype or out.dtype != kv_cache.dtype:
+        raise ValueError(f"query ({query.dtype}), out ({out.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
+    q_token_stride, q_head_stride = row_strides(query, "query", num_heads, head_dim)
+    out_token_stride, out_head_stride = row_strides(out, "out", num_heads, head_dim)
+    device = kv_cache.device
+    block_tables = int32_on(block_tables, device, "block_tables")
+    query_start_loc = int32_on(query_start_loc, device, "query_start_loc")
+    seq_lens = int32_on(seq_lens, device, "seq_lens")
+
+    group_size = num_heads // num_kv_heads
+    spec = decode_attention_spec(head_dim, tokens_per_block, kv_cache.dtype, group_size, device_arch(device),
+                                 partition_size)
+    parts = num_partitions(max_seq_len, partition_size)
+    partial_out = partial_max = partial_sum = None
+    if parts > 1:
+        # fp32 per (decode seq, query head, partition): normalized output, max (log2 domain), sum.
+        partial_out = torch.empty((num_seqs, num_heads, parts, head_dim), dtype=torch.float32, device=device)
+        partial_max = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=device)
+        partial_sum = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=device)
+    window = int(sliding_window) if sliding_window else 0
+    kernel = library.kernel(spec, KERNEL, device.index)
+    grid = (num_kv_heads * (group_size // heads_per_cta(group_size)), num_seqs, parts)
+    args = (ptr(query), i64(q_token_stride), i64(q_head_stride),
+            ptr(kv_cache), i64(strides.block), i64(strides.kv), i64(strides.token), i64(strides.head),
+            ptr(block_tables), i64(block_tables.stride(0)), ptr(query_start_loc), ptr(seq_lens), i32(seq_offset),
+            ptr(out), i64(out_token_stride), i64(out_head_stride),
+            ptr(partial_out), ptr(partial_max), ptr(partial_sum),
+            i32(num_heads), i32(num_kv_heads), f32(scale * LOG2_E), i32(window))
+    launch(kernel, grid, (NUM_THREADS,), args, device_index=device.index)
+    if parts > 1:
+        reduce = library.kernel(spec, REDUCE_KERNEL, device.index)
+        args = (ptr(partial_out), ptr(partial_max), ptr(partial_sum), ptr(query_start_loc), ptr(seq_lens),
+                i32(seq_offset), ptr(out), i64(out_token_stride), i64(out_head_stride), i32(num_heads), i32(parts))
+        launch(reduce, (num_heads, num_seqs), (head_dim,), args, device_index=device.index)

@@ -1,0 +1,75 @@
+"""Checks and strides for the tensors handed to the kernels (raw pointers need exact contracts).
+
+The kernels read 16-byte vectors, so every row they touch must start 16-byte aligned: base
+pointers aligned to 16 bytes, the last dim contiguous and every other stride a multiple of 8
+elements (16-bit dtypes). A tensor that breaks this is a caller bug and raises ValueError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def dtype_is_bf16(dtype: torch.dtype) -> int:
+    """The KVT_DTYPE_BF16 define: 1 for bfloat16, 0 for float16."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"kvtool's CUDA kernels take float16 or bfloat16 tensors, got {dtype}: "
+                         "cast the model and KV cache to one of them")
+    return int(dtype == torch.bfloat16)
+
+
+def _check_vector_aligned(tensor: torch.Tensor, name: str, strides: tuple[int, ...]) -> None:
+    if not tensor.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor, got one on {tensor.device}")
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(tensor.stride())}")
+    if tensor.data_ptr() % 16 or any(s % 8 for s in strides):
+        raise ValueError(f"{name} rows must be 16-byte aligned (base address and strides {tuple(tensor.stride())} "
+                         "multiples of 8 elements): pass a contiguous tensor")
+
+
+@dataclass(frozen=True)
+class CacheStrides:
+    """Element strides of one layer's cache view [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]."""
+
+    block: int
+    kv: int
+    token: int
+    head: int
+
+
+def cache_strides(kv_cache: torch.Tensor) -> CacheStrides:
+    """Validates a layer's KV cache view (e.g. ``pool[:, layer]``) and returns its strides."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError("kv_cache must be [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    dtype_is_bf16(kv_cache.dtype)
+    tokens_per_block, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+    if tokens_per_block & (tokens_per_block - 1):
+        raise ValueError(f"kv_cache tokens_per_block must be a power of two, got {tokens_per_block}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"kvtool's CUDA attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    strides = tuple(kv_cache.stride()[:4])
+    _check_vector_aligned(kv_cache, "kv_cache", strides)
+    return CacheStrides(*strides)
+
+
+def row_strides(tensor: torch.Tensor, name: str, num_heads: int, head_dim: int) -> tuple[int, int]:
+    """(token stride, head stride) of a [num_tokens, num_heads, head_dim] activation tensor."""
+    if tensor.dim() != 3 or tensor.shape[1] != num_heads or tensor.shape[2] != head_dim:
+        raise ValueError(f"{name} must be [num_tokens, {num_heads}, {head_dim}], got {tuple(tensor.shape)}")
+    token_stride, head_stride = tensor.stride(0), tensor.stride(1)
+    _check_vector_aligned(tensor, name, (token_stride, head_stride))
+    return token_stride, head_stride
+
+
+def int32_on(tensor: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
+    """``tensor`` as a contiguous int32 tensor on ``device`` (metadata usually already is)."""
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an integer tensor, got {tensor.dtype}")
+    return tensor.to(device=device, dtype=torch.int32).contiguous()

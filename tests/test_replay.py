@@ -1,0 +1,297 @@
+"""The replay driver and a bench run over a fake engine with deterministic timings (tests/bench_fakes.py).
+
+The fake engine computes every admitted context in one step costing 10 ms + 1 ms per uncached
+prompt token, then emits one token per 10 ms step, on a clock only it and the replay's sleeps
+advance; so arrival and token times are exact.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from bench_fakes import FakeClock, FakeEngine, FakeLLM, FakeTokenizer
+
+from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.bench.options import BenchOptions
+from kvtool.bench.replay import ReplaySchedule, Replayer, poisson_due_times, prepare_items
+from kvtool.bench.runner import run_bench
+from kvtool.errors import DatasetError
+
+
+def dataset_of(tmp_path, lines, name="d.jsonl"):
+    return load_dataset(write_jsonl(tmp_path / name, lines))
+
+
+def req(ids, out=2, **extra):
+    return {"input_ids": list(ids), "output_tokens": out, **extra}
+
+
+class Harness:
+    """A fake engine on a fake clock, and a replayer that records what finished."""
+
+    def __init__(self, schedule=ReplaySchedule(), vocab_size=1000, **engine_kwargs):
+        self.clock = FakeClock()
+        self.engine = FakeEngine(clock=self.clock, advance=self.clock.advance, vocab_size=vocab_size, **engine_kwargs)
+        self.tokenizer = FakeTokenizer(vocab_size)
+        self.replayer = Replayer(self.engine, schedule, clock=self.clock, sleep=self.clock.sleep)
+        self.finished = []
+
+    def run(self, dataset, *, timed=True, items=None):
+        items = items if items is not None else prepare_items(dataset, tokenizer=self.tokenizer,
+                                                              vocab_size=self.engine.vocab_size)
+        return self.replayer.run(items, self.finished.append, timed=timed)
+
+    def engine_id(self, request_id):
+        return next(f.record.request_id for f in self.finished if f.item.request_id == request_id)
+
+
+def test_offline_queues_everything_at_the_start_and_times_are_exact(tmp_path):
+    h = Harness()
+    start = h.run(dataset_of(tmp_path, [req(range(10, 20)), req(range(30, 40))]))
+    assert list(h.engine.add_times.values()) == [start, start]
+    for done in h.finished:
+        # One context step for both: 10 ms + 20 tokens * 1 ms; then one 10 ms decode step.
+        assert done.record.arrival_time == start
+        assert done.record.first_token_time == pytest.approx(start + 0.030)
+        assert done.record.finish_time == pytest.approx(start + 0.040)
+
+
+def test_sequential_hands_over_the_next_request_when_the_previous_finishes(tmp_path):
+    h = Harness(ReplaySchedule(mode="sequential"))
+    h.run(dataset_of(tmp_path, [req(range(10, 20)), req(range(30, 40)), req(range(50, 60))]))
+    assert h.engine.max_in_engine == 1
+    records = [f.record for f in h.finished]
+    for previous, following in zip(records, records[1:]):
+        assert following.arrival_time == previous.finish_time
+        # Alone in the engine: 10 ms + 10 tokens * 1 ms to the first token.
+        assert following.first_token_time - following.arrival_time == pytest.approx(0.020)
+
+
+def test_concurrency_keeps_n_requests_in_flight(tmp_path):
+    h = Harness(ReplaySchedule(concurrency=3))
+    h.run(dataset_of(tmp_path, [req([10 + i] * 4, out=1 + i % 3) for i in range(10)]))
+    assert h.engine.max_in_engine == 3
+    assert sorted(f.item.index for f in h.finished) == list(range(10))
+    # Requests are handed over in dataset order as slots free up.
+    issued = sorted(h.finished, key=lambda f: h.engine.add_times[f.record.request_id])
+    assert [f.item.index for f in issued] == list(range(10))
+    # A new request is handed over only when one finished (the 4th waits for the first finish).
+    first_finish = min(f.record.finish_time for f in h.finished)
+    assert h.engine.add_times[issued[3].record.request_id] >= first_finish
+
+
+def test_request_rate_issues_requests_on_a_seeded_poisson_schedule(tmp_path):
+    h = Harness(ReplaySchedule(request_rate=20.0, seed=5))
+    start = h.run(dataset_of(tmp_path, [req([10 + i] * 8) for i in range(6)]))
+    due = poisson_due_times(6, 20.0, 5)
+    by_index = sorted(h.finished, key=lambda f: f.item.index)
+    assert [f.record.arrival_time - start for f in by_index] == pytest.approx(due)
+    # No request reaches the engine before it is due.
+    for done in by_index:
+        assert h.engine.add_times[done.record.request_id] >= done.record.arrival_time - 1e-12
+    assert due[0] == 0.0 and all(b > a for a, b in zip(due, due[1:]))
+    assert poisson_due_times(6, 20.0, 5) == due and poisson_due_times(6, 20.0, 6) != due
+
+
+def test_poisson_gaps_have_the_requested_mean():
+    due = poisson_due_times(20001, 4.0, 0)
+    assert due[-1] / 20000 == pytest.approx(0.25, rel=0.03)
+
+
+def test_dataset_arrival_times_are_honoured(tmp_path):
+    h = Harness()
+    start = h.run(dataset_of(tmp_path, [req([11] * 4, arrival_time_s=0.5), req([12] * 4, arrival_time_s=0.1),
+                                        req([13] * 4)]))
+    arrivals = {f.item.index: f.record.arrival_time - start for f in h.finished}
+    assert arrivals == pytest.approx({0: 0.5, 1: 0.1, 2: 0.0})
+    assert h.clock.sleeps  # it waited for the later arrivals instead of spinning
+
+
+def test_untimed_run_ignores_arrival_times(tmp_path):
+    h = Harness(ReplaySchedule(request_rate=1.0))
+    start = h.run(dataset_of(tmp_path, [req([11] * 4, arrival_time_s=5.0), req([12] * 4)]), timed=False)
+    assert [f.record.arrival_time for f in h.finished] == [start, start]
+
+
+def test_a_session_turn_extends_the_previous_prompt_and_answer(tmp_path):
+    h = Harness()
+    h.run(dataset_of(tmp_path, [
+        {"session_id": "a", "turn": 0, "input_ids": [11, 12, 13], "output_tokens": 2},
+        {"session_id": "b", "turn": 0, "input_ids": [21, 22], "output_tokens": 1},
+        {"session_id": "a", "turn": 1, "input_ids": [14, 15], "output_tokens": 2},
+        {"session_id": "a", "turn": 2, "input_ids": [16], "output_tokens": 1},
+    ]))
+    by_key = {f.item.session_key: f.record for f in h.finished}
+    turn0, turn1, turn2 = by_key[("a", 0)], by_key[("a", 1)], by_key[("a", 2)]
+    prompt0 = h.engine.prompts[turn0.request_id]
+    prompt1 = h.engine.prompts[turn1.request_id]
+    assert prompt1 == prompt0 + turn0.output_token_ids + [14, 15]
+    assert h.engine.prompts[turn2.request_id] == prompt1 + turn1.output_token_ids + [16]
+    # Each turn is handed over only after the previous one finished, and arrives then.
+    assert h.engine.add_times[turn1.request_id] >= turn0.finish_time
+    assert turn1.arrival_time == h.engine.add_times[turn1.request_id]
+    assert h.engine.add_times[turn2.request_id] >= turn1.finish_time
+
+
+def test_session_history_carries_over_from_warmup_to_the_measured_run(tmp_path):
+    h = Harness()
+    dataset = dataset_of(tmp_path, [{"session_id": "a", "turn": 0, "input_ids": [11, 12], "output_tokens": 2},
+                                    {"session_id": "a", "turn": 1, "input_ids": [13], "output_tokens": 1}])
+    items = prepare_items(dataset, tokenizer=h.tokenizer, vocab_size=1000)
+    h.run(dataset, items=items[:1], timed=False)
+    h.run(dataset, items=items[1:])
+    first, second = (f.record for f in h.finished)
+    assert h.engine.prompts[second.request_id] == [11, 12] + first.output_token_ids + [13]
+
+
+def test_extra_ids_follow_the_tokens_across_turns(tmp_path):
+    h = Harness()
+    h.run(dataset_of(tmp_path, [
+        {"session_id": "a", "turn": 0, "input_ids": [11, 12], "output_tokens": 2},
+        {"session_id": "a", "turn": 1, "input_ids": [13, 14], "extra_ids": [7, 0], "output_tokens": 1}]))
+    second = h.finished[1].record.request_id
+    assert h.engine.extra_ids[h.finished[0].record.request_id] is None
+    assert h.engine.extra_ids[second] == [0, 0, 0, 0, 7, 0]  # history and answer are normal tokens
+
+
+def test_later_followups_go_before_new_requests_under_a_concurrency_limit(tmp_path):
+    h = Harness(ReplaySchedule(concurrency=1))
+    h.run(dataset_of(tmp_path, [{"session_id": "a", "turn": 0, "input_ids": [11], "output_tokens": 1},
+                                req([20, 21], out=1),
+                                {"session_id": "a", "turn": 1, "input_ids": [12], "output_tokens": 1}]))
+    assert [f.item.index for f in h.finished] == [0, 2, 1]
+
+
+def test_bench_requests_are_greedy_ignore_eos_and_carry_priority_and_salt(tmp_path):
+    h = Harness()
+    h.run(dataset_of(tmp_path, [req([11, 12], out=5, priority=90, cache_salt="alice"), req([13], out=1)]))
+    first, second = (h.engine.params[f.record.request_id] for f in sorted(h.finished, key=lambda f: f.item.index))
+    assert (first.max_tokens, first.temperature, first.ignore_eos, first.priority, first.cache_salt) == \
+        (5, 0.0, True, 90, "alice")
+    assert second.priority == 35 and second.cache_salt is None  # the engine's defaults
+
+
+def test_text_prompts_are_tokenized_and_later_turns_get_no_second_bos(tmp_path):
+    class BosTokenizer(FakeTokenizer):
+        bos_token_id = 1
+
+        def encode(self, text):
+            return [self.bos_token_id] + super().encode(text)
+
+    h = Harness()
+    h.tokenizer = BosTokenizer(1000)
+    h.run(dataset_of(tmp_path, [{"session_id": "a", "turn": 0, "prompt": "hi", "max_tokens": 1},
+                                {"session_id": "a", "turn": 1, "prompt": "yo", "max_tokens": 1}]))
+    first, second = (f.record for f in h.finished)
+    assert h.engine.prompts[first.request_id] == [1, ord("h"), ord("i")]
+    assert h.engine.prompts[second.request_id] == [1, ord("h"), ord("i")] + first.output_token_ids + [ord("y"), ord("o")]
+
+
+def test_token_ids_outside_the_vocabulary_name_the_line(tmp_path):
+    dataset = dataset_of(tmp_path, [req([1, 2]), req([3, 5000])], name="v.jsonl")
+    with pytest.raises(DatasetError, match=r"v\.jsonl line 2: token id 5000 is outside the model's vocabulary "
+                                           r"\[0, 1000\); regenerate the dataset with --max_token_id 1000"):
+        prepare_items(dataset, tokenizer=FakeTokenizer(1000), vocab_size=1000)
+
+
+def test_a_request_the_engine_refuses_names_the_line(tmp_path):
+    h = Harness(max_seq_len=8)
+    with pytest.raises(DatasetError, match=r"long\.jsonl line 2: the engine refused the request \(7 prompt tokens\)"
+                                           r": request 1: 7 prompt tokens \+ 2 output tokens exceed max_seq_len 8"):
+        h.run(dataset_of(tmp_path, [req([11]), req([12] * 7)], name="long.jsonl"))
+
+
+def test_schedule_validation():
+    with pytest.raises(ValueError, match="mode 'batch' is unknown"):
+        ReplaySchedule(mode="batch")
+    with pytest.raises(ValueError, match="contradicts concurrency 4"):
+        ReplaySchedule(mode="sequential", concurrency=4)
+    with pytest.raises(ValueError, match="request_rate must be > 0"):
+        ReplaySchedule(request_rate=0)
+    assert ReplaySchedule(mode="SEQUENTIAL").max_in_flight == 1
+    assert ReplaySchedule(concurrency=2, request_rate=1.5).describe() == "concurrency=2,rate=1.5/s"
+
+
+# -- a whole bench run ------------------------------------------------------------------------
+
+def fake_llm(**kwargs):
+    clock = FakeClock()
+    llm = FakeLLM(clock=clock, advance=clock.advance, **kwargs)
+    return llm, clock
+
+
+def read_rows(path):
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_warmup_requests_run_first_uncounted_and_stats_reset_after_them(tmp_path):
+    prefix = list(range(100, 116))
+    dataset = dataset_of(tmp_path, [req(prefix + [i], out=2, request_id=f"r{i}") for i in range(5)])
+    llm, clock = fake_llm()
+    result = run_bench(llm, dataset, BenchOptions(warmup=2), label="w", requests_csv=tmp_path / "r.csv",
+                       clock=clock, sleep=clock.sleep)
+    rows = read_rows(tmp_path / "r.csv")
+    assert [row["request_id"] for row in rows] == ["r2", "r3", "r4"]
+    assert llm.engine.num_resets == 1
+    assert result.row["num_requests"] == 3 and result.row["num_measured_requests"] == 3
+    # The warm-up cached the shared 16-token prefix (4 blocks of 4): every measured request reuses it.
+    assert [int(row["reused_tokens"]) for row in rows] == [16, 16, 16]
+    assert result.row["reused_blocks"] == 12 and result.row["missed_blocks"] == 0
+
+
+def test_warmup_counts_in_stats_keeps_the_counters(tmp_path):
+    dataset = dataset_of(tmp_path, [req([11] * 8) for _ in range(3)])
+    llm, clock = fake_llm()
+    run_bench(llm, dataset, BenchOptions(warmup=1, warmup_counts_in_stats=True), label="w",
+              requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep)
+    assert llm.engine.num_resets == 0
+
+
+def test_num_requests_limits_the_measured_requests(tmp_path):
+    dataset = dataset_of(tmp_path, [req([11 + i] * 4) for i in range(6)])
+    llm, clock = fake_llm()
+    result = run_bench(llm, dataset, BenchOptions(warmup=1, num_requests=2), label="n",
+                       requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep)
+    assert [row["request_id"] for row in read_rows(tmp_path / "r.csv")] == ["1", "2"]
+    assert result.row["num_requests_limit"] == 2
+
+
+def test_summary_row_records_configuration_metrics_stats_device_and_version(tmp_path):
+    dataset = dataset_of(tmp_path, [req(range(10, 20)), req(range(30, 40))])
+    llm, clock = fake_llm()
+    result = run_bench(llm, dataset, BenchOptions(kv_host_cache_bytes="1GiB", scheduler_policy="MAX_UTILIZATION"),
+                       label="cfg", requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep,
+                       config_columns={"model": "preset:fake"})
+    row = result.row
+    assert row["label"] == "cfg" and row["interrupted"] is False and row["model"] == "preset:fake"
+    assert row["plan_path"] == "plans/fake" and row["plan_tokens_per_block"] == 4 and row["plan_dtype"] == "float32"
+    assert row["tokens_per_block"] == 4
+    assert row["kv_host_cache_bytes"] == 1 << 30 and row["scheduler_policy"] == "max_utilization"
+    assert row["enable_kv_cache_reuse"] is True and row["replay"] == "offline"
+    assert row["ttft_ms_mean"] == pytest.approx(30.0) and row["e2e_ms_p99"] == pytest.approx(40.0)
+    assert row["output_tokens_per_s"] == pytest.approx(4 / 0.040)
+    assert row["device"] == "fake: deterministic test engine"
+    assert row["kvtool_version"] and row["git_revision"]
+    assert "cache_hit_rate" in row and "host" in row
+
+
+def test_interrupted_run_keeps_finished_rows_and_summarizes_them(tmp_path):
+    dataset = dataset_of(tmp_path, [req([11 + i] * 4, out=2) for i in range(6)])
+    llm, clock = fake_llm(interrupt_at_step=5)
+    result = run_bench(llm, dataset, BenchOptions(mode="sequential"), label="int", requests_csv=tmp_path / "r.csv",
+                       clock=clock, sleep=clock.sleep)
+    # Two steps per request: requests 0 and 1 finished before the Ctrl-C during step 5.
+    assert result.interrupted and result.row["interrupted"] is True
+    assert [row["request_id"] for row in read_rows(tmp_path / "r.csv")] == ["0", "1"]
+    assert result.row["num_requests"] == 2
+    assert result.row["ttft_ms_mean"] == pytest.approx(10 + 4 * 1)
+
+
+def test_nothing_to_measure_is_a_clear_error(tmp_path):
+    dataset = dataset_of(tmp_path, [req([11])])
+    llm, clock = fake_llm()
+    with pytest.raises(ValueError, match="nothing to measure"):
+        run_bench(llm, dataset, BenchOptions(warmup=1), label="x", requests_csv=tmp_path / "r.csv",
+                  clock=clock, sleep=clock.sleep)

@@ -1,0 +1,106 @@
+"""CSV reports: rows on disk as soon as written, atomic summaries, round trips."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+
+from kvtool.bench.metrics import CSV_COLUMNS, request_metrics
+from kvtool.bench.report import (
+    RequestCsvWriter,
+    format_cell,
+    output_paths,
+    read_csv,
+    request_metrics_from_row,
+    write_summary_csv,
+)
+from kvtool.errors import KvtoolError
+from kvtool.runtime.request import RequestRecord
+
+EXPECTED_COLUMNS = ["label", "request_id", "session_id", "turn", "input_tokens", "output_tokens", "reused_tokens",
+                    "onboarded_blocks", "arrival_s", "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "itl_ms",
+                    "e2e_ms", "error"]
+
+
+def metrics(request_id="r", times=(1.1, 1.2), arrival=1.0):
+    rec = RequestRecord(request_id=0, arrival_time=arrival, num_prompt_tokens=12)
+    rec.token_times = list(times)
+    rec.output_token_ids = [1] * len(times)
+    rec.first_token_time, rec.finish_time = times[0], times[-1]
+    rec.num_reused_tokens, rec.num_onboarded_blocks = 8, 2
+    return request_metrics(rec, label="v1", request_id=request_id, bench_start=0.5, session_id="s", turn=1)
+
+
+def test_per_request_columns_are_the_documented_ones():
+    assert list(CSV_COLUMNS) == EXPECTED_COLUMNS
+
+
+def test_each_row_is_on_disk_before_the_writer_closes(tmp_path):
+    path = tmp_path / "requests.csv"
+    writer = RequestCsvWriter(path)
+    writer.write(metrics("a"))
+    # Read through a separate handle while the writer is still open (as after a crash).
+    rows = list(csv.DictReader(path.open()))
+    assert [row["request_id"] for row in rows] == ["a"]
+    writer.write(metrics("b"))
+    assert [row["request_id"] for row in csv.DictReader(path.open())] == ["a", "b"]
+    writer.close()
+
+
+def test_request_rows_round_trip(tmp_path):
+    original = metrics("x")
+    with RequestCsvWriter(tmp_path / "r.csv") as writer:
+        writer.write(original)
+    (row,) = read_csv(tmp_path / "r.csv")
+    assert row["tpot_ms"] == format_cell(original.tpot_ms)
+    back = request_metrics_from_row(row)
+    for name in EXPECTED_COLUMNS:
+        expected, got = getattr(original, name), getattr(back, name)
+        if isinstance(expected, float):
+            assert got == pytest.approx(expected, abs=1e-6)
+        else:
+            assert got == expected
+
+
+def test_empty_cells_for_missing_values():
+    assert format_cell(None) == ""
+    assert format_cell(True) == "True"
+    assert format_cell(2.5) == "2.5"
+    assert format_cell(100.0) == "100"
+
+
+def test_summary_is_written_atomically_with_union_of_columns(tmp_path):
+    path = tmp_path / "summary.csv"
+    write_summary_csv(path, [{"label": "a", "ttft_ms_mean": 1.5}, {"label": "b", "extra": 3}])
+    rows = read_csv(path)
+    assert rows == [{"label": "a", "ttft_ms_mean": "1.5", "extra": ""}, {"label": "b", "ttft_ms_mean": "", "extra": "3"}]
+    assert os.listdir(tmp_path) == ["summary.csv"]  # the temporary file was renamed, not left behind
+
+
+def test_failed_summary_write_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "summary.csv"
+    write_summary_csv(path, [{"label": "old"}])
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        write_summary_csv(path, [{"label": Unprintable()}])
+    assert read_csv(path) == [{"label": "old"}]
+    assert os.listdir(tmp_path) == ["summary.csv"]
+
+
+def test_output_paths_for_a_directory_or_a_csv_prefix(tmp_path):
+    assert output_paths(tmp_path / "run") == (tmp_path / "run" / "summary.csv", tmp_path / "run" / "requests.csv")
+    assert output_paths(tmp_path / "a.csv") == (tmp_path / "a.csv", tmp_path / "a-requests.csv")
+
+
+def test_reading_a_missing_or_empty_report_is_a_clear_error(tmp_path):
+    with pytest.raises(KvtoolError, match="does not exist"):
+        read_csv(tmp_path / "none.csv")
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(KvtoolError, match="is empty"):
+        read_csv(tmp_path / "empty.csv")

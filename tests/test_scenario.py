@@ -1,0 +1,182 @@
+"""Scenario files: validation (unknown keys named), overrides, and sweeps run over a fake engine."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+from bench_fakes import FakeLLM
+
+from kvtool.bench.scenario import ScenarioError, load_scenario
+from kvtool.bench.sweep import run_scenario
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "bench_configs"
+SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
+
+BASE = {
+    "name": "demo",
+    "model": "preset:tiny-llama",
+    "dataset": {"generator": "random", "num_requests": 4, "input_len": 8, "output_len": 2},
+    "bench": {"mode": "sequential"},
+    "sweep": [{"label": "on", "enable_kv_cache_reuse": True}, {"label": "off", "enable_kv_cache_reuse": False}],
+}
+
+
+def write_yaml(tmp_path, document, name="scenario.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_the_shipped_scenarios_are_all_there_and_valid():
+    names = {path.stem for path in SHIPPED}
+    assert names >= {"system_prompt", "multi_turn", "offload_abab", "block_size_sweep", "host_cache_sweep",
+                     "scheduler_policies"}
+    for path in SHIPPED:
+        scenario = load_scenario(path)
+        assert len(scenario.variants) >= 2, path
+        assert all(v.model == "preset:tiny-llama" for v in scenario.variants), path
+
+
+def test_block_size_sweep_builds_one_plan_per_block_size():
+    scenario = load_scenario(CONFIG_DIR / "block_size_sweep.yaml")
+    assert [v.build["tokens_per_block"] for v in scenario.variants] == [16, 32, 64, 128]
+    assert all(v.options.tokens_per_block is None for v in scenario.variants)  # baked into the plan instead
+
+
+def test_offload_scenario_compares_host_cache_on_and_off():
+    variants = {v.label: v.options for v in load_scenario(CONFIG_DIR / "offload_abab.yaml").variants}
+    assert variants["reuse"].kv_host_cache_bytes == 0
+    assert variants["reuse+offload"].kv_host_cache_bytes == 512 << 20
+    assert {o.max_tokens_in_paged_kv_cache for o in variants.values()} == {1152}
+    assert {o.mode for o in variants.values()} == {"sequential"}
+
+
+def test_variants_merge_base_flags_and_overrides(tmp_path):
+    scenario = load_scenario(write_yaml(tmp_path, BASE))
+    assert scenario.name == "demo"
+    on, off = scenario.variants
+    assert (on.label, on.options.enable_kv_cache_reuse, on.options.mode) == ("on", True, "sequential")
+    assert (off.label, off.options.enable_kv_cache_reuse) == ("off", False)
+    assert on.dataset.generator == "random" and on.dataset.parameters["num_requests"] == 4
+
+
+@pytest.mark.parametrize("change, where, key", [
+    (lambda d: d.update(benchmark={}), "top level", "benchmark"),
+    (lambda d: d["bench"].update(max_batch=4), "bench", "max_batch"),
+    (lambda d: d["sweep"][1].update(enable_reuse=True), "sweep[1]", "enable_reuse"),
+    (lambda d: d.update(build={"tokens_per_blok": 16}), "build", "tokens_per_blok"),
+    (lambda d: d["dataset"].update(num_request=3), "dataset", "num_request"),
+])
+def test_unknown_keys_are_named_with_the_file_and_the_allowed_keys(tmp_path, change, where, key):
+    document = yaml.safe_load(yaml.safe_dump(BASE))
+    change(document)
+    path = write_yaml(tmp_path, document, "typo.yaml")
+    with pytest.raises(ScenarioError) as error:
+        load_scenario(path)
+    message = str(error.value)
+    assert str(path) in message and where in message and repr(key) in message
+    assert "allowed" in message
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["bench"].update(scheduler_policy="fastest"), "scheduler_policy 'fastest' is unknown"),
+    (lambda d: d.update(build={"tokens_per_block": 24}), "tokens_per_block must be a power of 2"),
+    (lambda d: d["sweep"].append({"label": "on"}), "label 'on' is used twice"),
+    (lambda d: d.update(plan="plans/x"), "either `model:`"),
+    (lambda d: d.pop("dataset"), "no `dataset:`"),
+    (lambda d: d.update(dataset={"generator": "random", "num_requests": 2}), "needs parameter(s)"),
+    (lambda d: d.update(sweep={"label": "x"}), "expected a list of variants"),
+])
+def test_bad_values_are_errors_naming_the_file(tmp_path, change, message):
+    document = yaml.safe_load(yaml.safe_dump(BASE))
+    change(document)
+    path = write_yaml(tmp_path, document)
+    with pytest.raises(ScenarioError) as error:
+        load_scenario(path)
+    assert str(path) in str(error.value) and message in str(error.value)
+
+
+def test_set_overrides_and_command_line_model_win(tmp_path):
+    path = write_yaml(tmp_path, BASE)
+    scenario = load_scenario(path, sets=["bench.max_batch_size=4", "sweep.0.label=reuse", "dataset.input_len=16"],
+                             model="preset:small-llama")
+    assert [v.label for v in scenario.variants] == ["reuse", "off"]
+    assert all(v.options.max_batch_size == 4 and v.model == "preset:small-llama" for v in scenario.variants)
+    assert scenario.variants[0].dataset.parameters["input_len"] == 16
+    only_plan = load_scenario(path, plan=tmp_path / "myplan", bench_overrides={"warmup": 1})
+    assert all(v.plan == tmp_path / "myplan" and v.model is None and v.options.warmup == 1
+               for v in only_plan.variants)
+
+
+def test_set_errors(tmp_path):
+    path = write_yaml(tmp_path, BASE)
+    with pytest.raises(ScenarioError, match="is not KEY=VALUE"):
+        load_scenario(path, sets=["bench.max_batch_size"])
+    with pytest.raises(ScenarioError, match="sweep.7 is not an item of the list"):
+        load_scenario(path, sets=["sweep.7.label=x"])
+    with pytest.raises(ScenarioError, match="unknown key 'bench_flags'"):
+        load_scenario(path, sets=["bench_flags.x=1"])
+
+
+def test_tokens_per_block_is_a_flag_checked_against_a_fixed_plan(tmp_path):
+    document = {**BASE, "plan": "plans/fixed", "sweep": [{"label": "a", "tokens_per_block": 16}]}
+    document.pop("model")
+    variant, = load_scenario(write_yaml(tmp_path, document)).variants
+    assert variant.plan == Path("plans/fixed") and variant.options.tokens_per_block == 16 and not variant.build
+
+
+def test_runtime_limits_above_the_default_build_are_built_in(tmp_path):
+    document = {**BASE, "bench": {"max_batch_size": 32, "max_num_tokens": 256}}
+    variant = load_scenario(write_yaml(tmp_path, document)).variants[0]
+    assert variant.build == {"max_batch_size": 32}  # 256 tokens per step fit the default plan
+    assert variant.options.max_batch_size == 32
+
+
+# -- running a sweep --------------------------------------------------------------------------
+
+class Recorder:
+    def __init__(self, interrupt_in_variant=None):
+        self.plans, self.llms, self.interrupt_in_variant = [], [], interrupt_in_variant
+
+    def resolve(self, variant):
+        self.plans.append(dict(variant.build))
+        return f"plans/{variant.label}"
+
+    def create(self, plan_dir, options):
+        interrupt = 3 if len(self.llms) == self.interrupt_in_variant else None
+        llm = FakeLLM(interrupt_at_step=interrupt, enable_block_reuse=options.enable_kv_cache_reuse)
+        self.llms.append((plan_dir, options, llm))
+        return llm
+
+
+def test_a_sweep_writes_one_summary_row_per_variant_and_request_files(tmp_path):
+    document = {**BASE, "sweep": [{"label": "tpb4", "tokens_per_block": 4}, {"label": "tpb8", "tokens_per_block": 8}]}
+    recorder = Recorder()
+    result = run_scenario(load_scenario(write_yaml(tmp_path, document)), tmp_path / "out",
+                          llm_factory=recorder.create, plan_resolver=recorder.resolve)
+    assert not result.interrupted
+    assert recorder.plans == [{"tokens_per_block": 4}, {"tokens_per_block": 8}]  # a plan per block size
+    assert all(llm.shut_down for _, _, llm in recorder.llms)
+    with result.summary_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [row["label"] for row in rows] == ["tpb4", "tpb8"]
+    assert [row["build_tokens_per_block"] for row in rows] == ["4", "8"]
+    assert {row["scenario"] for row in rows} == {"demo"}
+    for label in ("tpb4", "tpb8"):
+        with (tmp_path / "out" / f"requests-{label}.csv").open() as f:
+            assert len(list(csv.DictReader(f))) == 4
+    assert (tmp_path / "out" / "dataset.jsonl").is_file()  # the generated dataset is kept beside the results
+
+
+def test_an_interrupted_sweep_keeps_finished_variants_and_the_partial_one(tmp_path):
+    recorder = Recorder(interrupt_in_variant=1)
+    result = run_scenario(load_scenario(write_yaml(tmp_path, BASE)), tmp_path / "out",
+                          llm_factory=recorder.create, plan_resolver=recorder.resolve)
+    assert result.interrupted
+    with result.summary_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["label"], row["interrupted"]) for row in rows] == [("on", "False"), ("off", "True")]
+    assert rows[1]["num_requests"] == "1"  # sequential, two steps per request: one finished before step 3
