@@ -1,4 +1,4 @@
-"""Requests through the scheduler: input errors, finishing, prefix reuse and the step protocol."""
+"""Requests through the scheduler: input errors, finishing, the step protocol and invariants."""
 
 from __future__ import annotations
 
@@ -138,45 +138,6 @@ def test_generation_step_computes_the_last_token_over_all_earlier_ones():
     assert [len(r.block_ids) for r in generation] == [2, 3, 3]  # cover 8, 9, 10 tokens
     assert generation[0].token_ids.dtype == np.int32 and generation[0].block_ids.dtype == np.int32
     assert scheduler.generated_token_ids(0).tolist() == expected == run.outputs[0]
-
-
-def test_reused_prefix_is_not_recomputed():
-    scheduler, model = make_scheduler(tokens_per_block=4)
-    prefix = distinct_prompt(0, 16)
-    first, second = prefix + [1, 2, 3], prefix + [4, 5, 6]
-    add(scheduler, 0, first, 3)
-    run = run_steps(scheduler, model)
-    add(scheduler, 1, second, 3)
-    run = run_steps(scheduler, model, run)
-    chunk = next(r for plan in run.plans for r in plan.requests if r.request_id == 1)
-    assert chunk.is_context and chunk.num_cached_tokens == 16
-    assert chunk.token_ids.tolist() == [4, 5, 6]
-    stats = scheduler.request_stats(1)
-    assert (stats.num_reused_tokens, stats.num_reused_blocks, stats.num_early_reused_blocks) == (16, 4, 0)
-    # The shared blocks held the right KV: same output as without a cache.
-    assert run.outputs[1] == reference_output(second, 3)
-    assert run.outputs[0] == reference_output(first, 3)
-
-
-def test_early_reuse_within_batch():
-    # The first request's first chunk computes the 4-block prefix; the second, admitted a step
-    # later while the first is still in its context, shares those blocks at once.
-    scheduler, model = make_scheduler(tokens_per_block=4, max_num_tokens=16, enable_chunked_context=True)
-    prefix = distinct_prompt(0, 16)
-    first, second = prefix + distinct_prompt(1, 8), prefix + distinct_prompt(2, 5)
-    add(scheduler, 0, first, 3)
-    run = run_steps(scheduler, model, until=lambda run: len(run.plans) == 1)
-    assert [(r.request_id, r.num_cached_tokens, len(r.token_ids)) for r in run.plans[0].requests] == [(0, 0, 16)]
-    add(scheduler, 1, second, 3)
-    run = run_steps(scheduler, model, run)
-    assert scheduler.request_stats(0).num_reused_blocks == 0
-    stats = scheduler.request_stats(1)
-    assert (stats.num_reused_blocks, stats.num_early_reused_blocks, stats.num_reused_tokens) == (4, 4, 16)
-    first_chunk_of_1 = next(r for plan in run.plans for r in plan.requests if r.request_id == 1)
-    assert first_chunk_of_1.num_cached_tokens == 16
-    assert scheduler.cache_manager.stats().early_reused_blocks == 4
-    assert run.outputs[0] == reference_output(first, 3)
-    assert run.outputs[1] == reference_output(second, 3)
 
 
 def test_invariants_hold_and_no_block_is_referenced_after_all_finish():

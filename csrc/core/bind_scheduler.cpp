@@ -96,14 +96,15 @@ void bind_scheduler(nb::module_& m) {
           "__init__",
           [](SchedulerConfig* self, CapacitySchedulerPolicy capacity_scheduler_policy,
              ContextChunkingPolicy context_chunking_policy, bool enable_chunked_context, int32_t max_batch_size,
-             int32_t max_num_tokens, int32_t max_seq_len) {
+             int32_t max_num_tokens, int32_t max_seq_len, bool enable_in_batch_prefix_reuse) {
             new (self) SchedulerConfig{capacity_scheduler_policy, context_chunking_policy, enable_chunked_context,
-                                       max_batch_size, max_num_tokens, max_seq_len};
+                                       max_batch_size,           max_num_tokens,          max_seq_len,
+                                       enable_in_batch_prefix_reuse};
           },
           nb::kw_only(), "capacity_scheduler_policy"_a = CapacitySchedulerPolicy::kGuaranteedNoEvict,
           "context_chunking_policy"_a = ContextChunkingPolicy::kFirstComeFirstServed,
           "enable_chunked_context"_a = false, "max_batch_size"_a = 8, "max_num_tokens"_a = 8192,
-          "max_seq_len"_a = 4096)
+          "max_seq_len"_a = 4096, "enable_in_batch_prefix_reuse"_a = true)
       .def_rw("capacity_scheduler_policy", &SchedulerConfig::capacity_scheduler_policy)
       .def_rw("context_chunking_policy", &SchedulerConfig::context_chunking_policy)
       .def_rw("enable_chunked_context", &SchedulerConfig::enable_chunked_context)
@@ -111,6 +112,8 @@ void bind_scheduler(nb::module_& m) {
       .def_rw("max_num_tokens", &SchedulerConfig::max_num_tokens,
               "Tokens per step: context-chunk tokens + one per generating request.")
       .def_rw("max_seq_len", &SchedulerConfig::max_seq_len, "Prompt + generated tokens of one request.")
+      .def_rw("enable_in_batch_prefix_reuse", &SchedulerConfig::enable_in_batch_prefix_reuse,
+              "Hold a queued request back while a running context computes prompt blocks it could reuse.")
       .def("validate", &SchedulerConfig::validate, "Raises ValueError naming a bad field.")
       .def("__repr__", [](const SchedulerConfig& c) {
         static const char* policies[] = {"GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"};
@@ -121,7 +124,8 @@ void bind_scheduler(nb::module_& m) {
                ", enable_chunked_context=" + (c.enable_chunked_context ? "True" : "False") +
                ", max_batch_size=" + std::to_string(c.max_batch_size) +
                ", max_num_tokens=" + std::to_string(c.max_num_tokens) +
-               ", max_seq_len=" + std::to_string(c.max_seq_len) + ")";
+               ", max_seq_len=" + std::to_string(c.max_seq_len) +
+               ", enable_in_batch_prefix_reuse=" + (c.enable_in_batch_prefix_reuse ? "True" : "False") + ")";
       });
 
   nb::class_<ScheduledRequest>(m, "ScheduledRequest", "One request's share of a step.")

@@ -10,6 +10,11 @@
 //                        block, pause the most recently started request (its computed blocks stay
 //                        cached) until it can;
 //   STATIC_BATCH         admit as GUARANTEED_NO_EVICT does, but only when no request is running.
+// With enable_in_batch_prefix_reuse, a queued request that a running context is still computing
+// shared prompt blocks for waits (others behind it may go first) and reuses them once computed.
+#include <algorithm>
+#include <cstddef>
+
 #include "scheduler_impl.h"
 
 namespace kvtool {
@@ -70,9 +75,14 @@ void Scheduler::Impl::pause(RequestRecord& r) {
 void Scheduler::Impl::admit_guaranteed() {
   int64_t num_reserved_blocks = 0;
   for (int64_t request_id : running) num_reserved_blocks += num_remaining_blocks(record(request_id));
-  while (!waiting.empty() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
-    RequestRecord& r = record(waiting.front());
+  size_t index = 0;  // requests before it wait for a prefix a running context is computing
+  while (index < waiting.size() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
+    RequestRecord& r = record(waiting[index]);
     SequenceSpec spec = admission_spec(r);
+    if (should_wait_for_in_flight_prefix(spec)) {
+      ++index;
+      continue;
+    }
     const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
     bool fits = false;
     if (running.empty()) {
@@ -87,25 +97,58 @@ void Scheduler::Impl::admit_guaranteed() {
       fits = num_reserved_blocks + num_needed_blocks <= cache_manager.num_available_blocks();
     }
     if (!fits) break;
-    admit(r, spec);
+    admit(index, spec);
     num_reserved_blocks += num_remaining_blocks(r);
   }
 }
 
 void Scheduler::Impl::admit_max_utilization() {
-  while (!waiting.empty() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
-    RequestRecord& r = record(waiting.front());
+  size_t index = 0;
+  while (index < waiting.size() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
+    RequestRecord& r = record(waiting[index]);
     SequenceSpec spec = admission_spec(r);
-    const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
-    if (!cache_manager.can_add_sequence(spec, num_context_tokens)) break;
-    admit(r, spec);
+    if (should_wait_for_in_flight_prefix(spec)) {
+      ++index;
+      continue;
+    }
+    if (!cache_manager.can_add_sequence(spec, static_cast<int32_t>(spec.token_ids.size()))) break;
+    admit(index, spec);
   }
 }
 
-void Scheduler::Impl::admit(RequestRecord& r, const SequenceSpec& spec) {
+bool Scheduler::Impl::should_wait_for_in_flight_prefix(const SequenceSpec& spec) const {
+  if (!config.enable_in_batch_prefix_reuse || !cache_manager.config().enable_block_reuse ||
+      config.capacity_scheduler_policy == CapacitySchedulerPolicy::kStaticBatch) {
+    return false;
+  }
+  // Full blocks of the prompt that could be matched (the last prompt token never is).
+  const auto num_matchable_blocks = static_cast<int32_t>((spec.token_ids.size() - 1) / tokens_per_block);
+  int32_t num_in_flight_blocks = 0;  // leading blocks a running context shares and has yet to compute
+  for (int64_t request_id : running) {
+    const RequestRecord& other = record(request_id);
+    if (other.state != RequestState::kContext || other.spec.lora_task_id != spec.lora_task_id ||
+        other.spec.cache_salt != spec.cache_salt) {
+      continue;
+    }
+    const int32_t limit = std::min(num_matchable_blocks, other.num_context_tokens / tokens_per_block);
+    int32_t num_common_blocks = 0;
+    for (int32_t pos = 0; num_common_blocks < limit; ++pos) {
+      const ExtraId extra_id = static_cast<size_t>(pos) < spec.extra_ids.size() ? spec.extra_ids[pos] : 0;
+      if (other.token_at(pos) != spec.token_ids[pos] || other.extra_id_at(pos) != extra_id) break;
+      if ((pos + 1) % tokens_per_block == 0) ++num_common_blocks;
+    }
+    if (num_common_blocks * tokens_per_block > other.num_computed_tokens) {
+      num_in_flight_blocks = std::max(num_in_flight_blocks, num_common_blocks);
+    }
+  }
+  return num_in_flight_blocks > 0 && num_in_flight_blocks > cache_manager.match_prefix(spec).num_matched_blocks;
+}
+
+void Scheduler::Impl::admit(size_t index, const SequenceSpec& spec) {
+  RequestRecord& r = record(waiting[index]);
   const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
   const AddSequenceResult result = cache_manager.add_sequence(r.request_id, spec, num_context_tokens);
-  waiting.pop_front();
+  waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(index));
   running.push_back(r.request_id);
   r.state = RequestState::kContext;
   r.num_context_tokens = num_context_tokens;

@@ -96,13 +96,9 @@ ScheduledRequest Scheduler::Impl::context_chunk(const RequestRecord& r, int32_t 
   sr.is_context = true;
   sr.num_cached_tokens = r.num_computed_tokens;
   const int32_t end = r.num_computed_tokens + num_new_tokens;
-  const int32_t num_prompt_tokens = r.num_prompt_tokens();
   // The context covers the prompt, then (for a resumed request) the tokens generated before the pause.
   sr.token_ids.reserve(num_new_tokens);
-  for (int32_t pos = r.num_computed_tokens; pos < end; ++pos) {
-    sr.token_ids.push_back(pos < num_prompt_tokens ? r.spec.token_ids[pos]
-                                                   : r.generated_token_ids[pos - num_prompt_tokens]);
-  }
+  for (int32_t pos = r.num_computed_tokens; pos < end; ++pos) sr.token_ids.push_back(r.token_at(pos));
   std::vector<BlockId> block_ids = cache_manager.block_ids(r.request_id);
   block_ids.resize(std::min<size_t>(block_ids.size(), num_blocks_for(end)));
   sr.block_ids = std::move(block_ids);

@@ -28,6 +28,10 @@ struct SchedulerConfig {
   int32_t max_batch_size = 8;      // requests per step
   int32_t max_num_tokens = 8192;   // context-chunk tokens + one per generating request, per step
   int32_t max_seq_len = 4096;      // prompt + generated tokens of one request
+  // Hold a queued request back while a running context is still computing prompt blocks it
+  // could reuse, so requests sharing a prefix that arrive together compute it once (as
+  // SGLang's in-batch prefix caching). Not under STATIC_BATCH, which admits a batch at once.
+  bool enable_in_batch_prefix_reuse = true;
 
   void validate() const;  // throws std::invalid_argument naming the field
 };

@@ -30,6 +30,15 @@ struct RequestRecord {
   RequestStats stats;
 
   int32_t num_prompt_tokens() const { return static_cast<int32_t>(spec.token_ids.size()); }
+  // Token at a position of prompt + generated tokens.
+  TokenId token_at(int32_t position) const {
+    return position < num_prompt_tokens() ? spec.token_ids[position]
+                                          : generated_token_ids[position - num_prompt_tokens()];
+  }
+  // Extra id at a position (0 for normal and generated tokens).
+  ExtraId extra_id_at(int32_t position) const {
+    return static_cast<size_t>(position) < spec.extra_ids.size() ? spec.extra_ids[position] : 0;
+  }
   // Prompt + generated tokens: the tokens known to the cache manager while running.
   int32_t num_total_tokens() const {
     return num_prompt_tokens() + static_cast<int32_t>(generated_token_ids.size());
@@ -81,7 +90,10 @@ struct Scheduler::Impl {
   void pause(RequestRecord& r);
   void admit_guaranteed();
   void admit_max_utilization();
-  void admit(RequestRecord& r, const SequenceSpec& spec);
+  // Admits waiting[index].
+  void admit(size_t index, const SequenceSpec& spec);
+  // Whether r would reuse more blocks by waiting for a running context to compute them.
+  bool should_wait_for_in_flight_prefix(const SequenceSpec& spec) const;
 
   // micro_batch_scheduler.cpp: picks this step's generation requests and context chunks within
   // max_batch_size and max_num_tokens.
