@@ -3,6 +3,7 @@
 // requests and context chunks). Not part of the public interface.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <unordered_map>
@@ -80,7 +81,7 @@ struct Scheduler::Impl {
   // The spec a request is (re-)added to the cache manager with: prompt + generated tokens so far.
   SequenceSpec admission_spec(const RequestRecord& r) const;
   void remove_running(int64_t request_id);
-  // Releases a running request's blocks and marks it finished.
+  // Marks a request finished: releases its blocks if running, takes it off the queue if waiting.
   void finish(RequestRecord& r);
 
   // capacity_scheduler.cpp: grows generating requests by one token, pausing the most recently
@@ -92,7 +93,8 @@ struct Scheduler::Impl {
   void admit_max_utilization();
   // Admits waiting[index].
   void admit(size_t index, const SequenceSpec& spec);
-  // Whether r would reuse more blocks by waiting for a running context to compute them.
+  // Whether a request with this spec would reuse more blocks by waiting for a running context
+  // to compute them (enable_in_batch_prefix_reuse).
   bool should_wait_for_in_flight_prefix(const SequenceSpec& spec) const;
 
   // micro_batch_scheduler.cpp: picks this step's generation requests and context chunks within
