@@ -465,3 +465,15 @@ def test_block_copy_kernel_refuses_pageable_host_memory(library):
     pageable = torch.zeros_like(device_pool, device="cpu")
     with pytest.raises(ValueError, match="pin"):
         copy_blocks(device_pool, pageable, [0], [0], method="kernel", library=library)
+
+
+def test_cuda_backend_hands_shapes_without_a_kernel_to_the_torch_backend(library):
+    from kvtool.layers.cuda_attention import CudaPagedAttention
+
+    sc = build_scenario([(20, 30), (9, 1)], num_context=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                        tokens_per_block=16, dtype=torch.float32, seed=4, new_tokens_in_cache=False)
+    backend = CudaPagedAttention(library)
+    assert not backend.supports(sc.kv_cache)
+    out = backend.forward(sc.query, sc.new_key, sc.new_value, sc.kv_cache, sc.meta, scale=sc.scale,
+                          sliding_window=None)
+    torch.testing.assert_close(out.float(), reference_attention(sc), atol=1e-4, rtol=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,6 +29,7 @@ def smem_bytes(head_dim: int, num_warps: int = NUM_WARPS, block_n: int = BLOCK_N
     return (block_m(num_warps) + 4 * block_n) * row_bytes + 2 * block_n * 4
 
 
+@functools.lru_cache(maxsize=None)  # pure; called per layer per step
 def context_attention_spec(head_dim: int, tokens_per_block: int, dtype: torch.dtype, arch: str) -> KernelSpec:
     """The specialization for one (head_dim, tokens_per_block, dtype, arch)."""
     return KernelSpec.create(SOURCE, arch, KVT_HEAD_DIM=head_dim, KVT_TOKENS_PER_BLOCK=tokens_per_block,
