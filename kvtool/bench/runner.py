@@ -18,7 +18,7 @@ from kvtool.bench.device import describe_device
 from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
 from kvtool.bench.options import BenchOptions
 from kvtool.bench.replay import FinishedRequest, Replayer, prepare_items
-from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.bench.report import RequestCsvWriter
 from kvtool.version import __version__, git_revision
 
 
@@ -154,10 +154,6 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
     row.update(describe_device(llm))
     row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
     return BenchResult(row=row, requests=finished, interrupted=interrupted)
-
-
-def write_summary(path: Path, rows: list[dict]) -> Path:
-    return write_summary_csv(path, rows)
 
 
 def _ms(value) -> str:
