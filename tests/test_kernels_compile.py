@@ -186,3 +186,17 @@ def test_block_copy_coalesces_consecutive_ids_into_runs():
     assert coalesce_runs([], []) == []
     with pytest.raises(ValueError, match="same length"):
         coalesce_runs([1, 2], [3])
+
+
+@needs_nvcc
+def test_precompile_builds_every_kernel_a_model_needs_into_a_plan_directory(tmp_path):
+    from kvtool.kernels.precompile import precompile, specs_for_model
+
+    # qwen3-8b shapes: 32 query heads over 8 KV heads of 128 dims.
+    specs = specs_for_model(head_dim=128, num_heads=32, num_kv_heads=8, tokens_per_block=16,
+                            dtype=torch.bfloat16)
+    compiler = KernelCompiler(cache_dir=tmp_path / "plan" / "kernels", backends=[NvccBackend(NVCC)])
+    compiled = precompile(specs, compiler)
+    assert [c.spec for c in compiled] == specs
+    assert all(c.cubin_path.parent.parent == tmp_path / "plan" / "kernels" for c in compiled)
+    assert all(c.from_cache for c in precompile(specs, compiler))
