@@ -154,14 +154,15 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
     scale = head_dim ** -0.5
     flops = 4 * batch * num_heads * head_dim * seq_len * (seq_len + 1) / 2  # causal: half the square
     sdpa_tflops = None
-    for tpb in (16, 64):
+    for tpb, num_warps in ((16, 4), (64, 4), (16, 8), (64, 8)):
         pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, seq_len, num_heads, num_kv_heads,
                                                           head_dim, tpb, dtype)
         out = torch.empty_like(query)
 
         def run():
             paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
-                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out)
+                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out,
+                                    num_warps=num_warps)
 
         ms = suite.time_ms(run)
         ours = flops / (ms * 1e-3) / 1e12
@@ -191,7 +192,7 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
             sdpa_tflops = flops / (sdpa_ms * 1e-3) / 1e12
             suite.add(Row("context", f"torch SDPA flash, contiguous ({note})", "throughput", sdpa_tflops, "TFLOP/s"))
             del k, v, q, kv
-        case = f"{batch} x {seq_len} causal prefill, tpb {tpb}, 32/8 heads, hd 128"
+        case = f"{batch} x {seq_len} causal prefill, tpb {tpb}, {num_warps} warps/CTA, 32/8 heads, hd 128"
         suite.add(Row("context", case, "time", ms, "ms"))
         suite.add(Row("context", case, "throughput", ours, "TFLOP/s", sdpa_tflops, ours / sdpa_tflops, 0.9))
         del pool, tables, query, out

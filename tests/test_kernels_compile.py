@@ -46,6 +46,8 @@ def _specializations() -> dict[str, tuple[KernelSpec, tuple[str, ...]]]:
     for tokens_per_block in (32, 64, 128):
         specs.append((context_attention_spec(128, tokens_per_block, torch.bfloat16, ARCH), context))
         specs.append((decode_attention_spec(64, tokens_per_block, torch.float16, 2, ARCH), decode))
+    specs.append((context_attention_spec(128, 16, torch.float16, ARCH, num_warps=8), context))
+    specs.append((context_attention_spec(64, 32, torch.bfloat16, ARCH, num_warps=8), context))
     for group_size in (1, 7, 8):  # MHA, an odd GQA group (Qwen2-0.5B: 14 / 2), a wide one
         specs.append((decode_attention_spec(128, 16, torch.float16, group_size, ARCH), decode))
     specs.append((kv_append_spec(ARCH), ("kvt_kv_append",)))

@@ -17,7 +17,7 @@ import torch
 from kvtool.kernels.kv_append import append_kv
 from kvtool.kernels.tensors import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from kvtool.kernels.loader import KernelLibrary, require_cupy
-from kvtool.kernels.paged_context_attention import paged_context_attention
+from kvtool.kernels.paged_context_attention import NUM_WARPS, paged_context_attention
 from kvtool.kernels.paged_decode_attention import PARTITION_SIZE, paged_decode_attention
 from kvtool.layers.attention_metadata import AttentionMetadata
 
@@ -33,11 +33,13 @@ class CudaPagedAttention:
     is missing, so callers can fall back to TorchPagedAttention before the first forward.
     """
 
-    def __init__(self, library: KernelLibrary | None = None, *, decode_partition_size: int = PARTITION_SIZE) -> None:
+    def __init__(self, library: KernelLibrary | None = None, *, decode_partition_size: int = PARTITION_SIZE,
+                 context_num_warps: int = NUM_WARPS) -> None:
         require_cupy()
         self.library = library if library is not None else KernelLibrary()
         self.library.compiler.backends  # noqa: B018 - discovers nvcc / NVRTC now, not mid-forward
         self.decode_partition_size = decode_partition_size
+        self.context_num_warps = context_num_warps
         self._fallback = None  # TorchPagedAttention, created on first use
 
     @staticmethod
@@ -70,7 +72,8 @@ class CudaPagedAttention:
         if num_context:
             paged_context_attention(self.library, query, kv_cache, meta.block_tables, meta.query_start_loc,
                                     meta.seq_lens, num_seqs=num_context, max_query_len=meta.max_query_len,
-                                    scale=scale, sliding_window=sliding_window, out=out)
+                                    scale=scale, sliding_window=sliding_window, out=out,
+                                    num_warps=self.context_num_warps)
         if num_decode:
             paged_decode_attention(self.library, query, kv_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, seq_offset=num_context, num_seqs=num_decode,
