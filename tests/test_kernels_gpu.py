@@ -5,6 +5,9 @@ unwritten stays NaN), and every pool slot that holds no real token (blocks nobod
 a sequence's end, blocks released by a sliding window) is NaN, so a stray read shows up as a NaN
 in the result. References are computed in fp32 from the same fp16/bf16 inputs, straight from each
 sequence's logical K/V (no paging), and compared with per-dtype error bounds.
+
+These tests are the first to run on real hardware: the scenario builder and the reference were
+checked on the CPU against kvtool.layers.attention.TorchPagedAttention.
 """
 
 from __future__ import annotations
@@ -140,15 +143,16 @@ def build_scenario(seqs: list[tuple[int, int]], *, num_context: int, num_heads: 
 
 
 def reference_attention(sc: Scenario) -> torch.Tensor:
-    """fp32 attention of every new token over its sequence's logical K/V: [num_tokens, H, D]."""
+    """Attention of every new token over its sequence's logical K/V, computed in float64 (immune to
+    TF32 settings), returned as float32 [num_tokens, H, D]."""
     num_heads = sc.query.shape[1]
-    out = torch.zeros(sc.query.shape, dtype=torch.float32, device=DEVICE)
+    out = torch.zeros(sc.query.shape, dtype=torch.float64, device=DEVICE)
     starts = sc.meta.query_start_loc.tolist()
     for i, (c, n) in enumerate(sc.seqs):
         group = num_heads // sc.keys[i].shape[1]
-        k = sc.keys[i].float().repeat_interleave(group, dim=1)    # [S, H, D]
-        v = sc.values[i].float().repeat_interleave(group, dim=1)
-        q = sc.query[starts[i]:starts[i] + n].float()             # [n, H, D]
+        k = sc.keys[i].double().repeat_interleave(group, dim=1)    # [S, H, D]
+        v = sc.values[i].double().repeat_interleave(group, dim=1)
+        q = sc.query[starts[i]:starts[i] + n].double()             # [n, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * sc.scale
         q_pos = torch.arange(c, c + n, device=DEVICE)[:, None]
         k_pos = torch.arange(c + n, device=DEVICE)[None, :]
@@ -157,7 +161,7 @@ def reference_attention(sc: Scenario) -> torch.Tensor:
             visible &= k_pos > q_pos - sc.window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[starts[i]:starts[i] + n] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out
+    return out.float()
 
 
 def assert_rows_match(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype,
