@@ -82,15 +82,18 @@ class Suite:
 
 # ---- baselines ----
 
-def section_copy(suite: Suite) -> None:
-    num_bytes = 1 << 30
+def _d2d_bandwidth(suite: Suite, num_bytes: int) -> float:
+    """GB/s of a device-to-device copy, counting read + write traffic (as decode counts its reads)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     ms = suite.time_ms(lambda: dst.copy_(src))
-    d2d = 2 * num_bytes / (ms * 1e-3) / 1e9  # read + write traffic
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def section_copy(suite: Suite) -> None:
+    d2d = _d2d_bandwidth(suite, 1 << 30)
     suite.baselines["d2d_GBps"] = d2d
     suite.add(Row("copy", "device->device 1 GiB", "bandwidth (read+write)", d2d, "GB/s"))
-    del src, dst
     host = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
     dev = torch.empty(host.shape, dtype=torch.uint8, device="cuda")
     for name, fn in (("host->device", lambda: dev.copy_(host, non_blocking=True)),
@@ -141,7 +144,6 @@ def section_decode(suite: Suite, library, dtype: torch.dtype) -> None:
         suite.add(Row("decode", case, "time", ms, "ms"))
         suite.add(Row("decode", case, "effective KV bandwidth", bandwidth, "GB/s", d2d,
                       bandwidth / d2d if d2d else None, target))
-        del pool, tables, query, out
 
 
 def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
@@ -154,14 +156,15 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
     scale = head_dim ** -0.5
     flops = 4 * batch * num_heads * head_dim * seq_len * (seq_len + 1) / 2  # causal: half the square
     sdpa_tflops = None
-    for tpb in (16, 64):
+    for tpb, num_warps in ((16, 4), (64, 4), (16, 8), (64, 8)):
         pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, seq_len, num_heads, num_kv_heads,
                                                           head_dim, tpb, dtype)
         out = torch.empty_like(query)
 
         def run():
             paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
-                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out)
+                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out,
+                                    num_warps=num_warps)
 
         ms = suite.time_ms(run)
         ours = flops / (ms * 1e-3) / 1e12
@@ -188,13 +191,20 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
                         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
                 sdpa_ms = suite.time_ms(sdpa)
+                # Same work, same answer: our output against SDPA's on this data.
+                if note == "enable_gqa":
+                    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+                else:
+                    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            run()
+            difference = (out.view(batch, seq_len, num_heads, head_dim).transpose(1, 2).float()
+                          - expected.float()).abs().max().item()
             sdpa_tflops = flops / (sdpa_ms * 1e-3) / 1e12
             suite.add(Row("context", f"torch SDPA flash, contiguous ({note})", "throughput", sdpa_tflops, "TFLOP/s"))
-            del k, v, q, kv
-        case = f"{batch} x {seq_len} causal prefill, tpb {tpb}, 32/8 heads, hd 128"
+            suite.add(Row("context", "paged kernel vs SDPA output", "max abs difference", difference, ""))
+        case = f"{batch} x {seq_len} causal prefill, tpb {tpb}, {num_warps} warps/CTA, 32/8 heads, hd 128"
         suite.add(Row("context", case, "time", ms, "ms"))
         suite.add(Row("context", case, "throughput", ours, "TFLOP/s", sdpa_tflops, ours / sdpa_tflops, 0.9))
-        del pool, tables, query, out
     # Reuse: the second half of each sequence attends to a cached first half (read from the cache).
     query_len = seq_len // 2
     pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, query_len, num_heads, num_kv_heads,

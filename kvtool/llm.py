@@ -16,9 +16,6 @@ from kvtool.runtime.engine import Engine
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools, check_host_cache_size, size_pools
 from kvtool.runtime.model_runner import ModelRunner
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request."""
@@ -84,7 +81,7 @@ class LLM:
         model_module = self.plan.load_model(self.device, _attention_backend(self.device), attention_window=window)
         tokens_per_block = opts.tokens_per_block
         shape = BlockShape(config.num_layers, tokens_per_block, config.num_kv_heads, config.head_dim,
-                           DTYPES[opts.kv_cache_dtype])
+                           self.plan.kv_cache_dtype)
         check_host_cache_size(kv_cache_config.host_cache_size)
         sizes = size_pools(shape.num_bytes, tokens_per_block, max_tokens=kv_cache_config.max_tokens,
                            free_memory_fraction=kv_cache_config.free_gpu_memory_fraction,
@@ -221,7 +218,7 @@ def _check_against_plan(plan, kv_cache_config: KvCacheConfig, scheduler_config: 
             f"tokens_per_block={kv_cache_config.tokens_per_block} does not match the plan {plan.path}, "
             f"built with tokens_per_block={opts.tokens_per_block}: rebuild with "
             f"`kvtool build --tokens_per_block {kv_cache_config.tokens_per_block}` or drop the option")
-    if not opts.use_paged_context_fmha:
+    if not plan.supports_kv_reuse:
         if kv_cache_config.enable_block_reuse:
             raise KvtoolError(
                 f"the plan {plan.path} was built with --use_paged_context_fmha disable, which cannot reuse "

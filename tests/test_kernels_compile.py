@@ -46,6 +46,8 @@ def _specializations() -> dict[str, tuple[KernelSpec, tuple[str, ...]]]:
     for tokens_per_block in (32, 64, 128):
         specs.append((context_attention_spec(128, tokens_per_block, torch.bfloat16, ARCH), context))
         specs.append((decode_attention_spec(64, tokens_per_block, torch.float16, 2, ARCH), decode))
+    specs.append((context_attention_spec(128, 16, torch.float16, ARCH, num_warps=8), context))
+    specs.append((context_attention_spec(64, 32, torch.bfloat16, ARCH, num_warps=8), context))
     for group_size in (1, 7, 8):  # MHA, an odd GQA group (Qwen2-0.5B: 14 / 2), a wide one
         specs.append((decode_attention_spec(128, 16, torch.float16, group_size, ARCH), decode))
     specs.append((kv_append_spec(ARCH), ("kvt_kv_append",)))
@@ -186,3 +188,17 @@ def test_block_copy_coalesces_consecutive_ids_into_runs():
     assert coalesce_runs([], []) == []
     with pytest.raises(ValueError, match="same length"):
         coalesce_runs([1, 2], [3])
+
+
+@needs_nvcc
+def test_precompile_builds_every_kernel_a_model_needs_into_a_plan_directory(tmp_path):
+    from kvtool.kernels.precompile import precompile, specs_for_model
+
+    # qwen3-8b shapes: 32 query heads over 8 KV heads of 128 dims.
+    specs = specs_for_model(head_dim=128, num_heads=32, num_kv_heads=8, tokens_per_block=16,
+                            dtype=torch.bfloat16)
+    compiler = KernelCompiler(cache_dir=tmp_path / "plan" / "kernels", backends=[NvccBackend(NVCC)])
+    compiled = precompile(specs, compiler)
+    assert [c.spec for c in compiled] == specs
+    assert all(c.cubin_path.parent.parent == tmp_path / "plan" / "kernels" for c in compiled)
+    assert all(c.from_cache for c in precompile(specs, compiler))

@@ -5,6 +5,9 @@ unwritten stays NaN), and every pool slot that holds no real token (blocks nobod
 a sequence's end, blocks released by a sliding window) is NaN, so a stray read shows up as a NaN
 in the result. References are computed in fp32 from the same fp16/bf16 inputs, straight from each
 sequence's logical K/V (no paging), and compared with per-dtype error bounds.
+
+These tests are the first to run on real hardware: the scenario builder and the reference were
+checked on the CPU against kvtool.layers.attention.TorchPagedAttention.
 """
 
 from __future__ import annotations
@@ -140,15 +143,16 @@ def build_scenario(seqs: list[tuple[int, int]], *, num_context: int, num_heads: 
 
 
 def reference_attention(sc: Scenario) -> torch.Tensor:
-    """fp32 attention of every new token over its sequence's logical K/V: [num_tokens, H, D]."""
+    """Attention of every new token over its sequence's logical K/V, computed in float64 (immune to
+    TF32 settings), returned as float32 [num_tokens, H, D]."""
     num_heads = sc.query.shape[1]
-    out = torch.zeros(sc.query.shape, dtype=torch.float32, device=DEVICE)
+    out = torch.zeros(sc.query.shape, dtype=torch.float64, device=DEVICE)
     starts = sc.meta.query_start_loc.tolist()
     for i, (c, n) in enumerate(sc.seqs):
         group = num_heads // sc.keys[i].shape[1]
-        k = sc.keys[i].float().repeat_interleave(group, dim=1)    # [S, H, D]
-        v = sc.values[i].float().repeat_interleave(group, dim=1)
-        q = sc.query[starts[i]:starts[i] + n].float()             # [n, H, D]
+        k = sc.keys[i].double().repeat_interleave(group, dim=1)    # [S, H, D]
+        v = sc.values[i].double().repeat_interleave(group, dim=1)
+        q = sc.query[starts[i]:starts[i] + n].double()             # [n, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * sc.scale
         q_pos = torch.arange(c, c + n, device=DEVICE)[:, None]
         k_pos = torch.arange(c + n, device=DEVICE)[None, :]
@@ -157,7 +161,7 @@ def reference_attention(sc: Scenario) -> torch.Tensor:
             visible &= k_pos > q_pos - sc.window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[starts[i]:starts[i] + n] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out
+    return out.float()
 
 
 def assert_rows_match(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype,
@@ -203,13 +207,13 @@ def test_kv_append_stores_each_token_at_its_slot_and_nothing_else(library, dtype
 CONTEXT_SEQS = [(0, 100), (300, 77), (129, 64), (0, 1), (5, 130), (1000, 200)]
 
 
-def _run_context(library, sc: Scenario, num_context: int) -> torch.Tensor:
+def _run_context(library, sc: Scenario, num_context: int, num_warps: int = 4) -> torch.Tensor:
     from kvtool.kernels.paged_context_attention import paged_context_attention
 
     out = poisoned_like(sc.query)
     paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
                             sc.meta.seq_lens, num_seqs=num_context, max_query_len=sc.meta.max_query_len,
-                            scale=sc.scale, sliding_window=sc.window, out=out)
+                            scale=sc.scale, sliding_window=sc.window, out=out, num_warps=num_warps)
     torch.cuda.synchronize()
     return out
 
@@ -224,6 +228,16 @@ def test_context_attention_over_cached_prefix_matches_reference(library, dtype, 
     out = _run_context(library, sc, len(CONTEXT_SEQS))
     assert_rows_match(out, reference_attention(sc), sc.rows(0, len(CONTEXT_SEQS)), dtype)
     assert torch.isnan(out[sc.rows(len(CONTEXT_SEQS), len(seqs))]).all(), "decode rows were written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 90])
+def test_context_attention_with_eight_warps_per_cta_matches_reference(library, dtype, head_dim, window):
+    sc = build_scenario(CONTEXT_SEQS, num_context=len(CONTEXT_SEQS), num_heads=8, num_kv_heads=2,
+                        head_dim=head_dim, tokens_per_block=32, dtype=dtype, seed=head_dim, window=window)
+    out = _run_context(library, sc, len(CONTEXT_SEQS), num_warps=8)
+    assert_rows_match(out, reference_attention(sc), sc.rows(0, len(CONTEXT_SEQS)), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -465,3 +479,15 @@ def test_block_copy_kernel_refuses_pageable_host_memory(library):
     pageable = torch.zeros_like(device_pool, device="cpu")
     with pytest.raises(ValueError, match="pin"):
         copy_blocks(device_pool, pageable, [0], [0], method="kernel", library=library)
+
+
+def test_cuda_backend_hands_shapes_without_a_kernel_to_the_torch_backend(library):
+    from kvtool.layers.cuda_attention import CudaPagedAttention
+
+    sc = build_scenario([(20, 30), (9, 1)], num_context=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                        tokens_per_block=16, dtype=torch.float32, seed=4, new_tokens_in_cache=False)
+    backend = CudaPagedAttention(library)
+    assert not backend.supports(sc.kv_cache)
+    out = backend.forward(sc.query, sc.new_key, sc.new_value, sc.kv_cache, sc.meta, scale=sc.scale,
+                          sliding_window=None)
+    torch.testing.assert_close(out.float(), reference_attention(sc), atol=1e-4, rtol=1e-4)

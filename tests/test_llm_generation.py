@@ -50,10 +50,20 @@ def reference_tokens(plan_dir):
 
 
 def test_greedy_outputs_identical_with_reuse_on_and_off(plan_dir, reference_tokens):
-    tokens, stats = greedy_tokens(plan_dir, shared_prefix_prompts(),
+    # One request at a time: each later request finds the shared prefix cached.
+    tokens, stats = greedy_tokens(plan_dir, shared_prefix_prompts(), max_batch_size=1,
                                   kv_cache_config=KvCacheConfig(enable_block_reuse=True))
     assert tokens == reference_tokens
-    assert stats["reused_blocks"] > 0
+    assert stats["reused_blocks"] == 3 * 5  # 80-token prefix = 5 blocks, for each of 3 later requests
+
+
+def test_batched_requests_reuse_a_prefix_as_soon_as_its_first_chunk_is_computed(plan_dir, reference_tokens):
+    # Chunks of 32 tokens: after the first request's first chunks land, the others admitted in
+    # later steps reuse those blocks while the first is still running (early reuse).
+    tokens, stats = greedy_tokens(plan_dir, shared_prefix_prompts(), max_num_tokens=48,
+                                  scheduler_config=SchedulerConfig(enable_chunked_context=True))
+    assert tokens == reference_tokens
+    assert stats["early_reused_blocks"] > 0
 
 
 def test_greedy_outputs_identical_when_host_offloading_forces_evictions(plan_dir, reference_tokens):
@@ -83,12 +93,12 @@ def test_greedy_outputs_identical_under_every_capacity_policy(plan_dir, referenc
 
 
 def test_max_utilization_pauses_and_still_produces_the_same_outputs(plan_dir):
-    # 13 blocks: three prompts (7 blocks each) cannot all grow to 123 tokens (8 blocks), so
-    # MAX_UTILIZATION must pause the most recently started request and resume it later.
+    # 15 blocks: two prompts (7 blocks each) start together but cannot both grow to 123 tokens
+    # (8 blocks each), so MAX_UTILIZATION must pause the most recently started one and resume it.
     prompts = shared_prefix_prompts()
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     llm = LLM(model=plan_dir, max_batch_size=4,
-              kv_cache_config=KvCacheConfig(enable_block_reuse=False, max_tokens=13 * TOKENS_PER_BLOCK),
+              kv_cache_config=KvCacheConfig(enable_block_reuse=False, max_tokens=15 * TOKENS_PER_BLOCK),
               scheduler_config=SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION))
     outputs = llm.generate(prompts, params)
     assert sum(r.num_pauses for r in llm.engine.records.values()) > 0

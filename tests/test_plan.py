@@ -237,3 +237,14 @@ def test_resolve_refuses_unknown_inputs(tmp_path):
         resolve_model("preset:gpt-5", cache_dir=tmp_path)
     with pytest.raises(PlanError, match="neither a plan directory"):
         resolve_model(str(tmp_path / "nothing-here"), cache_dir=tmp_path)
+
+
+def test_skipping_the_checksum_still_checks_size_and_shapes(plan_copy):
+    weights = plan_copy / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert load_plan(plan_copy, verify_checksum=False).path == plan_copy
+    weights.write_bytes(bytes(data[:-8]))
+    with pytest.raises(PlanError, match="truncated"):
+        load_plan(plan_copy, verify_checksum=False)

@@ -83,6 +83,7 @@ void KVCacheManager::Impl::lru_push(NodeId n) {
   l.tail[p] = n;
   l.nonempty[p >> 6] |= 1ULL << (p & 63);
   x.in_lru = true;
+  x.lru_stamp = ++lru_clock;
 }
 
 void KVCacheManager::Impl::lru_remove(NodeId n) {

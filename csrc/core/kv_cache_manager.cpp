@@ -98,7 +98,8 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   const int64_t limit = std::min<int64_t>(tpb, max_tokens - i * tpb);
   if (limit <= 0) return plan;
   // Copy-on-write candidates: cached children of the last matched node that start like the
-  // next block. The longest common prefix wins; on a tie the primary copy (no host read).
+  // next block. The longest common prefix wins; on a tie the primary copy (no host read), then
+  // a held one (pinning it costs nothing), then the most recently used.
   const TokenId* t = tokens + i * tpb;
   const ExtraId* e = extras ? extras + i * tpb : nullptr;
   const uint64_t key = partial_key(parent, t[0], spec.lora_task_id, spec.cache_salt);
@@ -109,9 +110,16 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
     const ExtraId* ne = node_extras(n);
     int32_t k = 0;
     while (k < limit && nt[k] == t[k] && (ne ? ne[k] : 0) == (e ? e[k] : 0)) ++k;
-    const bool better = k > plan.num_partial_tokens ||
-                        (k == plan.num_partial_tokens && k > 0 && x.pool == PoolKind::kPrimary &&
-                         nodes[plan.partial_source].pool == PoolKind::kSecondary);
+    if (k == 0 || k < plan.num_partial_tokens) continue;
+    bool better = k > plan.num_partial_tokens;
+    if (!better) {
+      const Node& best = nodes[plan.partial_source];
+      const bool primary = x.pool == PoolKind::kPrimary, best_primary = best.pool == PoolKind::kPrimary;
+      const bool held = is_held(n), best_held = is_held(plan.partial_source);
+      better = primary != best_primary ? primary
+               : held != best_held     ? held
+                                       : x.lru_stamp > best.lru_stamp;
+    }
     if (better) {
       plan.num_partial_tokens = k;
       plan.partial_source = n;

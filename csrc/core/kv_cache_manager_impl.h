@@ -40,6 +40,7 @@ struct KVCacheManager::Impl {
     BlockId block_id = kNoBlock;
     int32_t priority = kDefaultPriority;
     SequenceId owner = 0;           // the sequence that computed it
+    uint64_t lru_stamp = 0;         // when it last entered an LRU list (tie-break of partial sources)
     uint32_t generation = 0;        // bumped when the node slot is freed
     PoolKind pool = PoolKind::kPrimary;
     bool live = false;
@@ -156,6 +157,7 @@ struct KVCacheManager::Impl {
   LruLists lru[2];                         // by PoolKind
   int32_t num_unheld_primary = 0;          // primary nodes not held: evictable, part of num_available
   int32_t num_used_primary = 0;            // primary blocks with refcount > 0
+  uint64_t lru_clock = 0;
 
   std::unordered_map<SequenceId, Sequence> sequences;
   std::vector<CopyOp> copy_ops;

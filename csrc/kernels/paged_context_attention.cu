@@ -194,17 +194,39 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) kvt_paged_context_atte
     }
 
     // ---- mask, scale into the log2 domain, online softmax ----
+    // Interior tiles (every key real and visible to all 16 rows of this warp) skip the per-element
+    // mask: only tiles on the causal diagonal, the window edge or the sequence end pay for it.
+    const int tile_first_key = n * BLOCK_N;
+    const int tile_last_key = tile_first_key + BLOCK_N - 1;
+    const int warp_first_pos = ctx_len + m0 + warp * 16;
+    bool all_keys_ok = true;
+#pragma unroll
+    for (int r = lane; r < BLOCK_N; r += 32) all_keys_ok = all_keys_ok && smem.key_ok[buf][r];
+    const bool interior = __all_sync(0xffffffffu, all_keys_ok) && tile_last_key <= warp_first_pos &&
+                          (sliding_window <= 0 || tile_first_key > warp_first_pos + 15 - sliding_window);
     float tile_max[2] = {row_max[0], row_max[1]};
+    if (interior) {
 #pragma unroll
-    for (int i = 0; i < S_TILES; ++i) {
+      for (int i = 0; i < S_TILES; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = i * 8 + quad * 2 + (e & 1);
-        const int key = n * BLOCK_N + col;
-        const int pos = e < 2 ? pos0 : pos1;
-        const bool visible = smem.key_ok[buf][col] && key <= pos && (sliding_window <= 0 || key > pos - sliding_window);
-        s[i][e] = visible ? s[i][e] * scale_log2 : neg_inf();
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[i][e]);
+        for (int e = 0; e < 4; ++e) {
+          s[i][e] *= scale_log2;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[i][e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < S_TILES; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = i * 8 + quad * 2 + (e & 1);
+          const int key = tile_first_key + col;
+          const int pos = e < 2 ? pos0 : pos1;
+          const bool visible =
+              smem.key_ok[buf][col] && key <= pos && (sliding_window <= 0 || key > pos - sliding_window);
+          s[i][e] = visible ? s[i][e] * scale_log2 : neg_inf();
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[i][e]);
+        }
       }
     }
     float alpha[2];

@@ -32,8 +32,8 @@ class DatasetStats:
     ``shared_prefix_fraction``: the fraction of prompt tokens, in file order, that lie in full
     blocks of ``tokens_per_block`` tokens already seen as a prefix of an earlier prompt -- what
     block reuse could skip with an unbounded cache. A later session turn's prompt counts its
-    history (earlier prompt + generated answer, the answer being unknown but the same tokens
-    for the session's next turn).
+    history (earlier prompt + generated answer: unknown tokens, but cached blocks for the
+    session's next turn).
     """
 
     num_lines: int
@@ -83,6 +83,9 @@ def dataset_stats(dataset: Dataset, *, tokens_per_block: int = 32) -> DatasetSta
             answer = list(range(next_placeholder, next_placeholder - record.output_tokens, -1))
             next_placeholder -= record.output_tokens
             history[record.session_id] = prompt + answer
+            # The engine keeps the full blocks of the answer too (their KV is computed while decoding).
+            for end in range(tokens_per_block, len(history[record.session_id]) + 1, tokens_per_block):
+                seen_blocks.add(tuple(history[record.session_id][:end]))
     return DatasetStats(
         num_lines=len(dataset), num_sessions=dataset.num_sessions,
         num_session_turns=sum(1 for r in dataset.records if r.session_id is not None), num_text_prompts=num_text,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, fields
+from types import MappingProxyType
 
 from kvtool.bench.replay import ReplaySchedule
 from kvtool.config import (
@@ -14,9 +15,9 @@ from kvtool.config import (
     is_power_of_two,
 )
 
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                                "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+                                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
 def parse_bytes(value: str | int) -> int:

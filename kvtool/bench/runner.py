@@ -18,7 +18,7 @@ from kvtool.bench.device import describe_device
 from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
 from kvtool.bench.options import BenchOptions
 from kvtool.bench.replay import FinishedRequest, Replayer, prepare_items
-from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.bench.report import RequestCsvWriter
 from kvtool.version import __version__, git_revision
 
 
@@ -95,8 +95,16 @@ def _vocab_size(llm) -> int:
 
 
 def _progress(console: Console) -> Progress:
+    # Redrawn only when a request finishes: an auto-refresh thread would compete with the model for
+    # the CPU (and the GIL) and show up in the latencies being measured.
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False)
+                    TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False,
+                    auto_refresh=False)
+
+
+def _advance(progress: Progress, task) -> None:
+    progress.advance(task)
+    progress.refresh()
 
 
 def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, requests_csv: Path,
@@ -126,7 +134,7 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
         try:
             if warmup_items:
                 task = progress.add_task(f"{label} warm-up", total=len(warmup_items))
-                replayer.run(warmup_items, lambda done: progress.advance(task), timed=False)
+                replayer.run(warmup_items, lambda done: _advance(progress, task), timed=False)
                 if not options.warmup_counts_in_stats:
                     engine.reset_stats()
             task = progress.add_task(label, total=len(measured))
@@ -137,7 +145,7 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
                                           turn=done.item.record.turn)
                 writer.write(metrics)
                 finished.append(metrics)
-                progress.advance(task)
+                _advance(progress, task)
 
             replayer.run(measured, on_finish)
         except KeyboardInterrupt:
@@ -154,10 +162,6 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
     row.update(describe_device(llm))
     row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
     return BenchResult(row=row, requests=finished, interrupted=interrupted)
-
-
-def write_summary(path: Path, rows: list[dict]) -> Path:
-    return write_summary_csv(path, rows)
 
 
 def _ms(value) -> str:

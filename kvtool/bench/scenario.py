@@ -183,6 +183,34 @@ def _merged(base: Mapping | None, override: Mapping | None) -> dict:
     return {**(base or {}), **(override or {})}
 
 
+def _plan_source(check: _Checker, where: str, document: Mapping, raw_variant: Mapping, model: str | None,
+                 plan: str | Path | None) -> tuple[str | None, str | None]:
+    """(model to build, plan directory) of a variant: the command line, else the variant, else the file."""
+    if raw_variant.get("model") and raw_variant.get("plan"):
+        raise check.fail(where, "give either `model:` (built into a plan) or `plan:` (a built plan), not both")
+    if plan is not None:
+        return None, str(plan)
+    if model is not None:
+        return model, None
+    if raw_variant.get("plan"):
+        return None, str(raw_variant["plan"])
+    if raw_variant.get("model"):
+        return str(raw_variant["model"]), None
+    if document.get("plan"):
+        return None, str(document["plan"])
+    return str(document.get("model") or DEFAULT_MODEL), None
+
+
+def _bake_into_build(flags: dict, build: dict) -> None:
+    """For a plan built from a recipe: the block size is a build option (one plan per value), and
+    runtime limits above what a default build admits are built in."""
+    if flags.get("tokens_per_block") is not None:
+        build["tokens_per_block"] = flags.pop("tokens_per_block")
+    for limit, built_for in _default_build_limits().items():
+        if flags.get(limit) is not None and limit not in build and flags[limit] > built_for:
+            build[limit] = flags[limit]
+
+
 def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | None = None, plan: str | Path | None = None,
                   dataset: str | Path | None = None, bench_overrides: Mapping[str, object] | None = None) -> Scenario:
     """Reads, overrides and validates a scenario; every variant's flags are checked before anything runs.
@@ -216,6 +244,8 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
         raise check.fail("sweep", "expected a list of variants (each a mapping with a label and overrides)")
     name = str(document.get("name") or path.stem)
 
+    if document.get("model") and document.get("plan"):
+        raise check.fail("top level", "give either `model:` (built into a plan) or `plan:` (a built plan), not both")
     variants, labels = [], set()
     for position, raw_variant in enumerate(sweep):
         where = f"sweep[{position}]"
@@ -225,40 +255,22 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
             raise check.fail(where, f"label {label!r} is used twice; give each variant its own label")
         labels.add(label)
         where = f"sweep[{position}] ({label})"
-        if document.get("model") and document.get("plan"):
-            raise check.fail("top level", "give either `model:` (built into a plan) or `plan:` (a built plan), not both")
-        if raw_variant.get("model") and raw_variant.get("plan"):
-            raise check.fail(where, "give either `model:` (built into a plan) or `plan:` (a built plan), not both")
-        variant_model, variant_plan = document.get("model"), document.get("plan")
-        if raw_variant.get("model"):
-            variant_model, variant_plan = raw_variant["model"], None
-        if raw_variant.get("plan"):
-            variant_model, variant_plan = None, raw_variant["plan"]
-        if model is not None:  # the command line wins over the file
-            variant_model, variant_plan = model, None
-        if plan is not None:
-            variant_model, variant_plan = None, str(plan)
-        if not variant_plan:
-            variant_model = str(variant_model or DEFAULT_MODEL)
+        variant_model, variant_plan = _plan_source(check, where, document, raw_variant, model, plan)
         build = check.keys(_merged(base_build, raw_variant.get("build")), f"{where} build", BUILD_KEYS)
-        flags = _merged(base_bench, {k: v for k, v in raw_variant.items() if k in flag_names})
-        flags.update(bench_overrides or {})
+        flags = {**base_bench, **{k: v for k, v in raw_variant.items() if k in flag_names}, **(bench_overrides or {})}
         if variant_plan is None:
-            if flags.get("tokens_per_block") is not None:
-                # Built from a recipe: the block size is baked into the plan, one plan per value.
-                build["tokens_per_block"] = flags.pop("tokens_per_block")
-            for limit, built_for in _default_build_limits().items():
-                # The plan must admit the runtime limits the bench asks for (a lower limit needs no rebuild).
-                if flags.get(limit) is not None and limit not in build and flags[limit] > built_for:
-                    build[limit] = flags[limit]
-        elif variant_plan is not None and raw_variant.get("build"):
+            _bake_into_build(flags, build)
+        elif raw_variant.get("build"):
             raise check.fail(where, "`build:` needs `model:` (a recipe to build); a `plan:` directory is already built")
-        dataset_raw = document["dataset"]
-        if raw_variant.get("dataset") is not None:
-            dataset_raw = (raw_variant["dataset"] if "path" in raw_variant["dataset"] or "generator" in raw_variant["dataset"]
-                           else _merged(dataset_raw, raw_variant["dataset"]))
-        if dataset is not None:
-            dataset_raw = {"path": str(dataset)}
+        else:
+            build = {}  # a built plan: the scenario's build options do not apply
+        dataset_raw = document["dataset"] if dataset is None else {"path": str(dataset)}
+        override = raw_variant.get("dataset")
+        if override is not None and dataset is None:
+            if not isinstance(override, dict):
+                raise check.fail(f"{where} dataset", "expected a mapping")
+            replaces = "path" in override or "generator" in override
+            dataset_raw = override if replaces else _merged(dataset_raw, override)
         spec = _dataset_spec(check, dataset_raw, f"{where} dataset", path.parent)
         try:
             options = BenchOptions(**flags)

@@ -182,7 +182,8 @@ def stats(
         console = Console()
         console.print(f"[bold]{dataset}[/]: {result.num_lines} requests, {result.num_sessions} sessions "
                       f"({result.num_session_turns} session turns), {result.num_text_prompts} text prompts"
-                      + (" (not tokenized: left out of the token figures)" if result.num_text_prompts else ""))
+                      + (" (not tokenized: left out of the token figures)" if result.num_text_prompts else ""),
+                      soft_wrap=True, highlight=False)
         table = Table("tokens", "min", "mean", "p50", "p90", "max")
         table.add_row("prompt (with session history)", *_length_cells(result.prompt_tokens))
         table.add_row("new per line", *_length_cells(result.new_tokens))
@@ -191,4 +192,5 @@ def stats(
         fraction = result.shared_prefix_fraction
         console.print(f"shared prefix fraction: {'-' if fraction is None else f'{fraction:.1%}'} "
                       f"({result.shared_prefix_tokens} of {result.total_prompt_tokens} prompt tokens lie in full "
-                      f"blocks of {result.tokens_per_block} tokens that an earlier prompt already has)")
+                      f"blocks of {result.tokens_per_block} tokens that an earlier prompt already has)",
+                      soft_wrap=True, highlight=False)

@@ -14,6 +14,7 @@ bench/gpu_suite.py measures both against the plain pinned-copy bandwidth.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Sequence
@@ -32,6 +33,7 @@ BYTES_PER_CTA = 64 * 1024
 CopyMethod = Literal["kernel", "memcpy"]
 
 
+@functools.lru_cache(maxsize=None)  # pure; called per layer per step
 def block_copy_spec(arch: str) -> KernelSpec:
     return KernelSpec.create(SOURCE, arch)
 

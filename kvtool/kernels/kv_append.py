@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvtool.kernels.compiler import KernelSpec
@@ -13,6 +15,7 @@ KERNEL = "kvt_kv_append"
 NUM_THREADS = 128
 
 
+@functools.lru_cache(maxsize=None)  # pure; called per layer per step
 def kv_append_spec(arch: str) -> KernelSpec:
     """One specialization per architecture: sizes are runtime arguments, bytes are bytes."""
     return KernelSpec.create(SOURCE, arch)

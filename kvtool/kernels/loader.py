@@ -8,6 +8,7 @@ torch's own work without any synchronization.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Sequence
 
@@ -19,7 +20,13 @@ from kvtool.kernels.compiler import KernelCompileError, KernelCompiler, KernelSp
 
 def device_arch(device: torch.device | int | None = None) -> str:
     """``sm_XY`` of a CUDA device (``sm_90`` on H100/H200)."""
-    major, minor = torch.cuda.get_device_capability(device)
+    index = device.index if isinstance(device, torch.device) else device
+    return _arch_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)  # a device's capability never changes; asked per layer per step
+def _arch_of(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,17 +29,21 @@ def smem_bytes(head_dim: int, num_warps: int = NUM_WARPS, block_n: int = BLOCK_N
     return (block_m(num_warps) + 4 * block_n) * row_bytes + 2 * block_n * 4
 
 
-def context_attention_spec(head_dim: int, tokens_per_block: int, dtype: torch.dtype, arch: str) -> KernelSpec:
-    """The specialization for one (head_dim, tokens_per_block, dtype, arch)."""
+@functools.lru_cache(maxsize=None)  # pure; called per layer per step
+def context_attention_spec(head_dim: int, tokens_per_block: int, dtype: torch.dtype, arch: str,
+                           num_warps: int = NUM_WARPS) -> KernelSpec:
+    """The specialization for one (head_dim, tokens_per_block, dtype, arch[, warps per CTA])."""
+    if num_warps not in (4, 8):
+        raise ValueError(f"the context kernel runs 4 or 8 warps per CTA (64 or 128 query rows), got {num_warps}")
     return KernelSpec.create(SOURCE, arch, KVT_HEAD_DIM=head_dim, KVT_TOKENS_PER_BLOCK=tokens_per_block,
-                             KVT_DTYPE_BF16=dtype_is_bf16(dtype), KVT_CTX_NUM_WARPS=NUM_WARPS,
-                             KVT_CTX_BLOCK_N=BLOCK_N, KVT_CTX_SMEM_BYTES=smem_bytes(head_dim))
+                             KVT_DTYPE_BF16=dtype_is_bf16(dtype), KVT_CTX_NUM_WARPS=num_warps,
+                             KVT_CTX_BLOCK_N=BLOCK_N, KVT_CTX_SMEM_BYTES=smem_bytes(head_dim, num_warps))
 
 
 def paged_context_attention(library: KernelLibrary, query: torch.Tensor, kv_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             *, num_seqs: int, max_query_len: int, scale: float, sliding_window: int | None,
-                            out: torch.Tensor) -> None:
+                            out: torch.Tensor, num_warps: int = NUM_WARPS) -> None:
     """Attention of the new tokens of sequences ``0..num_seqs-1`` over their paged KV.
 
     query/out: [num_tokens, num_heads, head_dim]; sequence i owns rows
@@ -48,6 +53,7 @@ def paged_context_attention(library: KernelLibrary, query: torch.Tensor, kv_cach
     (-1 = released, never read). Causal aligned bottom-right; with ``sliding_window`` W the token at
     position p sees positions > p - W. ``max_query_len`` bounds every query_len (grid size).
     Writes only the rows of these sequences in ``out``; launches on torch's current stream.
+    ``num_warps`` (4 or 8) sets the query rows per CTA (16 per warp), a tuning knob.
     """
     if num_seqs == 0 or max_query_len <= 0:
         return
@@ -65,14 +71,14 @@ def paged_context_attention(library: KernelLibrary, query: torch.Tensor, kv_cach
     query_start_loc = int32_on(query_start_loc, device, "query_start_loc")
     seq_lens = int32_on(seq_lens, device, "seq_lens")
 
-    spec = context_attention_spec(head_dim, tokens_per_block, kv_cache.dtype, device_arch(device))
-    shared = smem_bytes(head_dim)
+    spec = context_attention_spec(head_dim, tokens_per_block, kv_cache.dtype, device_arch(device), num_warps)
+    shared = smem_bytes(head_dim, num_warps)
     kernel = library.kernel(spec, KERNEL, device.index, dynamic_smem_bytes=shared)
-    grid = (math.ceil(max_query_len / block_m()), num_heads, num_seqs)
+    grid = (math.ceil(max_query_len / block_m(num_warps)), num_heads, num_seqs)
     window = int(sliding_window) if sliding_window else 0
     args = (ptr(query), i64(q_token_stride), i64(q_head_stride),
             ptr(kv_cache), i64(strides.block), i64(strides.kv), i64(strides.token), i64(strides.head),
             ptr(block_tables), i64(block_tables.stride(0)), ptr(query_start_loc), ptr(seq_lens),
             ptr(out), i64(out_token_stride), i64(out_head_stride),
             i32(num_heads), i32(num_kv_heads), f32(scale * LOG2_E), i32(window))
-    launch(kernel, grid, (32 * NUM_WARPS,), args, device_index=device.index, shared_mem=shared)
+    launch(kernel, grid, (32 * num_warps,), args, device_index=device.index, shared_mem=shared)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -31,6 +32,7 @@ def num_partitions(max_seq_len: int, partition_size: int = PARTITION_SIZE) -> in
     return max(1, math.ceil(max_seq_len / partition_size))
 
 
+@functools.lru_cache(maxsize=None)  # pure; called per layer per step
 def decode_attention_spec(head_dim: int, tokens_per_block: int, dtype: torch.dtype, group_size: int, arch: str,
                           partition_size: int = PARTITION_SIZE) -> KernelSpec:
     """The specialization for one (head_dim, tokens_per_block, dtype, GQA group, arch)."""

@@ -91,11 +91,12 @@ class TorchPagedAttention:
             if ctx.num_hidden_keys:
                 # Masked keys still enter the products: zero them so stale non-finite data can't leak.
                 kv[:, :, :ctx.num_hidden_keys] = 0
-            q = query[ctx.query_start:ctx.query_start + ctx.query_len].transpose(0, 1)  # [H, q, D]
+            # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to its slow math kernel.
+            q = query[ctx.query_start:ctx.query_start + ctx.query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             out = F.scaled_dot_product_attention(
-                q, kv[0], kv[1], attn_mask=ctx.mask, is_causal=ctx.mask is None, scale=scale,
-                enable_gqa=enable_gqa)
-            output[ctx.query_start:ctx.query_start + ctx.query_len] = out.transpose(0, 1)
+                q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=ctx.mask, is_causal=ctx.mask is None,
+                scale=scale, enable_gqa=enable_gqa)
+            output[ctx.query_start:ctx.query_start + ctx.query_len] = out[0].transpose(0, 1)
         if plan.decode is not None:
             dec = plan.decode
             num_decode, max_blocks = dec.block_ids.shape

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from kvtool.kernels.kv_append import append_kv
+from kvtool.kernels.tensors import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from kvtool.kernels.loader import KernelLibrary, require_cupy
-from kvtool.kernels.paged_context_attention import paged_context_attention
+from kvtool.kernels.paged_context_attention import NUM_WARPS, paged_context_attention
 from kvtool.kernels.paged_decode_attention import PARTITION_SIZE, paged_decode_attention
 from kvtool.layers.attention_metadata import AttentionMetadata
 
@@ -24,17 +25,27 @@ from kvtool.layers.attention_metadata import AttentionMetadata
 class CudaPagedAttention:
     """Paged attention with CUDA kernels (fp16 / bf16, head_dim 64 or 128, GQA, sliding windows).
 
+    Other head dims or a float32 KV cache (tiny test presets) run on TorchPagedAttention instead.
+
     ``library`` holds the compiled kernels (one per specialization, compiled on first use and
     cached on disk); pass one to share it between backends or to point at a plan's kernel cache.
     Raises KernelToolchainError (an ImportError) at construction when CuPy or every CUDA compiler
     is missing, so callers can fall back to TorchPagedAttention before the first forward.
     """
 
-    def __init__(self, library: KernelLibrary | None = None, *, decode_partition_size: int = PARTITION_SIZE) -> None:
+    def __init__(self, library: KernelLibrary | None = None, *, decode_partition_size: int = PARTITION_SIZE,
+                 context_num_warps: int = NUM_WARPS) -> None:
         require_cupy()
         self.library = library if library is not None else KernelLibrary()
         self.library.compiler.backends  # noqa: B018 - discovers nvcc / NVRTC now, not mid-forward
         self.decode_partition_size = decode_partition_size
+        self.context_num_warps = context_num_warps
+        self._fallback = None  # TorchPagedAttention, created on first use
+
+    @staticmethod
+    def supports(kv_cache: torch.Tensor) -> bool:
+        """True when the kernels cover this cache's dtype and head_dim."""
+        return kv_cache.dtype in SUPPORTED_DTYPES and kv_cache.shape[-1] in SUPPORTED_HEAD_DIMS
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, *, scale: float, sliding_window: int | None) -> torch.Tensor:
@@ -46,6 +57,13 @@ class CudaPagedAttention:
                              f"KV cache's {kv_cache.shape[2]}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+        if not self.supports(kv_cache):
+            if self._fallback is None:
+                from kvtool.layers.attention import TorchPagedAttention  # noqa: PLC0415
+
+                self._fallback = TorchPagedAttention()
+            return self._fallback.forward(query, key, value, kv_cache, meta, scale=scale,
+                                          sliding_window=sliding_window)
         query = query.to(kv_cache.dtype)
         append_kv(self.library, key.to(kv_cache.dtype), value.to(kv_cache.dtype), kv_cache, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [num_tokens, num_heads, hd]
@@ -54,7 +72,8 @@ class CudaPagedAttention:
         if num_context:
             paged_context_attention(self.library, query, kv_cache, meta.block_tables, meta.query_start_loc,
                                     meta.seq_lens, num_seqs=num_context, max_query_len=meta.max_query_len,
-                                    scale=scale, sliding_window=sliding_window, out=out)
+                                    scale=scale, sliding_window=sliding_window, out=out,
+                                    num_warps=self.context_num_warps)
         if num_decode:
             paged_decode_attention(self.library, query, kv_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, seq_offset=num_context, num_seqs=num_decode,

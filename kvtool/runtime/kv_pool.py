@@ -144,7 +144,7 @@ def check_host_cache_size(host_cache_size: int) -> None:
             f"{available:,} bytes of host memory available: choose at most {available:,}")
 
 
-CPU_PRIMARY_POOL_CAP_BYTES = 4 << 30  # on a CPU, "free device memory" is host memory: cap the default
+CPU_PRIMARY_POOL_CAP_BYTES = 256 << 20  # on a CPU, "free device memory" is host memory: cap the default
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def size_pools(block_bytes: int, tokens_per_block: int, *, max_tokens: int | Non
                on_cpu: bool) -> PoolSizes:
     """Primary blocks from max_tokens, else from a fraction of free memory; the smaller when both.
 
-    Without max_tokens on a CPU the pool is capped at 4 GiB: the host's free memory is not a
+    Without max_tokens on a CPU the pool is capped at 256 MiB: the host's free memory is not a
     device budget, and an oversized pool only slows start-up.
     """
     budget = free_memory_fraction * free_memory_bytes

@@ -1,0 +1,354 @@
+"""A short pure-Python model of the KV cache semantics (DESIGN.md "KV cache semantics").
+
+It is written independently of the C++ manager, for clarity rather than speed: block identity
+is the exact nested tuple (parent key, tokens, extra ids, LoRA task id, cache salt) (no hashing,
+so no collisions), pools are counts, eviction is a min() over candidates. It predicts what a
+user of KVCacheManager can see: reuse results, which prompts match, available blocks, stats.
+Block ids are not modelled.
+
+Rules (the specification the C++ manager is checked against):
+- A full block becomes a cached node once its KV is computed (mark_computed), keyed by its chain.
+  A block whose key is already cached in the primary pool stays an unkeyed duplicate; one cached
+  only in the secondary pool is adopted (the node moves into the sequence's block).
+- match: longest chain of cached full blocks, never the last prompt token; then (partial reuse)
+  the child of the last matched node sharing the longest prefix with the next block (< a block,
+  capped so the last prompt token is computed); ties go to a primary, then a held, then the most
+  recently stamped node.
+- LRU clock: a node is stamped when it becomes unreferenced (release: last block first; the
+  sliding window: last released block first) and when it arrives in the secondary pool.
+- Eviction victim: unreferenced, unpinned nodes without primary children (secondary pool: without
+  children), lowest (priority, stamp). An evicted primary node of priority >=
+  secondary_offload_min_priority moves to the secondary pool when a secondary block is free or
+  can be evicted, else it is dropped with its (secondary) descendants.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple
+    parent: tuple | None  # key of the parent node, None at the root
+    tokens: tuple
+    extras: tuple | None  # None when all extra ids of the block are 0
+    lora: int
+    salt: int
+    tier: str  # "P" primary or "S" secondary
+    priority: int
+    refcount: int = 0
+    owner: int | None = None  # sequence that computed it, while it still holds the block
+    stamp: int = 0
+    pinned: bool = False
+
+
+@dataclass
+class Seq:
+    tokens: list
+    extras: list | None
+    lora: int
+    salt: int
+    priority: int
+    table: list = field(default_factory=list)  # Node, "own" (unkeyed block) or None (window-released)
+    computed: int = 0
+    stored: int = 0
+    last: Node | None = None
+    broken: bool = False
+    window_released: int = 0
+
+
+STAT_NAMES = (
+    "reused_blocks missed_blocks early_reused_blocks partial_reused_blocks alloc_total_blocks "
+    "alloc_new_blocks offloaded_blocks onboarded_blocks evicted_blocks num_offloaded_tokens "
+    "num_onboarded_tokens"
+).split()
+
+
+class ReferenceKVCache:
+    def __init__(self, tokens_per_block, num_primary_blocks, num_secondary_blocks=0, enable_block_reuse=True,
+                 enable_partial_reuse=True, secondary_offload_min_priority=35, max_attention_window=0):
+        self.tpb = tokens_per_block
+        self.num_primary = num_primary_blocks
+        self.num_secondary = num_secondary_blocks
+        self.reuse = enable_block_reuse
+        self.partial = enable_partial_reuse and enable_block_reuse
+        self.min_priority = secondary_offload_min_priority
+        self.window = max_attention_window
+        self.nodes: dict[tuple, Node] = {}
+        self.num_unkeyed = 0  # primary blocks held by sequences without a node
+        self.seqs: dict[int, Seq] = {}
+        self.clock = itertools.count(1)
+        self.stats = dict.fromkeys(STAT_NAMES, 0)
+
+    # ---- keys and lookups -------------------------------------------------------------------
+    def _block(self, tokens, extras, i):
+        t = tuple(tokens[i * self.tpb:(i + 1) * self.tpb])
+        e = tuple(extras[i * self.tpb:(i + 1) * self.tpb]) if extras else None
+        if e is not None and not any(e):
+            e = None
+        return t, e
+
+    def _key(self, parent_key, t, e, lora, salt):
+        return (parent_key, t, e, lora, salt)
+
+    def _children(self, parent_key):
+        return [n for n in self.nodes.values() if n.parent == parent_key]
+
+    def _held(self, node):
+        if node.tier != "P":
+            return False
+        return node.refcount > 0 or any(self._held(c) for c in self._children(node.key) if c.tier == "P")
+
+    def free_primary(self):
+        return self.num_primary - self.num_unkeyed - sum(n.tier == "P" for n in self.nodes.values())
+
+    def free_secondary(self):
+        return self.num_secondary - sum(n.tier == "S" for n in self.nodes.values())
+
+    def num_available_blocks(self):
+        return self.free_primary() + sum(1 for n in self.nodes.values() if n.tier == "P" and not self._held(n))
+
+    def match(self, tokens, extras=None, lora=0, salt=0):
+        """(matched nodes, partial source or None, partial token count)."""
+        if not self.reuse:
+            return [], None, 0
+        extras = list(extras) if extras is not None and any(extras) else None
+        max_tokens = len(tokens) - 1
+        chain, parent = [], None
+        while (len(chain) + 1) * self.tpb <= max_tokens:
+            t, e = self._block(tokens, extras, len(chain))
+            node = self.nodes.get(self._key(parent, t, e, lora, salt))
+            if node is None:
+                break
+            chain.append(node)
+            parent = node.key
+        source, k_best, best_rank = None, 0, None
+        limit = min(self.tpb, max_tokens - len(chain) * self.tpb)
+        if self.partial and limit > 0:
+            start = len(chain) * self.tpb
+            want = [(tokens[start + j], extras[start + j] if extras else 0) for j in range(limit)]
+            for cand in self._children(parent):
+                if (cand.lora, cand.salt) != (lora, salt):
+                    continue
+                have = [(cand.tokens[j], cand.extras[j] if cand.extras else 0) for j in range(self.tpb)]
+                k = next((j for j in range(limit) if have[j] != want[j]), limit)
+                rank = (k, cand.tier == "P", self._held(cand), cand.stamp)
+                if k > 0 and (source is None or rank > best_rank):
+                    source, k_best, best_rank = cand, k, rank
+        return chain, source, k_best
+
+    def match_prefix(self, tokens, extras=None, lora=0, salt=0):
+        chain, _, k = self.match(tokens, extras, lora, salt)
+        return dict(num_matched_tokens=len(chain) * self.tpb + k, num_matched_blocks=len(chain),
+                    num_secondary_blocks=sum(n.tier == "S" for n in chain), num_partial_tokens=k)
+
+    def num_blocks_to_add(self, tokens, num_tokens, extras=None, lora=0, salt=0):
+        chain, source, k = self.match(tokens, extras, lora, salt)
+        total = max(-(-num_tokens // self.tpb), len(chain) + (1 if k else 0))
+        held = sum(1 for n in chain if n.tier == "P" and self._held(n))
+        pinned = 1 if source is not None and source.tier == "P" and not self._held(source) else 0
+        return total - held + pinned
+
+    # ---- pools ------------------------------------------------------------------------------
+    def _victim(self, tier):
+        cands = [n for n in self.nodes.values() if n.tier == tier and n.refcount == 0 and not n.pinned
+                 and not any(c.tier == "P" or tier == "S" for c in self._children(n.key))]
+        return min(cands, key=lambda n: (n.priority, n.stamp), default=None)
+
+    def _drop_tree(self, node):
+        for child in self._children(node.key):
+            self._drop_tree(child)
+        del self.nodes[node.key]
+        self.stats["evicted_blocks"] += 1
+
+    def _take_secondary(self):
+        """Makes one secondary block free; False when none can be."""
+        if self.free_secondary() > 0:
+            return True
+        victim = self._victim("S")
+        if victim is None:
+            return False
+        self._drop_tree(victim)
+        return True
+
+    def _take_primary(self):
+        """Makes one primary block free (evicting if needed) for the caller to fill."""
+        if self.free_primary() > 0:
+            return
+        victim = self._victim("P")
+        assert victim is not None, "reference: nothing to evict"
+        if self.num_secondary > 0 and victim.priority >= self.min_priority and self._take_secondary():
+            victim.tier = "S"
+            victim.stamp = next(self.clock)
+            self.stats["offloaded_blocks"] += 1
+            self.stats["num_offloaded_tokens"] += self.tpb
+        else:
+            self._drop_tree(victim)
+
+    def _new_block(self):
+        self._take_primary()
+        self.num_unkeyed += 1
+        return "own"
+
+    def _unref(self, entry, seq_id):
+        if entry == "own":
+            self.num_unkeyed -= 1
+            return
+        if entry.owner == seq_id:
+            entry.owner = None
+        entry.refcount -= 1
+        if entry.refcount == 0:
+            entry.stamp = next(self.clock)
+
+    # ---- sequences --------------------------------------------------------------------------
+    def can_add_sequence(self, tokens, num_tokens, extras=None, lora=0, salt=0):
+        return self.num_blocks_to_add(tokens, num_tokens, extras, lora, salt) <= self.num_available_blocks()
+
+    def add_sequence(self, seq_id, tokens, num_tokens, extras=None, lora=0, salt=0, priority=35):
+        assert seq_id not in self.seqs
+        assert self.can_add_sequence(tokens, num_tokens, extras, lora, salt)
+        chain, source, k = self.match(tokens, extras, lora, salt)
+        seq = Seq(list(tokens), list(extras) if extras is not None and any(extras) else None, lora, salt, priority)
+        early = sum(1 for n in chain if n.tier == "P" and n.owner is not None)
+        onboarded = sum(1 for n in chain if n.tier == "S")
+        for n in chain:
+            n.pinned = n.tier == "S"
+        if source is not None:
+            source.pinned = True
+        for n in chain:
+            if n.tier == "P":
+                n.refcount += 1
+        for n in chain:
+            if n.tier == "S":
+                self._take_primary()
+                n.tier, n.refcount, n.pinned = "P", 1, False
+                self.stats["onboarded_blocks"] += 1
+                self.stats["num_onboarded_tokens"] += self.tpb
+            seq.table.append(n)
+        if source is not None:
+            seq.table.append(self._new_block())
+            if source.tier == "S":
+                self.stats["num_onboarded_tokens"] += k
+            source.pinned = False
+            self.stats["partial_reused_blocks"] += 1
+        total = max(-(-num_tokens // self.tpb), len(seq.table))
+        while len(seq.table) < total:
+            seq.table.append(self._new_block())
+        self.stats["reused_blocks"] += len(chain)
+        self.stats["missed_blocks"] += len(tokens) // self.tpb - len(chain)
+        self.stats["early_reused_blocks"] += early
+        self.stats["alloc_total_blocks"] += total
+        self.stats["alloc_new_blocks"] += total - len(chain)
+        seq.computed = len(chain) * self.tpb + k
+        seq.stored = len(chain)
+        seq.last = chain[-1] if chain else None
+        self.seqs[seq_id] = seq
+        self._release_window(seq_id, seq)
+        return dict(num_reused_tokens=seq.computed, num_reused_blocks=len(chain), num_onboarded_blocks=onboarded,
+                    num_partial_tokens=k, num_early_reused_blocks=early, num_new_blocks=total - len(chain))
+
+    def can_allocate(self, seq_id, num_tokens):
+        return -(-num_tokens // self.tpb) - len(self.seqs[seq_id].table) <= self.num_available_blocks()
+
+    def allocate(self, seq_id, num_tokens):
+        seq = self.seqs[seq_id]
+        need = -(-num_tokens // self.tpb) - len(seq.table)
+        assert need <= self.num_available_blocks()
+        for _ in range(max(need, 0)):
+            seq.table.append(self._new_block())
+        self.stats["alloc_total_blocks"] += max(need, 0)
+        self.stats["alloc_new_blocks"] += max(need, 0)
+
+    def append_tokens(self, seq_id, tokens):
+        seq = self.seqs[seq_id]
+        seq.tokens += list(tokens)
+        if seq.extras is not None:
+            seq.extras += [0] * len(tokens)
+
+    def mark_computed(self, seq_id, num_computed):
+        seq = self.seqs[seq_id]
+        seq.computed = num_computed
+        while self.reuse and seq.stored < num_computed // self.tpb and not seq.broken:
+            i = seq.stored
+            parent = seq.last
+            if i > 0 and (self.nodes.get(parent.key) is not parent or parent.tier != "P"):
+                seq.broken = True
+                break
+            if seq.table[i] is None:
+                seq.broken = True
+                break
+            t, e = self._block(seq.tokens, seq.extras, i)
+            key = self._key(parent.key if parent else None, t, e, seq.lora, seq.salt)
+            node = self.nodes.get(key)
+            if node is None or node.tier == "S":
+                if node is None:
+                    node = Node(key, parent.key if parent else None, t, e, seq.lora, seq.salt, "P", seq.priority)
+                    self.nodes[key] = node
+                node.tier, node.refcount, node.priority, node.owner = "P", 1, seq.priority, seq_id
+                self.num_unkeyed -= 1
+                seq.table[i] = node
+            seq.last = node
+            seq.stored += 1
+        self._release_window(seq_id, seq)
+
+    def _release_window(self, seq_id, seq):
+        if self.window <= 0 or seq.computed - self.window <= 0:
+            return
+        end = min((seq.computed - self.window) // self.tpb, len(seq.table))
+        for i in reversed(range(seq.window_released, end)):
+            if seq.table[i] is not None:
+                self._unref(seq.table[i], seq_id)
+                seq.table[i] = None
+        seq.window_released = max(seq.window_released, end)
+
+    def release(self, seq_id):
+        seq = self.seqs.pop(seq_id)
+        for entry in reversed(seq.table):
+            if entry is not None:
+                self._unref(entry, seq_id)
+
+    # ---- observation ------------------------------------------------------------------------
+    def stats_dict(self):
+        out = dict(self.stats)
+        looked_up = out["reused_blocks"] + out["missed_blocks"]
+        out["cache_hit_rate"] = out["reused_blocks"] / looked_up if looked_up else 0.0
+        used = self.num_unkeyed + sum(1 for n in self.nodes.values() if n.tier == "P" and n.refcount > 0)
+        out.update(
+            primary_num_blocks=self.num_primary, primary_num_free_blocks=self.free_primary(),
+            primary_num_used_blocks=used,
+            primary_num_cached_blocks=sum(1 for n in self.nodes.values() if n.tier == "P" and n.refcount == 0),
+            secondary_num_blocks=self.num_secondary, secondary_num_free_blocks=self.free_secondary(),
+            secondary_num_cached_blocks=sum(n.tier == "S" for n in self.nodes.values()),
+            secondary_num_used_blocks=0)
+        return out
+
+
+class KvStore:
+    """Simulated KV memory: what each (pool, block) slot holds, moved by the manager's copy ops.
+
+    Tests write a token's identity when its KV is computed and execute copy operations in the
+    order given, then check that every computed position a sequence reads holds its own identity.
+    """
+
+    def __init__(self, tokens_per_block):
+        self.tpb = tokens_per_block
+        self.slots = {}  # (pool, block id) -> list of identities, one per token slot
+
+    def apply(self, ops):
+        """Executes a CopyOpArrays batch in order."""
+        for src_pool, src, dst_pool, dst, k in zip(ops.src_pool, ops.src_block_ids, ops.dst_pool,
+                                                   ops.dst_block_ids, ops.num_tokens):
+            data = self.slots.get((int(src_pool), int(src)), [None] * self.tpb)
+            target = list(self.slots.get((int(dst_pool), int(dst)), [None] * self.tpb))
+            target[:k] = data[:k]
+            self.slots[(int(dst_pool), int(dst))] = target
+
+    def write(self, block, offset, identity):
+        target = list(self.slots.get((0, block), [None] * self.tpb))
+        target[offset] = identity
+        self.slots[(0, block)] = target
+
+    def read(self, block, offset):
+        return self.slots.get((0, block), [None] * self.tpb)[offset]

@@ -1,0 +1,222 @@
+"""Random add / grow / append / compute / release / pause sequences against the reference model.
+
+Besides comparing every observable result with tests/reference_kv_cache.py, the machine keeps a
+simulated KV store: it executes the manager's copy operations in the order given and writes each
+computed token's identity (its whole prefix, extra ids, LoRA id and salt) into the sequence's
+blocks. Every computed position of every running sequence must then hold exactly its own
+identity, which catches wrong reuse, a bad copy order and blocks overwritten while in use.
+"""
+
+import numpy as np
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from reference_kv_cache import KvStore, ReferenceKVCache
+
+from kvtool._core import CacheConfig, KVCacheManager
+
+TOKENS_PER_BLOCK = 4
+fresh_tokens_st = st.lists(st.integers(0, 2), max_size=6)  # 3 ids: prefixes collide often
+
+
+class CacheManagerMachine(RuleBasedStateMachine):
+    @initialize(num_primary=st.integers(6, 12), num_secondary=st.integers(0, 6), partial=st.booleans(),
+                min_priority=st.sampled_from([0, 35, 50]), window=st.sampled_from([0, 0, 8, 10]),
+                reuse=st.sampled_from([True, True, True, False]))
+    def setup(self, num_primary, num_secondary, partial, min_priority, window, reuse):
+        kwargs = dict(tokens_per_block=TOKENS_PER_BLOCK, num_primary_blocks=num_primary,
+                      num_secondary_blocks=num_secondary, enable_block_reuse=reuse, enable_partial_reuse=partial,
+                      secondary_offload_min_priority=min_priority, max_attention_window=window)
+        self.manager = KVCacheManager(CacheConfig(**kwargs))
+        self.ref = ReferenceKVCache(**kwargs)
+        self.kv = KvStore(TOKENS_PER_BLOCK)
+        self.window = window
+        self.seqs = {}  # id -> dict(tokens, extras, lora, salt, priority)
+        self.history = [[0, 1, 2, 0, 1, 2, 0, 1, 2]]  # token lists seen, to draw shared prefixes from
+        self.next_id = 0
+        self.released = []  # (tokens, extras, lora, salt, priority) of released sequences
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _identity(self, seq, j):
+        extras = seq["extras"] or [0] * len(seq["tokens"])
+        return (seq["lora"], seq["salt"], tuple(seq["tokens"][: j + 1]), tuple(extras[: j + 1]))
+
+    def _sync_copies(self):
+        self.kv.apply(self.manager.take_copy_ops())
+
+    def _add(self, tokens, extras, lora, salt, priority, num_tokens):
+        seq_id = self.next_id
+        self.next_id += 1
+        extras_arg = None if extras is None else np.array(extras, dtype=np.uint64)
+        kw = dict(extras=extras, lora=lora, salt=salt)
+        ckw = dict(extra_ids=extras_arg, lora_task_id=lora, cache_salt=salt)
+        assert self.manager.match_prefix(tokens, **ckw).__repr__() == "MatchResult(" + ", ".join(
+            f"{k}={v}" for k, v in self.ref.match_prefix(tokens, **kw).items()) + ")"
+        assert self.manager.num_blocks_to_add(tokens, num_tokens, **ckw) == self.ref.num_blocks_to_add(tokens, num_tokens, **kw)
+        can = self.ref.can_add_sequence(tokens, num_tokens, **kw)
+        assert self.manager.can_add_sequence(tokens, num_tokens, **ckw) == can
+        if not can:
+            try:
+                self.manager.add_sequence(seq_id, tokens, num_tokens, priority=priority, **ckw)
+            except RuntimeError:
+                event("add_sequence refused: blocks lack")
+                return
+            raise AssertionError("add_sequence succeeded although blocks lack")
+        event("add_sequence")
+        got = self.manager.add_sequence(seq_id, np.array(tokens, dtype=np.int32), num_tokens, priority=priority, **ckw)
+        want = self.ref.add_sequence(seq_id, tokens, num_tokens, priority=priority, **kw)
+        assert {k: getattr(got, k) for k in want} == want
+        for name in ("num_reused_blocks", "num_onboarded_blocks", "num_partial_tokens", "num_early_reused_blocks"):
+            if want[name]:
+                event(f"add_sequence with {name} > 0")
+        self._sync_copies()
+        self.seqs[seq_id] = dict(tokens=list(tokens), extras=None if extras is None else list(extras), lora=lora,
+                                 salt=salt, priority=priority)
+        return seq_id
+
+    # ---- rules ------------------------------------------------------------------------------
+    @rule(data=st.data(), fresh=fresh_tokens_st, lora=st.sampled_from([0, 0, 0, 1]),
+          salt=st.sampled_from([0, 0, 0, 5]), priority=st.sampled_from([10, 35, 35, 60]),
+          extra_room=st.integers(0, 4), with_extras=st.sampled_from([False, False, True]))
+    def add(self, data, fresh, lora, salt, priority, extra_room, with_extras):
+        # Mostly an earlier prompt (cut anywhere) plus a few new tokens: lots of shared prefixes.
+        base = data.draw(st.sampled_from(self.history[-4:]))
+        cut = data.draw(st.sampled_from([len(base), len(base), 0]) | st.integers(0, len(base)))
+        tokens = (base[:cut] + fresh)[:16] or [1]
+        extras = None
+        if with_extras:
+            extras = data.draw(st.lists(st.sampled_from([0, 0, 7]), min_size=len(tokens), max_size=len(tokens)))
+        self.history.append(tokens)
+        seq_id = self._add(tokens, extras, lora, salt, priority, len(tokens) + extra_room)
+        if seq_id is not None and data.draw(st.booleans()):
+            self._compute(seq_id, data.draw(st.integers(1, 16)))  # its first context step
+
+    @rule(data=st.data())
+    def resubmit_released(self, data):
+        """An earlier request comes back (A, B, A, B): its blocks may have moved to the host tier."""
+        if not self.released:
+            return
+        tokens, extras, lora, salt, priority = data.draw(st.sampled_from(self.released[-3:]))
+        seq_id = self._add(tokens, extras, lora, salt, priority, len(tokens))
+        if seq_id is not None:
+            self._compute(seq_id, len(tokens))
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=8, max_size=16), priority=st.sampled_from([10, 35, 60]))
+    def churn(self, tokens, priority):
+        """A whole request passes through: computed and released, pushing older blocks out."""
+        seq_id = self._add(tokens, None, 0, 0, priority, len(tokens))
+        if seq_id is not None:
+            self._compute(seq_id, len(tokens))
+            self._release(seq_id)
+
+    @rule(data=st.data(), more=st.integers(1, 8))
+    def grow(self, data, more):
+        if not self.seqs:
+            return
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        target = len(self.manager.block_ids(seq_id)) * TOKENS_PER_BLOCK + more
+        can = self.ref.can_allocate(seq_id, target)
+        assert self.manager.can_allocate(seq_id, target) == can
+        if can:
+            self.manager.allocate(seq_id, target)
+            self.ref.allocate(seq_id, target)
+            self._sync_copies()
+
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def append(self, data, tokens):
+        if not self.seqs:
+            return
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.manager.append_tokens(seq_id, tokens)
+        self.ref.append_tokens(seq_id, tokens)
+        seq = self.seqs[seq_id]
+        seq["tokens"] += tokens
+        if seq["extras"] is not None:
+            seq["extras"] += [0] * len(tokens)
+
+    @rule(data=st.data(), amount=st.integers(1, 9))
+    def compute(self, data, amount):
+        if not self.seqs:
+            return
+        self._compute(data.draw(st.sampled_from(sorted(self.seqs))), amount)
+
+    def _compute(self, seq_id, amount):
+        seq = self.seqs[seq_id]
+        before = self.manager.num_computed_tokens(seq_id)
+        capacity = len(self.manager.block_ids(seq_id)) * TOKENS_PER_BLOCK
+        after = min(before + amount, len(seq["tokens"]), capacity)
+        table = self.manager.block_ids(seq_id)
+        for j in range(before, after):  # the forward writes the new tokens' KV
+            self.kv.write(int(table[j // TOKENS_PER_BLOCK]), j % TOKENS_PER_BLOCK, self._identity(seq, j))
+        self.manager.mark_computed(seq_id, after)
+        self.ref.mark_computed(seq_id, after)
+        self._sync_copies()
+
+    @rule(data=st.data())
+    def release(self, data):
+        if not self.seqs:
+            return
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self._release(seq_id)
+
+    def _release(self, seq_id):
+        seq = self.seqs.pop(seq_id)
+        self.history.append(seq["tokens"][:16])
+        self.released.append((seq["tokens"][:16], None if seq["extras"] is None else seq["extras"][:16],
+                              seq["lora"], seq["salt"], seq["priority"]))
+        self.manager.release(seq_id)
+        self.ref.release(seq_id)
+
+    @rule(data=st.data())
+    def pause_and_resume(self, data):
+        if not self.seqs:
+            return
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        seq = self.seqs.pop(seq_id)
+        self.manager.release(seq_id)
+        self.ref.release(seq_id)
+        tokens = seq["tokens"][:20]
+        extras = None if seq["extras"] is None else seq["extras"][:20]
+        self._add(tokens, extras, seq["lora"], seq["salt"], seq["priority"], len(tokens))
+
+    # ---- checks after every step ------------------------------------------------------------
+    @invariant()
+    def manager_matches_reference(self):
+        if not hasattr(self, "manager"):
+            return
+        assert self.manager.check_invariants() == []
+        got = self.manager.stats().to_dict()
+        for name in ("evicted_blocks", "offloaded_blocks"):
+            if got[name]:
+                event(f"{name} > 0")
+        want = self.ref.stats_dict()
+        assert {k: got[k] for k in want} == want
+        assert self.manager.num_available_blocks() == self.ref.num_available_blocks()
+
+    @invariant()
+    def computed_positions_hold_their_own_kv(self):
+        if not hasattr(self, "manager"):
+            return
+        for seq_id, seq in self.seqs.items():
+            table = self.manager.block_ids(seq_id)
+            for j in range(self.manager.num_computed_tokens(seq_id)):
+                block = int(table[j // TOKENS_PER_BLOCK])
+                if block == -1:
+                    continue  # released by the sliding window
+                assert self.kv.read(block, j % TOKENS_PER_BLOCK) == self._identity(seq, j), (seq_id, j)
+
+    def teardown(self):
+        if not hasattr(self, "manager"):
+            return
+        event(f"steps: {self.next_id // 10 * 10}+ sequences")
+        for seq_id in list(self.seqs):
+            self.manager.release(seq_id)
+        stats = self.manager.stats()
+        assert stats.primary.num_used_blocks == 0
+        assert self.manager.check_invariants() == []
+
+
+CacheManagerMachine.TestCase.settings = settings(
+    max_examples=250, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+test_cache_manager_matches_reference = CacheManagerMachine.TestCase

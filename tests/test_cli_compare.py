@@ -1,0 +1,67 @@
+"""`kvtool compare`: side-by-side table with ratios, CSV export, the TTFT plot, and errors."""
+
+from __future__ import annotations
+
+import csv
+
+from typer.testing import CliRunner
+
+from kvtool.bench.metrics import request_metrics
+from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.cli import app
+from kvtool.runtime.request import RequestRecord
+
+cli = CliRunner()
+
+
+def invoke(*args):
+    return cli.invoke(app, [str(a) for a in args], terminal_width=200)
+
+
+def write_requests(path, label, ttfts_ms):
+    with RequestCsvWriter(path) as writer:
+        for i, ttft in enumerate(ttfts_ms):
+            rec = RequestRecord(request_id=i, arrival_time=0.0, num_prompt_tokens=64)
+            rec.token_times = [ttft / 1000, ttft / 1000 + 0.005]
+            rec.output_token_ids = [1, 2]
+            rec.first_token_time, rec.finish_time = rec.token_times[0], rec.token_times[-1]
+            writer.write(request_metrics(rec, label=label, request_id=str(i), bench_start=0.0))
+    return path
+
+
+def test_compare_prints_variants_side_by_side_with_ratios(tmp_path):
+    summary = write_summary_csv(tmp_path / "summary.csv", [
+        {"label": "reuse-off", "ttft_ms_mean": 80.0, "num_requests": 4, "enable_kv_cache_reuse": False},
+        {"label": "reuse-on", "ttft_ms_mean": 20.0, "num_requests": 4, "enable_kv_cache_reuse": True},
+    ])
+    result = invoke("compare", summary)
+    assert result.exit_code == 0, result.output
+    ttft_line = next(line for line in result.output.splitlines() if "TTFT mean" in line)
+    assert "80" in ttft_line and "20" in ttft_line and "0.25x" in ttft_line
+    assert "enable_kv_cache_reuse" in result.output
+
+
+def test_compare_writes_the_table_as_csv_and_a_plot(tmp_path):
+    off = write_requests(tmp_path / "off.csv", "off", [40.0, 50.0, 90.0])
+    on = write_requests(tmp_path / "on.csv", "on", [10.0, 10.0, 25.0])
+    table, plot = tmp_path / "cmp.csv", tmp_path / "ttft.png"
+    result = invoke("compare", off, on, "--output", table, "--plot", plot)
+    assert result.exit_code == 0, result.output
+    with table.open() as f:
+        rows = {row["metric"]: row for row in csv.DictReader(f)}
+    assert float(rows["ttft_ms_mean"]["off"]) == 60.0 and float(rows["ttft_ms_mean"]["on"]) == 15.0
+    assert float(rows["ttft_ms_mean"]["on / off"]) == 0.25
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote {plot}" in result.output
+
+
+def test_compare_errors_exit_2_without_traceback(tmp_path):
+    result = invoke("compare", tmp_path / "none.csv")
+    assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
+    (tmp_path / "x.csv").write_text("a,b\n1,2\n")
+    result = invoke("compare", tmp_path / "x.csv")
+    assert result.exit_code == 2 and "neither a kvtool summary CSV" in result.output
+    summary = write_summary_csv(tmp_path / "s.csv", [{"label": "a", "ttft_ms_mean": 1.0}])
+    result = invoke("compare", summary, "--plot", tmp_path / "p.png")
+    assert result.exit_code == 2 and "needs per-request data" in " ".join(result.output.split())
+    assert invoke("compare").exit_code == 2  # no report given

@@ -1,0 +1,100 @@
+"""kvtool.bench.compare: variants from summary and per-request CSVs, ratios, the TTFT plot."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtool.bench.compare import compare_rows, format_ratio, load_variants, plot_ttft
+from kvtool.bench.metrics import request_metrics
+from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.errors import KvtoolError
+from kvtool.runtime.request import RequestRecord
+
+
+def write_requests(path, label, ttfts_ms):
+    """Requests arriving at 0 with their first token after ttft and a second token 10 ms later."""
+    with RequestCsvWriter(path) as writer:
+        for i, ttft in enumerate(ttfts_ms):
+            rec = RequestRecord(request_id=i, arrival_time=0.0, num_prompt_tokens=100)
+            rec.token_times = [ttft / 1000, ttft / 1000 + 0.010]
+            rec.output_token_ids = [1, 2]
+            rec.first_token_time, rec.finish_time = rec.token_times[0], rec.token_times[-1]
+            writer.write(request_metrics(rec, label=label, request_id=str(i), bench_start=0.0))
+    return path
+
+
+def summary_row(label, ttft_mean, reuse, requests_csv=""):
+    return {"label": label, "enable_kv_cache_reuse": reuse, "started_at": f"now-{label}", "num_requests": 3,
+            "ttft_ms_mean": ttft_mean, "ttft_ms_p50": ttft_mean, "reused_blocks": 0 if not reuse else 12,
+            "requests_csv": requests_csv}
+
+
+def row_named(rows, column):
+    return next(row for row in rows if row.column == column)
+
+
+def test_summary_rows_are_variants_with_ratios_against_the_first(tmp_path):
+    path = write_summary_csv(tmp_path / "summary.csv", [summary_row("off", 200.0, False),
+                                                        summary_row("on", 50.0, True)])
+    variants = load_variants([path])
+    assert [v.name for v in variants] == ["off", "on"]
+    rows = compare_rows(variants)
+    ttft = row_named(rows, "ttft_ms_mean")
+    assert ttft.values == (200.0, 50.0) and ttft.ratios == (1.0, 0.25)
+    assert format_ratio(ttft.ratios[1]) == "0.25x"
+    reused = row_named(rows, "reused_blocks")
+    assert reused.ratios == (None, None)  # no ratio against zero
+    # Configuration that differs gets a row; per-run noise (started_at) does not.
+    assert row_named(rows, "enable_kv_cache_reuse").values == ("False", "True")
+    assert all(row.column != "started_at" for row in rows)
+
+
+def test_per_request_csv_is_summarized(tmp_path):
+    path = write_requests(tmp_path / "requests.csv", "plain", [10.0, 20.0, 60.0])
+    variant, = load_variants([path])
+    assert variant.name == "plain" and len(variant.requests) == 3
+    rows = compare_rows([variant])
+    assert row_named(rows, "ttft_ms_mean").values == (pytest.approx(30.0),)
+    assert row_named(rows, "ttft_ms_p50").values == (pytest.approx(20.0),)
+    assert row_named(rows, "tpot_ms_mean").values == (pytest.approx(10.0),)
+    assert row_named(rows, "num_requests").values == (3.0,)
+
+
+def test_summary_and_per_request_inputs_mix_and_duplicate_labels_get_file_names(tmp_path):
+    summary = write_summary_csv(tmp_path / "a.csv", [summary_row("x", 40.0, True)])
+    requests = write_requests(tmp_path / "b.csv", "x", [10.0, 30.0])
+    variants = load_variants([summary, requests])
+    assert [v.name for v in variants] == ["x (a)", "x (b)"]
+    assert row_named(compare_rows(variants), "ttft_ms_mean").ratios == (1.0, pytest.approx(0.5))
+
+
+def test_a_summary_finds_its_request_file_for_the_plot(tmp_path):
+    write_requests(tmp_path / "requests-on.csv", "on", [5.0, 6.0, 7.0])
+    path = write_summary_csv(tmp_path / "summary.csv", [summary_row("on", 6.0, True, "requests-on.csv"),
+                                                        summary_row("off", 9.0, False, "missing.csv")])
+    on, off = load_variants([path])
+    assert [r.ttft_ms for r in on.requests] == pytest.approx([5.0, 6.0, 7.0])
+    assert off.requests is None
+
+
+def test_plot_writes_a_png_with_every_variant_that_has_requests(tmp_path):
+    a = write_requests(tmp_path / "a.csv", "reuse-off", [100.0, 120.0, 150.0, 400.0])
+    b = write_requests(tmp_path / "b.csv", "reuse-on", [10.0, 12.0, 11.0, 30.0])
+    out = plot_ttft(load_variants([a, b]), tmp_path / "plots" / "ttft.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_without_any_per_request_data_is_a_clear_error(tmp_path):
+    path = write_summary_csv(tmp_path / "summary.csv", [summary_row("x", 1.0, True)])
+    with pytest.raises(KvtoolError, match="needs per-request data"):
+        plot_ttft(load_variants([path]), tmp_path / "p.png")
+
+
+def test_a_csv_that_is_not_a_report_is_refused(tmp_path):
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(KvtoolError, match="neither a kvtool summary CSV"):
+        load_variants([tmp_path / "other.csv"])
+    (tmp_path / "header.csv").write_text("label,ttft_ms_mean\n")
+    with pytest.raises(KvtoolError, match="no rows"):
+        load_variants([tmp_path / "header.csv"])
