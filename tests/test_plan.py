@@ -248,3 +248,15 @@ def test_skipping_the_checksum_still_checks_size_and_shapes(plan_copy):
     weights.write_bytes(bytes(data[:-8]))
     with pytest.raises(PlanError, match="truncated"):
         load_plan(plan_copy, verify_checksum=False)
+
+
+def test_sharded_checkpoint_builds_the_same_weights(hf_checkpoint, plan_from_checkpoint, tmp_path):
+    case = hf_checkpoint("llama_mha_tied_bias")
+    sharded = tmp_path / "sharded"
+    case.model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    # A file outside the index (as some repos ship) is not part of the model.
+    shutil.copy(plan_from_checkpoint("qwen3_qk_norm") / "weights.safetensors", sharded / "consolidated.safetensors")
+    plan = load_plan(build_plan(str(sharded), tmp_path / "plan", BuildOptions(tokens_per_block=8, max_seq_len=512)))
+    reference = load_plan(plan_from_checkpoint("llama_mha_tied_bias"))
+    assert plan.manifest["weights"]["checksum"] == reference.manifest["weights"]["checksum"]

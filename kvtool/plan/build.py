@@ -116,7 +116,19 @@ class _CheckpointReader:
     """Lazily reads a (possibly sharded) safetensors checkpoint tensor by tensor."""
 
     def __init__(self, checkpoint_dir: Path) -> None:
-        self.files = sorted(checkpoint_dir.glob("*.safetensors"))
+        index = checkpoint_dir / "model.safetensors.index.json"
+        if index.is_file():
+            # Sharded: only the shards the index names (repos may also ship e.g. consolidated.safetensors).
+            try:
+                shard_names = set(json.loads(index.read_text())["weight_map"].values())
+            except (ValueError, KeyError, AttributeError) as error:
+                raise PlanError(f"{index} is not a valid safetensors index ({error!r})") from None
+            missing = sorted(name for name in shard_names if not (checkpoint_dir / name).is_file())
+            if missing:
+                raise PlanError(f"{checkpoint_dir} lacks the weight shards {missing} listed in {index.name}")
+            self.files = sorted(checkpoint_dir / name for name in shard_names)
+        else:
+            self.files = sorted(checkpoint_dir.glob("*.safetensors"))
         if not self.files:
             pickled = sorted(p.name for p in checkpoint_dir.iterdir() if p.suffix in _PICKLED_SUFFIXES)
             hint = (f" (found pickled weights {pickled}: kvtool never unpickles weights; convert them with "
