@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,12 @@ enum class CapacitySchedulerPolicy : uint8_t { kGuaranteedNoEvict = 0, kMaxUtili
 enum class ContextChunkingPolicy : uint8_t { kFirstComeFirstServed = 0, kEqualProgress = 1 };
 enum class RequestState : uint8_t { kQueued = 0, kContext = 1, kGeneration = 2, kPaused = 3, kFinished = 4 };
 
+// Thrown for a request id the scheduler does not know (Python: KeyError).
+class UnknownRequestError : public std::out_of_range {
+ public:
+  using std::out_of_range::out_of_range;
+};
+
 struct SchedulerConfig {
   CapacitySchedulerPolicy capacity_scheduler_policy = CapacitySchedulerPolicy::kGuaranteedNoEvict;
   ContextChunkingPolicy context_chunking_policy = ContextChunkingPolicy::kFirstComeFirstServed;
@@ -21,6 +28,10 @@ struct SchedulerConfig {
   int32_t max_batch_size = 8;      // requests per step
   int32_t max_num_tokens = 8192;   // context-chunk tokens + one per generating request, per step
   int32_t max_seq_len = 4096;      // prompt + generated tokens of one request
+  // Hold a queued request back while a running context is still computing prompt blocks it
+  // could reuse, so requests sharing a prefix that arrive together compute it once (as
+  // SGLang's in-batch prefix caching). Not under STATIC_BATCH, which admits a batch at once.
+  bool enable_in_batch_prefix_reuse = true;
 
   void validate() const;  // throws std::invalid_argument naming the field
 };
@@ -66,26 +77,36 @@ class Scheduler {
  public:
   Scheduler(CacheConfig cache_config, SchedulerConfig scheduler_config);  // validates both
   ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
 
   // Queues a request. Throws std::invalid_argument (naming the request) when the prompt is empty,
   // prompt + max_new_tokens exceeds max_seq_len, extra_ids has the wrong length, or the id is known.
   void add_request(const RequestSpec& spec);
   // Finishes a request early (EOS / stop string / cancellation): its blocks are released.
+  // A request that is already finished is left as it is. Unknown id: UnknownRequestError.
   void finish_request(int64_t request_id);
 
   // Plans the next step. An empty plan with has_unfinished_requests() means nothing fits.
+  // Run plan.copy_ops even when plan.requests is empty. Throws std::logic_error when the previous
+  // non-empty plan has not been reported with complete_step yet.
   StepPlan schedule();
   // Reports the step just executed: the sampled token of each request that sampled, in plan order.
   // Marks KV computed, appends tokens, finishes requests that reached max_new_tokens.
-  // Returns the ids of the requests finished by this call.
+  // Returns the ids of the requests finished by this call. Requests finished with finish_request
+  // after schedule() may be left out (their tokens are ignored). Throws std::invalid_argument when
+  // request_ids is not the set of sampling requests of the last plan.
   std::vector<int64_t> complete_step(const std::vector<int64_t>& request_ids,
                                      const std::vector<TokenId>& token_ids);
 
   bool has_unfinished_requests() const;
   int32_t num_queued_requests() const;
   int32_t num_running_requests() const;
-  RequestState request_state(int64_t request_id) const;
-  RequestStats request_stats(int64_t request_id) const;
+  RequestState request_state(int64_t request_id) const;  // unknown id: UnknownRequestError
+  RequestStats request_stats(int64_t request_id) const;  // unknown id: UnknownRequestError
+  const SchedulerConfig& config() const;
+  // Token ids generated so far by a request (kept after it finishes).
+  std::vector<TokenId> generated_token_ids(int64_t request_id) const;
 
   KVCacheManager& cache_manager();
   const KVCacheManager& cache_manager() const;

@@ -1,0 +1,110 @@
+"""Random request mixes under every policy: every request finishes with the reference output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvtool import _core
+from test_scheduler_fake_model import Run, add, make_scheduler, reference_output, run_steps
+
+POLICIES = list(_core.CapacitySchedulerPolicy.__members__.values())
+CHUNKING_POLICIES = list(_core.ContextChunkingPolicy.__members__.values())
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_step: int
+
+
+@dataclass
+class Workload:
+    cache: dict
+    scheduler: dict
+    requests: list[Request]
+
+
+@st.composite
+def workloads(draw, policies=tuple(POLICIES), enable_block_reuse=st.booleans()) -> Workload:
+    tokens_per_block = draw(st.sampled_from([2, 4, 8]))
+    tokens = st.integers(0, 20)  # a small vocabulary, so prompts share blocks by chance too
+    prefixes = [draw(st.lists(tokens, min_size=0, max_size=12)) for _ in range(2)]
+    requests = []
+    for request_id in range(draw(st.integers(1, 8))):
+        prefix = prefixes[draw(st.integers(0, 1))]
+        suffix = draw(st.lists(tokens, min_size=1, max_size=10))
+        requests.append(Request(request_id, prefix + suffix, draw(st.integers(1, 16)), draw(st.integers(0, 4))))
+    num_lifetime_blocks = max(-(-(len(r.prompt) + r.max_new_tokens) // tokens_per_block) for r in requests)
+    chunked = draw(st.booleans())
+    longest_prompt = max(len(r.prompt) for r in requests)
+    max_num_tokens = (draw(st.integers(tokens_per_block, 24)) if chunked
+                      else draw(st.integers(longest_prompt, longest_prompt + 12)))
+    # One block of room beyond the largest request: a pool that a request fills exactly can stall
+    # on a partial-reuse copy (test_scheduler_known_cache_issues.py).
+    cache = dict(tokens_per_block=tokens_per_block,
+                 num_primary_blocks=draw(st.integers(num_lifetime_blocks + 1, 2 * num_lifetime_blocks + 1)),
+                 num_secondary_blocks=draw(st.sampled_from([0, 3])),
+                 enable_block_reuse=draw(enable_block_reuse), enable_partial_reuse=draw(st.booleans()))
+    # MAX_UTILIZATION has the most paths (pause, resume): draw it more often.
+    policy = draw(st.sampled_from(list(policies) + [_core.CapacitySchedulerPolicy.MAX_UTILIZATION] * 3
+                                  if _core.CapacitySchedulerPolicy.MAX_UTILIZATION in policies else list(policies)))
+    scheduler = dict(capacity_scheduler_policy=policy,
+                     context_chunking_policy=draw(st.sampled_from(CHUNKING_POLICIES)),
+                     enable_chunked_context=chunked, max_batch_size=draw(st.integers(1, 4)),
+                     max_num_tokens=max_num_tokens, max_seq_len=64)
+    return Workload(cache, scheduler, requests)
+
+
+def run_workload(workload: Workload):
+    """Runs the workload's requests, each arriving at its step, to completion; returns the
+    scheduler and the Run. Checks the micro-batch limits and the cache invariants every step."""
+    scheduler, model = make_scheduler(**workload.cache, **workload.scheduler)
+    pending = sorted(workload.requests, key=lambda r: r.arrival_step)
+    run = Run()
+    while pending or scheduler.has_unfinished_requests():
+        # Requests arrive at their step, or at once when the scheduler has nothing else to do.
+        while pending and (pending[0].arrival_step <= len(run.plans) or not scheduler.has_unfinished_requests()):
+            r = pending.pop(0)
+            add(scheduler, r.request_id, r.prompt, r.max_new_tokens)
+        num_steps = len(run.plans)
+        run_steps(scheduler, model, run, until=lambda run: len(run.plans) > num_steps)  # one step
+        assert len(run.plans) < 2_000, "the scheduler does not make progress"
+    return scheduler, run
+
+
+def check_every_request_finished(workload: Workload, scheduler, run) -> None:
+    for r in workload.requests:
+        assert run.outputs[r.request_id] == reference_output(r.prompt, r.max_new_tokens)
+        stats = scheduler.request_stats(r.request_id)
+        assert stats.state == _core.RequestState.FINISHED
+        assert stats.num_generated_tokens == r.max_new_tokens
+    assert scheduler.cache_manager.stats().primary.num_used_blocks == 0
+    assert scheduler.cache_manager.check_invariants() == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_every_request_finishes_with_exactly_max_new_tokens(workload: Workload):
+    scheduler, run = run_workload(workload)
+    # Coverage of the interesting paths (pytest --hypothesis-show-statistics).
+    event(f"paused: {any(len(plan.paused_request_ids) > 0 for plan in run.plans)}")
+    event(f"chunked: {any(r.is_context and not r.samples for plan in run.plans for r in plan.requests)}")
+    event(f"reused: {any(scheduler.request_stats(r.request_id).num_reused_blocks > 0 for r in workload.requests)}")
+    check_every_request_finished(workload, scheduler, run)
+
+
+# Without block reuse: with it, a request that recomputes a block already cached can make the
+# cache manager's available blocks shrink (test_scheduler_known_cache_issues.py).
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(policies=(_core.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
+                           _core.CapacitySchedulerPolicy.STATIC_BATCH), enable_block_reuse=st.just(False)))
+def test_guaranteed_no_evict_and_static_batch_never_pause(workload: Workload):
+    scheduler, run = run_workload(workload)
+    assert all(len(plan.paused_request_ids) == 0 for plan in run.plans)
+    assert all(scheduler.request_stats(r.request_id).num_pauses == 0 for r in workload.requests)
+    check_every_request_finished(workload, scheduler, run)
