@@ -110,3 +110,26 @@ def test_every_preset_is_valid_and_test_presets_cover_generated_token_ids():
         assert config.vocab_size >= 1024, name
     small = preset_config("small-llama")
     assert (small.num_layers, small.hidden_size, small.num_heads, small.num_kv_heads) == (8, 512, 8, 4)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+], ids=lambda rope: rope["rope_type"])
+def test_rope_frequencies_match_transformers(rope):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvtool.models.llama import rope_inv_freq
+
+    hf = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                                  max_position_embeddings=1024, rope_parameters=rope)
+    ours = rope_inv_freq(ModelConfig.from_hf_config(hf.to_dict()))
+    if rope["rope_type"] == "default":
+        reference = 1.0 / rope["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128)
+    else:
+        reference, attention_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+        assert attention_factor == 1.0
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)

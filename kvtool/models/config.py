@@ -94,7 +94,8 @@ class ModelConfig:
                        f"ModelConfig.rope_scaling: linear scaling needs a positive 'factor', got {self.rope_scaling}")
             else:
                 missing = [key for key in _LLAMA3_KEYS if key not in self.rope_scaling]
-                _check(not missing, f"ModelConfig.rope_scaling: llama3 scaling needs {missing}, got {self.rope_scaling}")
+                _check(not missing,
+                       f"ModelConfig.rope_scaling: llama3 scaling needs {missing}, got {self.rope_scaling}")
                 _check(self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
                        "ModelConfig.rope_scaling: llama3 high_freq_factor must exceed low_freq_factor, "
                        f"got {self.rope_scaling}")

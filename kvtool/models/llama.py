@@ -68,7 +68,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [num_tokens, 1, head_dim] for the rotate-half RoPE layout."""
     freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [num_tokens, head_dim // 2]
     angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
@@ -142,7 +143,11 @@ def effective_window(config_window: int | None, attention_window: int | None) ->
 
 class LlamaModel(nn.Module):
     """The decoder stack plus LM head. ``forward`` returns hidden states; ``compute_logits``
-    projects the rows the caller needs (usually each sequence's last token)."""
+    projects the rows the caller needs (usually each sequence's last token).
+
+    The weights are not initialised here: load them with ``Plan.load_model`` (or
+    ``load_state_dict`` of a plan's weights.safetensors, whose names are this module's).
+    """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, attention_window: int | None = None) -> None:
         super().__init__()
