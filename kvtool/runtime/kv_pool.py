@@ -88,6 +88,7 @@ class KvCachePools:
         self.primary = torch.zeros((num_primary_blocks, *shape.dims), dtype=shape.dtype, device=device)
         self.host = HostBlockPool(shape, num_secondary_blocks, pin_memory=device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._kernels = _kernel_library() if device.type == "cuda" else None
 
     @property
     def num_primary_blocks(self) -> int:
@@ -117,13 +118,35 @@ class KvCachePools:
         compute_stream.wait_stream(self._copy_stream)
 
     def _run_copies(self, src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens) -> None:
+        # Consecutive whole-block copies in one direction between tiers form one batch: on a GPU,
+        # one kernel launch per batch instead of one copy per block.
         tokens_per_block = self.shape.tokens_per_block
+        num_ops = len(src_pool)
+        start = 0
+        while start < num_ops:
+            direction = (int(src_pool[start]), int(dst_pool[start]))
+            end = start + 1
+            if int(num_tokens[start]) >= tokens_per_block:
+                while (end < num_ops and (int(src_pool[end]), int(dst_pool[end])) == direction
+                       and int(num_tokens[end]) >= tokens_per_block):
+                    end += 1
+            self._copy_batch(direction, src_block_ids[start:end], dst_block_ids[start:end],
+                             int(num_tokens[start]) if end == start + 1 else tokens_per_block)
+            start = end
+
+    def _copy_batch(self, direction: tuple[int, int], src_ids, dst_ids, count: int) -> None:
+        if count >= self.shape.tokens_per_block and direction != (PRIMARY, PRIMARY) and self._kernels is not None:
+            from kvtool.kernels.block_copy import copy_blocks
+
+            pools = {PRIMARY: self.primary, SECONDARY: self.host}
+            copy_blocks(pools[direction[0]], pools[direction[1]], [int(i) for i in src_ids],
+                        [int(i) for i in dst_ids], self._copy_stream, library=self._kernels)
+            return
         non_blocking = self._copy_stream is not None
-        for i in range(len(src_pool)):
-            src = self._block(int(src_pool[i]), int(src_block_ids[i]))
-            dst = self._block(int(dst_pool[i]), int(dst_block_ids[i]))
-            count = int(num_tokens[i])
-            if count >= tokens_per_block:
+        for src_id, dst_id in zip(src_ids, dst_ids):
+            src = self._block(direction[0], int(src_id))
+            dst = self._block(direction[1], int(dst_id))
+            if count >= self.shape.tokens_per_block:
                 dst.copy_(src, non_blocking=non_blocking)
             else:
                 # A partially matching block: only its first `count` token slots are valid.
@@ -133,6 +156,19 @@ class KvCachePools:
         if pool == PRIMARY:
             return self.primary[block_id]
         return self.host.block(block_id)
+
+
+def _kernel_library():
+    """kvtool's CUDA kernels when CuPy and a CUDA compiler are there, else None (torch copies)."""
+    try:
+        from kvtool.kernels.loader import KernelLibrary, require_cupy
+
+        require_cupy()
+        library = KernelLibrary()
+        library.compiler.backends  # noqa: B018 - finds nvcc / NVRTC now, not in the middle of a step
+        return library
+    except ImportError:  # KernelToolchainError is an ImportError too
+        return None
 
 
 def check_host_cache_size(host_cache_size: int) -> None:
