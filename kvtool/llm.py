@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 
 import torch
 
 from kvtool import _core
 from kvtool.config import KvCacheConfig, SamplingParams, SchedulerConfig
 from kvtool.errors import KvtoolError
+from kvtool.plan.kernels import plan_kernel_cache
 from kvtool.runtime.device import default_device, describe_device, free_device_memory_bytes
 from kvtool.runtime.engine import Engine
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools, check_host_cache_size, size_pools
@@ -38,14 +40,28 @@ class GenerationOutput:
     error: str | None = None
 
 
-def _attention_backend(device: torch.device):
-    if device.type == "cuda":
-        try:
-            from kvtool.layers.cuda_attention import CudaPagedAttention
+def _kernel_library(device: torch.device, kernel_cache: Path):
+    """kvtool's CUDA kernels (cubins cached in the plan) when on a GPU with CuPy and a CUDA
+    compiler; None otherwise: the torch paths are correct everywhere, just slower."""
+    if device.type != "cuda":
+        return None
+    try:
+        from kvtool.kernels.compiler import KernelCompiler
+        from kvtool.kernels.loader import KernelLibrary, require_cupy
 
-            return CudaPagedAttention()
-        except ImportError:
-            pass  # no CuPy: the torch backend is correct everywhere, just slower
+        require_cupy()
+        library = KernelLibrary(KernelCompiler(cache_dir=kernel_cache))
+        library.compiler.backends  # noqa: B018 - finds nvcc / NVRTC now, not in the middle of a step
+        return library
+    except ImportError:  # no CuPy, or KernelToolchainError (an ImportError too)
+        return None
+
+
+def _attention_backend(kernels):
+    if kernels is not None:
+        from kvtool.layers.cuda_attention import CudaPagedAttention
+
+        return CudaPagedAttention(kernels)
     from kvtool.layers.attention import TorchPagedAttention
 
     return TorchPagedAttention()
@@ -78,7 +94,8 @@ class LLM:
         self.device_description = describe_device(self.device)
         config = self.plan.model_config
         window = _attention_window(config.sliding_window, kv_cache_config.max_attention_window, self.max_seq_len)
-        model_module = self.plan.load_model(self.device, _attention_backend(self.device), attention_window=window)
+        kernels = _kernel_library(self.device, plan_kernel_cache(self.plan.path))
+        model_module = self.plan.load_model(self.device, _attention_backend(kernels), attention_window=window)
         tokens_per_block = opts.tokens_per_block
         shape = BlockShape(config.num_layers, tokens_per_block, config.num_kv_heads, config.head_dim,
                            self.plan.kv_cache_dtype)
@@ -87,7 +104,7 @@ class LLM:
                            free_memory_fraction=kv_cache_config.free_gpu_memory_fraction,
                            free_memory_bytes=free_device_memory_bytes(self.device),
                            host_cache_size=kv_cache_config.host_cache_size, on_cpu=self.device.type == "cpu")
-        pools = KvCachePools(shape, sizes.num_primary_blocks, sizes.num_secondary_blocks, self.device)
+        pools = KvCachePools(shape, sizes.num_primary_blocks, sizes.num_secondary_blocks, self.device, kernels)
         cache_cfg = _core.CacheConfig(
             tokens_per_block=tokens_per_block,
             num_primary_blocks=sizes.num_primary_blocks,

@@ -45,6 +45,10 @@ def build(
     kv_cache_dtype: Annotated[DType | None, typer.Option("--kv_cache_dtype", "--kv-cache-dtype",
                                                          help="Default: --dtype.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of a preset's random weights.")] = 0,
+    compile_kernels: Annotated[bool | None, typer.Option(
+        "--compile_kernels/--no_compile_kernels", "--compile-kernels/--no-compile-kernels",
+        help="Compile the plan's CUDA kernels (sm_90) into it; default: when this machine has a GPU.",
+        show_default=False)] = None,
 ) -> None:
     """Build a model (HF checkpoint directory or preset:NAME) into a plan directory."""
     with user_errors():
@@ -56,7 +60,7 @@ def build(
                                dtype=dtype.value, kv_cache_dtype=kv_cache_dtype.value if kv_cache_dtype else None,
                                seed=seed)
         start = time.perf_counter()
-        build_plan(model, output, options)
+        build_plan(model, output, options, compile_kernels=compile_kernels)
         plan = load_plan(output)
         _print_summary(plan, time.perf_counter() - start)
 
@@ -89,5 +93,8 @@ def _print_summary(plan, seconds: float) -> None:
     table.add_row("paged context FMHA", "enabled (KV reuse possible)" if options.use_paged_context_fmha
                   else "disabled (KV reuse not possible)")
     table.add_row("tokenizer", plan.manifest["tokenizer"]["kind"])
+    kernels = plan.manifest.get("kernel_artifacts") or []
+    table.add_row("CUDA kernels", f"{len(kernels)} compiled for {plan.manifest['kernel_target']}" if kernels
+                  else "compiled on first use on a GPU")
     table.add_row("build time", f"{seconds:.1f} s")
     Console().print(table)

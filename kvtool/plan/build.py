@@ -23,6 +23,7 @@ from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import write_tokenizer
 from kvtool.plan.format import (CHECKSUM_ALGORITHM, FORMAT_VERSION, TOKENIZER_DIR, WEIGHTS_FILE,
                                 write_manifest, write_safetensors_streaming)
+from kvtool.plan.kernels import compile_plan_kernels, kernels_apply
 from kvtool.plan.options import BuildOptions
 from kvtool.version import __version__
 
@@ -30,9 +31,12 @@ _PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _INIT_STD = 0.02  # transformers' initializer_range for these families
 
 
-def build_plan(source: str, output_dir: Path, options: BuildOptions) -> Path:
+def build_plan(source: str, output_dir: Path, options: BuildOptions, *, compile_kernels: bool | None = None) -> Path:
     """Build ``source`` (a Hugging Face checkpoint directory or ``preset:NAME``) into the plan
-    directory ``output_dir`` and return it. An existing plan there is replaced."""
+    directory ``output_dir`` and return it. An existing plan there is replaced.
+
+    ``compile_kernels``: compile the plan's CUDA kernels into it (None: when this machine has a
+    GPU and the kernels cover the model's dtype and head_dim)."""
     output_dir = Path(output_dir)
     if source.startswith(PRESET_PREFIX):
         config = preset_config(source)
@@ -63,6 +67,13 @@ def build_plan(source: str, output_dir: Path, options: BuildOptions) -> Path:
         tokenizer_kind = write_tokenizer(staging / TOKENIZER_DIR, checkpoint_dir=checkpoint_dir,
                                          vocab_size=config.vocab_size, bos_token_id=config.bos_token_id,
                                          eos_token_ids=config.eos_token_ids)
+        kernel_artifacts, kernel_target = [], None
+        kv_cache_dtype = torch_dtype(options.resolved_kv_cache_dtype)
+        if compile_kernels is None:
+            compile_kernels = torch.cuda.is_available() and kernels_apply(config, kv_cache_dtype)
+        if compile_kernels:
+            kernel_artifacts, kernel_target = compile_plan_kernels(staging, config, options.tokens_per_block,
+                                                                   kv_cache_dtype)
         manifest = {
             "format_version": FORMAT_VERSION,
             "kvtool_version": __version__,
@@ -74,8 +85,8 @@ def build_plan(source: str, output_dir: Path, options: BuildOptions) -> Path:
                         "checksum": checksum, "dtype": options.dtype, "num_parameters": config.num_parameters()},
             "tokenizer": {"kind": tokenizer_kind, "dir": TOKENIZER_DIR},
             # Filled by the CUDA build: [{"file", "size_bytes", "checksum", ...}] verified on load.
-            "kernel_artifacts": [],
-            "kernel_target": None,
+            "kernel_artifacts": kernel_artifacts,
+            "kernel_target": kernel_target,
         }
         write_manifest(staging, manifest)
         if output_dir.exists():

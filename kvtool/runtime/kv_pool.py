@@ -81,14 +81,15 @@ class KvCachePools:
     """Primary pool tensor on the device plus the optional host pool, and the copies between them."""
 
     def __init__(self, shape: BlockShape, num_primary_blocks: int, num_secondary_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, kernels=None) -> None:
+        """``kernels``: a kvtool.kernels KernelLibrary for batched tier copies on a GPU, or None."""
         self.shape = shape
         self.device = device
         # [num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
         self.primary = torch.zeros((num_primary_blocks, *shape.dims), dtype=shape.dtype, device=device)
         self.host = HostBlockPool(shape, num_secondary_blocks, pin_memory=device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._kernels = _kernel_library() if device.type == "cuda" else None
+        self._kernels = kernels
 
     @property
     def num_primary_blocks(self) -> int:
@@ -156,19 +157,6 @@ class KvCachePools:
         if pool == PRIMARY:
             return self.primary[block_id]
         return self.host.block(block_id)
-
-
-def _kernel_library():
-    """kvtool's CUDA kernels when CuPy and a CUDA compiler are there, else None (torch copies)."""
-    try:
-        from kvtool.kernels.loader import KernelLibrary, require_cupy
-
-        require_cupy()
-        library = KernelLibrary()
-        library.compiler.backends  # noqa: B018 - finds nvcc / NVRTC now, not in the middle of a step
-        return library
-    except ImportError:  # KernelToolchainError is an ImportError too
-        return None
 
 
 def check_host_cache_size(host_cache_size: int) -> None:
