@@ -77,6 +77,8 @@ class ReferenceKVCache:
         self.min_priority = secondary_offload_min_priority
         self.window = max_attention_window
         self.nodes: dict[tuple, Node] = {}
+        self.children: dict[tuple | None, dict[tuple, Node]] = {}  # parent key -> {key: node}
+        self.num_in = {"P": 0, "S": 0}  # nodes per tier
         self.num_unkeyed = 0  # primary blocks held by sequences without a node
         self.seqs: dict[int, Seq] = {}
         self.clock = itertools.count(1)
@@ -94,7 +96,12 @@ class ReferenceKVCache:
         return (parent_key, t, e, lora, salt)
 
     def _children(self, parent_key):
-        return [n for n in self.nodes.values() if n.parent == parent_key]
+        return list(self.children.get(parent_key, {}).values())
+
+    def _set_tier(self, node, tier):
+        self.num_in[node.tier] -= 1
+        node.tier = tier
+        self.num_in[tier] += 1
 
     def _held(self, node):
         if node.tier != "P":
@@ -102,10 +109,10 @@ class ReferenceKVCache:
         return node.refcount > 0 or any(self._held(c) for c in self._children(node.key) if c.tier == "P")
 
     def free_primary(self):
-        return self.num_primary - self.num_unkeyed - sum(n.tier == "P" for n in self.nodes.values())
+        return self.num_primary - self.num_unkeyed - self.num_in["P"]
 
     def free_secondary(self):
-        return self.num_secondary - sum(n.tier == "S" for n in self.nodes.values())
+        return self.num_secondary - self.num_in["S"]
 
     def num_available_blocks(self):
         return self.free_primary() + sum(1 for n in self.nodes.values() if n.tier == "P" and not self._held(n))
@@ -161,6 +168,8 @@ class ReferenceKVCache:
         for child in self._children(node.key):
             self._drop_tree(child)
         del self.nodes[node.key]
+        del self.children[node.parent][node.key]
+        self.num_in[node.tier] -= 1
         self.stats["evicted_blocks"] += 1
 
     def _take_secondary(self):
@@ -180,7 +189,7 @@ class ReferenceKVCache:
         victim = self._victim("P")
         assert victim is not None, "reference: nothing to evict"
         if self.num_secondary > 0 and victim.priority >= self.min_priority and self._take_secondary():
-            victim.tier = "S"
+            self._set_tier(victim, "S")
             victim.stamp = next(self.clock)
             self.stats["offloaded_blocks"] += 1
             self.stats["num_offloaded_tokens"] += self.tpb
@@ -207,8 +216,8 @@ class ReferenceKVCache:
         return self.num_blocks_to_add(tokens, num_tokens, extras, lora, salt) <= self.num_available_blocks()
 
     def add_sequence(self, seq_id, tokens, num_tokens, extras=None, lora=0, salt=0, priority=35):
+        """The caller checks can_add_sequence first."""
         assert seq_id not in self.seqs
-        assert self.can_add_sequence(tokens, num_tokens, extras, lora, salt)
         chain, source, k = self.match(tokens, extras, lora, salt)
         seq = Seq(list(tokens), list(extras) if extras is not None and any(extras) else None, lora, salt, priority)
         early = sum(1 for n in chain if n.tier == "P" and n.owner is not None)
@@ -223,7 +232,8 @@ class ReferenceKVCache:
         for n in chain:
             if n.tier == "S":
                 self._take_primary()
-                n.tier, n.refcount, n.pinned = "P", 1, False
+                self._set_tier(n, "P")
+                n.refcount, n.pinned = 1, False
                 self.stats["onboarded_blocks"] += 1
                 self.stats["num_onboarded_tokens"] += self.tpb
             seq.table.append(n)
@@ -254,8 +264,7 @@ class ReferenceKVCache:
 
     def allocate(self, seq_id, num_tokens):
         seq = self.seqs[seq_id]
-        need = -(-num_tokens // self.tpb) - len(seq.table)
-        assert need <= self.num_available_blocks()
+        need = -(-num_tokens // self.tpb) - len(seq.table)  # the caller checks can_allocate first
         for _ in range(max(need, 0)):
             seq.table.append(self._new_block())
         self.stats["alloc_total_blocks"] += max(need, 0)
@@ -284,9 +293,12 @@ class ReferenceKVCache:
             node = self.nodes.get(key)
             if node is None or node.tier == "S":
                 if node is None:
-                    node = Node(key, parent.key if parent else None, t, e, seq.lora, seq.salt, "P", seq.priority)
+                    node = Node(key, parent.key if parent else None, t, e, seq.lora, seq.salt, "S", seq.priority)
                     self.nodes[key] = node
-                node.tier, node.refcount, node.priority, node.owner = "P", 1, seq.priority, seq_id
+                    self.children.setdefault(node.parent, {})[key] = node
+                    self.num_in["S"] += 1  # moved to "P" just below
+                self._set_tier(node, "P")
+                node.refcount, node.priority, node.owner = 1, seq.priority, seq_id
                 self.num_unkeyed -= 1
                 seq.table[i] = node
             seq.last = node

@@ -20,6 +20,7 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
                                ? static_cast<size_t>(config.num_primary_blocks) + config.num_secondary_blocks
                                : 0;
   nodes.assign(max_nodes + 1, Node{});
+  node_info.assign(max_nodes + 1, NodeInfo{});
   root = static_cast<NodeId>(max_nodes);
   nodes[root].live = true;
   free_node_ids.reserve(max_nodes);
@@ -42,10 +43,8 @@ NodeId KVCacheManager::Impl::find_child(NodeId parent, uint64_t hash, const Toke
   // The collision guard: a hash hit is only a candidate; every key field must be equal too.
   for (NodeId n = key_index.head(hash); n != kNoNode; n = key_next[n]) {
     const Node& x = nodes[n];
-    if (x.parent != parent || x.hash != hash || x.lora_task_id != lora || x.cache_salt != salt ||
-        x.has_extras != has_extras) {
-      continue;
-    }
+    if (x.parent != parent || x.hash != hash || x.has_extras != has_extras) continue;
+    if (node_info[n].lora_task_id != lora || node_info[n].cache_salt != salt) continue;
     if (std::memcmp(node_tokens(n), token_ids, sizeof(TokenId) * tpb) != 0) continue;
     if (has_extras && std::memcmp(node_extras(n), extra_ids, sizeof(ExtraId) * tpb) != 0) continue;
     return n;
@@ -83,7 +82,7 @@ void KVCacheManager::Impl::lru_push(NodeId n) {
   l.tail[p] = n;
   l.nonempty[p >> 6] |= 1ULL << (p & 63);
   x.in_lru = true;
-  x.lru_stamp = ++lru_clock;
+  node_info[n].lru_stamp = ++lru_clock;
 }
 
 void KVCacheManager::Impl::lru_remove(NodeId n) {
@@ -138,15 +137,14 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   const NodeId n = free_node_ids.back();
   free_node_ids.pop_back();
   Node& x = nodes[n];
-  const uint32_t generation = x.generation;
+  NodeInfo& info = node_info[n];
   x = Node{};
-  x.generation = generation;
   x.live = true;
   x.hash = hash;
-  x.lora_task_id = seq.lora_task_id;
-  x.cache_salt = seq.cache_salt;
-  x.priority = seq.priority;
-  x.owner = seq_id;
+  info.lora_task_id = seq.lora_task_id;
+  info.cache_salt = seq.cache_salt;
+  x.priority = static_cast<uint8_t>(seq.priority);
+  info.owner = seq_id;
   x.owner_running = true;
   x.pool = PoolKind::kPrimary;
   x.block_id = block;
@@ -160,7 +158,8 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   add_child(parent, n);
   key_index.insert(hash, n, key_next);
   if (config.enable_partial_reuse) {
-    partial_index.insert(partial_key(parent, token_ids[0], x.lora_task_id, x.cache_salt), n, partial_next);
+    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], seq.lora_task_id, seq.cache_salt);
+    partial_index.insert(x.partial_key, n, partial_next);
   }
   ++num_unheld_primary;  // appears unheld, then counted held (its block is referenced)
   on_held_change(n, false);
@@ -195,7 +194,7 @@ void KVCacheManager::Impl::ref_block(BlockId b) {
 
 void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
   const NodeId n = primary_node[b];
-  if (n != kNoNode && nodes[n].owner_running && nodes[n].owner == seq_id) nodes[n].owner_running = false;
+  if (n != kNoNode && nodes[n].owner_running && node_info[n].owner == seq_id) nodes[n].owner_running = false;
   if (--primary_refcount[b] == 0) {
     --num_used_primary;
     if (n == kNoNode) {
@@ -252,11 +251,31 @@ NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
       for (NodeId n = l.head[p]; n != kNoNode; n = nodes[n].lru_next) {
         const Node& x = nodes[n];
         if (x.pinned) continue;
-        if ((pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) return n;
+        if ((pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) {
+          prefetch_for_eviction(n);
+          return n;
+        }
       }
     }
   }
   return kNoNode;
+}
+
+// Eviction touches the victim's index slots, its tree and LRU neighbours: start loading them now
+// so their cache misses overlap. The next victim (usually the LRU successor) gets its index slots
+// loaded one eviction ahead, and the one after it its node.
+void KVCacheManager::Impl::prefetch_for_eviction(NodeId n) const {
+  const Node& x = nodes[n];
+  key_index.prefetch(x.hash);
+  if (config.enable_partial_reuse) partial_index.prefetch(x.partial_key);
+  __builtin_prefetch(&nodes[x.parent]);
+  if (x.prev_sibling != kNoNode) __builtin_prefetch(&nodes[x.prev_sibling]);
+  if (x.next_sibling != kNoNode) __builtin_prefetch(&nodes[x.next_sibling]);
+  if (x.lru_next == kNoNode) return;
+  const Node& next = nodes[x.lru_next];
+  key_index.prefetch(next.hash);
+  if (config.enable_partial_reuse) partial_index.prefetch(next.partial_key);
+  if (next.lru_next != kNoNode) __builtin_prefetch(&nodes[next.lru_next]);
 }
 
 // Frees the victim's primary block for the caller: the node moves to the secondary pool
@@ -289,33 +308,34 @@ BlockId KVCacheManager::Impl::evict_primary(NodeId victim) {
 // Drops n and its descendants (all in the secondary pool) from the cache, leaves first.
 // Secondary blocks go back to secondary_free; a primary block is left to the caller.
 void KVCacheManager::Impl::drop_tree(NodeId top) {
+  if (nodes[top].first_child == kNoNode) {
+    drop_node(top);  // the common case: a leaf
+    return;
+  }
   std::vector<NodeId> order{top};
   for (size_t i = 0; i < order.size(); ++i) {
     for (NodeId c = nodes[order[i]].first_child; c != kNoNode; c = nodes[c].next_sibling) order.push_back(c);
   }
-  for (size_t i = order.size(); i-- > 0;) {
-    const NodeId n = order[i];
-    Node& x = nodes[n];
-    emit_event(KvCacheEventKind::kRemoved, n, false);
-    ++stats.evicted_blocks;
-    lru_remove(n);
-    key_index.erase(x.hash, n, key_next);
-    if (config.enable_partial_reuse) {
-      partial_index.erase(partial_key(x.parent, node_tokens(n)[0], x.lora_task_id, x.cache_salt), n,
-                          partial_next);
-    }
-    remove_child(n);
-    if (x.pool == PoolKind::kSecondary) {
-      secondary_node[x.block_id] = kNoNode;
-      secondary_free.push_back(x.block_id);
-    } else {
-      primary_node[x.block_id] = kNoNode;
-    }
-    const uint32_t generation = x.generation + 1;
-    x = Node{};
-    x.generation = generation;
-    free_node_ids.push_back(n);
+  for (size_t i = order.size(); i-- > 0;) drop_node(order[i]);
+}
+
+void KVCacheManager::Impl::drop_node(NodeId n) {
+  Node& x = nodes[n];
+  emit_event(KvCacheEventKind::kRemoved, n, false);
+  ++stats.evicted_blocks;
+  lru_remove(n);
+  key_index.erase(x.hash, n, key_next);
+  if (config.enable_partial_reuse) partial_index.erase(x.partial_key, n, partial_next);
+  remove_child(n);
+  if (x.pool == PoolKind::kSecondary) {
+    secondary_node[x.block_id] = kNoNode;
+    secondary_free.push_back(x.block_id);
+  } else {
+    primary_node[x.block_id] = kNoNode;
   }
+  x = Node{};
+  ++node_info[n].generation;
+  free_node_ids.push_back(n);
 }
 
 void KVCacheManager::Impl::emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst,

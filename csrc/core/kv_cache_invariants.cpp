@@ -123,10 +123,12 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
       fail(name + " is cached in the secondary pool but not in its LRU list");
     }
     const uint64_t parent_hash = x.parent == root ? 0 : m.nodes[x.parent].hash;
-    const uint64_t h = block_key_hash(parent_hash, m.node_tokens(n), m.node_extras(n), m.tpb, x.lora_task_id,
-                                      x.cache_salt, m.key_hash_bits);
+    const auto& info = m.node_info[n];
+    const uint64_t h = block_key_hash(parent_hash, m.node_tokens(n), m.node_extras(n), m.tpb, info.lora_task_id,
+                                      info.cache_salt, m.key_hash_bits);
     if (h != x.hash) fail(name + " has a key that does not match its tokens and parent");
-    if (m.find_child(x.parent, x.hash, m.node_tokens(n), m.node_extras(n), x.lora_task_id, x.cache_salt) == kNoNode) {
+    if (m.find_child(x.parent, x.hash, m.node_tokens(n), m.node_extras(n), info.lora_task_id, info.cache_salt) ==
+        kNoNode) {
       fail(name + " cannot be found through the key index");
     }
   }

@@ -68,6 +68,32 @@ void KVCacheManager::Impl::validate_spec(const SequenceSpec& spec) const {
   }
 }
 
+void KVCacheManager::Impl::extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids,
+                                         const ExtraId* extra_ids, uint64_t lora, uint64_t salt, size_t end,
+                                         bool for_store) const {
+  const size_t first = hashes.size();
+  uint64_t parent_hash = first == 0 ? 0 : hashes.back();
+  for (size_t i = first; i < end; ++i) {
+    const TokenId* t = token_ids + i * tpb;
+    const ExtraId* e = extra_ids ? extra_ids + i * tpb : nullptr;
+    const uint64_t h = block_key_hash(parent_hash, t, e, tpb, lora, salt, key_hash_bits);
+    key_index.prefetch(h);
+    if (for_store && config.enable_partial_reuse) partial_index.prefetch(partial_key(parent_hash, t[0], lora, salt));
+    hashes.push_back(h);
+    parent_hash = h;
+  }
+  if (for_store) return;
+  for (size_t i = first; i < end; ++i) {
+    const NodeId n = key_index.head(hashes[i]);
+    if (n == kNoNode) continue;
+    const char* tokens = reinterpret_cast<const char*>(node_tokens(n));
+    __builtin_prefetch(&nodes[n]);
+    __builtin_prefetch(&node_info[n]);
+    __builtin_prefetch(tokens);
+    __builtin_prefetch(tokens + sizeof(TokenId) * tpb - 1);
+  }
+}
+
 KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceSpec& spec) const {
   MatchPlan plan;
   if (!config.enable_block_reuse) return plan;
@@ -75,12 +101,18 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   const ExtraId* extras = spec.extra_ids.empty() ? nullptr : spec.extra_ids.data();
   // The last prompt token is always computed, so a fully cached prompt still yields logits.
   const int64_t max_tokens = static_cast<int64_t>(spec.token_ids.size()) - 1;
+  const size_t num_matchable = static_cast<size_t>(max_tokens / tpb);
+  constexpr size_t kChunk = 8;  // blocks hashed (and prefetched) ahead of the lookups
   NodeId parent = root;
-  int64_t i = 0;
-  for (; (i + 1) * tpb <= max_tokens; ++i) {
+  size_t i = 0;
+  for (; i < num_matchable; ++i) {
+    if (i == plan.hashes.size()) {
+      extend_hashes(plan.hashes, tokens, extras, spec.lora_task_id, spec.cache_salt,
+                    std::min(num_matchable, i + kChunk), /*for_store=*/false);
+    }
     const TokenId* t = tokens + i * tpb;
     const ExtraId* e = extras ? extras + i * tpb : nullptr;
-    const uint64_t h = block_key_hash(plan.last_hash, t, e, tpb, spec.lora_task_id, spec.cache_salt, key_hash_bits);
+    const uint64_t h = plan.hashes[i];
     const NodeId n = find_child(parent, h, t, e, spec.lora_task_id, spec.cache_salt);
     if (n == kNoNode) break;
     plan.nodes.push_back(n);
@@ -102,10 +134,13 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   // a held one (pinning it costs nothing), then the most recently used.
   const TokenId* t = tokens + i * tpb;
   const ExtraId* e = extras ? extras + i * tpb : nullptr;
-  const uint64_t key = partial_key(parent, t[0], spec.lora_task_id, spec.cache_salt);
+  const uint64_t key = partial_key(plan.last_hash, t[0], spec.lora_task_id, spec.cache_salt);
   for (NodeId n = partial_index.head(key); n != kNoNode; n = partial_next[n]) {
     const Node& x = nodes[n];
-    if (x.parent != parent || x.lora_task_id != spec.lora_task_id || x.cache_salt != spec.cache_salt) continue;
+    if (x.parent != parent || node_info[n].lora_task_id != spec.lora_task_id ||
+        node_info[n].cache_salt != spec.cache_salt) {
+      continue;
+    }
     const TokenId* nt = node_tokens(n);
     const ExtraId* ne = node_extras(n);
     int32_t k = 0;
@@ -118,7 +153,7 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
       const bool held = is_held(n), best_held = is_held(plan.partial_source);
       better = primary != best_primary ? primary
                : held != best_held     ? held
-                                       : x.lru_stamp > best.lru_stamp;
+                                       : node_info[n].lru_stamp > node_info[plan.partial_source].lru_stamp;
     }
     if (better) {
       plan.num_partial_tokens = k;
@@ -145,11 +180,18 @@ int32_t KVCacheManager::Impl::blocks_to_add(const MatchPlan& plan, int32_t num_t
 // cached node); one cached only in the secondary pool is adopted: the node moves to this block.
 void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
   const int32_t num_full = seq.num_computed_tokens / tpb;
+  if (seq.num_stored_blocks >= num_full || seq.chain_broken) return;
+  // The keys chain through the tokens alone: compute the missing ones first and start loading
+  // their index slots, so the cache misses of the lookups below overlap.
+  if (seq.block_hashes.size() < static_cast<size_t>(num_full)) {
+    extend_hashes(seq.block_hashes, seq.token_ids.data(), seq.extra_ids.empty() ? nullptr : seq.extra_ids.data(),
+                  seq.lora_task_id, seq.cache_salt, num_full, /*for_store=*/true);
+  }
   while (seq.num_stored_blocks < num_full && !seq.chain_broken) {
     const int32_t i = seq.num_stored_blocks;
     const NodeId parent = i == 0 ? root : seq.last_node;
     const BlockId block = seq.block_ids[i];
-    if (i > 0 && (!nodes[parent].live || nodes[parent].generation != seq.last_node_generation ||
+    if (i > 0 && (!nodes[parent].live || node_info[parent].generation != seq.last_node_generation ||
                   nodes[parent].pool != PoolKind::kPrimary)) {
       seq.chain_broken = true;  // the parent was evicted or offloaded after the window let it go
       break;
@@ -160,20 +202,19 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     }
     const TokenId* t = seq.token_ids.data() + static_cast<size_t>(i) * tpb;
     const ExtraId* e = seq.extra_ids.empty() ? nullptr : seq.extra_ids.data() + static_cast<size_t>(i) * tpb;
-    const uint64_t parent_hash = parent == root ? 0 : nodes[parent].hash;
-    const uint64_t h = block_key_hash(parent_hash, t, e, tpb, seq.lora_task_id, seq.cache_salt, key_hash_bits);
+    const uint64_t h = seq.block_hashes[i];
     NodeId n = find_child(parent, h, t, e, seq.lora_task_id, seq.cache_salt);
     if (n == kNoNode) {
       n = store_node(parent, h, t, e, seq, seq_id, block);
     } else if (nodes[n].pool == PoolKind::kSecondary && primary_node[block] == kNoNode) {
       move_to_primary(n, block);
-      nodes[n].priority = seq.priority;
-      nodes[n].owner = seq_id;
+      nodes[n].priority = static_cast<uint8_t>(seq.priority);
+      node_info[n].owner = seq_id;
       nodes[n].owner_running = true;
       emit_event(KvCacheEventKind::kOnboarded, n, false);
     }
     seq.last_node = n;
-    seq.last_node_generation = nodes[n].generation;
+    seq.last_node_generation = node_info[n].generation;
     ++seq.num_stored_blocks;
   }
 }
@@ -228,13 +269,17 @@ bool KVCacheManager::can_add_sequence(const SequenceSpec& spec, int32_t num_toke
 }
 
 AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, const SequenceSpec& spec, int32_t num_tokens) {
+  return add_sequence(seq_id, SequenceSpec(spec), num_tokens);
+}
+
+AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&& spec, int32_t num_tokens) {
   Impl& m = *impl_;
   if (m.sequences.count(seq_id)) {
     throw std::invalid_argument("sequence id " + str(seq_id) + " is already known: release it first or use a new id");
   }
   m.validate_spec(spec);
   if (num_tokens < 1) throw std::invalid_argument("num_tokens=" + str(num_tokens) + " must be >= 1");
-  const Impl::MatchPlan plan = m.plan_match(spec);
+  Impl::MatchPlan plan = m.plan_match(spec);
   const int32_t needed = m.blocks_to_add(plan, num_tokens);
   if (needed > m.num_available()) {
     throw OutOfBlocksError("sequence " + str(seq_id) + " needs " + str(needed) + " more KV cache blocks for " +
@@ -242,8 +287,10 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, const Sequence
                            str(m.config.num_primary_blocks) + " are available");
   }
 
+  const int64_t num_prompt_blocks = static_cast<int64_t>(spec.token_ids.size()) / m.tpb;
   Impl::Sequence seq;
-  seq.token_ids = spec.token_ids;
+  seq.token_ids = std::move(spec.token_ids);
+  seq.block_hashes = std::move(plan.hashes);
   if (any_extra(spec.extra_ids.empty() ? nullptr : spec.extra_ids.data(), spec.extra_ids.size())) {
     seq.extra_ids = spec.extra_ids;
   }
@@ -294,7 +341,6 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, const Sequence
   r.num_early_reused_blocks = plan.num_early;
   r.num_new_blocks = total - r.num_reused_blocks;
 
-  const int64_t num_prompt_blocks = static_cast<int64_t>(spec.token_ids.size()) / m.tpb;
   m.stats.reused_blocks += r.num_reused_blocks;
   m.stats.missed_blocks += num_prompt_blocks - r.num_reused_blocks;
   m.stats.early_reused_blocks += r.num_early_reused_blocks;
@@ -304,7 +350,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, const Sequence
   seq.num_computed_tokens = r.num_reused_tokens;
   seq.num_stored_blocks = r.num_reused_blocks;
   seq.last_node = plan.nodes.empty() ? m.root : plan.nodes.back();
-  seq.last_node_generation = m.nodes[seq.last_node].generation;
+  seq.last_node_generation = m.node_info[seq.last_node].generation;
   auto& stored = m.sequences.emplace(seq_id, std::move(seq)).first->second;
   m.release_window(seq_id, stored);
   return r;

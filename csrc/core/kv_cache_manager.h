@@ -34,6 +34,8 @@ class KVCacheManager {
   // partially matching block) and allocates blocks for num_tokens (>= 1) tokens.
   // Throws std::invalid_argument for a bad spec or known id, std::runtime_error if blocks lack.
   AddSequenceResult add_sequence(SequenceId seq_id, const SequenceSpec& spec, int32_t num_tokens);
+  // Same; takes the token ids over instead of copying them.
+  AddSequenceResult add_sequence(SequenceId seq_id, SequenceSpec&& spec, int32_t num_tokens);
 
   // Makes the sequence's block table cover num_tokens tokens in total.
   bool can_allocate(SequenceId seq_id, int32_t num_tokens) const;

@@ -24,10 +24,10 @@ namespace kvtool {
 inline constexpr int32_t kNumPriorities = 101;  // retention priorities 0..100
 
 struct KVCacheManager::Impl {
-  struct Node {
+  // What eviction, lookups and reference counting touch: one cache line per node.
+  struct alignas(64) Node {
     uint64_t hash = 0;            // chained block key (truncated with key_hash_bits)
-    uint64_t lora_task_id = 0;
-    uint64_t cache_salt = 0;
+    uint64_t partial_key = 0;     // its key in partial_index
     NodeId parent = kNoNode;
     NodeId first_child = kNoNode;
     NodeId next_sibling = kNoNode;
@@ -38,16 +38,23 @@ struct KVCacheManager::Impl {
     int32_t num_primary_children = 0;
     int32_t num_held_children = 0;  // primary children that are held (see is_held)
     BlockId block_id = kNoBlock;
-    int32_t priority = kDefaultPriority;
-    SequenceId owner = 0;           // the sequence that computed it
-    uint64_t lru_stamp = 0;         // when it last entered an LRU list (tie-break of partial sources)
-    uint32_t generation = 0;        // bumped when the node slot is freed
+    uint8_t priority = kDefaultPriority;
     PoolKind pool = PoolKind::kPrimary;
     bool live = false;
     bool in_lru = false;
     bool pinned = false;            // being onboarded / copied: not an eviction candidate
     bool has_extras = false;        // some extra id of the block is non-zero
     bool owner_running = false;     // owner still references the block (early reuse)
+  };
+  static_assert(sizeof(Node) == 64, "a node is one cache line");
+
+  // The rest of a node: read on a key hit, a store, an owner's release.
+  struct NodeInfo {
+    uint64_t lora_task_id = 0;
+    uint64_t cache_salt = 0;
+    SequenceId owner = 0;           // the sequence that computed it
+    uint64_t lru_stamp = 0;         // when it last entered an LRU list (tie-break of partial sources)
+    uint32_t generation = 0;        // bumped when the node slot is freed
   };
 
   struct LruLists {
@@ -66,6 +73,7 @@ struct KVCacheManager::Impl {
     uint64_t cache_salt = 0;
     int32_t priority = kDefaultPriority;
     std::vector<BlockId> block_ids;  // primary block table, kNoBlock where the window released
+    std::vector<uint64_t> block_hashes;  // keys of its first full blocks, as far as computed
     int32_t num_computed_tokens = 0;
     int32_t num_stored_blocks = 0;     // leading full blocks whose canonical node is known
     NodeId last_node = kNoNode;        // canonical node of block num_stored_blocks - 1 (root if 0)
@@ -77,6 +85,7 @@ struct KVCacheManager::Impl {
   // A prefix lookup, computed without side effects and applied by add_sequence.
   struct MatchPlan {
     std::vector<NodeId> nodes;       // the matched chain, root first
+    std::vector<uint64_t> hashes;    // keys of the prompt's first blocks (at least the matched ones)
     uint64_t last_hash = 0;
     int32_t num_secondary = 0;
     int32_t num_held_primary = 0;    // matched primary nodes already held (not in num_available)
@@ -93,8 +102,10 @@ struct KVCacheManager::Impl {
   const ExtraId* node_extras(NodeId n) const {
     return nodes[n].has_extras ? &node_extra_ids[static_cast<size_t>(n) * tpb] : nullptr;
   }
-  uint64_t partial_key(NodeId parent, TokenId first_token, uint64_t lora, uint64_t salt) const {
-    return mix64(static_cast<uint64_t>(parent) * 0x9E3779B97F4A7C15ULL + static_cast<uint32_t>(first_token)) ^
+  // Partial-reuse candidates are found by (parent key hash, first token, LoRA, salt); the parent
+  // node itself is compared on lookup.
+  static uint64_t partial_key(uint64_t parent_hash, TokenId first_token, uint64_t lora, uint64_t salt) {
+    return mix64(parent_hash * 0x9E3779B97F4A7C15ULL + static_cast<uint32_t>(first_token)) ^
            mix64(lora + rotl64(salt, 29) + 0x632BE59BD9B4E019ULL);
   }
   NodeId find_child(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
@@ -118,7 +129,9 @@ struct KVCacheManager::Impl {
   BlockId acquire_secondary();       // kNoBlock when no secondary block can be had
   NodeId find_victim(PoolKind pool) const;
   BlockId evict_primary(NodeId victim);
+  void prefetch_for_eviction(NodeId n) const;
   void drop_tree(NodeId n);
+  void drop_node(NodeId n);  // a node without children
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
   void emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens);
 
@@ -129,6 +142,10 @@ struct KVCacheManager::Impl {
   int32_t num_available() const { return static_cast<int32_t>(primary_free.size()) + num_unheld_primary; }
   void validate_spec(const SequenceSpec& spec) const;
   MatchPlan plan_match(const SequenceSpec& spec) const;
+  // Appends the keys of blocks [hashes.size(), end) and starts loading their index slots (and,
+  // for lookups, the nodes found there), so the misses of a whole run of blocks overlap.
+  void extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
+                     uint64_t lora, uint64_t salt, size_t end, bool for_store) const;
   int32_t blocks_to_add(const MatchPlan& plan, int32_t num_tokens) const;
   Sequence& get(SequenceId id);
   const Sequence& get(SequenceId id) const;
@@ -141,13 +158,14 @@ struct KVCacheManager::Impl {
   NodeId root = kNoNode;  // sentinel node: parent of every first block, never in a block
 
   std::vector<Node> nodes;                 // [num_primary + num_secondary + 1 (root)]
+  std::vector<NodeInfo> node_info;         // same index
   std::vector<NodeId> free_node_ids;
   std::vector<TokenId> node_token_ids;     // [num nodes * tokens_per_block]
   std::vector<ExtraId> node_extra_ids;     // same shape, allocated at the first non-zero extra id
   std::vector<NodeId> key_next;            // chains of NodeIndex key_index
   std::vector<NodeId> partial_next;        // chains of NodeIndex partial_index
   NodeIndex key_index;                     // block key hash -> nodes
-  NodeIndex partial_index;                 // (parent, first token, lora, salt) -> nodes
+  NodeIndex partial_index;                 // partial_key -> nodes
 
   std::vector<int32_t> primary_refcount;   // [num_primary_blocks]
   std::vector<NodeId> primary_node;        // [num_primary_blocks], kNoNode when unkeyed
