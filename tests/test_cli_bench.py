@@ -194,17 +194,6 @@ def test_config_errors_exit_2(tmp_path, fake_llms):
 
 # -- the real runtime -------------------------------------------------------------------------
 
-def _runtime_ready() -> bool:
-    # The C++ scheduler is being written beside this work; until it is built these tests cannot run.
-    from kvtool import _core
-
-    return hasattr(_core, "Scheduler")
-
-
-needs_runtime = pytest.mark.skipif(not _runtime_ready(), reason="kvtool._core has no Scheduler yet")
-
-
-@needs_runtime
 def test_bench_end_to_end_on_the_tiny_llama_preset(tmp_path, tiny_llama_plan):
     prefix = list(range(300, 348))  # 3 blocks of 16 shared by every request
     data = write_jsonl(tmp_path / "tiny.jsonl", [{"input_ids": prefix + [20 + i] * 5, "output_tokens": 4}
@@ -223,7 +212,39 @@ def test_bench_end_to_end_on_the_tiny_llama_preset(tmp_path, tiny_llama_plan):
     assert summary["device"].startswith(("cpu:", "cuda:"))
 
 
-@needs_runtime
+def test_multi_turn_text_sessions_end_to_end_reuse_their_history(tmp_path, tiny_llama_plan):
+    data = write_jsonl(tmp_path / "chat.jsonl", [
+        {"session_id": "a", "turn": 0, "prompt": "Explain what a KV cache is, for an engineer.", "max_tokens": 20},
+        {"session_id": "a", "turn": 1, "prompt": "Now explain block reuse.", "max_tokens": 4},
+    ])
+    out = tmp_path / "chat"
+    result = invoke("bench", "--plan", tiny_llama_plan, "--dataset", data, "--output", out)
+    assert result.exit_code == 0, result.output
+    first, second = read_rows(out / "requests.csv")
+    # Byte-level tokenizer: BOS + 44 bytes; turn 1 = that + 20 generated tokens + 24 bytes (no second BOS).
+    assert int(first["input_tokens"]) == 45
+    assert int(second["input_tokens"]) == 45 + 20 + 24
+    # The history's KV exists for every token but the last generated one (64 of 65): 4 full blocks of 16.
+    assert int(second["reused_tokens"]) == 64
+
+
+def test_a_scenario_end_to_end_on_a_built_plan(tmp_path, tiny_llama_plan):
+    config = tmp_path / "reuse.yaml"
+    config.write_text(yaml.safe_dump({
+        "dataset": {"generator": "system-prompt", "num_groups": 1, "prompts_per_group": 3, "system_prompt_len": 64,
+                    "question_len": 8, "output_len": 2},
+        "bench": {"mode": "sequential"},
+        "sweep": [{"label": "on", "enable_kv_cache_reuse": True}, {"label": "off", "enable_kv_cache_reuse": False}]}))
+    out = tmp_path / "sweep"
+    result = invoke("bench", "--config", config, "--plan", tiny_llama_plan, "--output", out)
+    assert result.exit_code == 0, result.output
+    on, off = read_rows(out / "summary.csv")
+    assert (on["label"], off["label"]) == ("on", "off")
+    assert [int(r["reused_tokens"]) for r in read_rows(out / "requests-on.csv")] == [0, 64, 64]
+    assert [int(r["reused_tokens"]) for r in read_rows(out / "requests-off.csv")] == [0, 0, 0]
+    assert int(on["reused_blocks"]) == 8 and int(off["reused_blocks"]) == 0
+
+
 def test_bench_refuses_a_block_size_the_plan_was_not_built_with(tmp_path, tiny_llama_plan):
     data = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [5, 6, 7], "output_tokens": 1}])
     result = invoke("bench", "--plan", tiny_llama_plan, "--dataset", data, "--output", tmp_path / "o",
