@@ -111,7 +111,9 @@ def bench(
     if not rows:
         console.print("[bold yellow]interrupted[/] before any variant finished: nothing written")
         raise typer.Exit(EXIT_INTERRUPTED)
-    Console().print(runner.summary_table(rows))
+    # Wide enough for every variant's numbers (a sweep has many columns): at least the terminal's width.
+    width = 36 + sum(max(len(str(row.get("label", ""))) + 14, 16) for row in rows)
+    Console(width=max(Console().width, width)).print(runner.summary_table(rows))
     for path in written:
         console.print(f"wrote {path}", highlight=False)
     if interrupted:

@@ -15,6 +15,13 @@ from kvtool.cli import app
 from kvtool.cli.errors import user_errors
 
 
+def _table_width(rows, variants) -> int:
+    """Wide enough that no number is cut short: at least the terminal's width."""
+    metric = max(len(row.name) for row in rows) if rows else 10
+    values = sum(max(len(v.name), 12) + 3 for v in variants) + 9 * (len(variants) - 1)
+    return max(Console().width, metric + 4 + values)
+
+
 @app.command()
 def compare(
     reports: Annotated[list[Path], typer.Argument(help="Summary CSVs (a row per variant) and/or per-request CSVs.",
@@ -39,7 +46,7 @@ def compare(
                 if position:
                     cells.append(format_ratio(ratio))
             table.add_row(row.name, *cells)
-        Console().print(table)
+        Console(width=_table_width(rows, variants)).print(table)
         if output is not None:
             csv_rows = []
             for row in rows:
