@@ -17,26 +17,30 @@ namespace kvtool {
 
 CopyOpArrays make_copy_op_arrays(const std::vector<CopyOp>& ops) {
   const size_t n = ops.size();
-  std::vector<uint8_t> src_pool(n), dst_pool(n);
-  std::vector<int32_t> src_ids(n), dst_ids(n), num_tokens(n);
-  for (size_t i = 0; i < n; ++i) {
-    src_pool[i] = static_cast<uint8_t>(ops[i].src_pool);
-    src_ids[i] = ops[i].src_block_id;
-    dst_pool[i] = static_cast<uint8_t>(ops[i].dst_pool);
-    dst_ids[i] = ops[i].dst_block_id;
-    num_tokens[i] = ops[i].num_tokens;
-  }
   CopyOpArrays out;
-  out.src_pool = to_numpy(std::move(src_pool));
-  out.src_block_ids = to_numpy(std::move(src_ids));
-  out.dst_pool = to_numpy(std::move(dst_pool));
-  out.dst_block_ids = to_numpy(std::move(dst_ids));
-  out.num_tokens = to_numpy(std::move(num_tokens));
+  out.src_pool.resize(n);
+  out.src_block_ids.resize(n);
+  out.dst_pool.resize(n);
+  out.dst_block_ids.resize(n);
+  out.num_tokens.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    out.src_pool[i] = static_cast<uint8_t>(ops[i].src_pool);
+    out.src_block_ids[i] = ops[i].src_block_id;
+    out.dst_pool[i] = static_cast<uint8_t>(ops[i].dst_pool);
+    out.dst_block_ids[i] = ops[i].dst_block_id;
+    out.num_tokens[i] = ops[i].num_tokens;
+  }
   out.size = n;
   return out;
 }
 
 namespace {
+
+// A read-only numpy view of a vector owned by the Python object it is read from.
+template <typename T>
+nb::ndarray<nb::numpy, const T, nb::ndim<1>> view(const std::vector<T>& values) {
+  return nb::ndarray<nb::numpy, const T, nb::ndim<1>>(values.data(), {values.size()});
+}
 
 const char* pool_name(PoolKind pool) { return pool == PoolKind::kPrimary ? "PRIMARY" : "SECONDARY"; }
 
@@ -131,25 +135,28 @@ void bind_cache_manager(nb::module_& m) {
       "Copy operations as a struct of 1-D numpy arrays; index i of each array is operation i, in "
       "the order the operations must run. Pools are PoolKind values (0 primary, 1 secondary).")
       .def_prop_ro(
-          "src_pool", [](const CopyOpArrays& a) { return a.src_pool; }, nb::rv_policy::automatic, "uint8 [num_ops]")
+          "src_pool", [](const CopyOpArrays& a) { return view(a.src_pool); }, nb::rv_policy::reference_internal,
+          "uint8 [num_ops]")
       .def_prop_ro(
-          "src_block_ids", [](const CopyOpArrays& a) { return a.src_block_ids; }, nb::rv_policy::automatic, "int32 [num_ops]")
+          "src_block_ids", [](const CopyOpArrays& a) { return view(a.src_block_ids); },
+          nb::rv_policy::reference_internal, "int32 [num_ops]")
       .def_prop_ro(
-          "dst_pool", [](const CopyOpArrays& a) { return a.dst_pool; }, nb::rv_policy::automatic, "uint8 [num_ops]")
+          "dst_pool", [](const CopyOpArrays& a) { return view(a.dst_pool); }, nb::rv_policy::reference_internal,
+          "uint8 [num_ops]")
       .def_prop_ro(
-          "dst_block_ids", [](const CopyOpArrays& a) { return a.dst_block_ids; }, nb::rv_policy::automatic, "int32 [num_ops]")
+          "dst_block_ids", [](const CopyOpArrays& a) { return view(a.dst_block_ids); },
+          nb::rv_policy::reference_internal, "int32 [num_ops]")
       .def_prop_ro(
-          "num_tokens", [](const CopyOpArrays& a) { return a.num_tokens; }, nb::rv_policy::automatic,
+          "num_tokens", [](const CopyOpArrays& a) { return view(a.num_tokens); }, nb::rv_policy::reference_internal,
           "int32 [num_ops]: tokens from the start of each block")
       .def("__len__", [](const CopyOpArrays& a) { return a.size; })
       .def(
           "to_list",
           [](const CopyOpArrays& a) {
             std::vector<CopyOp> ops(a.size);
-            for (size_t i = 0; i < a.size; ++i) {
-              ops[i] = CopyOp{static_cast<PoolKind>(a.src_pool.data()[i]), a.src_block_ids.data()[i],
-                              static_cast<PoolKind>(a.dst_pool.data()[i]), a.dst_block_ids.data()[i],
-                              a.num_tokens.data()[i]};
+            for (size_t i = 0; i < ops.size(); ++i) {
+              ops[i] = CopyOp{static_cast<PoolKind>(a.src_pool[i]), a.src_block_ids[i],
+                              static_cast<PoolKind>(a.dst_pool[i]), a.dst_block_ids[i], a.num_tokens[i]};
             }
             return ops;
           },

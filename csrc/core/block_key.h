@@ -23,34 +23,39 @@ inline uint64_t mix64(uint64_t x) {
   return x;
 }
 
-// Hash of n 32-bit values: four independent multiply-rotate lanes over 64-bit words, so the
-// CPU overlaps them (a block of 32 tokens is 16 words, 4 per lane).
+// 64x64 -> 128-bit multiply folded to 64 bits: one multiply mixes two input words.
+inline uint64_t fold_mul(uint64_t a, uint64_t b) {
+  const __uint128_t r = static_cast<__uint128_t>(a) * b;
+  return static_cast<uint64_t>(r) ^ static_cast<uint64_t>(r >> 64);
+}
+
+// Hash of n 32-bit values: two independent lanes, each folding a pair of 64-bit words per
+// multiply (a block of 32 tokens is 16 words: 4 multiplies per lane), so the CPU overlaps them.
 inline uint64_t hash_u32s(const void* data, size_t n, uint64_t seed) {
-  constexpr uint64_t kP1 = 0x9E3779B185EBCA87ULL;
-  constexpr uint64_t kP2 = 0xC2B2AE3D27D4EB4FULL;
+  constexpr uint64_t kP0 = 0xa0761d6478bd642fULL;
+  constexpr uint64_t kP1 = 0xe7037ed1a0b428dbULL;
+  constexpr uint64_t kP2 = 0x8ebc6af09c88c6e3ULL;
+  constexpr uint64_t kP3 = 0x589965cc75374cc3ULL;
   const auto* bytes = static_cast<const unsigned char*>(data);
-  uint64_t lane[4] = {seed + kP1, seed ^ kP2, seed - kP1, rotl64(seed, 17) + kP2};
+  uint64_t lane0 = seed ^ kP0, lane1 = rotl64(seed, 32) ^ kP1;
   const size_t num_words = n / 2;
   size_t i = 0;
+  uint64_t w[4];
   for (; i + 4 <= num_words; i += 4) {
-    for (int l = 0; l < 4; ++l) {
-      uint64_t w;
-      std::memcpy(&w, bytes + (i + l) * 8, 8);
-      lane[l] = rotl64(lane[l] + w * kP2, 31) * kP1;
-    }
+    std::memcpy(w, bytes + i * 8, 32);
+    lane0 = fold_mul(w[0] ^ kP1, w[1] ^ lane0);
+    lane1 = fold_mul(w[2] ^ kP2, w[3] ^ lane1);
   }
   for (; i < num_words; ++i) {
-    uint64_t w;
-    std::memcpy(&w, bytes + i * 8, 8);
-    lane[0] = rotl64(lane[0] + w * kP2, 31) * kP1;
+    std::memcpy(w, bytes + i * 8, 8);
+    lane0 = fold_mul(w[0] ^ kP3, lane0 ^ kP1);
   }
   if (n & 1) {
-    uint32_t w;
-    std::memcpy(&w, bytes + (n - 1) * 4, 4);
-    lane[1] = rotl64(lane[1] + (static_cast<uint64_t>(w) | (1ULL << 40)) * kP2, 31) * kP1;
+    uint32_t last;
+    std::memcpy(&last, bytes + (n - 1) * 4, 4);
+    lane1 = fold_mul((static_cast<uint64_t>(last) | (1ULL << 40)) ^ kP3, lane1 ^ kP2);
   }
-  uint64_t h = rotl64(lane[0], 1) + rotl64(lane[1], 7) + rotl64(lane[2], 12) + rotl64(lane[3], 18);
-  return mix64(h ^ (static_cast<uint64_t>(n) * kP1));
+  return mix64(fold_mul(lane0 ^ kP2, lane1 ^ kP3 ^ static_cast<uint64_t>(n)));
 }
 
 // True when any of the n extra ids is non-zero. A block whose extra ids are all 0 has the key of

@@ -77,8 +77,7 @@ void KVCacheManager::Impl::extend_hashes(std::vector<uint64_t>& hashes, const To
     const TokenId* t = token_ids + i * tpb;
     const ExtraId* e = extra_ids ? extra_ids + i * tpb : nullptr;
     const uint64_t h = block_key_hash(parent_hash, t, e, tpb, lora, salt, key_hash_bits);
-    key_index.prefetch(h);
-    if (for_store && config.enable_partial_reuse) partial_index.prefetch(partial_key(parent_hash, t[0], lora, salt));
+    if (!for_store) key_index.prefetch(h);  // stores prefetch a sliding window ahead instead
     hashes.push_back(h);
     parent_hash = h;
   }
@@ -187,8 +186,24 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     extend_hashes(seq.block_hashes, seq.token_ids.data(), seq.extra_ids.empty() ? nullptr : seq.extra_ids.data(),
                   seq.lora_task_id, seq.cache_salt, num_full, /*for_store=*/true);
   }
+  // Index slots are loaded kPrefetchDistance blocks ahead of their insert: far enough for the
+  // miss to complete, few enough that the CPU keeps every prefetch in flight.
+  constexpr int32_t kPrefetchDistance = 6;
+  const TokenId* all_tokens = seq.token_ids.data();
+  auto prefetch_block = [&](int32_t j) {
+    const uint64_t parent_hash = j == 0 ? 0 : seq.block_hashes[j - 1];
+    key_index.prefetch(seq.block_hashes[j]);
+    if (config.enable_partial_reuse) {
+      partial_index.prefetch(partial_key(parent_hash, all_tokens[static_cast<size_t>(j) * tpb], seq.lora_task_id,
+                                         seq.cache_salt));
+    }
+  };
+  for (int32_t j = seq.num_stored_blocks; j < std::min(num_full, seq.num_stored_blocks + kPrefetchDistance); ++j) {
+    prefetch_block(j);
+  }
   while (seq.num_stored_blocks < num_full && !seq.chain_broken) {
     const int32_t i = seq.num_stored_blocks;
+    if (i + kPrefetchDistance < num_full) prefetch_block(i + kPrefetchDistance);
     const NodeId parent = i == 0 ? root : seq.last_node;
     const BlockId block = seq.block_ids[i];
     if (i > 0 && (!nodes[parent].live || node_info[parent].generation != seq.last_node_generation ||

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "block_key.h"
+#include "huge_page_allocator.h"
 #include "kv_cache_manager.h"
 #include "node_index.h"
 
@@ -157,11 +158,13 @@ struct KVCacheManager::Impl {
   int32_t key_hash_bits = 64;
   NodeId root = kNoNode;  // sentinel node: parent of every first block, never in a block
 
-  std::vector<Node> nodes;                 // [num_primary + num_secondary + 1 (root)]
-  std::vector<NodeInfo> node_info;         // same index
+  template <typename T>
+  using BigVector = std::vector<T, HugePageAllocator<T>>;
+  BigVector<Node> nodes;                   // [num_primary + num_secondary + 1 (root)]
+  BigVector<NodeInfo> node_info;           // same index
   std::vector<NodeId> free_node_ids;
-  std::vector<TokenId> node_token_ids;     // [num nodes * tokens_per_block]
-  std::vector<ExtraId> node_extra_ids;     // same shape, allocated at the first non-zero extra id
+  BigVector<TokenId> node_token_ids;       // [num nodes * tokens_per_block]
+  BigVector<ExtraId> node_extra_ids;       // same shape, allocated at the first non-zero extra id
   std::vector<NodeId> key_next;            // chains of NodeIndex key_index
   std::vector<NodeId> partial_next;        // chains of NodeIndex partial_index
   NodeIndex key_index;                     // block key hash -> nodes

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "block_key.h"
+#include "huge_page_allocator.h"
 
 namespace kvtool {
 
@@ -100,7 +101,7 @@ class NodeIndex {
     }
   }
 
-  std::vector<Slot> slots_;
+  std::vector<Slot, HugePageAllocator<Slot>> slots_;
   size_t mask_ = 0;
 };
 
