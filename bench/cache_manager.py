@@ -125,6 +125,9 @@ def main(argv=None):
     if problems:
         raise SystemExit("invariant violations after the run: " + "; ".join(problems[:5]))
 
+    # The same trace without reuse: allocation and release only, the floor set by the Python calls.
+    plain_times, _ = run_manager(KVCacheManager(CacheConfig(**config, enable_block_reuse=False)), trace)
+
     sample = trace[: args.reference_requests]
     sample_manager = KVCacheManager(CacheConfig(**config))
     sample_times, sample_reused = run_manager(sample_manager, sample)
@@ -136,14 +139,16 @@ def main(argv=None):
     sample_median, ref_median = np.median(sample_times), np.median(ref_times)
     rows = [
         ("C++ manager, all requests", len(times), us(median), us(p90)),
+        ("C++ manager, block reuse off (allocation only)", len(plain_times), us(np.median(plain_times)),
+         us(np.percentile(plain_times, 90))),
         (f"C++ manager, first {len(sample)}", len(sample), us(sample_median), us(np.percentile(sample_times, 90))),
         (f"Python reference, first {len(sample)}", len(sample), us(ref_median), us(np.percentile(ref_times, 90))),
     ]
     lines = [
         "# KV cache manager: cost per request",
         "",
-        f"- Machine: {cpu_model()}, {os.cpu_count()} cores (shared with other work while measured); "
-        f"Python {platform.python_version()}",
+        f"- Machine: {cpu_model()}, {os.cpu_count()} cores, shared with other work while measured "
+        f"(load average {os.getloadavg()[0]:.1f} at the end); Python {platform.python_version()}",
         f"- Command: `{' '.join(shlex.quote(a) for a in [Path(sys.executable).name, 'bench/cache_manager.py', *sys.argv[1:]])}`",
         f"- Trace: {args.num_requests} requests of {args.num_tokens} tokens, tokens_per_block "
         f"{args.tokens_per_block}; every other request starts with one of {args.num_prefixes} shared "
