@@ -284,6 +284,9 @@ void bind_cache_manager(nb::module_& m) {
             return self.match_prefix(make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority));
           },
           "token_ids"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0, "cache_salt"_a = 0,
+          nb::sig("def match_prefix(self, token_ids: numpy.ndarray | list[int], *, "
+                  "extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, "
+                  "cache_salt: int = 0) -> MatchResult"),
           "Longest cached chain for this prompt, without side effects. The last prompt token is never matched.")
       .def(
           "num_blocks_to_add",
@@ -294,6 +297,9 @@ void bind_cache_manager(nb::module_& m) {
           },
           "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0,
           "cache_salt"_a = 0,
+          nb::sig("def num_blocks_to_add(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, "
+                  "extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, "
+                  "cache_salt: int = 0) -> int"),
           "Primary blocks add_sequence would take out of num_available_blocks() for num_tokens tokens.")
       .def("num_available_blocks", &KVCacheManager::num_available_blocks,
            "Primary blocks that can be handed out now: free plus evictable cached ones.")
@@ -305,7 +311,11 @@ void bind_cache_manager(nb::module_& m) {
                 make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority), num_tokens);
           },
           "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0,
-          "cache_salt"_a = 0, "Whether add_sequence(..., num_tokens) would find enough blocks.")
+          "cache_salt"_a = 0,
+          nb::sig("def can_add_sequence(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, "
+                  "extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, "
+                  "cache_salt: int = 0) -> bool"),
+          "Whether add_sequence(..., num_tokens) would find enough blocks.")
       .def(
           "add_sequence",
           [](KVCacheManager& self, SequenceId seq_id, nb::handle token_ids, int32_t num_tokens,
@@ -315,6 +325,9 @@ void bind_cache_manager(nb::module_& m) {
           },
           "seq_id"_a, "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
           "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
+          nb::sig("def add_sequence(self, seq_id: int, token_ids: numpy.ndarray | list[int], "
+                  "num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, "
+                  "lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> AddSequenceResult"),
           "Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 "
           "per token or None), shares its longest cached prefix (onboarding host blocks, copying a "
           "partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. "
@@ -330,6 +343,7 @@ void bind_cache_manager(nb::module_& m) {
             self.append_tokens(seq_id, to_vector<TokenId>(token_ids, "token_ids"));
           },
           "seq_id"_a, "token_ids"_a,
+          nb::sig("def append_tokens(self, seq_id: int, token_ids: numpy.ndarray | list[int]) -> None"),
           "Appends generated tokens (extra id 0), so blocks they fill become reusable once computed.")
       .def("mark_computed", &KVCacheManager::mark_computed, "seq_id"_a, "num_computed_tokens"_a,
            "KV of the first num_computed_tokens tokens is written: full blocks among them become "

@@ -1,0 +1,647 @@
+"""kvtool's C++ host runtime: KV cache manager and scheduler."""
+
+import enum
+from typing import Annotated
+
+import numpy
+from numpy.typing import NDArray
+
+
+class PoolKind(enum.Enum):
+    """Where a block lives: PRIMARY (GPU/CPU pool) or SECONDARY (host tier)."""
+
+    PRIMARY = 0
+
+    SECONDARY = 1
+
+class KvCacheEventKind(enum.Enum):
+    """What happened to a cached block."""
+
+    STORED = 0
+
+    REMOVED = 1
+
+    OFFLOADED = 2
+
+    ONBOARDED = 3
+
+class CacheConfig:
+    """
+    Sizes (in blocks) and switches of the KV cache. Validated by KVCacheManager.
+    """
+
+    def __init__(self, *, tokens_per_block: int = 32, num_primary_blocks: int = 0, num_secondary_blocks: int = 0, enable_block_reuse: bool = True, enable_partial_reuse: bool = True, secondary_offload_min_priority: int = 35, max_attention_window: int = 0, event_buffer_max_size: int = 0) -> None: ...
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block, a power of 2."""
+
+    @tokens_per_block.setter
+    def tokens_per_block(self, arg: int, /) -> None: ...
+
+    @property
+    def num_primary_blocks(self) -> int:
+        """Blocks of the primary pool (> 0)."""
+
+    @num_primary_blocks.setter
+    def num_primary_blocks(self, arg: int, /) -> None: ...
+
+    @property
+    def num_secondary_blocks(self) -> int:
+        """Blocks of the host tier; 0 disables offloading."""
+
+    @num_secondary_blocks.setter
+    def num_secondary_blocks(self, arg: int, /) -> None: ...
+
+    @property
+    def enable_block_reuse(self) -> bool: ...
+
+    @enable_block_reuse.setter
+    def enable_block_reuse(self, arg: bool, /) -> None: ...
+
+    @property
+    def enable_partial_reuse(self) -> bool: ...
+
+    @enable_partial_reuse.setter
+    def enable_partial_reuse(self, arg: bool, /) -> None: ...
+
+    @property
+    def secondary_offload_min_priority(self) -> int:
+        """
+        Evicted primary blocks of at least this priority are offloaded, others dropped.
+        """
+
+    @secondary_offload_min_priority.setter
+    def secondary_offload_min_priority(self, arg: int, /) -> None: ...
+
+    @property
+    def max_attention_window(self) -> int:
+        """Sliding window in tokens; 0 attends to the whole sequence."""
+
+    @max_attention_window.setter
+    def max_attention_window(self, arg: int, /) -> None: ...
+
+    @property
+    def event_buffer_max_size(self) -> int:
+        """KV cache events kept (oldest dropped); 0 records none."""
+
+    @event_buffer_max_size.setter
+    def event_buffer_max_size(self, arg: int, /) -> None: ...
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+
+    def __repr__(self) -> str: ...
+
+class CopyOp:
+    """One block copy the runtime runs before the next forward."""
+
+    @property
+    def src_pool(self) -> PoolKind: ...
+
+    @property
+    def src_block_id(self) -> int: ...
+
+    @property
+    def dst_pool(self) -> PoolKind: ...
+
+    @property
+    def dst_block_id(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens from the start of the block."""
+
+    def __repr__(self) -> str: ...
+
+class CopyOpArrays:
+    """
+    Copy operations as a struct of 1-D numpy arrays; index i of each array is operation i, in the order the operations must run. Pools are PoolKind values (0 primary, 1 secondary).
+    """
+
+    @property
+    def src_pool(self) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,), writable=False)]:
+        """uint8 [num_ops]"""
+
+    @property
+    def src_block_ids(self) -> Annotated[NDArray[numpy.int32], dict(shape=(None,), writable=False)]:
+        """int32 [num_ops]"""
+
+    @property
+    def dst_pool(self) -> Annotated[NDArray[numpy.uint8], dict(shape=(None,), writable=False)]:
+        """uint8 [num_ops]"""
+
+    @property
+    def dst_block_ids(self) -> Annotated[NDArray[numpy.int32], dict(shape=(None,), writable=False)]:
+        """int32 [num_ops]"""
+
+    @property
+    def num_tokens(self) -> Annotated[NDArray[numpy.int32], dict(shape=(None,), writable=False)]:
+        """int32 [num_ops]: tokens from the start of each block"""
+
+    def __len__(self) -> int: ...
+
+    def to_list(self) -> list[CopyOp]:
+        """The operations as a list of CopyOp (for tests and debugging)."""
+
+class MatchResult:
+    """A side-effect-free prefix lookup."""
+
+    @property
+    def num_matched_tokens(self) -> int:
+        """
+        Prompt tokens whose KV can be taken from the cache (full blocks + partial copy).
+        """
+
+    @property
+    def num_matched_blocks(self) -> int:
+        """Full blocks that would be shared."""
+
+    @property
+    def num_secondary_blocks(self) -> int:
+        """Of those, blocks in the host tier (would be onboarded)."""
+
+    @property
+    def num_partial_tokens(self) -> int:
+        """Tokens of a partially matching block (copied, not shared)."""
+
+    def __repr__(self) -> str: ...
+
+class AddSequenceResult:
+    """What add_sequence did for one sequence."""
+
+    @property
+    def num_reused_tokens(self) -> int:
+        """Prompt tokens not to compute (shared full blocks + partial copy)."""
+
+    @property
+    def num_reused_blocks(self) -> int:
+        """Full blocks shared."""
+
+    @property
+    def num_onboarded_blocks(self) -> int:
+        """Of the shared blocks, those brought back from the host tier."""
+
+    @property
+    def num_partial_tokens(self) -> int:
+        """Tokens copied from a partially matching block."""
+
+    @property
+    def num_early_reused_blocks(self) -> int:
+        """Shared blocks whose computing sequence was still running."""
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Blocks allocated fresh (including the partial copy target)."""
+
+    def __repr__(self) -> str: ...
+
+class PoolStats:
+    """Block counts of one pool; free + cached + used = num_blocks."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Hold nothing."""
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced but matchable (evictable)."""
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Referenced by at least one sequence."""
+
+    def __repr__(self) -> str: ...
+
+class CacheStats:
+    """Counters since construction or reset_stats(), and pool occupancy."""
+
+    @property
+    def reused_blocks(self) -> int: ...
+
+    @property
+    def missed_blocks(self) -> int:
+        """Prompt full blocks that had to be computed."""
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """reused / (reused + missed); 0 when both are 0."""
+
+    @property
+    def early_reused_blocks(self) -> int:
+        """Reused while their computing sequence was still running."""
+
+    @property
+    def partial_reused_blocks(self) -> int: ...
+
+    @property
+    def alloc_total_blocks(self) -> int:
+        """Blocks handed to sequences, reused or new."""
+
+    @property
+    def alloc_new_blocks(self) -> int: ...
+
+    @property
+    def offloaded_blocks(self) -> int:
+        """Primary -> secondary."""
+
+    @property
+    def onboarded_blocks(self) -> int:
+        """Secondary -> primary."""
+
+    @property
+    def evicted_blocks(self) -> int:
+        """Dropped from the cache (either tier)."""
+
+    @property
+    def num_offloaded_tokens(self) -> int:
+        """
+        Token slots copied primary -> secondary (bytes = tokens * bytes per token).
+        """
+
+    @property
+    def num_onboarded_tokens(self) -> int:
+        """Token slots copied secondary -> primary."""
+
+    @property
+    def primary(self) -> PoolStats: ...
+
+    @property
+    def secondary(self) -> PoolStats: ...
+
+    def to_dict(self) -> dict:
+        """
+        Flat dict of every counter (pool fields prefixed primary_/secondary_), for reports.
+        """
+
+class KvCacheEvent:
+    """A change of the cached blocks (for KV-aware routers)."""
+
+    @property
+    def event_id(self) -> int: ...
+
+    @property
+    def kind(self) -> KvCacheEventKind: ...
+
+    @property
+    def block_hash(self) -> int: ...
+
+    @property
+    def parent_hash(self) -> int:
+        """0 for a block at the root."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The block's tokens (STORED events only)."""
+
+    def __repr__(self) -> str: ...
+
+class KVCacheManager:
+    """
+    Block pools, prefix index, reuse, LRU eviction and host offload. Decides where every block lives and returns copy operations; never touches KV data.
+    """
+
+    def __init__(self, config: CacheConfig, *, key_hash_bits: int = 64) -> None:
+        """
+        Raises ValueError for a bad config. key_hash_bits < 64 is a test hook that truncates block key hashes (0: every key collides) to exercise the collision guard.
+        """
+
+    @property
+    def config(self) -> CacheConfig:
+        """The validated configuration (a copy)."""
+
+    def match_prefix(self, token_ids: numpy.ndarray | list[int], *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0) -> MatchResult:
+        """
+        Longest cached chain for this prompt, without side effects. The last prompt token is never matched.
+        """
+
+    def num_blocks_to_add(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0) -> int:
+        """
+        Primary blocks add_sequence would take out of num_available_blocks() for num_tokens tokens.
+        """
+
+    def num_available_blocks(self) -> int:
+        """
+        Primary blocks that can be handed out now: free plus evictable cached ones.
+        """
+
+    def can_add_sequence(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0) -> bool:
+        """Whether add_sequence(..., num_tokens) would find enough blocks."""
+
+    def add_sequence(self, seq_id: int, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> AddSequenceResult:
+        """
+        Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 per token or None), shares its longest cached prefix (onboarding host blocks, copying a partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. priority (0..100) is the retention priority of the blocks it computes. Raises ValueError for bad input or a known seq_id, RuntimeError when blocks lack (nothing changes then).
+        """
+
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        """
+        Whether allocate(seq_id, num_tokens) would find enough blocks. KeyError for an unknown id.
+        """
+
+    def allocate(self, seq_id: int, num_tokens: int) -> None:
+        """
+        Grows the block table to hold num_tokens tokens in total. RuntimeError when blocks lack.
+        """
+
+    def append_tokens(self, seq_id: int, token_ids: numpy.ndarray | list[int]) -> None:
+        """
+        Appends generated tokens (extra id 0), so blocks they fill become reusable once computed.
+        """
+
+    def mark_computed(self, seq_id: int, num_computed_tokens: int) -> None:
+        """
+        KV of the first num_computed_tokens tokens is written: full blocks among them become matchable at once; with a sliding window, blocks wholly outside it are released.
+        """
+
+    def release(self, seq_id: int) -> None:
+        """
+        Drops the sequence; its computed full blocks stay matchable until evicted.
+        """
+
+    def has_sequence(self, seq_id: int) -> bool: ...
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens known: prompt + appended."""
+
+    def num_computed_tokens(self, seq_id: int) -> int: ...
+
+    def block_ids(self, seq_id: int) -> Annotated[NDArray[numpy.int32], dict(shape=(None,))]:
+        """
+        Primary block table as an int32 array; -1 where the sliding window released a block.
+        """
+
+    def take_copy_ops(self) -> CopyOpArrays:
+        """
+        Copy operations emitted since the last call, as CopyOpArrays, in the order they must run.
+        """
+
+    def take_events(self) -> list[KvCacheEvent]:
+        """KV cache events recorded since the last call."""
+
+    def stats(self) -> CacheStats:
+        """Counters and pool occupancy."""
+
+    def reset_stats(self) -> None:
+        """Zeroes the counters; the cache is kept."""
+
+    def check_invariants(self) -> list[str]:
+        """
+        Empty list when every invariant holds; otherwise one message per violation.
+        """
+
+class CapacitySchedulerPolicy(enum.Enum):
+    """How many requests hold KV cache blocks (TensorRT-LLM's names)."""
+
+    GUARANTEED_NO_EVICT = 0
+    """
+    Admit only if the whole lifetime fits beside every running request; never pause.
+    """
+
+    MAX_UTILIZATION = 1
+    """
+    Admit while the next step fits; pause the most recently started request when blocks lack.
+    """
+
+    STATIC_BATCH = 2
+    """Admit a new batch only when no request is running."""
+
+class ContextChunkingPolicy(enum.Enum):
+    """Which context advances first when chunked."""
+
+    FIRST_COME_FIRST_SERVED = 0
+    """The oldest context takes as much of the token budget as it can."""
+
+    EQUAL_PROGRESS = 1
+    """Every context advances one block before any advances a second."""
+
+class RequestState(enum.Enum):
+    """QUEUED -> CONTEXT -> GENERATION -> FINISHED; PAUSED re-queued."""
+
+    QUEUED = 0
+
+    CONTEXT = 1
+
+    GENERATION = 2
+
+    PAUSED = 3
+
+    FINISHED = 4
+
+class SchedulerConfig:
+    """Capacity policy, context chunking and per-step limits."""
+
+    def __init__(self, *, capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, enable_chunked_context: bool = False, max_batch_size: int = 8, max_num_tokens: int = 8192, max_seq_len: int = 4096, enable_in_batch_prefix_reuse: bool = True) -> None: ...
+
+    @property
+    def capacity_scheduler_policy(self) -> CapacitySchedulerPolicy: ...
+
+    @capacity_scheduler_policy.setter
+    def capacity_scheduler_policy(self, arg: CapacitySchedulerPolicy, /) -> None: ...
+
+    @property
+    def context_chunking_policy(self) -> ContextChunkingPolicy: ...
+
+    @context_chunking_policy.setter
+    def context_chunking_policy(self, arg: ContextChunkingPolicy, /) -> None: ...
+
+    @property
+    def enable_chunked_context(self) -> bool: ...
+
+    @enable_chunked_context.setter
+    def enable_chunked_context(self, arg: bool, /) -> None: ...
+
+    @property
+    def max_batch_size(self) -> int:
+        """Requests per step."""
+
+    @max_batch_size.setter
+    def max_batch_size(self, arg: int, /) -> None: ...
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens per step: context-chunk tokens + one per generating request."""
+
+    @max_num_tokens.setter
+    def max_num_tokens(self, arg: int, /) -> None: ...
+
+    @property
+    def max_seq_len(self) -> int:
+        """Prompt + generated tokens of one request."""
+
+    @max_seq_len.setter
+    def max_seq_len(self, arg: int, /) -> None: ...
+
+    @property
+    def enable_in_batch_prefix_reuse(self) -> bool:
+        """
+        Hold a queued request back while a running context computes prompt blocks it could reuse.
+        """
+
+    @enable_in_batch_prefix_reuse.setter
+    def enable_in_batch_prefix_reuse(self, arg: bool, /) -> None: ...
+
+    def validate(self) -> None:
+        """Raises ValueError naming a bad field."""
+
+    def __repr__(self) -> str: ...
+
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    @property
+    def request_id(self) -> int: ...
+
+    @property
+    def is_context(self) -> bool:
+        """True for a context chunk, False for one generation token."""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """
+        Tokens whose KV is cached before the step = position of the first new token.
+        """
+
+    @property
+    def token_ids(self) -> Annotated[NDArray[numpy.int32], dict(shape=(None,))]:
+        """int32 [num_new_tokens]: the tokens to compute in this step."""
+
+    @property
+    def block_ids(self) -> Annotated[NDArray[numpy.int32], dict(shape=(None,))]:
+        """
+        int32 [num_blocks]: primary block table covering num_cached_tokens + len(token_ids) tokens (-1 where a sliding window released a block).
+        """
+
+    @property
+    def num_tokens(self) -> int:
+        """len(token_ids): tokens computed in this step."""
+
+    @property
+    def samples(self) -> bool:
+        """Produces a token this step (last context chunk, or generation)."""
+
+    def __repr__(self) -> str: ...
+
+class StepPlan:
+    """What the runtime executes in one step."""
+
+    @property
+    def step_id(self) -> int: ...
+
+    @property
+    def requests(self) -> list:
+        """list[ScheduledRequest]: context chunks first, then generation."""
+
+    @property
+    def copy_ops(self) -> CopyOpArrays:
+        """
+        CopyOpArrays to run, in order, before the forward (even when requests is empty).
+        """
+
+    @property
+    def paused_request_ids(self) -> list[int]:
+        """list[int]: requests paused this step (MAX_UTILIZATION)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in the step."""
+
+    def __len__(self) -> int: ...
+
+    def __repr__(self) -> str: ...
+
+class RequestStats:
+    """Per-request outcome for reports (reuse figures at first admission)."""
+
+    @property
+    def request_id(self) -> int: ...
+
+    @property
+    def state(self) -> RequestState: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_generated_tokens(self) -> int: ...
+
+    @property
+    def num_reused_tokens(self) -> int:
+        """Prompt tokens taken from the cache."""
+
+    @property
+    def num_reused_blocks(self) -> int:
+        """Full blocks shared."""
+
+    @property
+    def num_onboarded_blocks(self) -> int:
+        """Of those, brought back from host."""
+
+    @property
+    def num_early_reused_blocks(self) -> int:
+        """Of those, computed by a request that was still running."""
+
+    @property
+    def num_pauses(self) -> int:
+        """Times paused (MAX_UTILIZATION)."""
+
+    def __repr__(self) -> str: ...
+
+class Scheduler:
+    """
+    Request states, capacity policy, micro-batch limits and chunked context over a KV cache manager it owns. Each step: schedule() -> run the plan -> complete_step().
+    """
+
+    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
+        """Raises ValueError for a bad configuration."""
+
+    def add_request(self, request_id: int, token_ids: object, max_new_tokens: int, *, extra_ids: object | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> None:
+        """
+        Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the request for an empty prompt, prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
+        """
+
+    def finish_request(self, request_id: int) -> None:
+        """
+        Finishes a request early (EOS, stop string, abort) and releases its blocks; no-op when already finished. KeyError for an unknown id.
+        """
+
+    def schedule(self) -> StepPlan:
+        """
+        Plans the next step. Run its copy_ops, then the forward of its requests, then call complete_step. RuntimeError if the previous non-empty plan was not completed.
+        """
+
+    def complete_step(self, request_ids: object, token_ids: object) -> list[int]:
+        """
+        Reports the last plan: request_ids (int64) of the requests that sampled and their sampled token_ids (int32). Returns the ids of requests that reached max_new_tokens (finished, blocks released). ValueError when request_ids are not the plan's sampling requests.
+        """
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def num_queued_requests(self) -> int:
+        """Waiting requests, paused ones included."""
+
+    def num_running_requests(self) -> int:
+        """Requests holding blocks (context or generation)."""
+
+    def request_state(self, request_id: int) -> RequestState:
+        """KeyError for an unknown id."""
+
+    def request_stats(self, request_id: int) -> RequestStats:
+        """KeyError for an unknown id."""
+
+    def generated_token_ids(self, request_id: int) -> Annotated[NDArray[numpy.int32], dict(shape=(None,))]:
+        """
+        int32 array of the tokens the request generated so far. KeyError for an unknown id.
+        """
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """The validated SchedulerConfig (a copy)."""
+
+    @property
+    def cache_manager(self) -> KVCacheManager:
+        """
+        The KVCacheManager the scheduler owns (stats(), reset_stats(), check_invariants(), ...); valid while the scheduler lives.
+        """
