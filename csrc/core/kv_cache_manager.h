@@ -1,5 +1,20 @@
 // The KV cache manager: block pools, the prefix index, reuse, LRU eviction and host offload.
 // It decides where every block lives and returns copy operations; it never touches KV data.
+//
+// Rules beyond DESIGN.md (tests/reference_kv_cache.py restates them in Python):
+// - A computed full block whose key is already cached in the primary pool stays an unkeyed
+//   duplicate (freed on release); one cached only in the host tier is adopted: the node moves
+//   into the sequence's block (no copy; a KvCacheEvent ONBOARDED is recorded).
+// - LRU order is the order in which blocks became unreferenced (a release walks the table from
+//   its last block) or arrived in the host tier; a block takes its computing sequence's priority.
+// - An evicted primary block that is dropped (priority below secondary_offload_min_priority, or
+//   no host block to be had) takes its host-tier descendants with it.
+// - Partial reuse copies from the cached child of the last matched block sharing the longest
+//   prefix with the next prompt block; ties prefer the primary pool, then a referenced block,
+//   then the most recently used. If that source could itself be evicted, num_blocks_to_add
+//   counts one block more (it stays pinned while its copy target is allocated).
+// Errors: std::invalid_argument (bad input), UnknownSequenceError (unknown id),
+// OutOfBlocksError (too few blocks; nothing changed).
 #pragma once
 
 #include <memory>
@@ -37,7 +52,7 @@ class KVCacheManager {
   // Same; takes the token ids over instead of copying them.
   AddSequenceResult add_sequence(SequenceId seq_id, SequenceSpec&& spec, int32_t num_tokens);
 
-  // Makes the sequence's block table cover num_tokens tokens in total.
+  // Makes the sequence's block table cover num_tokens tokens in total (never shrinks it).
   bool can_allocate(SequenceId seq_id, int32_t num_tokens) const;
   void allocate(SequenceId seq_id, int32_t num_tokens);
 
@@ -46,6 +61,7 @@ class KVCacheManager {
 
   // KV of the first num_computed_tokens tokens is in the cache: full blocks among them become
   // matchable at once (early reuse). With a sliding window, blocks wholly outside it are released.
+  // num_computed_tokens never decreases and stays within the known tokens and the block table.
   void mark_computed(SequenceId seq_id, int32_t num_computed_tokens);
 
   // Drops the sequence's references; its computed full blocks stay matchable until evicted.
