@@ -26,7 +26,7 @@ test: setup
 	$(VENV)/bin/pytest -q -x --durations=10
 
 demo: setup
-	$(PY) examples/demo.py
+	bash examples/demo.sh
 
 # Regenerate the committed type stubs of the C++ extension.
 stubs: setup
