@@ -146,7 +146,7 @@ class LLM:
         by_id = {r.request_id: r for r in results if r.error is None}
         while self.engine.has_unfinished_requests():
             for step_output in self.engine.step():
-                self._update(by_id.get(step_output.request_id), step_output)
+                self._update(by_id.get(step_output.request_id), step_output, decode=step_output.finished)
         return results[0] if single else results
 
     def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *,
@@ -159,7 +159,7 @@ class LLM:
         while not result.finished:
             for step_output in self.engine.step():
                 if step_output.request_id == result.request_id:
-                    self._update(result, step_output)
+                    self._update(result, step_output, decode=streaming or step_output.finished)
                     if streaming or result.finished:
                         yield result
 
@@ -177,12 +177,13 @@ class LLM:
             result.outputs[0].finish_reason = "error"
         return result
 
-    def _update(self, result: GenerationOutput | None, step_output) -> None:
+    def _update(self, result: GenerationOutput | None, step_output, *, decode: bool) -> None:
         if result is None:
             return
         completion = result.outputs[0]
         completion.token_ids = step_output.token_ids
-        completion.text = self.tokenizer.decode(step_output.token_ids)
+        if decode:  # detokenizing every step would cost O(n^2) over a long output
+            completion.text = self.tokenizer.decode(step_output.token_ids)
         completion.finish_reason = step_output.finish_reason
         result.finished = step_output.finished
 
