@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from kvtool import _core
-from kvtool.config import KvCacheConfig, SamplingParams, SchedulerConfig
+from kvtool.config import SamplingParams
+from kvtool.errors import KvtoolError
 from kvtool.layers.sampler import make_generator, sample
 from kvtool.runtime.model_runner import ModelRunner
 from kvtool.runtime.request import RequestOutput, RequestRecord
@@ -91,8 +92,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if len(plan.requests) == 0:
             if self.scheduler.has_unfinished_requests():
-                raise RuntimeError("the scheduler could not fit any request into the KV cache; "
-                                   "raise max_tokens / free_gpu_memory_fraction")
+                raise KvtoolError(
+                    f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
+                    f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise max_tokens "
+                    "(--max_tokens_in_paged_kv_cache) or free_gpu_memory_fraction")
             return []
         copies = plan.copy_ops
         self.runner.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool,
