@@ -1,9 +1,4 @@
 // Prefix tree, pools, reference counts, LRU eviction and host offload of KVCacheManager.
-// nanobind_add_module compiles the extension for size (-Os); the block bookkeeping below runs
-// for every request and is about a third faster compiled for speed.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("O3")
-#endif
 #include <cstring>
 #include <stdexcept>
 

@@ -1,10 +1,5 @@
 // KVCacheManager: sequences, prefix matching, allocation, early reuse and the sliding window.
 // The tree / pool / eviction mechanics are in kv_cache_blocks.cpp.
-// nanobind_add_module compiles the extension for size (-Os); the block bookkeeping below runs
-// for every request and is about a third faster compiled for speed.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("O3")
-#endif
 #include "kv_cache_manager.h"
 
 #include <algorithm>
