@@ -8,7 +8,9 @@ Sections (``--sections``, default all):
            out contiguously; 4 x 4096-token causal prefills (target >= 0.9)
   blocks   host<->device block copy (kernel and memcpy variants, scattered ids) vs one plain
            pinned copy of the same bytes (target >= 0.8)
-  e2e      TTFT on preset:qwen3-8b with a cached shared prefix vs reuse off (through kvtool.LLM);
+  e2e      preset:qwen3-8b through kvtool.LLM (bench/gpu_e2e.py): TTFT reuse off / on for a 2k shared
+           prompt + 128-token question (target >= 10), TPOT / TTFT of an identical 4k prompt sent
+           back to back (target >= 1/1.5), A,B,A,B 4k TTFT recompute / onboard (target >= 8);
            guarded: a failure there is recorded and the kernel sections still report
 
 Timing: CUDA events around each call, the GPU kept busy by a sleep kernel while Python enqueues
@@ -257,37 +259,14 @@ def section_blocks(suite: Suite, library, dtype: torch.dtype) -> None:
                           bandwidth, "GB/s", baseline, bandwidth / baseline, 0.8))
 
 
-def section_e2e(suite: Suite, model: str, prefix_len: int, question_len: int, repeats: int) -> None:
-    import gc
-    import random
+def section_e2e(suite: Suite, model: str, dtype: str, prefix_len: int, question_len: int, long_len: int,
+                repeats: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_e2e import measure
 
-    from kvtool import LLM, KvCacheConfig, SamplingParams
-
-    rng = random.Random(0)
-    prefix = [rng.randrange(100, 30000) for _ in range(prefix_len)]
-    questions = [[rng.randrange(100, 30000) for _ in range(question_len)] for _ in range(repeats)]
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    medians = {}
-    for reuse in (False, True):
-        started = time.perf_counter()
-        llm = LLM(model=model, max_batch_size=1, max_seq_len=prefix_len + question_len + 16,
-                  kv_cache_config=KvCacheConfig(enable_block_reuse=reuse, max_tokens=4 * (prefix_len + question_len)))
-        suite.add(Row("e2e", f"{model} load (reuse {'on' if reuse else 'off'})", "wall time",
-                      time.perf_counter() - started, "s"))
-        llm.generate(prefix + [7] * question_len, params)  # warm-up; caches the prefix when reuse is on
-        ttft = []
-        for question in questions:
-            out = llm.generate(prefix + question, params)
-            record = llm.engine.records[out.request_id]
-            ttft.append((record.first_token_time - record.arrival_time) * 1e3)
-        medians[reuse] = statistics.median(ttft)
-        suite.add(Row("e2e", f"{prefix_len}-token shared prefix + {question_len}-token question, reuse "
-                      f"{'on' if reuse else 'off'}", "median TTFT", medians[reuse], "ms"))
-        llm.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    suite.add(Row("e2e", "TTFT reuse off / on", "speed-up", medians[False] / medians[True], "x"))
+    for row in measure(model, dtype, prefix_len=prefix_len, question_len=question_len, long_len=long_len,
+                       repeats=repeats):
+        suite.add(Row("e2e", row.case, row.metric, row.value, row.unit, row.baseline, row.ratio, row.target))
 
 
 def write_reports(suite: Suite, output: Path, header: dict[str, str]) -> None:
@@ -320,7 +299,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--e2e_model", default="preset:qwen3-8b")
     parser.add_argument("--e2e_prefix_len", type=int, default=2048)
-    parser.add_argument("--e2e_question_len", type=int, default=64)
+    parser.add_argument("--e2e_question_len", type=int, default=128)
+    parser.add_argument("--e2e_long_len", type=int, default=4096)
     parser.add_argument("--e2e_repeats", type=int, default=7)
     args = parser.parse_args()
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -352,8 +332,8 @@ def main() -> int:
         "decode": lambda: section_decode(suite, library, dtype),
         "context": lambda: section_context(suite, library, dtype),
         "blocks": lambda: section_blocks(suite, library, dtype),
-        "e2e": lambda: section_e2e(suite, args.e2e_model, args.e2e_prefix_len, args.e2e_question_len,
-                                   args.e2e_repeats),
+        "e2e": lambda: section_e2e(suite, args.e2e_model, args.dtype, args.e2e_prefix_len, args.e2e_question_len,
+                                   args.e2e_long_len, args.e2e_repeats),
     }
     if "decode" in sections and "copy" not in sections:
         sections.insert(0, "copy")  # the decode ratio needs the D2D baseline of this run

@@ -123,7 +123,9 @@ class LLM:
             max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
             max_seq_len=self.max_seq_len)
         self.tokenizer = self.plan.tokenizer
-        self.engine = Engine(ModelRunner(model_module, pools, tokens_per_block, self.device), cache_cfg,
+        runner = ModelRunner(model_module, pools, tokens_per_block, self.device)
+        runner.warm_up(min(self.max_num_tokens, self.max_seq_len - 1, 4 * tokens_per_block))
+        self.engine = Engine(runner, cache_cfg,
                              sched_cfg, vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids,
                              bytes_per_token=shape.bytes_per_token, tokenizer=self.tokenizer)
         self.kv_cache_config = kv_cache_config
