@@ -1,0 +1,62 @@
+"""KV pools: sizing, the lazily allocated host pool, and executing the manager's copy operations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool import LLM, KvCacheConfig, SamplingParams
+from kvtool.errors import KvtoolError
+from kvtool.runtime.device import available_host_memory_bytes
+from kvtool.runtime.kv_pool import PRIMARY, SECONDARY, BlockShape, KvCachePools, size_pools
+
+SHAPE = BlockShape(num_layers=2, tokens_per_block=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def test_host_pool_is_allocated_only_as_blocks_are_offloaded():
+    pools = KvCachePools(SHAPE, num_primary_blocks=4, num_secondary_blocks=1_000_000, device=torch.device("cpu"))
+    assert pools.host.num_allocated_bytes == 0
+    pools.primary[2] = 7.0
+    pools.execute_copies(np.array([PRIMARY]), np.array([2]), np.array([SECONDARY]), np.array([123_456]),
+                         np.array([4]))
+    assert 0 < pools.host.num_allocated_bytes < 1_000_000 * SHAPE.num_bytes
+    assert torch.equal(pools.host.block(123_456), pools.primary[2])
+
+
+def test_copies_run_in_order_and_partial_copies_touch_only_their_tokens():
+    pools = KvCachePools(SHAPE, num_primary_blocks=4, num_secondary_blocks=4, device=torch.device("cpu"))
+    pools.primary[0] = 1.0
+    pools.primary[1] = 2.0
+    # Offload block 0, overwrite it with block 1 (an onboard into the freed block would do this),
+    # then bring the offloaded copy back into block 3; finally copy 2 tokens of block 1 into block 2.
+    ops = [(PRIMARY, 0, SECONDARY, 3, 4), (PRIMARY, 1, PRIMARY, 0, 4), (SECONDARY, 3, PRIMARY, 3, 4),
+           (PRIMARY, 1, PRIMARY, 2, 2)]
+    src_pool, src, dst_pool, dst, num_tokens = (np.array(column) for column in zip(*ops))
+    pools.execute_copies(src_pool, src, dst_pool, dst, num_tokens)
+    assert torch.all(pools.primary[0] == 2.0) and torch.all(pools.primary[3] == 1.0)
+    assert torch.all(pools.primary[2][:, :, :2] == 2.0) and torch.all(pools.primary[2][:, :, 2:] == 0.0)
+
+
+def test_pool_size_is_the_smaller_of_max_tokens_and_the_memory_fraction():
+    block_bytes = 1 << 20
+    by_tokens = size_pools(block_bytes, 16, max_tokens=160, free_memory_fraction=0.9, free_memory_bytes=1 << 40,
+                           host_cache_size=0, on_cpu=False)
+    by_memory = size_pools(block_bytes, 16, max_tokens=1 << 30, free_memory_fraction=0.5,
+                           free_memory_bytes=100 << 20, host_cache_size=10 << 20, on_cpu=False)
+    assert by_tokens.num_primary_blocks == 10
+    assert by_memory.num_primary_blocks == 50 and by_memory.num_secondary_blocks == 10
+
+
+def test_host_cache_larger_than_available_memory_is_refused_with_both_numbers():
+    too_big = available_host_memory_bytes() * 4
+    with pytest.raises(KvtoolError, match=f"{too_big:,}") as error:
+        LLM(model="preset:tiny-llama", kv_cache_config=KvCacheConfig(host_cache_size=too_big))
+    assert "available" in str(error.value)
+
+
+def test_start_up_does_not_grow_with_host_cache_size():
+    llm = LLM(model="preset:tiny-llama", kv_cache_config=KvCacheConfig(host_cache_size=2 << 30))
+    assert llm.engine.runner.pools.host.num_allocated_bytes == 0
+    llm.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    assert llm.engine.runner.pools.host.num_allocated_bytes == 0  # nothing was evicted
