@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtool.bench.datasets import Dataset
-from kvtool.bench.device import describe_device
+from kvtool.bench.device import device_columns
 from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
 from kvtool.bench.options import BenchOptions
 from kvtool.bench.replay import FinishedRequest, Replayer, prepare_items
@@ -159,7 +159,7 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
     row["tokens_per_block"] = options.tokens_per_block or row.get("plan_tokens_per_block")
     row.update(summarize(finished).as_row())
     row.update(engine.get_stats())
-    row.update(describe_device(llm))
+    row.update(device_columns(llm))
     row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
     return BenchResult(row=row, requests=finished, interrupted=interrupted)
 

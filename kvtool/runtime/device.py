@@ -34,7 +34,7 @@ def free_device_memory_bytes(device: torch.device) -> int:
 
 def _cpu_model() -> str:
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
@@ -43,8 +43,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def host_description() -> str:
+    """The host CPU and its core count, e.g. 'AMD EPYC ... (2 cores)'."""
+    return f"{_cpu_model()} ({os.cpu_count()} cores)"
+
+
 def describe_device(device: torch.device) -> str:
     """One line naming the device, e.g. 'cuda: NVIDIA H100 80GB HBM3' or 'cpu: <model> (2 cores)'."""
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
-    return f"cpu: {_cpu_model()} ({os.cpu_count()} cores)"
+    return f"cpu: {host_description()}"
