@@ -8,12 +8,22 @@ Block ids are not modelled.
 
 Rules (the specification the C++ manager is checked against):
 - A full block becomes a cached node once its KV is computed (mark_computed), keyed by its chain.
-  A block whose key is already cached in the primary pool stays an unkeyed duplicate; one cached
-  only in the secondary pool is adopted (the node moves into the sequence's block).
+  If the key is already cached, the sequence's block takes the node over (the node moves into it;
+  the cached copy's block, primary or secondary, becomes free) unless the cached copy is a
+  primary block that other sequences reference: then the block stays an unkeyed duplicate and the
+  chain continues through the cached node. Before a block is stored below a parent that is no
+  longer referenced, the parent moves into the sequence's duplicate of it; if the sliding window
+  released that duplicate and the parent is not held, the chain stops.
+- Available blocks: free ones plus primary nodes that are not held (held: referenced, or with a
+  held primary child). They only shrink by blocks handed out.
 - match: longest chain of cached full blocks, never the last prompt token; then (partial reuse)
   the child of the last matched node sharing the longest prefix with the next block (< a block,
   capped so the last prompt token is computed); ties go to a primary, then a held, then the most
   recently stamped node.
+- Blocks to add: max(blocks for num_tokens, matched blocks + the partial copy target) less the
+  matched primary nodes already held. A partial copy whose source is an unheld primary node pins
+  it while blocks are taken: it is made only if one more block than that is available, else the
+  tokens are computed.
 - LRU clock: a node is stamped when it becomes unreferenced (release: last block first; the
   sliding window: last released block first) and when it arrives in the secondary pool.
 - Eviction victim: unreferenced, unpinned nodes without primary children (secondary pool: without
@@ -151,12 +161,21 @@ class ReferenceKVCache:
         return dict(num_matched_tokens=len(chain) * self.tpb + k, num_matched_blocks=len(chain),
                     num_secondary_blocks=sum(n.tier == "S" for n in chain), num_partial_tokens=k)
 
-    def num_blocks_to_add(self, tokens, num_tokens, extras=None, lora=0, salt=0):
+    def plan(self, tokens, num_tokens, extras=None, lora=0, salt=0):
+        """(matched nodes, partial source or None, partial token count, blocks to add)."""
         chain, source, k = self.match(tokens, extras, lora, salt)
-        total = max(-(-num_tokens // self.tpb), len(chain) + (1 if k else 0))
         held = sum(1 for n in chain if n.tier == "P" and self._held(n))
-        pinned = 1 if source is not None and source.tier == "P" and not self._held(source) else 0
-        return total - held + pinned
+
+        def needed(with_partial):
+            return max(-(-num_tokens // self.tpb), len(chain) + with_partial) - held
+
+        pins_a_victim = source is not None and source.tier == "P" and not self._held(source)
+        if pins_a_victim and needed(1) + 1 > self.num_available_blocks():
+            source, k = None, 0  # no spare block for the pinned source: compute those tokens
+        return chain, source, k, needed(1 if source is not None else 0)
+
+    def num_blocks_to_add(self, tokens, num_tokens, extras=None, lora=0, salt=0):
+        return self.plan(tokens, num_tokens, extras, lora, salt)[3]
 
     # ---- pools ------------------------------------------------------------------------------
     def _victim(self, tier):
@@ -218,7 +237,7 @@ class ReferenceKVCache:
     def add_sequence(self, seq_id, tokens, num_tokens, extras=None, lora=0, salt=0, priority=35):
         """The caller checks can_add_sequence first."""
         assert seq_id not in self.seqs
-        chain, source, k = self.match(tokens, extras, lora, salt)
+        chain, source, k, _ = self.plan(tokens, num_tokens, extras, lora, salt)
         seq = Seq(list(tokens), list(extras) if extras is not None and any(extras) else None, lora, salt, priority)
         early = sum(1 for n in chain if n.tier == "P" and n.owner is not None)
         onboarded = sum(1 for n in chain if n.tier == "S")
@@ -288,22 +307,35 @@ class ReferenceKVCache:
             if seq.table[i] is None:
                 seq.broken = True
                 break
+            if i > 0 and parent.refcount == 0:
+                if seq.table[i - 1] == "own":  # this sequence's duplicate of the parent
+                    self._take_over(parent, seq_id, seq, i - 1)
+                elif not self._held(parent):
+                    seq.broken = True
+                    break
             t, e = self._block(seq.tokens, seq.extras, i)
             key = self._key(parent.key if parent else None, t, e, seq.lora, seq.salt)
             node = self.nodes.get(key)
-            if node is None or node.tier == "S":
-                if node is None:
-                    node = Node(key, parent.key if parent else None, t, e, seq.lora, seq.salt, "S", seq.priority)
-                    self.nodes[key] = node
-                    self.children.setdefault(node.parent, {})[key] = node
-                    self.num_in["S"] += 1  # moved to "P" just below
-                self._set_tier(node, "P")
-                node.refcount, node.priority, node.owner = 1, seq.priority, seq_id
+            if node is None:
+                node = Node(key, parent.key if parent else None, t, e, seq.lora, seq.salt, "P", seq.priority)
+                self.nodes[key] = node
+                self.children.setdefault(node.parent, {})[key] = node
+                self.num_in["P"] += 1
+                node.refcount, node.owner = 1, seq_id
                 self.num_unkeyed -= 1
                 seq.table[i] = node
+            elif node.tier == "S" or node.refcount == 0:
+                self._take_over(node, seq_id, seq, i)
             seq.last = node
             seq.stored += 1
         self._release_window(seq_id, seq)
+
+    def _take_over(self, node, seq_id, seq, i):
+        """An unreferenced node moves into the sequence's own block i (same KV); its block is freed."""
+        self._set_tier(node, "P")
+        node.refcount, node.priority, node.owner = 1, seq.priority, seq_id
+        self.num_unkeyed -= 1
+        seq.table[i] = node
 
     def _release_window(self, seq_id, seq):
         if self.window <= 0 or seq.computed - self.window <= 0:

@@ -64,8 +64,11 @@ class CacheManagerMachine(RuleBasedStateMachine):
                 return
             raise AssertionError("add_sequence succeeded although blocks lack")
         event("add_sequence")
+        needed, available = self.manager.num_blocks_to_add(tokens, num_tokens, **ckw), self.manager.num_available_blocks()
         got = self.manager.add_sequence(seq_id, np.array(tokens, dtype=np.int32), num_tokens, priority=priority, **ckw)
         want = self.ref.add_sequence(seq_id, tokens, num_tokens, priority=priority, **kw)
+        # What num_blocks_to_add promised is exactly what the sequence took.
+        assert self.manager.num_available_blocks() == available - needed
         assert {k: getattr(got, k) for k in want} == want
         for name in ("num_reused_blocks", "num_onboarded_blocks", "num_partial_tokens", "num_early_reused_blocks"):
             if want[name]:
@@ -110,6 +113,18 @@ class CacheManagerMachine(RuleBasedStateMachine):
             self._compute(seq_id, len(tokens))
             self._release(seq_id)
 
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=5, max_size=14), extra_room=st.integers(0, 8),
+          lead=st.integers(1, 14))
+    def twins(self, tokens, extra_room, lead):
+        """Two requests with one prompt computed side by side: the second one's blocks duplicate
+        the first one's, which later let go (release) while the second keeps computing."""
+        first = self._add(tokens, None, 0, 0, 35, len(tokens) + extra_room)
+        second = self._add(tokens, None, 0, 0, 35, len(tokens) + extra_room)
+        if first is not None:
+            self._compute(first, lead)
+        if second is not None:
+            self._compute(second, len(tokens))
+
     @rule(data=st.data(), more=st.integers(1, 8))
     def grow(self, data, more):
         if not self.seqs:
@@ -119,9 +134,12 @@ class CacheManagerMachine(RuleBasedStateMachine):
         can = self.ref.can_allocate(seq_id, target)
         assert self.manager.can_allocate(seq_id, target) == can
         if can:
+            available, num_blocks = self.manager.num_available_blocks(), len(self.manager.block_ids(seq_id))
             self.manager.allocate(seq_id, target)
             self.ref.allocate(seq_id, target)
             self._sync_copies()
+            num_new = len(self.manager.block_ids(seq_id)) - num_blocks
+            assert self.manager.num_available_blocks() == available - num_new
 
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=5))
     def append(self, data, tokens):
@@ -149,9 +167,15 @@ class CacheManagerMachine(RuleBasedStateMachine):
         table = self.manager.block_ids(seq_id)
         for j in range(before, after):  # the forward writes the new tokens' KV
             self.kv.write(int(table[j // TOKENS_PER_BLOCK]), j % TOKENS_PER_BLOCK, self._identity(seq, j))
+        available, num_free = self.manager.num_available_blocks(), self.manager.stats().primary.num_free_blocks
         self.manager.mark_computed(seq_id, after)
         self.ref.mark_computed(seq_id, after)
         self._sync_copies()
+        # Computing hands no block out: available blocks never shrink (the scheduler's
+        # GUARANTEED_NO_EVICT reservations rely on it), whatever duplicates the sequence computed.
+        assert self.manager.num_available_blocks() >= available
+        if self.window == 0 and self.manager.stats().primary.num_free_blocks > num_free:
+            event("mark_computed took a cached node over (its old block freed)")
 
     @rule(data=st.data())
     def release(self, data):
@@ -165,8 +189,10 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.history.append(seq["tokens"][:16])
         self.released.append((seq["tokens"][:16], None if seq["extras"] is None else seq["extras"][:16],
                               seq["lora"], seq["salt"], seq["priority"]))
+        available = self.manager.num_available_blocks()
         self.manager.release(seq_id)
         self.ref.release(seq_id)
+        assert self.manager.num_available_blocks() >= available
 
     @rule(data=st.data())
     def pause_and_resume(self, data):

@@ -467,6 +467,71 @@ def test_num_blocks_to_add_nets_out_held_reused_blocks():
     assert not m.can_add_sequence(tokens, 6 * T)
 
 
+def test_recomputed_duplicate_block_does_not_pin_available_blocks():
+    m = make(tokens_per_block=2, num_primary_blocks=3, enable_partial_reuse=False)
+    run_context(m, 0, [0, 0])  # [0, 0] cached, unreferenced
+    m.add_sequence(1, [0, 0], 2)  # the last prompt token is always computed: no match
+    for n in (1, 2):
+        m.mark_computed(1, n)  # recomputes [0, 0]: the sequence's block takes the cached node over
+    assert m.num_available_blocks() == 2  # the cached copy's block is free now
+    m.allocate(1, 4)
+    m.append_tokens(1, [5, 5])
+    for n in (3, 4):
+        m.mark_computed(1, n)  # the next block is stored below [0, 0], held by sequence 1 itself
+    assert m.num_available_blocks() == 1
+    assert m.can_allocate(1, 5)
+    m.release(1)
+    assert matched_blocks(m, [0, 0, 5, 5, 9]) == 2  # one chain, both blocks reusable
+    assert m.stats().primary.num_cached_blocks == 2
+    assert m.check_invariants() == []
+
+
+def test_duplicate_let_go_by_its_other_holder_is_taken_over_before_the_chain_grows():
+    m = make(num_primary_blocks=4, enable_partial_reuse=False)
+    tokens = prompt(0, T + 1)
+    m.add_sequence(1, tokens, len(tokens))
+    m.add_sequence(2, tokens, 2 * T)  # nothing cached yet: both compute the first block
+    m.mark_computed(1, T)
+    m.mark_computed(2, T)  # sequence 1 holds the node: sequence 2's block stays a duplicate
+    m.release(1)  # the node is unreferenced now, sequence 2 still holds its duplicate
+    available = m.num_available_blocks()
+    m.append_tokens(2, prompt(50, T - 1))
+    m.mark_computed(2, 2 * T)  # the second block goes below the node: the node moves into the duplicate
+    assert m.num_available_blocks() == available
+    own_first_block = m.block_ids(2)[0]
+    m.release(2)
+    assert m.stats().primary.num_cached_blocks == 2  # one chain, no stray copy
+    follow_up = tokens + prompt(50, T - 1) + [9]
+    assert m.add_sequence(3, follow_up, len(follow_up)).num_reused_blocks == 2
+    assert m.block_ids(3)[0] == own_first_block
+    assert m.check_invariants() == []
+
+
+def test_request_filling_the_pool_exactly_is_admitted_without_partial_copy():
+    m = make(tokens_per_block=2, num_primary_blocks=2)
+    run_context(m, 0, [0, 1])  # cached, unreferenced: a partial match for [0, ...]
+    assert m.match_prefix([0, 0, 0]).num_partial_tokens == 1
+    # The copy would pin its source while both blocks are taken: one block short, so the token
+    # is computed instead and the request fits.
+    assert m.num_blocks_to_add([0, 0, 0], 3) == 2 == m.num_available_blocks()
+    assert m.can_add_sequence([0, 0, 0], 3)
+    r = m.add_sequence(1, [0, 0, 0], 3)
+    assert (r.num_partial_tokens, r.num_reused_tokens, r.num_new_blocks) == (0, 0, 2)
+    assert len(m.take_copy_ops()) == 0
+    assert m.check_invariants() == []
+
+
+def test_partial_copy_is_made_when_a_spare_block_exists():
+    m = make(tokens_per_block=2, num_primary_blocks=3)
+    run_context(m, 0, [0, 1])
+    assert m.num_blocks_to_add([0, 0, 0], 3) == 2
+    r = m.add_sequence(1, [0, 0, 0], 3)
+    assert (r.num_partial_tokens, r.num_new_blocks) == (1, 2)
+    assert len(m.take_copy_ops()) == 1
+    assert m.num_available_blocks() == 1  # the source stays cached
+    assert m.check_invariants() == []
+
+
 # ---- Python boundary ------------------------------------------------------------------------
 
 def test_block_table_is_an_int32_numpy_array():

@@ -21,9 +21,9 @@ namespace kvtool {
 
 void Scheduler::Impl::schedule_capacity(StepPlan& plan) {
   // Under GUARANTEED_NO_EVICT and STATIC_BATCH admission reserved every block a running request
-  // can need, so growing never pauses anyone. Should the cache manager's available blocks shrink
-  // by other means than the scheduler's own allocations, pausing keeps the run correct and alive
-  // where failing would lose it; tests assert that these policies never pause.
+  // can need, and the cache manager's available blocks shrink only by the blocks it hands out, so
+  // growing never pauses anyone (tests assert it, with and without block reuse). The pause path
+  // stays as a safety valve: should that ever break, pausing keeps the run correct and alive.
   grow_generating_requests_or_pause(plan.paused_request_ids);
   // Blocks a pause just freed go to the requests still running, not straight back to the paused
   // one or a newcomer (which would be paused again at once). With none left running, admit.
@@ -90,8 +90,7 @@ void Scheduler::Impl::admit_guaranteed() {
       // it only needs its prompt blocks now.
       fits = cache_manager.can_add_sequence(spec, num_context_tokens);
     } else {
-      // Blocks for the whole lifetime, less the cached prefix it shares. (num_blocks_to_add also
-      // counts a partial-copy source held only during the copy: one block of caution at most.)
+      // Blocks for the whole lifetime, less the cached prefix it shares.
       const int64_t num_needed_blocks = cache_manager.num_blocks_to_add(spec, num_context_tokens) +
                                         num_blocks_for(r.num_lifetime_tokens()) - num_blocks_for(num_context_tokens);
       fits = num_reserved_blocks + num_needed_blocks <= cache_manager.num_available_blocks();

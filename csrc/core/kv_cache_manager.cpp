@@ -166,17 +166,44 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   return plan;
 }
 
-int32_t KVCacheManager::Impl::blocks_to_add(const MatchPlan& plan, int32_t num_tokens) const {
-  const int32_t num_matched = static_cast<int32_t>(plan.nodes.size()) + (plan.num_partial_tokens > 0 ? 1 : 0);
-  const int32_t total = std::max(blocks_for(num_tokens), num_matched);
+int32_t KVCacheManager::Impl::settle_blocks_to_add(MatchPlan& plan, int32_t num_tokens) const {
+  const auto num_shared = static_cast<int32_t>(plan.nodes.size());
   // Held matched blocks are already out of num_available(); every other block comes out of it.
-  // A partial-copy source that is itself evictable stays pinned during its copy: count it.
-  return total - plan.num_held_primary + (plan.partial_source_evictable ? 1 : 0);
+  auto needed = [&](bool with_partial) {
+    return std::max(blocks_for(num_tokens), num_shared + (with_partial ? 1 : 0)) - plan.num_held_primary;
+  };
+  // A partial-copy source that is itself evictable is pinned while the blocks are taken, so it
+  // cannot be one of them: the copy needs one spare block. Without it the tokens are computed
+  // instead, so a request that fits the pool is never refused for the sake of a copy.
+  if (plan.partial_source != kNoNode && plan.partial_source_evictable && needed(true) + 1 > num_available()) {
+    plan.partial_source = kNoNode;
+    plan.num_partial_tokens = 0;
+    plan.partial_source_evictable = false;
+  }
+  return needed(plan.partial_source != kNoNode);
+}
+
+// Moves the unreferenced primary node n into block, a block of seq_id holding the same KV (its
+// duplicate computation); n's old block becomes free. The node keeps its identity, children and
+// generation; the sequence now holds it, so it counts as computed by that sequence.
+void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id) {
+  Node& x = nodes[n];
+  const bool was_held = is_held(n);
+  lru_remove(n);
+  primary_node[x.block_id] = kNoNode;
+  primary_free.push_back(x.block_id);
+  x.block_id = block;
+  primary_node[block] = n;
+  x.priority = static_cast<uint8_t>(seq.priority);
+  node_info[n].owner = seq_id;
+  x.owner_running = true;
+  on_held_change(n, was_held);
 }
 
 // Gives keys to the sequence's newly computed full blocks (early reuse). A block whose key is
-// already cached in the primary pool stays an unkeyed duplicate (the chain continues through the
-// cached node); one cached only in the secondary pool is adopted: the node moves to this block.
+// already cached takes the node over (the node moves into this block; a primary copy's block is
+// freed) unless another sequence references the cached copy: then this block stays an unkeyed
+// duplicate and the chain continues through the cached node.
 void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
   const int32_t num_full = seq.num_computed_tokens / tpb;
   if (seq.num_stored_blocks >= num_full || seq.chain_broken) return;
@@ -215,18 +242,34 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
       seq.chain_broken = true;
       break;
     }
+    if (i > 0 && primary_refcount[nodes[parent].block_id] == 0) {
+      // The parent is cached but nobody references it: this sequence computed a duplicate of it
+      // that another sequence held at the time. A child held below an unreferenced parent would
+      // pin it (no longer evictable, so num_available() would shrink without an allocation):
+      // the parent moves into the duplicate instead. If the window released the duplicate, the
+      // chain stops unless the parent is held anyway.
+      const BlockId own = seq.block_ids[i - 1];
+      if (own != kNoBlock && primary_node[own] == kNoNode) {
+        take_over_node(parent, own, seq, seq_id);
+      } else if (!is_held(parent)) {
+        seq.chain_broken = true;
+        break;
+      }
+    }
     const TokenId* t = seq.token_ids.data() + static_cast<size_t>(i) * tpb;
     const ExtraId* e = seq.extra_ids.empty() ? nullptr : seq.extra_ids.data() + static_cast<size_t>(i) * tpb;
     const uint64_t h = seq.block_hashes[i];
     NodeId n = find_child(parent, h, t, e, seq.lora_task_id, seq.cache_salt);
     if (n == kNoNode) {
       n = store_node(parent, h, t, e, seq, seq_id, block);
-    } else if (nodes[n].pool == PoolKind::kSecondary && primary_node[block] == kNoNode) {
+    } else if (nodes[n].pool == PoolKind::kSecondary) {
       move_to_primary(n, block);
       nodes[n].priority = static_cast<uint8_t>(seq.priority);
       node_info[n].owner = seq_id;
       nodes[n].owner_running = true;
       emit_event(KvCacheEventKind::kOnboarded, n, false);
+    } else if (primary_refcount[nodes[n].block_id] == 0) {
+      take_over_node(n, block, seq, seq_id);  // frees the cached copy's block: nothing is pinned
     }
     seq.last_node = n;
     seq.last_node_generation = node_info[n].generation;
@@ -274,7 +317,8 @@ MatchResult KVCacheManager::match_prefix(const SequenceSpec& spec) const {
 
 int32_t KVCacheManager::num_blocks_to_add(const SequenceSpec& spec, int32_t num_tokens) const {
   impl_->validate_spec(spec);
-  return impl_->blocks_to_add(impl_->plan_match(spec), num_tokens);
+  Impl::MatchPlan plan = impl_->plan_match(spec);
+  return impl_->settle_blocks_to_add(plan, num_tokens);
 }
 
 int32_t KVCacheManager::num_available_blocks() const { return impl_->num_available(); }
@@ -295,7 +339,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   m.validate_spec(spec);
   if (num_tokens < 1) throw std::invalid_argument("num_tokens=" + str(num_tokens) + " must be >= 1");
   Impl::MatchPlan plan = m.plan_match(spec);
-  const int32_t needed = m.blocks_to_add(plan, num_tokens);
+  const int32_t needed = m.settle_blocks_to_add(plan, num_tokens);
   if (needed > m.num_available()) {
     throw OutOfBlocksError("sequence " + str(seq_id) + " needs " + str(needed) + " more KV cache blocks for " +
                            str(num_tokens) + " tokens but only " + str(m.num_available()) + " of " +

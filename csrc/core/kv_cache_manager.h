@@ -2,17 +2,24 @@
 // It decides where every block lives and returns copy operations; it never touches KV data.
 //
 // Rules beyond DESIGN.md (tests/reference_kv_cache.py restates them in Python):
-// - A computed full block whose key is already cached in the primary pool stays an unkeyed
-//   duplicate (freed on release); one cached only in the host tier is adopted: the node moves
-//   into the sequence's block (no copy; a KvCacheEvent ONBOARDED is recorded).
+// - A computed full block whose key is already cached takes the cached node over: the node moves
+//   into the sequence's block (a primary copy's block is freed; a host copy's block too, with a
+//   KvCacheEvent ONBOARDED), unless other sequences reference the primary copy: then the block
+//   stays an unkeyed duplicate (freed on release) and the chain continues through the cached node.
+//   Should those sequences let the node go before the next block is stored below it, the node
+//   moves into the duplicate then. So an unreferenced node never has a child held only through
+//   it, and num_available_blocks() shrinks only by blocks handed out (the scheduler's
+//   GUARANTEED_NO_EVICT reservations rely on it). A chain whose unreferenced, unheld parent was
+//   released by the sliding window stops there.
 // - LRU order is the order in which blocks became unreferenced (a release walks the table from
 //   its last block) or arrived in the host tier; a block takes its computing sequence's priority.
 // - An evicted primary block that is dropped (priority below secondary_offload_min_priority, or
 //   no host block to be had) takes its host-tier descendants with it.
 // - Partial reuse copies from the cached child of the last matched block sharing the longest
 //   prefix with the next prompt block; ties prefer the primary pool, then a referenced block,
-//   then the most recently used. If that source could itself be evicted, num_blocks_to_add
-//   counts one block more (it stays pinned while its copy target is allocated).
+//   then the most recently used. A source that could itself be evicted stays pinned while the
+//   sequence's blocks are taken, so the copy needs one spare available block; without one,
+//   add_sequence computes those tokens instead (num_blocks_to_add is the same either way).
 // Errors: std::invalid_argument (bad input), UnknownSequenceError (unknown id),
 // OutOfBlocksError (too few blocks; nothing changed).
 #pragma once
@@ -37,11 +44,15 @@ class KVCacheManager {
   const CacheConfig& config() const;
 
   // Longest cached chain for spec (no side effects). The last prompt token is never matched.
+  // num_partial_tokens is what a partial copy could take; add_sequence may compute them instead.
   MatchResult match_prefix(const SequenceSpec& spec) const;
 
-  // Blocks a new sequence would take to hold num_tokens tokens, net of reused ones.
+  // Blocks add_sequence would take out of num_available_blocks() to hold num_tokens tokens
+  // (reused blocks that other sequences already hold are not counted).
   int32_t num_blocks_to_add(const SequenceSpec& spec, int32_t num_tokens) const;
-  // Primary blocks that can be handed out now: free ones plus unreferenced cached ones.
+  // Primary blocks that can be handed out now without touching a referenced block: free ones plus
+  // cached ones that are unreferenced and have no referenced descendant (evictable, leaves first).
+  // Only handing blocks out lowers it.
   int32_t num_available_blocks() const;
 
   bool can_add_sequence(const SequenceSpec& spec, int32_t num_tokens) const;

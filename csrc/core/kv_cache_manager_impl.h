@@ -147,7 +147,10 @@ struct KVCacheManager::Impl {
   // for lookups, the nodes found there), so the misses of a whole run of blocks overlap.
   void extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
                      uint64_t lora, uint64_t salt, size_t end, bool for_store) const;
-  int32_t blocks_to_add(const MatchPlan& plan, int32_t num_tokens) const;
+  // Blocks add_sequence takes out of num_available() for num_tokens tokens. Drops the plan's
+  // partial copy when pinning its source would leave too few blocks (those tokens are computed).
+  int32_t settle_blocks_to_add(MatchPlan& plan, int32_t num_tokens) const;
+  void take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id);
   Sequence& get(SequenceId id);
   const Sequence& get(SequenceId id) const;
   void store_blocks(SequenceId seq_id, Sequence& seq);
