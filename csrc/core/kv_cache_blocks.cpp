@@ -2,9 +2,33 @@
 #include <cstring>
 #include <stdexcept>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "kv_cache_manager_impl.h"
 
 namespace kvtool {
+
+namespace {
+
+// Copies a block's token ids into the node store. The store is written once per node and read
+// only to confirm a key hit, so whole cache lines are written around the cache (no line fill,
+// no eviction of hot index buckets); the manager's own later reads still see them.
+void store_tokens(TokenId* dst, const TokenId* src, size_t num_tokens) {
+  const size_t num_bytes = num_tokens * sizeof(TokenId);
+#if defined(__SSE2__)
+  if (num_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    auto* d = reinterpret_cast<__m128i*>(dst);
+    const auto* s = reinterpret_cast<const __m128i*>(src);
+    for (size_t i = 0; i < num_bytes / 16; ++i) _mm_stream_si128(d + i, _mm_loadu_si128(s + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, num_bytes);
+}
+
+}  // namespace
 
 KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
     : config(c),
@@ -26,8 +50,6 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
   free_node_ids.reserve(max_nodes);
   for (size_t n = max_nodes; n-- > 0;) free_node_ids.push_back(static_cast<NodeId>(n));
   node_token_ids.assign(max_nodes * tpb, 0);
-  key_next.assign(max_nodes + 1, kNoNode);
-  partial_next.assign(max_nodes + 1, kNoNode);
   primary_refcount.assign(config.num_primary_blocks, 0);
   primary_node.assign(config.num_primary_blocks, kNoNode);
   primary_free.reserve(config.num_primary_blocks);
@@ -41,15 +63,13 @@ NodeId KVCacheManager::Impl::find_child(NodeId parent, uint64_t hash, const Toke
                                         const ExtraId* extra_ids, uint64_t lora, uint64_t salt) const {
   const bool has_extras = any_extra(extra_ids, tpb);
   // The collision guard: a hash hit is only a candidate; every key field must be equal too.
-  for (NodeId n = key_index.head(hash); n != kNoNode; n = key_next[n]) {
+  return key_index.find(hash, [&](NodeId n) {
     const Node& x = nodes[n];
-    if (x.parent != parent || x.hash != hash || x.has_extras != has_extras) continue;
-    if (node_info[n].lora_task_id != lora || node_info[n].cache_salt != salt) continue;
-    if (std::memcmp(node_tokens(n), token_ids, sizeof(TokenId) * tpb) != 0) continue;
-    if (has_extras && std::memcmp(node_extras(n), extra_ids, sizeof(ExtraId) * tpb) != 0) continue;
-    return n;
-  }
-  return kNoNode;
+    if (x.parent != parent || x.hash != hash || x.has_extras != has_extras) return false;
+    if (node_info[n].lora_task_id != lora || node_info[n].cache_salt != salt) return false;
+    if (std::memcmp(node_tokens(n), token_ids, sizeof(TokenId) * tpb) != 0) return false;
+    return !has_extras || std::memcmp(node_extras(n), extra_ids, sizeof(ExtraId) * tpb) == 0;
+  });
 }
 
 // Held = a primary node that is referenced or has a held child: it cannot be evicted until the
@@ -105,21 +125,31 @@ void KVCacheManager::Impl::lru_remove(NodeId n) {
   x.in_lru = false;
 }
 
+// Children lists serve drop_tree only, which never drops the root: the root's children (a
+// block for nearly every distinct first block) are counted, not linked, so storing or dropping
+// one never touches a random sibling.
 void KVCacheManager::Impl::add_child(NodeId parent, NodeId n) {
   Node& p = nodes[parent];
   Node& x = nodes[n];
   x.parent = parent;
   x.prev_sibling = kNoNode;
+  x.next_sibling = kNoNode;
+  ++p.num_children;
+  if (x.pool == PoolKind::kPrimary) ++p.num_primary_children;
+  if (parent == root) return;
   x.next_sibling = p.first_child;
   if (p.first_child != kNoNode) nodes[p.first_child].prev_sibling = n;
   p.first_child = n;
-  ++p.num_children;
-  if (x.pool == PoolKind::kPrimary) ++p.num_primary_children;
 }
 
 void KVCacheManager::Impl::remove_child(NodeId n) {
   Node& x = nodes[n];
   Node& p = nodes[x.parent];
+  if (x.parent == root) {
+    --p.num_children;
+    if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
+    return;
+  }
   if (x.prev_sibling != kNoNode) {
     nodes[x.prev_sibling].next_sibling = x.next_sibling;
   } else {
@@ -148,7 +178,7 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   x.owner_running = true;
   x.pool = PoolKind::kPrimary;
   x.block_id = block;
-  std::memcpy(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, sizeof(TokenId) * tpb);
+  store_tokens(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, tpb);
   x.has_extras = any_extra(extra_ids, tpb);
   if (x.has_extras) {
     if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
@@ -156,10 +186,10 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   }
   primary_node[block] = n;
   add_child(parent, n);
-  key_index.insert(hash, n, key_next);
+  key_index.insert(hash, n);
   if (config.enable_partial_reuse) {
     x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], seq.lora_task_id, seq.cache_salt);
-    partial_index.insert(x.partial_key, n, partial_next);
+    partial_index.insert(x.partial_key, n);
   }
   ++num_unheld_primary;  // appears unheld, then counted held (its block is referenced)
   on_held_change(n, false);
@@ -261,6 +291,28 @@ NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
   return kNoNode;
 }
 
+// Taking num_blocks blocks evicts the primary pool's first LRU leaves, and offloading them drops
+// as many of the secondary pool's: start loading the index buckets those drops erase, so their
+// cache misses overlap instead of being paid one eviction after another.
+void KVCacheManager::Impl::prefetch_victims(int32_t num_blocks) const {
+  const int32_t num_evictions = num_blocks - static_cast<int32_t>(primary_free.size());
+  if (num_evictions <= 0 || config.num_secondary_blocks == 0) return;
+  int32_t left = num_evictions - static_cast<int32_t>(secondary_free.size());
+  const LruLists& l = lru[static_cast<int>(PoolKind::kSecondary)];
+  for (int word = 0; word < 2 && left > 0; ++word) {
+    uint64_t bits = l.nonempty[word];
+    while (bits != 0 && left > 0) {
+      const int p = word * 64 + __builtin_ctzll(bits);
+      bits &= bits - 1;
+      for (NodeId n = l.head[p]; n != kNoNode && left > 0; n = nodes[n].lru_next, --left) {
+        const Node& x = nodes[n];
+        key_index.prefetch_for_write(x.hash);
+        if (config.enable_partial_reuse) partial_index.prefetch_for_write(x.partial_key);
+      }
+    }
+  }
+}
+
 // Eviction touches the victim's index slots, its tree and LRU neighbours: start loading them now
 // so their cache misses overlap. The next victim (usually the LRU successor) gets its index slots
 // loaded one eviction ahead, and the one after it its node.
@@ -268,14 +320,14 @@ void KVCacheManager::Impl::prefetch_for_eviction(NodeId n) const {
   const Node& x = nodes[n];
   key_index.prefetch(x.hash);
   if (config.enable_partial_reuse) partial_index.prefetch(x.partial_key);
-  __builtin_prefetch(&nodes[x.parent]);
-  if (x.prev_sibling != kNoNode) __builtin_prefetch(&nodes[x.prev_sibling]);
-  if (x.next_sibling != kNoNode) __builtin_prefetch(&nodes[x.next_sibling]);
+  prefetch_line(&nodes[x.parent]);
+  if (x.prev_sibling != kNoNode) prefetch_line(&nodes[x.prev_sibling]);
+  if (x.next_sibling != kNoNode) prefetch_line(&nodes[x.next_sibling]);
   if (x.lru_next == kNoNode) return;
   const Node& next = nodes[x.lru_next];
   key_index.prefetch(next.hash);
   if (config.enable_partial_reuse) partial_index.prefetch(next.partial_key);
-  if (next.lru_next != kNoNode) __builtin_prefetch(&nodes[next.lru_next]);
+  if (next.lru_next != kNoNode) prefetch_line(&nodes[next.lru_next]);
 }
 
 // Frees the victim's primary block for the caller: the node moves to the secondary pool
@@ -324,8 +376,8 @@ void KVCacheManager::Impl::drop_node(NodeId n) {
   emit_event(KvCacheEventKind::kRemoved, n, false);
   ++stats.evicted_blocks;
   lru_remove(n);
-  key_index.erase(x.hash, n, key_next);
-  if (config.enable_partial_reuse) partial_index.erase(x.partial_key, n, partial_next);
+  key_index.erase(x.hash, n);
+  if (config.enable_partial_reuse) partial_index.erase(x.partial_key, n);
   remove_child(n);
   if (x.pool == PoolKind::kSecondary) {
     secondary_node[x.block_id] = kNoNode;

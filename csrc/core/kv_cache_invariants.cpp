@@ -140,7 +140,7 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
       if (m.nodes[c].parent != n) fail("node " + s(c) + " is listed as a child of node " + s(n) + " but has another parent");
       ++listed;
     }
-    if (listed != children[n] || x.num_children != children[n] || x.num_primary_children != primary_children[n] ||
+    if ((n == root ? x.first_child != kNoNode : listed != children[n]) || x.num_children != children[n] || x.num_primary_children != primary_children[n] ||
         (n != root && x.num_held_children != held_children[n])) {
       fail("node " + s(n) + " has wrong child counts (" + s(x.num_children) + "/" + s(x.num_primary_children) + "/" +
            s(x.num_held_children) + " kept, " + s(children[n]) + "/" + s(primary_children[n]) + "/" +

@@ -83,13 +83,14 @@ void KVCacheManager::Impl::extend_hashes(std::vector<uint64_t>& hashes, const To
   }
   if (for_store) return;
   for (size_t i = first; i < end; ++i) {
-    const NodeId n = key_index.head(hashes[i]);
-    if (n == kNoNode) continue;
-    const char* tokens = reinterpret_cast<const char*>(node_tokens(n));
-    __builtin_prefetch(&nodes[n]);
-    __builtin_prefetch(&node_info[n]);
-    __builtin_prefetch(tokens);
-    __builtin_prefetch(tokens + sizeof(TokenId) * tpb - 1);
+    key_index.find(hashes[i], [&](NodeId n) {
+      const char* tokens = reinterpret_cast<const char*>(node_tokens(n));
+      prefetch_line(&nodes[n]);
+      prefetch_line(&node_info[n]);
+      prefetch_line(tokens);
+      prefetch_line(tokens + sizeof(TokenId) * tpb - 1);
+      return false;
+    });
   }
 }
 
@@ -134,17 +135,17 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   const TokenId* t = tokens + i * tpb;
   const ExtraId* e = extras ? extras + i * tpb : nullptr;
   const uint64_t key = partial_key(plan.last_hash, t[0], spec.lora_task_id, spec.cache_salt);
-  for (NodeId n = partial_index.head(key); n != kNoNode; n = partial_next[n]) {
+  partial_index.find(key, [&](NodeId n) {
     const Node& x = nodes[n];
-    if (x.parent != parent || node_info[n].lora_task_id != spec.lora_task_id ||
+    if (x.parent != parent || x.partial_key != key || node_info[n].lora_task_id != spec.lora_task_id ||
         node_info[n].cache_salt != spec.cache_salt) {
-      continue;
+      return false;
     }
     const TokenId* nt = node_tokens(n);
     const ExtraId* ne = node_extras(n);
     int32_t k = 0;
     while (k < limit && nt[k] == t[k] && (ne ? ne[k] : 0) == (e ? e[k] : 0)) ++k;
-    if (k == 0 || k < plan.num_partial_tokens) continue;
+    if (k == 0 || k < plan.num_partial_tokens) return false;
     bool better = k > plan.num_partial_tokens;
     if (!better) {
       const Node& best = nodes[plan.partial_source];
@@ -158,7 +159,8 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
       plan.num_partial_tokens = k;
       plan.partial_source = n;
     }
-  }
+    return false;  // every candidate is compared
+  });
   if (plan.partial_source != kNoNode) {
     plan.partial_source_evictable =
         nodes[plan.partial_source].pool == PoolKind::kPrimary && !is_held(plan.partial_source);
@@ -390,6 +392,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
     ++m.stats.partial_reused_blocks;
   }
   const int32_t total = std::max(m.blocks_for(num_tokens), static_cast<int32_t>(seq.block_ids.size()));
+  m.prefetch_victims(total - static_cast<int32_t>(seq.block_ids.size()));
   while (static_cast<int32_t>(seq.block_ids.size()) < total) seq.block_ids.push_back(m.take_new_primary_block());
 
   AddSequenceResult r;

@@ -131,6 +131,7 @@ struct KVCacheManager::Impl {
   NodeId find_victim(PoolKind pool) const;
   BlockId evict_primary(NodeId victim);
   void prefetch_for_eviction(NodeId n) const;
+  void prefetch_victims(int32_t num_blocks) const;
   void drop_tree(NodeId n);
   void drop_node(NodeId n);  // a node without children
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
@@ -168,8 +169,6 @@ struct KVCacheManager::Impl {
   std::vector<NodeId> free_node_ids;
   BigVector<TokenId> node_token_ids;       // [num nodes * tokens_per_block]
   BigVector<ExtraId> node_extra_ids;       // same shape, allocated at the first non-zero extra id
-  std::vector<NodeId> key_next;            // chains of NodeIndex key_index
-  std::vector<NodeId> partial_next;        // chains of NodeIndex partial_index
   NodeIndex key_index;                     // block key hash -> nodes
   NodeIndex partial_index;                 // partial_key -> nodes
 

@@ -1,7 +1,12 @@
-// Hash index of prefix-tree nodes: an open-addressing table from a 64-bit key to the first node
-// of a chain of nodes sharing that key (colliding keys chain through a caller-owned link array).
-// Fixed capacity (at least twice the number of nodes), linear probing, backward-shift deletion:
-// no tombstones, so lookups stay short however many nodes come and go.
+// Hash index of prefix-tree nodes: a multimap from a 64-bit key to node ids, one cache line per
+// bucket so that a lookup, an insert and an erase each touch a single line (the cache manager
+// does one of each per block it stores or drops, at random places: these are its cache misses).
+//
+// A bucket holds 7 entries (32-bit tag from the key's mixed hash, node id) and an overflow count.
+// An entry lives in its home bucket or, when that is full, in the next bucket with room; the
+// overflow count of a bucket is the number of entries that live past it although their home is
+// at or before it, so a lookup stops at the first bucket with none. No tombstones, no rehashing:
+// the capacity is fixed at about twice the number of nodes (buckets are rarely full).
 #pragma once
 
 #include <cstdint>
@@ -15,93 +20,93 @@ namespace kvtool {
 using NodeId = int32_t;
 inline constexpr NodeId kNoNode = -1;
 
+// Starts loading the cache line at p. GCC deems __builtin_prefetch free of side effects, so a
+// helper (or lambda) made only of prefetches counts as a pure function, and calls to it whose
+// result is unused are deleted: the empty volatile asm keeps every prefetch in the program.
+inline void prefetch_line(const void* p) {
+  __builtin_prefetch(p);
+  asm volatile("" : : "r"(p));
+}
+inline void prefetch_line_for_write(const void* p) {
+  __builtin_prefetch(p, 1);
+  asm volatile("" : : "r"(p));
+}
+
 class NodeIndex {
  public:
   explicit NodeIndex(size_t max_nodes) {
-    size_t capacity = 16;
-    while (capacity < 2 * max_nodes + 2) capacity *= 2;
-    slots_.assign(capacity, Slot{});
-    mask_ = capacity - 1;
+    size_t num_buckets = 1;
+    while (num_buckets * kEntriesPerBucket < 2 * max_nodes + 2) num_buckets *= 2;
+    buckets_.assign(num_buckets, Bucket{});
+    mask_ = num_buckets - 1;
   }
 
-  // First node of the chain with this key, or kNoNode.
-  NodeId head(uint64_t key) const {
-    for (size_t i = home(key);; i = (i + 1) & mask_) {
-      const Slot& s = slots_[i];
-      if (s.head == kNoNode) return kNoNode;
-      if (s.key == key) return s.head;
-    }
-  }
-
-  // Starts loading key's home slot into the cache (lookups of many keys overlap their misses).
-  void prefetch(uint64_t key) const { __builtin_prefetch(&slots_[home(key)]); }
-
-  // Puts node at the front of key's chain. next[node] receives the previous head.
-  void insert(uint64_t key, NodeId node, std::vector<NodeId>& next) {
-    size_t i = home(key);
-    for (;; i = (i + 1) & mask_) {
-      Slot& s = slots_[i];
-      if (s.head == kNoNode) {
-        s.key = key;
-        s.head = node;
-        next[node] = kNoNode;
-        return;
+  // Calls visit(node) for each node indexed under key (and, rarely, one whose key shares the
+  // 32-bit tag) until visit returns true; returns that node, or kNoNode.
+  template <typename Visit>
+  NodeId find(uint64_t key, Visit&& visit) const {
+    const uint64_t h = mix64(key);
+    const uint32_t tag = tag_of(h);
+    for (size_t b = h & mask_;; b = (b + 1) & mask_) {
+      const Bucket& bucket = buckets_[b];
+      for (const Entry& e : bucket.entries) {
+        if (e.tag == tag && e.node != kNoNode && visit(e.node)) return e.node;
       }
-      if (s.key == key) {
-        next[node] = s.head;
-        s.head = node;
-        return;
-      }
+      if (bucket.num_overflow == 0) return kNoNode;
     }
   }
 
-  // Unlinks node from key's chain; frees the slot when the chain empties.
-  void erase(uint64_t key, NodeId node, std::vector<NodeId>& next) {
-    size_t i = home(key);
-    for (;; i = (i + 1) & mask_) {
-      Slot& s = slots_[i];
-      if (s.head == kNoNode) return;  // not indexed
-      if (s.key == key) break;
-    }
-    Slot& s = slots_[i];
-    if (s.head == node) {
-      s.head = next[node];
-    } else {
-      for (NodeId n = s.head; n != kNoNode; n = next[n]) {
-        if (next[n] == node) {
-          next[n] = next[node];
-          break;
+  // Starts loading key's home bucket into the cache (many keys in flight overlap their misses).
+  void prefetch(uint64_t key) const { prefetch_line(&buckets_[mix64(key) & mask_]); }
+  void prefetch_for_write(uint64_t key) const { prefetch_line_for_write(&buckets_[mix64(key) & mask_]); }
+
+  void insert(uint64_t key, NodeId node) {
+    const uint64_t h = mix64(key);
+    for (size_t b = h & mask_;; b = (b + 1) & mask_) {
+      Bucket& bucket = buckets_[b];
+      for (Entry& e : bucket.entries) {
+        if (e.node == kNoNode) {
+          e.tag = tag_of(h);
+          e.node = node;
+          return;
         }
       }
+      ++bucket.num_overflow;  // full: the entry lives further on
     }
-    next[node] = kNoNode;
-    if (s.head == kNoNode) remove_slot(i);
+  }
+
+  // Removes the entry of node under key (it must be there).
+  void erase(uint64_t key, NodeId node) {
+    const uint64_t h = mix64(key);
+    const size_t home = h & mask_;
+    for (size_t b = home;; b = (b + 1) & mask_) {
+      for (Entry& e : buckets_[b].entries) {
+        if (e.node == node) {
+          e.node = kNoNode;
+          for (size_t p = home; p != b; p = (p + 1) & mask_) --buckets_[p].num_overflow;
+          return;
+        }
+      }
+      if (buckets_[b].num_overflow == 0) return;  // not indexed (a bug, but harmless here)
+    }
   }
 
  private:
-  struct Slot {
-    uint64_t key = 0;
-    NodeId head = kNoNode;
+  static constexpr int kEntriesPerBucket = 7;
+  struct Entry {
+    uint32_t tag = 0;
+    NodeId node = kNoNode;
   };
+  struct alignas(64) Bucket {
+    Entry entries[kEntriesPerBucket];
+    uint32_t num_overflow = 0;
+    uint32_t unused = 0;
+  };
+  static_assert(sizeof(Bucket) == 64, "a bucket is one cache line");
 
-  size_t home(uint64_t key) const { return static_cast<size_t>(mix64(key)) & mask_; }
+  static uint32_t tag_of(uint64_t h) { return static_cast<uint32_t>(h >> 32); }
 
-  // Backward-shift deletion: moves later entries of the probe run into the hole.
-  void remove_slot(size_t hole) {
-    slots_[hole].head = kNoNode;
-    for (size_t j = (hole + 1) & mask_; slots_[j].head != kNoNode; j = (j + 1) & mask_) {
-      const size_t want = home(slots_[j].key);
-      // Entry j may move into the hole when its home is not in the (hole, j] cyclic range.
-      const bool home_in_range = (hole <= j) ? (hole < want && want <= j) : (hole < want || want <= j);
-      if (!home_in_range) {
-        slots_[hole] = slots_[j];
-        slots_[j].head = kNoNode;
-        hole = j;
-      }
-    }
-  }
-
-  std::vector<Slot, HugePageAllocator<Slot>> slots_;
+  std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;
   size_t mask_ = 0;
 };
 
