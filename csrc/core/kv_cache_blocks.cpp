@@ -1,4 +1,5 @@
 // Prefix tree, pools, reference counts, LRU eviction and host offload of KVCacheManager.
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -73,18 +74,21 @@ NodeId KVCacheManager::Impl::find_child(NodeId parent, uint64_t hash, const Toke
 }
 
 // Held = a primary node that is referenced or has a held child: it cannot be evicted until the
-// sequences below it let go. Unheld primary nodes are counted as available blocks.
-void KVCacheManager::Impl::on_held_change(NodeId n, bool was_held) {
-  while (n != root) {
-    const bool now = is_held(n);
-    if (now == was_held) return;
-    num_unheld_primary += now ? -1 : 1;
-    const NodeId p = nodes[n].parent;
-    if (p == root) return;
-    const bool parent_was_held = is_held(p);
-    nodes[p].num_held_children += now ? 1 : -1;
-    n = p;
-    was_held = parent_was_held;
+// sequences below it let go. Unheld primary nodes are counted as available blocks. A change
+// climbs the chain only while it flips a parent's held state.
+void KVCacheManager::Impl::on_child_held(NodeId p) {
+  for (; p != root; p = nodes[p].parent) {
+    Node& x = nodes[p];
+    if (x.num_held_children++ > 0 || primary_refcount[x.block_id] > 0) return;  // was held already
+    --num_unheld_primary;
+  }
+}
+
+void KVCacheManager::Impl::on_child_unheld(NodeId p) {
+  for (; p != root; p = nodes[p].parent) {
+    Node& x = nodes[p];
+    if (--x.num_held_children > 0 || primary_refcount[x.block_id] > 0) return;  // still held
+    ++num_unheld_primary;
   }
 }
 
@@ -188,11 +192,10 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   add_child(parent, n);
   key_index.insert(hash, n);
   if (config.enable_partial_reuse) {
-    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], seq.lora_task_id, seq.cache_salt);
+    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], seq.identity);
     partial_index.insert(x.partial_key, n);
   }
-  ++num_unheld_primary;  // appears unheld, then counted held (its block is referenced)
-  on_held_change(n, false);
+  on_child_held(parent);  // its block is referenced: held from the start
   emit_event(KvCacheEventKind::kStored, n, true);
   return n;
 }
@@ -207,8 +210,7 @@ void KVCacheManager::Impl::move_to_primary(NodeId n, BlockId block) {
   x.pinned = false;
   primary_node[block] = n;
   ++nodes[x.parent].num_primary_children;
-  ++num_unheld_primary;  // appears unheld, then counted held (the caller referenced its block)
-  on_held_change(n, false);
+  on_child_held(x.parent);  // the caller referenced its block: held from the start
 }
 
 void KVCacheManager::Impl::ref_block(BlockId b) {
@@ -217,7 +219,7 @@ void KVCacheManager::Impl::ref_block(BlockId b) {
     const NodeId n = primary_node[b];
     if (n != kNoNode) {
       lru_remove(n);
-      on_held_change(n, nodes[n].num_held_children > 0);
+      on_referenced(n);
     }
   }
 }
@@ -231,7 +233,7 @@ void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
       primary_free.push_back(b);
     } else {
       lru_push(n);
-      on_held_change(n, true);
+      on_unreferenced(n);
     }
   }
 }
@@ -282,7 +284,6 @@ NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
         const Node& x = nodes[n];
         if (x.pinned) continue;
         if ((pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) {
-          prefetch_for_eviction(n);
           return n;
         }
       }
@@ -291,43 +292,43 @@ NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
   return kNoNode;
 }
 
-// Taking num_blocks blocks evicts the primary pool's first LRU leaves, and offloading them drops
-// as many of the secondary pool's: start loading the index buckets those drops erase, so their
+// Taking count blocks evicts the primary pool's first LRU leaves; offloading them drops as many
+// of the secondary pool's (without a host tier, or below secondary_offload_min_priority, the
+// primary victims are dropped themselves). A drop erases two index buckets at random places:
+// the likely victims are listed first (the LRU lists are walked in order, along the chains that
+// were released) and each one's buckets are loaded kPrefetchDistance evictions ahead, so the
 // cache misses overlap instead of being paid one eviction after another.
-void KVCacheManager::Impl::prefetch_victims(int32_t num_blocks) const {
-  const int32_t num_evictions = num_blocks - static_cast<int32_t>(primary_free.size());
-  if (num_evictions <= 0 || config.num_secondary_blocks == 0) return;
-  int32_t left = num_evictions - static_cast<int32_t>(secondary_free.size());
-  const LruLists& l = lru[static_cast<int>(PoolKind::kSecondary)];
-  for (int word = 0; word < 2 && left > 0; ++word) {
-    uint64_t bits = l.nonempty[word];
-    while (bits != 0 && left > 0) {
-      const int p = word * 64 + __builtin_ctzll(bits);
-      bits &= bits - 1;
-      for (NodeId n = l.head[p]; n != kNoNode && left > 0; n = nodes[n].lru_next, --left) {
-        const Node& x = nodes[n];
-        key_index.prefetch_for_write(x.hash);
-        if (config.enable_partial_reuse) partial_index.prefetch_for_write(x.partial_key);
+void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<BlockId>& out) {
+  const int32_t num_evictions = count - static_cast<int32_t>(primary_free.size());
+  victim_forecast.clear();
+  if (num_evictions > 1) {
+    const bool offload = config.num_secondary_blocks > 0;
+    for (int pool = 0; pool < (offload ? 2 : 1); ++pool) {
+      int32_t left = pool == 0 ? num_evictions : num_evictions - static_cast<int32_t>(secondary_free.size());
+      const LruLists& l = lru[pool];
+      for (int word = 0; word < 2 && left > 0; ++word) {
+        for (uint64_t bits = l.nonempty[word]; bits != 0 && left > 0; bits &= bits - 1) {
+          const int p = word * 64 + __builtin_ctzll(bits);
+          for (NodeId n = l.head[p]; n != kNoNode && left > 0; n = nodes[n].lru_next, --left) {
+            if (pool == 1 || !offload || nodes[n].priority < config.secondary_offload_min_priority) {
+              victim_forecast.push_back(n);
+            }
+          }
+        }
       }
     }
   }
-}
-
-// Eviction touches the victim's index slots, its tree and LRU neighbours: start loading them now
-// so their cache misses overlap. The next victim (usually the LRU successor) gets its index slots
-// loaded one eviction ahead, and the one after it its node.
-void KVCacheManager::Impl::prefetch_for_eviction(NodeId n) const {
-  const Node& x = nodes[n];
-  key_index.prefetch(x.hash);
-  if (config.enable_partial_reuse) partial_index.prefetch(x.partial_key);
-  prefetch_line(&nodes[x.parent]);
-  if (x.prev_sibling != kNoNode) prefetch_line(&nodes[x.prev_sibling]);
-  if (x.next_sibling != kNoNode) prefetch_line(&nodes[x.next_sibling]);
-  if (x.lru_next == kNoNode) return;
-  const Node& next = nodes[x.lru_next];
-  key_index.prefetch(next.hash);
-  if (config.enable_partial_reuse) partial_index.prefetch(next.partial_key);
-  if (next.lru_next != kNoNode) prefetch_line(&nodes[next.lru_next]);
+  constexpr size_t kPrefetchDistance = 8;
+  auto prefetch_drop = [this](NodeId n) {
+    key_index.prefetch_for_write(nodes[n].hash);
+    if (config.enable_partial_reuse) partial_index.prefetch_for_write(nodes[n].partial_key);
+  };
+  for (size_t k = 0; k < std::min(kPrefetchDistance, victim_forecast.size()); ++k) prefetch_drop(victim_forecast[k]);
+  for (int32_t i = 0; i < count; ++i) {
+    const size_t ahead = static_cast<size_t>(i) + kPrefetchDistance;
+    if (ahead < victim_forecast.size()) prefetch_drop(victim_forecast[ahead]);
+    out.push_back(take_new_primary_block());
+  }
 }
 
 // Frees the victim's primary block for the caller: the node moves to the secondary pool
@@ -395,9 +396,8 @@ void KVCacheManager::Impl::emit_copy(PoolKind src_pool, BlockId src, PoolKind ds
   copy_ops.push_back(CopyOp{src_pool, src, dst_pool, dst, num_tokens});
 }
 
-void KVCacheManager::Impl::emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
+void KVCacheManager::Impl::record_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
   const int64_t id = next_event_id++;
-  if (config.event_buffer_max_size <= 0) return;
   if (static_cast<int32_t>(events.size()) >= config.event_buffer_max_size) events.pop_front();
   KvCacheEvent e;
   e.event_id = id;

@@ -69,34 +69,25 @@ void KVCacheManager::Impl::validate_spec(const SequenceSpec& spec) const {
 }
 
 void KVCacheManager::Impl::extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids,
-                                         const ExtraId* extra_ids, uint64_t lora, uint64_t salt, size_t end,
-                                         bool for_store) const {
+                                         const ExtraId* extra_ids, uint64_t identity, size_t end,
+                                         bool prefetch) const {
   const size_t first = hashes.size();
   uint64_t parent_hash = first == 0 ? 0 : hashes.back();
+  hashes.resize(end);
   for (size_t i = first; i < end; ++i) {
     const TokenId* t = token_ids + i * tpb;
     const ExtraId* e = extra_ids ? extra_ids + i * tpb : nullptr;
-    const uint64_t h = block_key_hash(parent_hash, t, e, tpb, lora, salt, key_hash_bits);
-    if (!for_store) key_index.prefetch(h);  // stores prefetch a sliding window ahead instead
-    hashes.push_back(h);
+    const uint64_t h = block_key(parent_hash, block_content_hash(t, e, tpb), identity, key_hash_bits);
+    if (prefetch) key_index.prefetch(h);
+    hashes[i] = h;
     parent_hash = h;
-  }
-  if (for_store) return;
-  for (size_t i = first; i < end; ++i) {
-    key_index.find(hashes[i], [&](NodeId n) {
-      const char* tokens = reinterpret_cast<const char*>(node_tokens(n));
-      prefetch_line(&nodes[n]);
-      prefetch_line(&node_info[n]);
-      prefetch_line(tokens);
-      prefetch_line(tokens + sizeof(TokenId) * tpb - 1);
-      return false;
-    });
   }
 }
 
 KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceSpec& spec) const {
   MatchPlan plan;
   if (!config.enable_block_reuse) return plan;
+  plan.identity = key_identity(spec.lora_task_id, spec.cache_salt);
   const TokenId* tokens = spec.token_ids.data();
   const ExtraId* extras = spec.extra_ids.empty() ? nullptr : spec.extra_ids.data();
   // The last prompt token is always computed, so a fully cached prompt still yields logits.
@@ -107,8 +98,9 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   size_t i = 0;
   for (; i < num_matchable; ++i) {
     if (i == plan.hashes.size()) {
-      extend_hashes(plan.hashes, tokens, extras, spec.lora_task_id, spec.cache_salt,
-                    std::min(num_matchable, i + kChunk), /*for_store=*/false);
+      if (i == 0) plan.hashes.reserve(num_matchable);
+      extend_hashes(plan.hashes, tokens, extras, plan.identity, std::min(num_matchable, i + kChunk),
+                    /*prefetch=*/true);
     }
     const TokenId* t = tokens + i * tpb;
     const ExtraId* e = extras ? extras + i * tpb : nullptr;
@@ -134,7 +126,7 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   // a held one (pinning it costs nothing), then the most recently used.
   const TokenId* t = tokens + i * tpb;
   const ExtraId* e = extras ? extras + i * tpb : nullptr;
-  const uint64_t key = partial_key(plan.last_hash, t[0], spec.lora_task_id, spec.cache_salt);
+  const uint64_t key = partial_key(plan.last_hash, t[0], plan.identity);
   partial_index.find(key, [&](NodeId n) {
     const Node& x = nodes[n];
     if (x.parent != parent || x.partial_key != key || node_info[n].lora_task_id != spec.lora_task_id ||
@@ -190,7 +182,6 @@ int32_t KVCacheManager::Impl::settle_blocks_to_add(MatchPlan& plan, int32_t num_
 // generation; the sequence now holds it, so it counts as computed by that sequence.
 void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id) {
   Node& x = nodes[n];
-  const bool was_held = is_held(n);
   lru_remove(n);
   primary_node[x.block_id] = kNoNode;
   primary_free.push_back(x.block_id);
@@ -199,7 +190,16 @@ void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequenc
   x.priority = static_cast<uint8_t>(seq.priority);
   node_info[n].owner = seq_id;
   x.owner_running = true;
-  on_held_change(n, was_held);
+  on_referenced(n);
+}
+
+// The index buckets that storing block j of seq writes.
+void KVCacheManager::Impl::prefetch_store(const Sequence& seq, int32_t j) const {
+  key_index.prefetch_for_write(seq.block_hashes[j]);
+  if (config.enable_partial_reuse) {
+    const uint64_t parent_hash = j == 0 ? 0 : seq.block_hashes[j - 1];
+    partial_index.prefetch_for_write(partial_key(parent_hash, seq.token_ids[static_cast<size_t>(j) * tpb], seq.identity));
+  }
 }
 
 // Gives keys to the sequence's newly computed full blocks (early reuse). A block whose key is
@@ -213,26 +213,17 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
   // their index slots, so the cache misses of the lookups below overlap.
   if (seq.block_hashes.size() < static_cast<size_t>(num_full)) {
     extend_hashes(seq.block_hashes, seq.token_ids.data(), seq.extra_ids.empty() ? nullptr : seq.extra_ids.data(),
-                  seq.lora_task_id, seq.cache_salt, num_full, /*for_store=*/true);
+                  seq.identity, num_full, /*prefetch=*/false);
   }
-  // Index slots are loaded kPrefetchDistance blocks ahead of their insert: far enough for the
+  // Index buckets are loaded kPrefetchDistance blocks ahead of their insert: far enough for the
   // miss to complete, few enough that the CPU keeps every prefetch in flight.
   constexpr int32_t kPrefetchDistance = 6;
-  const TokenId* all_tokens = seq.token_ids.data();
-  auto prefetch_block = [&](int32_t j) {
-    const uint64_t parent_hash = j == 0 ? 0 : seq.block_hashes[j - 1];
-    key_index.prefetch(seq.block_hashes[j]);
-    if (config.enable_partial_reuse) {
-      partial_index.prefetch(partial_key(parent_hash, all_tokens[static_cast<size_t>(j) * tpb], seq.lora_task_id,
-                                         seq.cache_salt));
-    }
-  };
   for (int32_t j = seq.num_stored_blocks; j < std::min(num_full, seq.num_stored_blocks + kPrefetchDistance); ++j) {
-    prefetch_block(j);
+    prefetch_store(seq, j);
   }
   while (seq.num_stored_blocks < num_full && !seq.chain_broken) {
     const int32_t i = seq.num_stored_blocks;
-    if (i + kPrefetchDistance < num_full) prefetch_block(i + kPrefetchDistance);
+    if (i + kPrefetchDistance < num_full) prefetch_store(seq, i + kPrefetchDistance);
     const NodeId parent = i == 0 ? root : seq.last_node;
     const BlockId block = seq.block_ids[i];
     if (i > 0 && (!nodes[parent].live || node_info[parent].generation != seq.last_node_generation ||
@@ -357,6 +348,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   }
   seq.lora_task_id = spec.lora_task_id;
   seq.cache_salt = spec.cache_salt;
+  seq.identity = key_identity(spec.lora_task_id, spec.cache_salt);
   seq.priority = spec.priority;
 
   // Pin what this sequence is about to read so the allocations below cannot evict it.
@@ -392,8 +384,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
     ++m.stats.partial_reused_blocks;
   }
   const int32_t total = std::max(m.blocks_for(num_tokens), static_cast<int32_t>(seq.block_ids.size()));
-  m.prefetch_victims(total - static_cast<int32_t>(seq.block_ids.size()));
-  while (static_cast<int32_t>(seq.block_ids.size()) < total) seq.block_ids.push_back(m.take_new_primary_block());
+  m.take_new_primary_blocks(total - static_cast<int32_t>(seq.block_ids.size()), seq.block_ids);
 
   AddSequenceResult r;
   r.num_reused_blocks = static_cast<int32_t>(plan.nodes.size());
@@ -434,7 +425,7 @@ void KVCacheManager::allocate(SequenceId seq_id, int32_t num_tokens) {
                            str(num_tokens) + " tokens but only " + str(m.num_available()) + " of " +
                            str(m.config.num_primary_blocks) + " are available");
   }
-  for (int32_t i = 0; i < need; ++i) seq.block_ids.push_back(m.take_new_primary_block());
+  m.take_new_primary_blocks(need, seq.block_ids);
   m.stats.alloc_total_blocks += need;
   m.stats.alloc_new_blocks += need;
 }
@@ -490,8 +481,8 @@ int32_t KVCacheManager::num_computed_tokens(SequenceId seq_id) const {
 std::vector<BlockId> KVCacheManager::block_ids(SequenceId seq_id) const { return impl_->get(seq_id).block_ids; }
 
 std::vector<CopyOp> KVCacheManager::take_copy_ops() {
-  std::vector<CopyOp> out;
-  out.swap(impl_->copy_ops);
+  std::vector<CopyOp> out(impl_->copy_ops);  // the manager keeps its buffer's capacity
+  impl_->copy_ops.clear();
   return out;
 }
 

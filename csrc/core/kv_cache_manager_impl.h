@@ -72,6 +72,7 @@ struct KVCacheManager::Impl {
     std::vector<ExtraId> extra_ids;  // empty when all are 0; else one per token
     uint64_t lora_task_id = 0;
     uint64_t cache_salt = 0;
+    uint64_t identity = 0;           // key_identity(lora_task_id, cache_salt)
     int32_t priority = kDefaultPriority;
     std::vector<BlockId> block_ids;  // primary block table, kNoBlock where the window released
     std::vector<uint64_t> block_hashes;  // keys of its first full blocks, as far as computed
@@ -87,6 +88,7 @@ struct KVCacheManager::Impl {
   struct MatchPlan {
     std::vector<NodeId> nodes;       // the matched chain, root first
     std::vector<uint64_t> hashes;    // keys of the prompt's first blocks (at least the matched ones)
+    uint64_t identity = 0;           // key_identity(lora_task_id, cache_salt)
     uint64_t last_hash = 0;
     int32_t num_secondary = 0;
     int32_t num_held_primary = 0;    // matched primary nodes already held (not in num_available)
@@ -103,11 +105,11 @@ struct KVCacheManager::Impl {
   const ExtraId* node_extras(NodeId n) const {
     return nodes[n].has_extras ? &node_extra_ids[static_cast<size_t>(n) * tpb] : nullptr;
   }
-  // Partial-reuse candidates are found by (parent key hash, first token, LoRA, salt); the parent
-  // node itself is compared on lookup.
-  static uint64_t partial_key(uint64_t parent_hash, TokenId first_token, uint64_t lora, uint64_t salt) {
-    return mix64(parent_hash * 0x9E3779B97F4A7C15ULL + static_cast<uint32_t>(first_token)) ^
-           mix64(lora + rotl64(salt, 29) + 0x632BE59BD9B4E019ULL);
+  // Partial-reuse candidates are found by (parent key hash, first token, LoRA + salt identity);
+  // the parent node itself is compared on lookup.
+  static uint64_t partial_key(uint64_t parent_hash, TokenId first_token, uint64_t identity) {
+    return fold_mul(parent_hash ^ 0x632BE59BD9B4E019ULL,
+                    (static_cast<uint64_t>(static_cast<uint32_t>(first_token)) | (1ULL << 40)) ^ identity);
   }
   NodeId find_child(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
                     uint64_t lora, uint64_t salt) const;
@@ -115,7 +117,20 @@ struct KVCacheManager::Impl {
     const Node& x = nodes[n];
     return x.pool == PoolKind::kPrimary && (primary_refcount[x.block_id] > 0 || x.num_held_children > 0);
   }
-  void on_held_change(NodeId n, bool was_held);
+  // Held-state bookkeeping (num_unheld_primary, num_held_children): a primary node's block got
+  // its first reference, or lost its last one; a node got a held child, or lost one.
+  void on_referenced(NodeId n) {
+    if (nodes[n].num_held_children > 0) return;  // held already
+    --num_unheld_primary;
+    on_child_held(nodes[n].parent);
+  }
+  void on_unreferenced(NodeId n) {
+    if (nodes[n].num_held_children > 0) return;  // still held
+    ++num_unheld_primary;
+    on_child_unheld(nodes[n].parent);
+  }
+  void on_child_held(NodeId p);
+  void on_child_unheld(NodeId p);
   void lru_push(NodeId n);
   void lru_remove(NodeId n);
   void add_child(NodeId parent, NodeId n);
@@ -130,12 +145,18 @@ struct KVCacheManager::Impl {
   BlockId acquire_secondary();       // kNoBlock when no secondary block can be had
   NodeId find_victim(PoolKind pool) const;
   BlockId evict_primary(NodeId victim);
-  void prefetch_for_eviction(NodeId n) const;
-  void prefetch_victims(int32_t num_blocks) const;
+  void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
   void drop_tree(NodeId n);
   void drop_node(NodeId n);  // a node without children
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
-  void emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens);
+  void emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
+    if (config.event_buffer_max_size > 0) {
+      record_event(kind, n, with_tokens);
+    } else {
+      ++next_event_id;  // ids count every event, recorded or not
+    }
+  }
+  void record_event(KvCacheEventKind kind, NodeId n, bool with_tokens);
 
   // ---- sequences (kv_cache_manager.cpp) ----
   int32_t blocks_for(int64_t num_tokens) const {
@@ -147,7 +168,7 @@ struct KVCacheManager::Impl {
   // Appends the keys of blocks [hashes.size(), end) and starts loading their index slots (and,
   // for lookups, the nodes found there), so the misses of a whole run of blocks overlap.
   void extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
-                     uint64_t lora, uint64_t salt, size_t end, bool for_store) const;
+                     uint64_t identity, size_t end, bool prefetch) const;
   // Blocks add_sequence takes out of num_available() for num_tokens tokens. Drops the plan's
   // partial copy when pinning its source would leave too few blocks (those tokens are computed).
   int32_t settle_blocks_to_add(MatchPlan& plan, int32_t num_tokens) const;
@@ -155,6 +176,7 @@ struct KVCacheManager::Impl {
   Sequence& get(SequenceId id);
   const Sequence& get(SequenceId id) const;
   void store_blocks(SequenceId seq_id, Sequence& seq);
+  void prefetch_store(const Sequence& seq, int32_t j) const;
   void release_window(SequenceId seq_id, Sequence& seq);
 
   CacheConfig config;
@@ -183,6 +205,7 @@ struct KVCacheManager::Impl {
   uint64_t lru_clock = 0;
 
   std::unordered_map<SequenceId, Sequence> sequences;
+  std::vector<NodeId> victim_forecast;     // scratch of take_new_primary_blocks
   std::vector<CopyOp> copy_ops;
   std::deque<KvCacheEvent> events;
   int64_t next_event_id = 0;
