@@ -105,6 +105,7 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
     const TokenId* t = tokens + i * tpb;
     const ExtraId* e = extras ? extras + i * tpb : nullptr;
     const uint64_t h = plan.hashes[i];
+    if (nodes[parent].num_children == 0) break;  // nothing below it to match
     const NodeId n = find_child(parent, h, t, e, spec.lora_task_id, spec.cache_salt);
     if (n == kNoNode) break;
     plan.nodes.push_back(n);
@@ -252,7 +253,8 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     const TokenId* t = seq.token_ids.data() + static_cast<size_t>(i) * tpb;
     const ExtraId* e = seq.extra_ids.empty() ? nullptr : seq.extra_ids.data() + static_cast<size_t>(i) * tpb;
     const uint64_t h = seq.block_hashes[i];
-    NodeId n = find_child(parent, h, t, e, seq.lora_task_id, seq.cache_salt);
+    // A parent without children (one this loop just stored, typically) has no match to find.
+    NodeId n = nodes[parent].num_children == 0 ? kNoNode : find_child(parent, h, t, e, seq.lora_task_id, seq.cache_salt);
     if (n == kNoNode) {
       n = store_node(parent, h, t, e, seq, seq_id, block);
     } else if (nodes[n].pool == PoolKind::kSecondary) {

@@ -12,6 +12,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "block_key.h"
 #include "huge_page_allocator.h"
 
@@ -35,41 +39,41 @@ inline void prefetch_line_for_write(const void* p) {
 class NodeIndex {
  public:
   explicit NodeIndex(size_t max_nodes) {
-    size_t num_buckets = 1;
+    size_t num_buckets = 2;
     while (num_buckets * kEntriesPerBucket < 2 * max_nodes + 2) num_buckets *= 2;
     buckets_.assign(num_buckets, Bucket{});
     mask_ = num_buckets - 1;
+    shift_ = 64 - __builtin_ctzll(num_buckets);
   }
 
   // Calls visit(node) for each node indexed under key (and, rarely, one whose key shares the
   // 32-bit tag) until visit returns true; returns that node, or kNoNode.
   template <typename Visit>
   NodeId find(uint64_t key, Visit&& visit) const {
-    const uint64_t h = mix64(key);
-    const uint32_t tag = tag_of(h);
-    for (size_t b = h & mask_;; b = (b + 1) & mask_) {
+    const uint32_t tag = tag_of(key);
+    for (size_t b = home(key);; b = (b + 1) & mask_) {
       const Bucket& bucket = buckets_[b];
-      for (const Entry& e : bucket.entries) {
-        if (e.tag == tag && e.node != kNoNode && visit(e.node)) return e.node;
+      for (uint32_t hits = match_tags(bucket, tag); hits != 0; hits &= hits - 1) {
+        const NodeId n = bucket.entries[__builtin_ctz(hits) / 2].node;
+        if (n != kNoNode && visit(n)) return n;
       }
       if (bucket.num_overflow == 0) return kNoNode;
     }
   }
 
   // Starts loading key's home bucket into the cache (many keys in flight overlap their misses).
-  void prefetch(uint64_t key) const { prefetch_line(&buckets_[mix64(key) & mask_]); }
-  void prefetch_for_write(uint64_t key) const { prefetch_line_for_write(&buckets_[mix64(key) & mask_]); }
+  void prefetch(uint64_t key) const { prefetch_line(&buckets_[home(key)]); }
+  void prefetch_for_write(uint64_t key) const { prefetch_line_for_write(&buckets_[home(key)]); }
 
   void insert(uint64_t key, NodeId node) {
-    const uint64_t h = mix64(key);
-    for (size_t b = h & mask_;; b = (b + 1) & mask_) {
+    for (size_t b = home(key);; b = (b + 1) & mask_) {
       Bucket& bucket = buckets_[b];
-      for (Entry& e : bucket.entries) {
-        if (e.node == kNoNode) {
-          e.tag = tag_of(h);
-          e.node = node;
-          return;
-        }
+      const uint32_t free = match_nodes(bucket, kNoNode);
+      if (free != 0) {
+        Entry& e = bucket.entries[__builtin_ctz(free) / 2];
+        e.tag = tag_of(key);
+        e.node = node;
+        return;
       }
       ++bucket.num_overflow;  // full: the entry lives further on
     }
@@ -77,15 +81,13 @@ class NodeIndex {
 
   // Removes the entry of node under key (it must be there).
   void erase(uint64_t key, NodeId node) {
-    const uint64_t h = mix64(key);
-    const size_t home = h & mask_;
-    for (size_t b = home;; b = (b + 1) & mask_) {
-      for (Entry& e : buckets_[b].entries) {
-        if (e.node == node) {
-          e.node = kNoNode;
-          for (size_t p = home; p != b; p = (p + 1) & mask_) --buckets_[p].num_overflow;
-          return;
-        }
+    const size_t start = home(key);
+    for (size_t b = start;; b = (b + 1) & mask_) {
+      const uint32_t hit = match_nodes(buckets_[b], node);
+      if (hit != 0) {
+        buckets_[b].entries[__builtin_ctz(hit) / 2].node = kNoNode;
+        for (size_t p = start; p != b; p = (p + 1) & mask_) --buckets_[p].num_overflow;
+        return;
       }
       if (buckets_[b].num_overflow == 0) return;  // not indexed (a bug, but harmless here)
     }
@@ -104,10 +106,41 @@ class NodeIndex {
   };
   static_assert(sizeof(Bucket) == 64, "a bucket is one cache line");
 
-  static uint32_t tag_of(uint64_t h) { return static_cast<uint32_t>(h >> 32); }
+  // Keys are already hashes (block keys, partial keys): one multiply spreads them over the
+  // buckets (its high bits), and the tag folds both halves.
+  size_t home(uint64_t key) const { return static_cast<size_t>((key * 0x9E3779B97F4A7C15ULL) >> shift_); }
+  static uint32_t tag_of(uint64_t key) { return static_cast<uint32_t>(key) ^ static_cast<uint32_t>(key >> 32); }
+
+  // Bit 2k set when entry k's tag equals value (match_tags) or its node does (match_nodes): the
+  // bucket is 16 32-bit words, (tag, node) x 7 then the overflow count and padding.
+  static constexpr uint32_t kEntryWords = 0x1555;  // words 0, 2, ..., 12
+  static uint32_t match_tags(const Bucket& bucket, uint32_t value) { return match_words(bucket, value) & kEntryWords; }
+  static uint32_t match_nodes(const Bucket& bucket, NodeId value) {
+    return (match_words(bucket, static_cast<uint32_t>(value)) >> 1) & kEntryWords;
+  }
+  static uint32_t match_words(const Bucket& bucket, uint32_t value) {
+#if defined(__SSE2__)
+    const auto* words = reinterpret_cast<const __m128i*>(&bucket);
+    const __m128i v = _mm_set1_epi32(static_cast<int>(value));
+    uint32_t bits = 0;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i eq = _mm_cmpeq_epi32(_mm_load_si128(words + i), v);
+      bits |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(eq))) << (4 * i);
+    }
+    return bits;
+#else
+    uint32_t bits = 0;
+    for (int k = 0; k < kEntriesPerBucket; ++k) {
+      bits |= static_cast<uint32_t>(bucket.entries[k].tag == value) << (2 * k);
+      bits |= static_cast<uint32_t>(static_cast<uint32_t>(bucket.entries[k].node) == value) << (2 * k + 1);
+    }
+    return bits;
+#endif
+  }
 
   std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;
   size_t mask_ = 0;
+  int shift_ = 64;  // 64 - log2(number of buckets)
 };
 
 }  // namespace kvtool
