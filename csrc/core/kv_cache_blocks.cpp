@@ -172,7 +172,9 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   free_node_ids.pop_back();
   Node& x = nodes[n];
   NodeInfo& info = node_info[n];
+  const uint32_t generation = x.generation;
   x = Node{};
+  x.generation = generation;
   x.live = true;
   x.hash = hash;
   info.lora_task_id = seq.lora_task_id;
@@ -305,14 +307,16 @@ void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<Bl
     const bool offload = config.num_secondary_blocks > 0;
     for (int pool = 0; pool < (offload ? 2 : 1); ++pool) {
       int32_t left = pool == 0 ? num_evictions : num_evictions - static_cast<int32_t>(secondary_free.size());
+      // Offloaded primary victims keep their index entries: only the lists below
+      // secondary_offload_min_priority (whose victims are dropped) are walked.
+      const int end_priority = pool == 0 && offload ? config.secondary_offload_min_priority : kNumPriorities;
       const LruLists& l = lru[pool];
       for (int word = 0; word < 2 && left > 0; ++word) {
         for (uint64_t bits = l.nonempty[word]; bits != 0 && left > 0; bits &= bits - 1) {
           const int p = word * 64 + __builtin_ctzll(bits);
+          if (p >= end_priority) break;
           for (NodeId n = l.head[p]; n != kNoNode && left > 0; n = nodes[n].lru_next, --left) {
-            if (pool == 1 || !offload || nodes[n].priority < config.secondary_offload_min_priority) {
-              victim_forecast.push_back(n);
-            }
+            victim_forecast.push_back(n);
           }
         }
       }
@@ -386,8 +390,9 @@ void KVCacheManager::Impl::drop_node(NodeId n) {
   } else {
     primary_node[x.block_id] = kNoNode;
   }
+  const uint32_t generation = x.generation + 1;
   x = Node{};
-  ++node_info[n].generation;
+  x.generation = generation;
   free_node_ids.push_back(n);
 }
 

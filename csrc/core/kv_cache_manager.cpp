@@ -227,7 +227,7 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     if (i + kPrefetchDistance < num_full) prefetch_store(seq, i + kPrefetchDistance);
     const NodeId parent = i == 0 ? root : seq.last_node;
     const BlockId block = seq.block_ids[i];
-    if (i > 0 && (!nodes[parent].live || node_info[parent].generation != seq.last_node_generation ||
+    if (i > 0 && (!nodes[parent].live || nodes[parent].generation != seq.last_node_generation ||
                   nodes[parent].pool != PoolKind::kPrimary)) {
       seq.chain_broken = true;  // the parent was evicted or offloaded after the window let it go
       break;
@@ -267,7 +267,7 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
       take_over_node(n, block, seq, seq_id);  // frees the cached copy's block: nothing is pinned
     }
     seq.last_node = n;
-    seq.last_node_generation = node_info[n].generation;
+    seq.last_node_generation = nodes[n].generation;
     ++seq.num_stored_blocks;
   }
 }
@@ -405,7 +405,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   seq.num_computed_tokens = r.num_reused_tokens;
   seq.num_stored_blocks = r.num_reused_blocks;
   seq.last_node = plan.nodes.empty() ? m.root : plan.nodes.back();
-  seq.last_node_generation = m.node_info[seq.last_node].generation;
+  seq.last_node_generation = m.nodes[seq.last_node].generation;
   auto& stored = m.sequences.emplace(seq_id, std::move(seq)).first->second;
   m.release_window(seq_id, stored);
   return r;

@@ -39,13 +39,17 @@ struct KVCacheManager::Impl {
     int32_t num_primary_children = 0;
     int32_t num_held_children = 0;  // primary children that are held (see is_held)
     BlockId block_id = kNoBlock;
+    uint32_t generation = 0;        // bumped when the node slot is freed (kept across reuse)
     uint8_t priority = kDefaultPriority;
     PoolKind pool = PoolKind::kPrimary;
-    bool live = false;
-    bool in_lru = false;
-    bool pinned = false;            // being onboarded / copied: not an eviction candidate
-    bool has_extras = false;        // some extra id of the block is non-zero
-    bool owner_running = false;     // owner still references the block (early reuse)
+    // Flags (zero in Node{}): live; in an LRU list; pinned = being onboarded / copied, not an
+    // eviction candidate; some extra id of the block is non-zero; the owner (the sequence that
+    // computed it) still references the block (early reuse).
+    bool live : 1;
+    bool in_lru : 1;
+    bool pinned : 1;
+    bool has_extras : 1;
+    bool owner_running : 1;
   };
   static_assert(sizeof(Node) == 64, "a node is one cache line");
 
@@ -55,7 +59,6 @@ struct KVCacheManager::Impl {
     uint64_t cache_salt = 0;
     SequenceId owner = 0;           // the sequence that computed it
     uint64_t lru_stamp = 0;         // when it last entered an LRU list (tie-break of partial sources)
-    uint32_t generation = 0;        // bumped when the node slot is freed
   };
 
   struct LruLists {
