@@ -272,6 +272,12 @@ BlockId KVCacheManager::Impl::acquire_secondary() {
   return b;
 }
 
+int KVCacheManager::Impl::lowest_priority(const LruLists& l) {
+  if (l.nonempty[0] != 0) return __builtin_ctzll(l.nonempty[0]);
+  if (l.nonempty[1] != 0) return 64 + __builtin_ctzll(l.nonempty[1]);
+  return -1;
+}
+
 // Lowest priority first, least recently used within a priority, leaves only: a primary node
 // with primary children (or any node with children in the secondary pool) is skipped, so a
 // chain is never broken in the middle.
@@ -322,17 +328,102 @@ void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<Bl
       }
     }
   }
-  constexpr size_t kPrefetchDistance = 8;
-  auto prefetch_drop = [this](NodeId n) {
-    key_index.prefetch_for_write(nodes[n].hash);
-    if (config.enable_partial_reuse) partial_index.prefetch_for_write(nodes[n].partial_key);
-  };
-  for (size_t k = 0; k < std::min(kPrefetchDistance, victim_forecast.size()); ++k) prefetch_drop(victim_forecast[k]);
-  for (int32_t i = 0; i < count; ++i) {
-    const size_t ahead = static_cast<size_t>(i) + kPrefetchDistance;
-    if (ahead < victim_forecast.size()) prefetch_drop(victim_forecast[ahead]);
+  forecast_prefetched = 0;
+  for (int32_t taken = 0; taken < count;) {
+    prefetch_forecast(static_cast<size_t>(taken));
+    if (primary_free.empty()) {
+      const int32_t num_offloaded = offload_run(count - taken, out, static_cast<size_t>(taken));
+      if (num_offloaded > 0) {
+        taken += num_offloaded;
+        continue;
+      }
+    }
     out.push_back(take_new_primary_block());
+    ++taken;
   }
+}
+
+// Loads the index buckets of the forecast victims up to kForecastDistance ahead of the
+// num_taken-th block taken.
+void KVCacheManager::Impl::prefetch_forecast(size_t num_taken) {
+  const size_t end = std::min(victim_forecast.size(), num_taken + kForecastDistance);
+  for (; forecast_prefetched < end; ++forecast_prefetched) {
+    const Node& x = nodes[victim_forecast[forecast_prefetched]];
+    key_index.prefetch_for_write(x.hash);
+    if (config.enable_partial_reuse) partial_index.prefetch_for_write(x.partial_key);
+  }
+}
+
+// The steady state of a full cache, in bulk: offloads a run of primary LRU leaves from the head of
+// the lowest-priority list, each into a free secondary block or the block of a secondary LRU leaf
+// dropped for it, and splices the run onto the secondary list once (its LRU links are already in
+// order). Every effect — copy ops, events, stamps, counters, which nodes go — is that of as many
+// take_new_primary_block calls; the run stops (returning the blocks taken so far) wherever a
+// single call could choose differently: a pinned or non-leaf head, a victim that would be
+// dropped, or a secondary victim that would not be the head of the list the run started from.
+int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockId>& out, size_t num_taken) {
+  if (config.num_secondary_blocks == 0) return 0;
+  LruLists& from = lru[static_cast<int>(PoolKind::kPrimary)];
+  LruLists& to = lru[static_cast<int>(PoolKind::kSecondary)];
+  const int p = lowest_priority(from);
+  if (p < 0 || p < config.secondary_offload_min_priority) return 0;
+  // Offloaded nodes join secondary list p: a secondary victim must come from a list before it
+  // (or from list p's older nodes), else a single call would drop a node of this very run.
+  const int q = lowest_priority(to);
+  const bool may_drop = q >= 0 && q <= p;
+  const NodeId first = from.head[p];
+  NodeId v = first, last = kNoNode;
+  int32_t n = 0;
+  while (n < max_blocks && v != kNoNode) {
+    Node& x = nodes[v];
+    if (x.pinned || x.num_primary_children > 0) break;
+    if (secondary_free.empty()) {
+      if (!may_drop) break;
+      const NodeId victim = to.head[q];
+      if (victim == kNoNode || nodes[victim].pinned || nodes[victim].num_children > 0) break;
+      drop_node(victim);  // a leaf: its block goes back to secondary_free
+    }
+    const BlockId dst = secondary_free.back();
+    secondary_free.pop_back();
+    const BlockId block = x.block_id;
+    emit_copy(PoolKind::kPrimary, block, PoolKind::kSecondary, dst, tpb);
+    primary_node[block] = kNoNode;
+    --nodes[x.parent].num_primary_children;
+    --num_unheld_primary;
+    x.pool = PoolKind::kSecondary;
+    x.block_id = dst;
+    secondary_node[dst] = v;
+    node_info[v].lru_stamp = ++lru_clock;
+    ++stats.offloaded_blocks;
+    stats.num_offloaded_tokens += tpb;
+    emit_event(KvCacheEventKind::kOffloaded, v, false);
+    primary_refcount[block] = 1;
+    ++num_used_primary;
+    out.push_back(block);
+    last = v;
+    v = x.lru_next;
+    ++n;
+    prefetch_forecast(num_taken + static_cast<size_t>(n));
+  }
+  if (n == 0) return 0;
+  // Unlink [first, last] from the head of primary list p; append it to secondary list p.
+  from.head[p] = v;
+  if (v != kNoNode) {
+    nodes[v].lru_prev = kNoNode;
+  } else {
+    from.tail[p] = kNoNode;
+    from.nonempty[p >> 6] &= ~(1ULL << (p & 63));
+  }
+  nodes[first].lru_prev = to.tail[p];
+  if (to.tail[p] != kNoNode) {
+    nodes[to.tail[p]].lru_next = first;
+  } else {
+    to.head[p] = first;
+  }
+  to.tail[p] = last;
+  nodes[last].lru_next = kNoNode;
+  to.nonempty[p >> 6] |= 1ULL << (p & 63);
+  return n;
 }
 
 // Frees the victim's primary block for the caller: the node moves to the secondary pool

@@ -149,6 +149,10 @@ struct KVCacheManager::Impl {
   NodeId find_victim(PoolKind pool) const;
   BlockId evict_primary(NodeId victim);
   void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
+  int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out, size_t num_taken);
+  void prefetch_forecast(size_t num_taken);
+  static int lowest_priority(const LruLists& l);  // -1 when every list is empty
+  static constexpr size_t kForecastDistance = 8;  // evictions between a bucket prefetch and its use
   void drop_tree(NodeId n);
   void drop_node(NodeId n);  // a node without children
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
@@ -208,7 +212,8 @@ struct KVCacheManager::Impl {
   uint64_t lru_clock = 0;
 
   std::unordered_map<SequenceId, Sequence> sequences;
-  std::vector<NodeId> victim_forecast;     // scratch of take_new_primary_blocks
+  std::vector<NodeId> victim_forecast;     // scratch of take_new_primary_blocks: likely drops
+  size_t forecast_prefetched = 0;          // victim_forecast[0, this) have had their buckets loaded
   std::vector<CopyOp> copy_ops;
   std::deque<KvCacheEvent> events;
   int64_t next_event_id = 0;
