@@ -301,36 +301,29 @@ NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
 }
 
 // Taking count blocks evicts the primary pool's first LRU leaves; offloading them drops as many
-// of the secondary pool's (without a host tier, or below secondary_offload_min_priority, the
-// primary victims are dropped themselves). A drop erases two index buckets at random places:
-// the likely victims are listed first (the LRU lists are walked in order, along the chains that
-// were released) and each one's buckets are loaded kPrefetchDistance evictions ahead, so the
-// cache misses overlap instead of being paid one eviction after another.
+// of the secondary pool's (without a host tier the primary victims are dropped themselves). A
+// drop erases two index buckets at random places, and the victims' nodes were last touched long
+// ago. A scout walks the list the drops come from a few nodes ahead of the evictions, loading
+// each node a step before it reads it (and, runs of node ids being common, the one a stride
+// further), then the buckets of the node kForecastDistance drops ahead: the cache misses overlap
+// with the evictions instead of being paid one after another.
 void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<BlockId>& out) {
-  const int32_t num_evictions = count - static_cast<int32_t>(primary_free.size());
+  const bool offload = config.num_secondary_blocks > 0;
+  const int32_t num_drops =
+      count - static_cast<int32_t>(primary_free.size()) - (offload ? static_cast<int32_t>(secondary_free.size()) : 0);
   victim_forecast.clear();
-  if (num_evictions > 1) {
-    const bool offload = config.num_secondary_blocks > 0;
-    for (int pool = 0; pool < (offload ? 2 : 1); ++pool) {
-      int32_t left = pool == 0 ? num_evictions : num_evictions - static_cast<int32_t>(secondary_free.size());
-      // Offloaded primary victims keep their index entries: only the lists below
-      // secondary_offload_min_priority (whose victims are dropped) are walked.
-      const int end_priority = pool == 0 && offload ? config.secondary_offload_min_priority : kNumPriorities;
-      const LruLists& l = lru[pool];
-      for (int word = 0; word < 2 && left > 0; ++word) {
-        for (uint64_t bits = l.nonempty[word]; bits != 0 && left > 0; bits &= bits - 1) {
-          const int p = word * 64 + __builtin_ctzll(bits);
-          if (p >= end_priority) break;
-          for (NodeId n = l.head[p]; n != kNoNode && left > 0; n = nodes[n].lru_next, --left) {
-            victim_forecast.push_back(n);
-          }
-        }
-      }
+  forecast_prefetched = 0;
+  forecast_limit = 0;
+  if (num_drops > 1) {
+    const LruLists& l = lru[offload ? 1 : 0];
+    const int p = lowest_priority(l);
+    if (p >= 0) {
+      victim_forecast.push_back(l.head[p]);
+      forecast_limit = static_cast<size_t>(num_drops);
     }
   }
-  forecast_prefetched = 0;
   for (int32_t taken = 0; taken < count;) {
-    prefetch_forecast(static_cast<size_t>(taken));
+    scout(static_cast<size_t>(taken));
     if (primary_free.empty()) {
       const int32_t num_offloaded = offload_run(count - taken, out, static_cast<size_t>(taken));
       if (num_offloaded > 0) {
@@ -343,10 +336,22 @@ void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<Bl
   }
 }
 
-// Loads the index buckets of the forecast victims up to kForecastDistance ahead of the
-// num_taken-th block taken.
-void KVCacheManager::Impl::prefetch_forecast(size_t num_taken) {
-  const size_t end = std::min(victim_forecast.size(), num_taken + kForecastDistance);
+// Advances the scout for the num_taken-th block taken (see take_new_primary_blocks).
+void KVCacheManager::Impl::scout(size_t num_taken) {
+  const size_t walk_end = std::min(forecast_limit, num_taken + kForecastDistance + 2);
+  while (!victim_forecast.empty() && victim_forecast.size() < walk_end) {
+    const NodeId last = victim_forecast.back();
+    const NodeId next = nodes[last].lru_next;
+    if (next == kNoNode) {
+      forecast_limit = victim_forecast.size();
+      break;
+    }
+    victim_forecast.push_back(next);
+    prefetch_line(&nodes[next]);
+    const int64_t guess = 2 * static_cast<int64_t>(next) - last;
+    if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) prefetch_line(&nodes[guess]);
+  }
+  const size_t end = std::min(victim_forecast.empty() ? 0 : victim_forecast.size() - 1, num_taken + kForecastDistance);
   for (; forecast_prefetched < end; ++forecast_prefetched) {
     const Node& x = nodes[victim_forecast[forecast_prefetched]];
     key_index.prefetch_for_write(x.hash);
@@ -403,7 +408,7 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
     last = v;
     v = x.lru_next;
     ++n;
-    prefetch_forecast(num_taken + static_cast<size_t>(n));
+    scout(num_taken + static_cast<size_t>(n));
   }
   if (n == 0) return 0;
   // Unlink [first, last] from the head of primary list p; append it to secondary list p.

@@ -150,9 +150,9 @@ struct KVCacheManager::Impl {
   BlockId evict_primary(NodeId victim);
   void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
   int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out, size_t num_taken);
-  void prefetch_forecast(size_t num_taken);
+  void scout(size_t num_taken);
   static int lowest_priority(const LruLists& l);  // -1 when every list is empty
-  static constexpr size_t kForecastDistance = 8;  // evictions between a bucket prefetch and its use
+  static constexpr size_t kForecastDistance = 6;  // drops between a bucket prefetch and its use
   void drop_tree(NodeId n);
   void drop_node(NodeId n);  // a node without children
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
@@ -214,6 +214,7 @@ struct KVCacheManager::Impl {
   std::unordered_map<SequenceId, Sequence> sequences;
   std::vector<NodeId> victim_forecast;     // scratch of take_new_primary_blocks: likely drops
   size_t forecast_prefetched = 0;          // victim_forecast[0, this) have had their buckets loaded
+  size_t forecast_limit = 0;               // the scout stops at this many nodes
   std::vector<CopyOp> copy_ops;
   std::deque<KvCacheEvent> events;
   int64_t next_event_id = 0;
