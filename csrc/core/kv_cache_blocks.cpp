@@ -172,20 +172,25 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   free_node_ids.pop_back();
   Node& x = nodes[n];
   NodeInfo& info = node_info[n];
-  const uint32_t generation = x.generation;
-  x = Node{};
-  x.generation = generation;
-  x.live = true;
+  // Every field written one by one (the slot keeps its generation): no wide copy into the line
+  // followed by narrow read-modify-writes of its flag bits.
   x.hash = hash;
+  x.partial_key = 0;
+  x.first_child = x.next_sibling = x.prev_sibling = kNoNode;
+  x.lru_prev = x.lru_next = kNoNode;
+  x.num_children = x.num_primary_children = x.num_held_children = 0;
+  x.block_id = block;
+  x.priority = static_cast<uint8_t>(seq.priority);
+  x.pool = PoolKind::kPrimary;
+  x.live = true;
+  x.in_lru = false;
+  x.pinned = false;
+  x.has_extras = any_extra(extra_ids, tpb);
+  x.owner_running = true;
   info.lora_task_id = seq.lora_task_id;
   info.cache_salt = seq.cache_salt;
-  x.priority = static_cast<uint8_t>(seq.priority);
   info.owner = seq_id;
-  x.owner_running = true;
-  x.pool = PoolKind::kPrimary;
-  x.block_id = block;
   store_tokens(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, tpb);
-  x.has_extras = any_extra(extra_ids, tpb);
   if (x.has_extras) {
     if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
     std::memcpy(&node_extra_ids[static_cast<size_t>(n) * tpb], extra_ids, sizeof(ExtraId) * tpb);
@@ -382,6 +387,13 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
   while (n < max_blocks && v != kNoNode) {
     Node& x = nodes[v];
     if (x.pinned || x.num_primary_children > 0) break;
+    // The next victim (usually this one's parent) and, runs of node ids being common, the one
+    // after it: their lines load while this one is offloaded.
+    if (x.lru_next != kNoNode) {
+      prefetch_line_for_write(&nodes[x.lru_next]);
+      const int64_t guess = 2 * static_cast<int64_t>(x.lru_next) - v;
+      if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) prefetch_line_for_write(&nodes[guess]);
+    }
     if (secondary_free.empty()) {
       if (!may_drop) break;
       const NodeId victim = to.head[q];
@@ -486,15 +498,23 @@ void KVCacheManager::Impl::drop_node(NodeId n) {
   } else {
     primary_node[x.block_id] = kNoNode;
   }
-  const uint32_t generation = x.generation + 1;
-  x = Node{};
-  x.generation = generation;
+  // A dead slot is only marked so (store_node writes every field when it is reused); its
+  // generation tells sequences holding its id that it is gone.
+  ++x.generation;
+  x.live = false;
+  x.parent = kNoNode;
   free_node_ids.push_back(n);
 }
 
 void KVCacheManager::Impl::emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst,
                                      int32_t num_tokens) {
-  copy_ops.push_back(CopyOp{src_pool, src, dst_pool, dst, num_tokens});
+  // Filled in place: a CopyOp built on the stack and copied costs a store-forwarding stall.
+  CopyOp& op = copy_ops.emplace_back();
+  op.src_pool = src_pool;
+  op.src_block_id = src;
+  op.dst_pool = dst_pool;
+  op.dst_block_id = dst;
+  op.num_tokens = num_tokens;
 }
 
 void KVCacheManager::Impl::record_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
