@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstddef>
 #include <string>
 
 #include "kv_cache_manager.h"
@@ -15,31 +16,17 @@ using namespace nb::literals;
 
 namespace kvtool {
 
-CopyOpArrays make_copy_op_arrays(const std::vector<CopyOp>& ops) {
-  const size_t n = ops.size();
-  CopyOpArrays out;
-  out.src_pool.resize(n);
-  out.src_block_ids.resize(n);
-  out.dst_pool.resize(n);
-  out.dst_block_ids.resize(n);
-  out.num_tokens.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    out.src_pool[i] = static_cast<uint8_t>(ops[i].src_pool);
-    out.src_block_ids[i] = ops[i].src_block_id;
-    out.dst_pool[i] = static_cast<uint8_t>(ops[i].dst_pool);
-    out.dst_block_ids[i] = ops[i].dst_block_id;
-    out.num_tokens[i] = ops[i].num_tokens;
-  }
-  out.size = n;
-  return out;
-}
-
 namespace {
 
-// A read-only numpy view of a vector owned by the Python object it is read from.
+// A read-only numpy view of the field of type T at byte offset `offset` of every copy operation,
+// striding over the operations owned by the Python object it is read from.
 template <typename T>
-nb::ndarray<nb::numpy, const T, nb::ndim<1>> view(const std::vector<T>& values) {
-  return nb::ndarray<nb::numpy, const T, nb::ndim<1>>(values.data(), {values.size()});
+nb::ndarray<nb::numpy, const T, nb::ndim<1>> field_view(const CopyOpArrays& a, size_t offset) {
+  static_assert(sizeof(CopyOp) % sizeof(T) == 0, "a CopyOp spans whole elements of each field");
+  const T* first =
+      a.ops.empty() ? nullptr : reinterpret_cast<const T*>(reinterpret_cast<const char*>(a.ops.data()) + offset);
+  return nb::ndarray<nb::numpy, const T, nb::ndim<1>>(first, {a.ops.size()}, nb::handle(),
+                                                      {static_cast<int64_t>(sizeof(CopyOp) / sizeof(T))});
 }
 
 const char* pool_name(PoolKind pool) { return pool == PoolKind::kPrimary ? "PRIMARY" : "SECONDARY"; }
@@ -135,31 +122,25 @@ void bind_cache_manager(nb::module_& m) {
       "Copy operations as a struct of 1-D numpy arrays; index i of each array is operation i, in "
       "the order the operations must run. Pools are PoolKind values (0 primary, 1 secondary).")
       .def_prop_ro(
-          "src_pool", [](const CopyOpArrays& a) { return view(a.src_pool); }, nb::rv_policy::reference_internal,
-          "uint8 [num_ops]")
+          "src_pool",
+          [](const CopyOpArrays& a) { return field_view<uint8_t>(a, offsetof(CopyOp, src_pool)); },
+          nb::rv_policy::reference_internal, "uint8 [num_ops]")
       .def_prop_ro(
-          "src_block_ids", [](const CopyOpArrays& a) { return view(a.src_block_ids); },
+          "src_block_ids", [](const CopyOpArrays& a) { return field_view<int32_t>(a, offsetof(CopyOp, src_block_id)); },
           nb::rv_policy::reference_internal, "int32 [num_ops]")
       .def_prop_ro(
-          "dst_pool", [](const CopyOpArrays& a) { return view(a.dst_pool); }, nb::rv_policy::reference_internal,
-          "uint8 [num_ops]")
+          "dst_pool",
+          [](const CopyOpArrays& a) { return field_view<uint8_t>(a, offsetof(CopyOp, dst_pool)); },
+          nb::rv_policy::reference_internal, "uint8 [num_ops]")
       .def_prop_ro(
-          "dst_block_ids", [](const CopyOpArrays& a) { return view(a.dst_block_ids); },
+          "dst_block_ids", [](const CopyOpArrays& a) { return field_view<int32_t>(a, offsetof(CopyOp, dst_block_id)); },
           nb::rv_policy::reference_internal, "int32 [num_ops]")
       .def_prop_ro(
-          "num_tokens", [](const CopyOpArrays& a) { return view(a.num_tokens); }, nb::rv_policy::reference_internal,
-          "int32 [num_ops]: tokens from the start of each block")
-      .def("__len__", [](const CopyOpArrays& a) { return a.size; })
+          "num_tokens", [](const CopyOpArrays& a) { return field_view<int32_t>(a, offsetof(CopyOp, num_tokens)); },
+          nb::rv_policy::reference_internal, "int32 [num_ops]: tokens from the start of each block")
+      .def("__len__", [](const CopyOpArrays& a) { return a.size(); })
       .def(
-          "to_list",
-          [](const CopyOpArrays& a) {
-            std::vector<CopyOp> ops(a.size);
-            for (size_t i = 0; i < ops.size(); ++i) {
-              ops[i] = CopyOp{static_cast<PoolKind>(a.src_pool[i]), a.src_block_ids[i],
-                              static_cast<PoolKind>(a.dst_pool[i]), a.dst_block_ids[i], a.num_tokens[i]};
-            }
-            return ops;
-          },
+          "to_list", [](const CopyOpArrays& a) { return a.ops; },
           "The operations as a list of CopyOp (for tests and debugging).");
 
   nb::class_<MatchResult>(m, "MatchResult", "A side-effect-free prefix lookup.")
@@ -358,7 +339,7 @@ void bind_cache_manager(nb::module_& m) {
           [](const KVCacheManager& self, SequenceId seq_id) { return to_numpy(self.block_ids(seq_id)); },
           "seq_id"_a, "Primary block table as an int32 array; -1 where the sliding window released a block.")
       .def(
-          "take_copy_ops", [](KVCacheManager& self) { return make_copy_op_arrays(self.take_copy_ops()); },
+          "take_copy_ops", [](KVCacheManager& self) { return CopyOpArrays{self.take_copy_ops()}; },
           "Copy operations emitted since the last call, as CopyOpArrays, in the order they must run.")
       .def("take_events", &KVCacheManager::take_events, "KV cache events recorded since the last call.")
       .def("stats", &KVCacheManager::stats, "Counters and pool occupancy.")

@@ -32,7 +32,7 @@ PyStepPlan to_python(StepPlan&& plan) {
   PyStepPlan out;
   out.step_id = plan.step_id;
   for (ScheduledRequest& sr : plan.requests) out.requests.append(nb::cast(std::move(sr)));
-  out.copy_ops = make_copy_op_arrays(plan.copy_ops);
+  out.copy_ops = CopyOpArrays{std::move(plan.copy_ops)};
   out.paused_request_ids = std::move(plan.paused_request_ids);
   out.num_tokens = plan.num_tokens;
   return out;
@@ -168,7 +168,7 @@ void bind_scheduler(nb::module_& m) {
       .def("__repr__", [](const PyStepPlan& p) {
         return "StepPlan(step_id=" + std::to_string(p.step_id) + ", num_requests=" +
                std::to_string(nb::len(p.requests)) + ", num_tokens=" + std::to_string(p.num_tokens) +
-               ", num_copy_ops=" + std::to_string(p.copy_ops.size) +
+               ", num_copy_ops=" + std::to_string(p.copy_ops.size()) +
                ", num_paused=" + std::to_string(p.paused_request_ids.size()) + ")";
       });
 

@@ -77,16 +77,11 @@ std::vector<T> to_vector(nb::handle obj, const char* name) {
 // take_copy_ops() / a step plan's copy ops as one struct of arrays, so the runtime can run a
 // batched copy without a Python loop per operation. Index i of every array is operation i, in
 // the order the operations must run. Bound as kvtool._core.CopyOpArrays: its attributes are
-// read-only numpy views of these vectors (made on access, kept alive by the object).
+// read-only numpy views (made on access, kept alive by the object) that stride over the
+// operations themselves, so handing a batch to Python copies nothing.
 struct CopyOpArrays {
-  std::vector<uint8_t> src_pool;        // PoolKind values: 0 primary, 1 secondary
-  std::vector<int32_t> src_block_ids;
-  std::vector<uint8_t> dst_pool;
-  std::vector<int32_t> dst_block_ids;
-  std::vector<int32_t> num_tokens;      // tokens from the start of the block
-  size_t size = 0;                      // number of operations
+  std::vector<CopyOp> ops;
+  size_t size() const { return ops.size(); }
 };
-
-CopyOpArrays make_copy_op_arrays(const std::vector<CopyOp>& ops);
 
 }  // namespace kvtool
