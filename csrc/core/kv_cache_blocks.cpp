@@ -245,6 +245,52 @@ void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
   }
 }
 
+// unref_block for block_ids from the last to the first, with the nodes that become unreferenced
+// linked into runs (one per stretch of equal priority) that join their LRU list in one splice.
+void KVCacheManager::Impl::unref_blocks_last_first(const std::vector<BlockId>& block_ids, SequenceId seq_id) {
+  LruLists& l = lru[static_cast<int>(PoolKind::kPrimary)];
+  NodeId first = kNoNode, last = kNoNode;
+  int priority = -1;
+  auto splice = [&] {
+    if (first == kNoNode) return;
+    nodes[first].lru_prev = l.tail[priority];
+    if (l.tail[priority] != kNoNode) {
+      nodes[l.tail[priority]].lru_next = first;
+    } else {
+      l.head[priority] = first;
+    }
+    l.tail[priority] = last;
+    nodes[last].lru_next = kNoNode;
+    l.nonempty[priority >> 6] |= 1ULL << (priority & 63);
+  };
+  for (size_t i = block_ids.size(); i-- > 0;) {
+    const BlockId b = block_ids[i];
+    if (b == kNoBlock) continue;
+    const NodeId n = primary_node[b];
+    if (n != kNoNode && nodes[n].owner_running && node_info[n].owner == seq_id) nodes[n].owner_running = false;
+    if (--primary_refcount[b] != 0) continue;
+    --num_used_primary;
+    if (n == kNoNode) {
+      primary_free.push_back(b);
+      continue;
+    }
+    Node& x = nodes[n];
+    if (x.priority != priority) {
+      splice();
+      priority = x.priority;
+      first = n;
+    } else {
+      nodes[last].lru_next = n;
+      x.lru_prev = last;
+    }
+    last = n;
+    x.in_lru = true;
+    node_info[n].lru_stamp = ++lru_clock;
+    on_unreferenced(n);
+  }
+  splice();
+}
+
 BlockId KVCacheManager::Impl::take_new_primary_block() {
   const BlockId b = acquire_primary();
   primary_refcount[b] = 1;

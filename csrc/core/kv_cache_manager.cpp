@@ -464,9 +464,7 @@ void KVCacheManager::release(SequenceId seq_id) {
   Impl& m = *impl_;
   auto& seq = m.get(seq_id);
   // Last block first: the chain's leaf becomes the least recently used of the sequence's blocks.
-  for (size_t i = seq.block_ids.size(); i-- > 0;) {
-    if (seq.block_ids[i] != kNoBlock) m.unref_block(seq.block_ids[i], seq_id);
-  }
+  m.unref_blocks_last_first(seq.block_ids, seq_id);
   m.sequences.erase(seq_id);
 }
 

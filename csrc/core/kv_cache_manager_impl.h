@@ -143,6 +143,7 @@ struct KVCacheManager::Impl {
   void move_to_primary(NodeId n, BlockId block);  // onboard / adopt into an already referenced block
   void ref_block(BlockId b);
   void unref_block(BlockId b, SequenceId seq_id);
+  void unref_blocks_last_first(const std::vector<BlockId>& block_ids, SequenceId seq_id);
   BlockId take_new_primary_block();  // refcount 1, no node; evicts when none is free
   BlockId acquire_primary();
   BlockId acquire_secondary();       // kNoBlock when no secondary block can be had

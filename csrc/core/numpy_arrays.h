@@ -45,14 +45,12 @@ std::vector<T> to_vector(nb::handle obj, const char* name) {
     }
   }
   if (is_array) {
-    std::vector<T> out(array.shape(0));
     const T* data = array.data();
+    const size_t n = array.shape(0);
     const int64_t stride = array.stride(0);
-    if (stride == 1) {
-      std::copy(data, data + out.size(), out.begin());
-    } else {
-      for (size_t i = 0; i < out.size(); ++i) out[i] = data[static_cast<int64_t>(i) * stride];
-    }
+    if (stride == 1) return std::vector<T>(data, data + n);  // one pass, no zero-fill first
+    std::vector<T> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = data[static_cast<int64_t>(i) * stride];
     return out;
   }
   std::vector<T> out;
