@@ -362,21 +362,22 @@ void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<Bl
   const bool offload = config.num_secondary_blocks > 0;
   const int32_t num_drops =
       count - static_cast<int32_t>(primary_free.size()) - (offload ? static_cast<int32_t>(secondary_free.size()) : 0);
-  victim_forecast.clear();
-  forecast_prefetched = 0;
-  forecast_limit = 0;
+  scout_walk = scout_bucket = kNoNode;
+  scout_steps_left = 0;
   if (num_drops > 1) {
     const LruLists& l = lru[offload ? 1 : 0];
     const int p = lowest_priority(l);
     if (p >= 0) {
-      victim_forecast.push_back(l.head[p]);
-      forecast_limit = static_cast<size_t>(num_drops);
+      scout_walk = scout_bucket = l.head[p];
+      scout_steps_left = num_drops;
+      for (size_t k = 0; k < kForecastDistance + 2 && scout_walk != kNoNode; ++k) advance_scout_walk();
+      for (size_t k = 0; k < kForecastDistance; ++k) advance_scout_bucket();
     }
   }
   for (int32_t taken = 0; taken < count;) {
-    scout(static_cast<size_t>(taken));
+    scout();
     if (primary_free.empty()) {
-      const int32_t num_offloaded = offload_run(count - taken, out, static_cast<size_t>(taken));
+      const int32_t num_offloaded = offload_run(count - taken, out);
       if (num_offloaded > 0) {
         taken += num_offloaded;
         continue;
@@ -387,27 +388,31 @@ void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<Bl
   }
 }
 
-// Advances the scout for the num_taken-th block taken (see take_new_primary_blocks).
-void KVCacheManager::Impl::scout(size_t num_taken) {
-  const size_t walk_end = std::min(forecast_limit, num_taken + kForecastDistance + 2);
-  while (!victim_forecast.empty() && victim_forecast.size() < walk_end) {
-    const NodeId last = victim_forecast.back();
-    const NodeId next = nodes[last].lru_next;
-    if (next == kNoNode) {
-      forecast_limit = victim_forecast.size();
-      break;
-    }
-    victim_forecast.push_back(next);
+// The walking cursor loads the next node's line (and, runs of node ids being common, the one a
+// stride further); the bucket cursor, two nodes behind, loads the index buckets of its node.
+void KVCacheManager::Impl::advance_scout_walk() {
+  const NodeId next = nodes[scout_walk].lru_next;
+  if (next != kNoNode) {
     prefetch_line(&nodes[next]);
-    const int64_t guess = 2 * static_cast<int64_t>(next) - last;
+    const int64_t guess = 2 * static_cast<int64_t>(next) - scout_walk;
     if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) prefetch_line(&nodes[guess]);
   }
-  const size_t end = std::min(victim_forecast.empty() ? 0 : victim_forecast.size() - 1, num_taken + kForecastDistance);
-  for (; forecast_prefetched < end; ++forecast_prefetched) {
-    const Node& x = nodes[victim_forecast[forecast_prefetched]];
-    key_index.prefetch_for_write(x.hash);
-    if (config.enable_partial_reuse) partial_index.prefetch_for_write(x.partial_key);
-  }
+  scout_walk = next;
+}
+
+void KVCacheManager::Impl::advance_scout_bucket() {
+  if (scout_bucket == kNoNode || scout_steps_left <= 0) return;
+  const Node& x = nodes[scout_bucket];
+  key_index.prefetch_for_write(x.hash);
+  if (config.enable_partial_reuse) partial_index.prefetch_for_write(x.partial_key);
+  scout_bucket = x.lru_next;
+  --scout_steps_left;
+}
+
+// One eviction's step of the scout (see take_new_primary_blocks).
+void KVCacheManager::Impl::scout() {
+  if (scout_walk != kNoNode) advance_scout_walk();
+  advance_scout_bucket();
 }
 
 // The steady state of a full cache, in bulk: offloads a run of primary LRU leaves from the head of
@@ -417,7 +422,7 @@ void KVCacheManager::Impl::scout(size_t num_taken) {
 // take_new_primary_block calls; the run stops (returning the blocks taken so far) wherever a
 // single call could choose differently: a pinned or non-leaf head, a victim that would be
 // dropped, or a secondary victim that would not be the head of the list the run started from.
-int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockId>& out, size_t num_taken) {
+int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockId>& out) {
   if (config.num_secondary_blocks == 0) return 0;
   LruLists& from = lru[static_cast<int>(PoolKind::kPrimary)];
   LruLists& to = lru[static_cast<int>(PoolKind::kSecondary)];
@@ -466,7 +471,7 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
     last = v;
     v = x.lru_next;
     ++n;
-    scout(num_taken + static_cast<size_t>(n));
+    scout();
   }
   if (n == 0) return 0;
   // Unlink [first, last] from the head of primary list p; append it to secondary list p.

@@ -150,8 +150,10 @@ struct KVCacheManager::Impl {
   NodeId find_victim(PoolKind pool) const;
   BlockId evict_primary(NodeId victim);
   void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
-  int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out, size_t num_taken);
-  void scout(size_t num_taken);
+  int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out);
+  void scout();
+  void advance_scout_walk();
+  void advance_scout_bucket();
   static int lowest_priority(const LruLists& l);  // -1 when every list is empty
   static constexpr size_t kForecastDistance = 6;  // drops between a bucket prefetch and its use
   void drop_tree(NodeId n);
@@ -213,9 +215,9 @@ struct KVCacheManager::Impl {
   uint64_t lru_clock = 0;
 
   std::unordered_map<SequenceId, Sequence> sequences;
-  std::vector<NodeId> victim_forecast;     // scratch of take_new_primary_blocks: likely drops
-  size_t forecast_prefetched = 0;          // victim_forecast[0, this) have had their buckets loaded
-  size_t forecast_limit = 0;               // the scout stops at this many nodes
+  NodeId scout_walk = kNoNode;             // take_new_primary_blocks' scout: next node to load
+  NodeId scout_bucket = kNoNode;           // next node whose index buckets to load
+  int32_t scout_steps_left = 0;            // buckets still worth loading (drops to come)
   std::vector<CopyOp> copy_ops;
   std::deque<KvCacheEvent> events;
   int64_t next_event_id = 0;
