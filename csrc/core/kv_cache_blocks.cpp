@@ -187,6 +187,7 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   x.pinned = false;
   x.has_extras = any_extra(extra_ids, tpb);
   x.owner_running = true;
+  x.in_partial_index = false;
   info.lora_task_id = seq.lora_task_id;
   info.cache_salt = seq.cache_salt;
   info.owner = seq_id;
@@ -200,7 +201,11 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   key_index.insert(hash, n);
   if (config.enable_partial_reuse) {
     x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], seq.identity);
-    partial_index.insert(x.partial_key, n);
+    const int32_t num_siblings = nodes[parent].num_children - 1;
+    if (parent == root || num_siblings > 0) index_partial(n);
+    if (parent != root && num_siblings == 1 && !nodes[x.next_sibling].in_partial_index) {
+      index_partial(x.next_sibling);  // no longer an only child
+    }
   }
   on_child_held(parent);  // its block is referenced: held from the start
   emit_event(KvCacheEventKind::kStored, n, true);
@@ -541,7 +546,7 @@ void KVCacheManager::Impl::drop_node(NodeId n) {
   ++stats.evicted_blocks;
   lru_remove(n);
   key_index.erase(x.hash, n);
-  if (config.enable_partial_reuse) partial_index.erase(x.partial_key, n);
+  if (x.in_partial_index) partial_index.erase(x.partial_key, n);
   remove_child(n);
   if (x.pool == PoolKind::kSecondary) {
     secondary_node[x.block_id] = kNoNode;

@@ -122,6 +122,15 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
     } else if (!x.in_lru) {
       fail(name + " is cached in the secondary pool but not in its LRU list");
     }
+    if (m.config.enable_partial_reuse) {
+      const bool must_be_indexed = x.parent == root || m.nodes[x.parent].num_children >= 2;
+      if (must_be_indexed && !x.in_partial_index) fail(name + " has siblings but is not in the partial index");
+      if (x.in_partial_index && m.partial_index.find(x.partial_key, [n](NodeId c) { return c == n; }) != n) {
+        fail(name + " is flagged as in the partial index but cannot be found there");
+      }
+    } else if (x.in_partial_index) {
+      fail(name + " is in the partial index although partial reuse is disabled");
+    }
     const uint64_t parent_hash = x.parent == root ? 0 : m.nodes[x.parent].hash;
     const auto& info = m.node_info[n];
     const uint64_t h = block_key_hash(parent_hash, m.node_tokens(n), m.node_extras(n), m.tpb, info.lora_task_id,

@@ -128,7 +128,7 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
   const TokenId* t = tokens + i * tpb;
   const ExtraId* e = extras ? extras + i * tpb : nullptr;
   const uint64_t key = partial_key(plan.last_hash, t[0], plan.identity);
-  partial_index.find(key, [&](NodeId n) {
+  auto consider = [&](NodeId n) {
     const Node& x = nodes[n];
     if (x.parent != parent || x.partial_key != key || node_info[n].lora_task_id != spec.lora_task_id ||
         node_info[n].cache_salt != spec.cache_salt) {
@@ -153,7 +153,12 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
       plan.partial_source = n;
     }
     return false;  // every candidate is compared
-  });
+  };
+  if (parent != root && nodes[parent].num_children == 1) {
+    consider(nodes[parent].first_child);  // an only child need not be in partial_index
+  } else if (nodes[parent].num_children > 0) {
+    partial_index.find(key, consider);
+  }
   if (plan.partial_source != kNoNode) {
     plan.partial_source_evictable =
         nodes[plan.partial_source].pool == PoolKind::kPrimary && !is_held(plan.partial_source);
@@ -197,7 +202,9 @@ void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequenc
 // The index buckets that storing block j of seq writes.
 void KVCacheManager::Impl::prefetch_store(const Sequence& seq, int32_t j) const {
   key_index.prefetch_for_write(seq.block_hashes[j]);
-  if (config.enable_partial_reuse) {
+  // Only the first block of a batch can hang below a node with children (the root, a shared
+  // prefix): the others follow a block stored just before them, as only children.
+  if (config.enable_partial_reuse && j == seq.num_stored_blocks) {
     const uint64_t parent_hash = j == 0 ? 0 : seq.block_hashes[j - 1];
     partial_index.prefetch_for_write(partial_key(parent_hash, seq.token_ids[static_cast<size_t>(j) * tpb], seq.identity));
   }

@@ -44,12 +44,13 @@ struct KVCacheManager::Impl {
     PoolKind pool = PoolKind::kPrimary;
     // Flags (zero in Node{}): live; in an LRU list; pinned = being onboarded / copied, not an
     // eviction candidate; some extra id of the block is non-zero; the owner (the sequence that
-    // computed it) still references the block (early reuse).
+    // computed it) still references the block (early reuse); indexed in partial_index.
     bool live : 1;
     bool in_lru : 1;
     bool pinned : 1;
     bool has_extras : 1;
     bool owner_running : 1;
+    bool in_partial_index : 1;
   };
   static_assert(sizeof(Node) == 64, "a node is one cache line");
 
@@ -137,6 +138,10 @@ struct KVCacheManager::Impl {
   void lru_push(NodeId n);
   void lru_remove(NodeId n);
   void add_child(NodeId parent, NodeId n);
+  void index_partial(NodeId n) {
+    partial_index.insert(nodes[n].partial_key, n);
+    nodes[n].in_partial_index = true;
+  }
   void remove_child(NodeId n);
   NodeId store_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
                     const Sequence& seq, SequenceId seq_id, BlockId block);
@@ -202,7 +207,10 @@ struct KVCacheManager::Impl {
   BigVector<TokenId> node_token_ids;       // [num nodes * tokens_per_block]
   BigVector<ExtraId> node_extra_ids;       // same shape, allocated at the first non-zero extra id
   NodeIndex key_index;                     // block key hash -> nodes
-  NodeIndex partial_index;                 // partial_key -> nodes
+  // partial_key -> nodes. Holds every child of the root and of any node with two children or
+  // more (an only child is found through its parent's child list, so the chains of a prompt's
+  // own blocks cost no partial-index updates).
+  NodeIndex partial_index;
 
   std::vector<int32_t> primary_refcount;   // [num_primary_blocks]
   std::vector<NodeId> primary_node;        // [num_primary_blocks], kNoNode when unkeyed
