@@ -163,7 +163,9 @@ class MatchResult:
 
     @property
     def num_partial_tokens(self) -> int:
-        """Tokens of a partially matching block (copied, not shared)."""
+        """
+        Tokens of a partially matching block (copied, not shared). add_sequence computes them instead when the copy's evictable source would leave too few blocks.
+        """
 
     def __repr__(self) -> str: ...
 

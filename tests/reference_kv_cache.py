@@ -162,20 +162,22 @@ class ReferenceKVCache:
                     num_secondary_blocks=sum(n.tier == "S" for n in chain), num_partial_tokens=k)
 
     def plan(self, tokens, num_tokens, extras=None, lora=0, salt=0):
-        """(matched nodes, partial source or None, partial token count, blocks to add)."""
+        """(matched nodes, partial source or None, partial token count, blocks to add as a
+        function of whether the partial copy is made)."""
         chain, source, k = self.match(tokens, extras, lora, salt)
-        held = sum(1 for n in chain if n.tier == "P" and self._held(n))
 
         def needed(with_partial):
+            held = sum(1 for n in chain if n.tier == "P" and self._held(n))
             return max(-(-num_tokens // self.tpb), len(chain) + with_partial) - held
 
         pins_a_victim = source is not None and source.tier == "P" and not self._held(source)
         if pins_a_victim and needed(1) + 1 > self.num_available_blocks():
             source, k = None, 0  # no spare block for the pinned source: compute those tokens
-        return chain, source, k, needed(1 if source is not None else 0)
+        return chain, source, k, needed
 
     def num_blocks_to_add(self, tokens, num_tokens, extras=None, lora=0, salt=0):
-        return self.plan(tokens, num_tokens, extras, lora, salt)[3]
+        _, source, _, needed = self.plan(tokens, num_tokens, extras, lora, salt)
+        return needed(1 if source is not None else 0)
 
     # ---- pools ------------------------------------------------------------------------------
     def _victim(self, tier):

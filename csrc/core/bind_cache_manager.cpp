@@ -150,7 +150,8 @@ void bind_cache_manager(nb::module_& m) {
       .def_ro("num_secondary_blocks", &MatchResult::num_secondary_blocks,
               "Of those, blocks in the host tier (would be onboarded).")
       .def_ro("num_partial_tokens", &MatchResult::num_partial_tokens,
-              "Tokens of a partially matching block (copied, not shared).")
+              "Tokens of a partially matching block (copied, not shared). add_sequence computes them "
+              "instead when the copy's evictable source would leave too few blocks.")
       .def("__repr__", [](const MatchResult& r) {
         return "MatchResult(num_matched_tokens=" + std::to_string(r.num_matched_tokens) +
                ", num_matched_blocks=" + std::to_string(r.num_matched_blocks) +
