@@ -409,7 +409,7 @@ void KVCacheManager::Impl::advance_scout_bucket() {
   if (scout_bucket == kNoNode || scout_steps_left <= 0) return;
   const Node& x = nodes[scout_bucket];
   key_index.prefetch_for_write(x.hash);
-  if (config.enable_partial_reuse) partial_index.prefetch_for_write(x.partial_key);
+  if (x.in_partial_index) partial_index.prefetch_for_write(x.partial_key);
   scout_bucket = x.lru_next;
   --scout_steps_left;
 }
@@ -447,8 +447,12 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
     // after it: their lines load while this one is offloaded.
     if (x.lru_next != kNoNode) {
       prefetch_line_for_write(&nodes[x.lru_next]);
+      prefetch_line_for_write(&node_info[x.lru_next]);  // its LRU stamp is written
       const int64_t guess = 2 * static_cast<int64_t>(x.lru_next) - v;
-      if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) prefetch_line_for_write(&nodes[guess]);
+      if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) {
+        prefetch_line_for_write(&nodes[guess]);
+        prefetch_line_for_write(&node_info[guess]);
+      }
     }
     if (secondary_free.empty()) {
       if (!may_drop) break;
