@@ -225,7 +225,7 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
   }
   // Index buckets are loaded kPrefetchDistance blocks ahead of their insert: far enough for the
   // miss to complete, few enough that the CPU keeps every prefetch in flight.
-  constexpr int32_t kPrefetchDistance = 6;
+  constexpr int32_t kPrefetchDistance = 12;
   for (int32_t j = seq.num_stored_blocks; j < std::min(num_full, seq.num_stored_blocks + kPrefetchDistance); ++j) {
     prefetch_store(seq, j);
   }

@@ -160,7 +160,7 @@ struct KVCacheManager::Impl {
   void advance_scout_walk();
   void advance_scout_bucket();
   static int lowest_priority(const LruLists& l);  // -1 when every list is empty
-  static constexpr size_t kForecastDistance = 6;  // drops between a bucket prefetch and its use
+  static constexpr size_t kForecastDistance = 12;  // drops between a bucket prefetch and its use
   void drop_tree(NodeId n);
   void drop_node(NodeId n);  // a node without children
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
