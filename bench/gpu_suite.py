@@ -27,7 +27,6 @@ import csv
 import math
 import statistics
 import sys
-import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path

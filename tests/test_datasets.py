@@ -84,7 +84,7 @@ def test_malformed_line_names_file_line_and_problem(tmp_path, bad_line, message)
     path = write_lines(tmp_path / "bad.jsonl", [good, good, bad_line, good])
     with pytest.raises(DatasetError) as error:
         load_dataset(path)
-    assert f"bad.jsonl line 3: " in str(error.value)
+    assert "bad.jsonl line 3: " in str(error.value)
     assert message in str(error.value)
 
 
