@@ -1,5 +1,5 @@
-// Internal state of KVCacheManager (shared by kv_cache_manager.cpp, kv_cache_blocks.cpp and
-// kv_cache_invariants.cpp; not part of the interface).
+// Internal state of KVCacheManager (shared by kv_cache_manager.cpp, kv_cache_lookup.cpp,
+// kv_cache_blocks.cpp, kv_cache_eviction.cpp and kv_cache_invariants.cpp; not the interface).
 //
 // Model: every cached block is a node of a prefix tree (one node per full block whose KV is
 // computed). A node lives in exactly one block of the primary or the secondary pool and moves
@@ -149,20 +149,6 @@ struct KVCacheManager::Impl {
   void ref_block(BlockId b);
   void unref_block(BlockId b, SequenceId seq_id);
   void unref_blocks_last_first(const std::vector<BlockId>& block_ids, SequenceId seq_id);
-  BlockId take_new_primary_block();  // refcount 1, no node; evicts when none is free
-  BlockId acquire_primary();
-  BlockId acquire_secondary();       // kNoBlock when no secondary block can be had
-  NodeId find_victim(PoolKind pool) const;
-  BlockId evict_primary(NodeId victim);
-  void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
-  int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out);
-  void scout();
-  void advance_scout_walk();
-  void advance_scout_bucket();
-  static int lowest_priority(const LruLists& l);  // -1 when every list is empty
-  static constexpr size_t kForecastDistance = 12;  // drops between a bucket prefetch and its use
-  void drop_tree(NodeId n);
-  void drop_node(NodeId n);  // a node without children
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
   void emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
     if (config.event_buffer_max_size > 0) {
@@ -173,20 +159,38 @@ struct KVCacheManager::Impl {
   }
   void record_event(KvCacheEventKind kind, NodeId n, bool with_tokens);
 
+  // ---- eviction and offload (kv_cache_eviction.cpp) ----
+  BlockId take_new_primary_block();  // refcount 1, no node; evicts when none is free
+  void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
+  BlockId acquire_primary();
+  BlockId acquire_secondary();       // kNoBlock when no secondary block can be had
+  static int lowest_priority(const LruLists& l);  // -1 when every list is empty
+  NodeId find_victim(PoolKind pool) const;
+  int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out);
+  BlockId evict_primary(NodeId victim);
+  void drop_tree(NodeId n);
+  void drop_node(NodeId n);  // a node without children
+  void scout();
+  void advance_scout_walk();
+  void advance_scout_bucket();
+  static constexpr size_t kForecastDistance = 12;  // drops between a bucket prefetch and its use
+
+  // ---- prefix lookups (kv_cache_lookup.cpp) ----
+  MatchPlan plan_match(const SequenceSpec& spec) const;
+  // Appends the keys of blocks [hashes.size(), end); with prefetch, starts loading their index
+  // buckets, so the misses of a run of lookups overlap.
+  void extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
+                     uint64_t identity, size_t end, bool prefetch) const;
+  // Blocks add_sequence takes out of num_available() for num_tokens tokens. Drops the plan's
+  // partial copy when pinning its source would leave too few blocks (those tokens are computed).
+  int32_t settle_blocks_to_add(MatchPlan& plan, int32_t num_tokens) const;
+
   // ---- sequences (kv_cache_manager.cpp) ----
   int32_t blocks_for(int64_t num_tokens) const {
     return static_cast<int32_t>((num_tokens + tpb - 1) / tpb);
   }
   int32_t num_available() const { return static_cast<int32_t>(primary_free.size()) + num_unheld_primary; }
   void validate_spec(const SequenceSpec& spec) const;
-  MatchPlan plan_match(const SequenceSpec& spec) const;
-  // Appends the keys of blocks [hashes.size(), end) and starts loading their index slots (and,
-  // for lookups, the nodes found there), so the misses of a whole run of blocks overlap.
-  void extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
-                     uint64_t identity, size_t end, bool prefetch) const;
-  // Blocks add_sequence takes out of num_available() for num_tokens tokens. Drops the plan's
-  // partial copy when pinning its source would leave too few blocks (those tokens are computed).
-  int32_t settle_blocks_to_add(MatchPlan& plan, int32_t num_tokens) const;
   void take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id);
   Sequence& get(SequenceId id);
   const Sequence& get(SequenceId id) const;
@@ -231,5 +235,71 @@ struct KVCacheManager::Impl {
   int64_t next_event_id = 0;
   CacheStats stats;
 };
+
+// Small helpers used by several of the files above, inline in each.
+
+inline void KVCacheManager::Impl::lru_push(NodeId n) {
+  Node& x = nodes[n];
+  LruLists& l = lru[static_cast<int>(x.pool)];
+  const int p = x.priority;
+  x.lru_prev = l.tail[p];
+  x.lru_next = kNoNode;
+  if (l.tail[p] != kNoNode) {
+    nodes[l.tail[p]].lru_next = n;
+  } else {
+    l.head[p] = n;
+  }
+  l.tail[p] = n;
+  l.nonempty[p >> 6] |= 1ULL << (p & 63);
+  x.in_lru = true;
+  node_info[n].lru_stamp = ++lru_clock;
+}
+inline void KVCacheManager::Impl::lru_remove(NodeId n) {
+  Node& x = nodes[n];
+  if (!x.in_lru) return;
+  LruLists& l = lru[static_cast<int>(x.pool)];
+  const int p = x.priority;
+  if (x.lru_prev != kNoNode) {
+    nodes[x.lru_prev].lru_next = x.lru_next;
+  } else {
+    l.head[p] = x.lru_next;
+  }
+  if (x.lru_next != kNoNode) {
+    nodes[x.lru_next].lru_prev = x.lru_prev;
+  } else {
+    l.tail[p] = x.lru_prev;
+  }
+  if (l.head[p] == kNoNode) l.nonempty[p >> 6] &= ~(1ULL << (p & 63));
+  x.lru_prev = x.lru_next = kNoNode;
+  x.in_lru = false;
+}
+inline void KVCacheManager::Impl::remove_child(NodeId n) {
+  Node& x = nodes[n];
+  Node& p = nodes[x.parent];
+  if (x.parent == root) {
+    --p.num_children;
+    if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
+    return;
+  }
+  if (x.prev_sibling != kNoNode) {
+    nodes[x.prev_sibling].next_sibling = x.next_sibling;
+  } else {
+    p.first_child = x.next_sibling;
+  }
+  if (x.next_sibling != kNoNode) nodes[x.next_sibling].prev_sibling = x.prev_sibling;
+  --p.num_children;
+  if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
+  x.prev_sibling = x.next_sibling = kNoNode;
+}
+inline void KVCacheManager::Impl::emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst,
+                                     int32_t num_tokens) {
+  // Filled in place: a CopyOp built on the stack and copied costs a store-forwarding stall.
+  CopyOp& op = copy_ops.emplace_back();
+  op.src_pool = src_pool;
+  op.src_block_id = src;
+  op.dst_pool = dst_pool;
+  op.dst_block_id = dst;
+  op.num_tokens = num_tokens;
+}
 
 }  // namespace kvtool

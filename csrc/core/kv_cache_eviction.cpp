@@ -1,0 +1,279 @@
+// Eviction and host offload of KVCacheManager: taking new primary blocks, choosing LRU victims,
+// offloading them to the secondary pool or dropping them.
+#include <algorithm>
+
+#include "kv_cache_manager_impl.h"
+
+namespace kvtool {
+
+BlockId KVCacheManager::Impl::take_new_primary_block() {
+  const BlockId b = acquire_primary();
+  primary_refcount[b] = 1;
+  ++num_used_primary;
+  return b;
+}
+
+BlockId KVCacheManager::Impl::acquire_primary() {
+  if (!primary_free.empty()) {
+    const BlockId b = primary_free.back();
+    primary_free.pop_back();
+    return b;
+  }
+  const NodeId victim = find_victim(PoolKind::kPrimary);
+  if (victim == kNoNode) {
+    // Callers check num_available() first; reaching this is a bug, reported, not a crash.
+    throw std::logic_error("KV cache manager: no free or evictable primary block left");
+  }
+  return evict_primary(victim);
+}
+
+BlockId KVCacheManager::Impl::acquire_secondary() {
+  if (secondary_free.empty()) {
+    const NodeId victim = find_victim(PoolKind::kSecondary);
+    if (victim == kNoNode) return kNoBlock;
+    drop_tree(victim);  // a leaf: its block goes back to secondary_free
+  }
+  const BlockId b = secondary_free.back();
+  secondary_free.pop_back();
+  return b;
+}
+
+int KVCacheManager::Impl::lowest_priority(const LruLists& l) {
+  if (l.nonempty[0] != 0) return __builtin_ctzll(l.nonempty[0]);
+  if (l.nonempty[1] != 0) return 64 + __builtin_ctzll(l.nonempty[1]);
+  return -1;
+}
+
+// Lowest priority first, least recently used within a priority, leaves only: a primary node
+// with primary children (or any node with children in the secondary pool) is skipped, so a
+// chain is never broken in the middle.
+NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
+  const LruLists& l = lru[static_cast<int>(pool)];
+  for (int word = 0; word < 2; ++word) {
+    uint64_t bits = l.nonempty[word];
+    while (bits != 0) {
+      const int p = word * 64 + __builtin_ctzll(bits);
+      bits &= bits - 1;
+      for (NodeId n = l.head[p]; n != kNoNode; n = nodes[n].lru_next) {
+        const Node& x = nodes[n];
+        if (x.pinned) continue;
+        if ((pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) {
+          return n;
+        }
+      }
+    }
+  }
+  return kNoNode;
+}
+
+// Taking count blocks evicts the primary pool's first LRU leaves; offloading them drops as many
+// of the secondary pool's (without a host tier the primary victims are dropped themselves). A
+// drop erases two index buckets at random places, and the victims' nodes were last touched long
+// ago. A scout walks the list the drops come from a few nodes ahead of the evictions, loading
+// each node a step before it reads it (and, runs of node ids being common, the one a stride
+// further), then the buckets of the node kForecastDistance drops ahead: the cache misses overlap
+// with the evictions instead of being paid one after another.
+void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<BlockId>& out) {
+  const bool offload = config.num_secondary_blocks > 0;
+  const int32_t num_drops =
+      count - static_cast<int32_t>(primary_free.size()) - (offload ? static_cast<int32_t>(secondary_free.size()) : 0);
+  scout_walk = scout_bucket = kNoNode;
+  scout_steps_left = 0;
+  if (num_drops > 1) {
+    const LruLists& l = lru[offload ? 1 : 0];
+    const int p = lowest_priority(l);
+    if (p >= 0) {
+      scout_walk = scout_bucket = l.head[p];
+      scout_steps_left = num_drops;
+      for (size_t k = 0; k < kForecastDistance + 2 && scout_walk != kNoNode; ++k) advance_scout_walk();
+      for (size_t k = 0; k < kForecastDistance; ++k) advance_scout_bucket();
+    }
+  }
+  for (int32_t taken = 0; taken < count;) {
+    scout();
+    if (primary_free.empty()) {
+      const int32_t num_offloaded = offload_run(count - taken, out);
+      if (num_offloaded > 0) {
+        taken += num_offloaded;
+        continue;
+      }
+    }
+    out.push_back(take_new_primary_block());
+    ++taken;
+  }
+}
+
+// The walking cursor loads the next node's line (and, runs of node ids being common, the one a
+// stride further); the bucket cursor, two nodes behind, loads the index buckets of its node.
+void KVCacheManager::Impl::advance_scout_walk() {
+  const NodeId next = nodes[scout_walk].lru_next;
+  if (next != kNoNode) {
+    prefetch_line(&nodes[next]);
+    const int64_t guess = 2 * static_cast<int64_t>(next) - scout_walk;
+    if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) prefetch_line(&nodes[guess]);
+  }
+  scout_walk = next;
+}
+
+void KVCacheManager::Impl::advance_scout_bucket() {
+  if (scout_bucket == kNoNode || scout_steps_left <= 0) return;
+  const Node& x = nodes[scout_bucket];
+  key_index.prefetch_for_write(x.hash);
+  if (x.in_partial_index) partial_index.prefetch_for_write(x.partial_key);
+  scout_bucket = x.lru_next;
+  --scout_steps_left;
+}
+
+// One eviction's step of the scout (see take_new_primary_blocks).
+void KVCacheManager::Impl::scout() {
+  if (scout_walk != kNoNode) advance_scout_walk();
+  advance_scout_bucket();
+}
+
+// The steady state of a full cache, in bulk: offloads a run of primary LRU leaves from the head of
+// the lowest-priority list, each into a free secondary block or the block of a secondary LRU leaf
+// dropped for it, and splices the run onto the secondary list once (its LRU links are already in
+// order). Every effect — copy ops, events, stamps, counters, which nodes go — is that of as many
+// take_new_primary_block calls; the run stops (returning the blocks taken so far) wherever a
+// single call could choose differently: a pinned or non-leaf head, a victim that would be
+// dropped, or a secondary victim that would not be the head of the list the run started from.
+int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockId>& out) {
+  if (config.num_secondary_blocks == 0) return 0;
+  LruLists& from = lru[static_cast<int>(PoolKind::kPrimary)];
+  LruLists& to = lru[static_cast<int>(PoolKind::kSecondary)];
+  const int p = lowest_priority(from);
+  if (p < 0 || p < config.secondary_offload_min_priority) return 0;
+  // Offloaded nodes join secondary list p: a secondary victim must come from a list before it
+  // (or from list p's older nodes), else a single call would drop a node of this very run.
+  const int q = lowest_priority(to);
+  const bool may_drop = q >= 0 && q <= p;
+  const NodeId first = from.head[p];
+  NodeId v = first, last = kNoNode;
+  int32_t n = 0;
+  while (n < max_blocks && v != kNoNode) {
+    Node& x = nodes[v];
+    if (x.pinned || x.num_primary_children > 0) break;
+    // The next victim (usually this one's parent) and, runs of node ids being common, the one
+    // after it: their lines load while this one is offloaded.
+    if (x.lru_next != kNoNode) {
+      prefetch_line_for_write(&nodes[x.lru_next]);
+      prefetch_line_for_write(&node_info[x.lru_next]);  // its LRU stamp is written
+      const int64_t guess = 2 * static_cast<int64_t>(x.lru_next) - v;
+      if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) {
+        prefetch_line_for_write(&nodes[guess]);
+        prefetch_line_for_write(&node_info[guess]);
+      }
+    }
+    if (secondary_free.empty()) {
+      if (!may_drop) break;
+      const NodeId victim = to.head[q];
+      if (victim == kNoNode || nodes[victim].pinned || nodes[victim].num_children > 0) break;
+      drop_node(victim);  // a leaf: its block goes back to secondary_free
+    }
+    const BlockId dst = secondary_free.back();
+    secondary_free.pop_back();
+    const BlockId block = x.block_id;
+    emit_copy(PoolKind::kPrimary, block, PoolKind::kSecondary, dst, tpb);
+    primary_node[block] = kNoNode;
+    --nodes[x.parent].num_primary_children;
+    --num_unheld_primary;
+    x.pool = PoolKind::kSecondary;
+    x.block_id = dst;
+    secondary_node[dst] = v;
+    node_info[v].lru_stamp = ++lru_clock;
+    ++stats.offloaded_blocks;
+    stats.num_offloaded_tokens += tpb;
+    emit_event(KvCacheEventKind::kOffloaded, v, false);
+    primary_refcount[block] = 1;
+    ++num_used_primary;
+    out.push_back(block);
+    last = v;
+    v = x.lru_next;
+    ++n;
+    scout();
+  }
+  if (n == 0) return 0;
+  // Unlink [first, last] from the head of primary list p; append it to secondary list p.
+  from.head[p] = v;
+  if (v != kNoNode) {
+    nodes[v].lru_prev = kNoNode;
+  } else {
+    from.tail[p] = kNoNode;
+    from.nonempty[p >> 6] &= ~(1ULL << (p & 63));
+  }
+  nodes[first].lru_prev = to.tail[p];
+  if (to.tail[p] != kNoNode) {
+    nodes[to.tail[p]].lru_next = first;
+  } else {
+    to.head[p] = first;
+  }
+  to.tail[p] = last;
+  nodes[last].lru_next = kNoNode;
+  to.nonempty[p >> 6] |= 1ULL << (p & 63);
+  return n;
+}
+
+// Frees the victim's primary block for the caller: the node moves to the secondary pool
+// (offload) when its priority allows and a secondary block can be had, else it is dropped.
+BlockId KVCacheManager::Impl::evict_primary(NodeId victim) {
+  Node& x = nodes[victim];
+  const BlockId block = x.block_id;
+  lru_remove(victim);
+  --num_unheld_primary;
+  if (config.num_secondary_blocks > 0 && x.priority >= config.secondary_offload_min_priority) {
+    const BlockId dst = acquire_secondary();
+    if (dst != kNoBlock) {
+      emit_copy(PoolKind::kPrimary, block, PoolKind::kSecondary, dst, tpb);
+      primary_node[block] = kNoNode;
+      --nodes[x.parent].num_primary_children;
+      x.pool = PoolKind::kSecondary;
+      x.block_id = dst;
+      secondary_node[dst] = victim;
+      lru_push(victim);
+      ++stats.offloaded_blocks;
+      stats.num_offloaded_tokens += tpb;
+      emit_event(KvCacheEventKind::kOffloaded, victim, false);
+      return block;
+    }
+  }
+  drop_tree(victim);
+  return block;
+}
+
+// Drops n and its descendants (all in the secondary pool) from the cache, leaves first.
+// Secondary blocks go back to secondary_free; a primary block is left to the caller.
+void KVCacheManager::Impl::drop_tree(NodeId top) {
+  if (nodes[top].first_child == kNoNode) {
+    drop_node(top);  // the common case: a leaf
+    return;
+  }
+  std::vector<NodeId> order{top};
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (NodeId c = nodes[order[i]].first_child; c != kNoNode; c = nodes[c].next_sibling) order.push_back(c);
+  }
+  for (size_t i = order.size(); i-- > 0;) drop_node(order[i]);
+}
+
+void KVCacheManager::Impl::drop_node(NodeId n) {
+  Node& x = nodes[n];
+  emit_event(KvCacheEventKind::kRemoved, n, false);
+  ++stats.evicted_blocks;
+  lru_remove(n);
+  key_index.erase(x.hash, n);
+  if (x.in_partial_index) partial_index.erase(x.partial_key, n);
+  remove_child(n);
+  if (x.pool == PoolKind::kSecondary) {
+    secondary_node[x.block_id] = kNoNode;
+    secondary_free.push_back(x.block_id);
+  } else {
+    primary_node[x.block_id] = kNoNode;
+  }
+  // A dead slot is only marked so (store_node writes every field when it is reused); its
+  // generation tells sequences holding its id that it is gone.
+  ++x.generation;
+  x.live = false;
+  x.parent = kNoNode;
+  free_node_ids.push_back(n);
+}
+
+}  // namespace kvtool
