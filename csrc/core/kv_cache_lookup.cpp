@@ -6,9 +6,36 @@
 
 namespace kvtool {
 
+#if KVTOOL_HASH_AVX2
+// extend_hashes with the AVX2 form of the block hash (the same keys).
+__attribute__((target("avx2"))) void KVCacheManager::Impl::extend_hashes_avx2(std::vector<uint64_t>& hashes,
+                                                                              const TokenId* token_ids,
+                                                                              const ExtraId* extra_ids,
+                                                                              uint64_t identity, size_t end,
+                                                                              bool prefetch) const {
+  const size_t first = hashes.size();
+  uint64_t parent_hash = first == 0 ? 0 : hashes.back();
+  hashes.resize(end);
+  for (size_t i = first; i < end; ++i) {
+    const TokenId* t = token_ids + i * tpb;
+    const ExtraId* e = extra_ids ? extra_ids + i * tpb : nullptr;
+    const uint64_t h = block_key(parent_hash, block_content_hash_avx2(t, e, tpb), identity, key_hash_bits);
+    if (prefetch) key_index.prefetch(h);
+    hashes[i] = h;
+    parent_hash = h;
+  }
+}
+#endif
+
 void KVCacheManager::Impl::extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids,
                                          const ExtraId* extra_ids, uint64_t identity, size_t end,
                                          bool prefetch) const {
+#if KVTOOL_HASH_AVX2
+  if (use_avx2) {
+    extend_hashes_avx2(hashes, token_ids, extra_ids, identity, end, prefetch);
+    return;
+  }
+#endif
   const size_t first = hashes.size();
   uint64_t parent_hash = first == 0 ? 0 : hashes.back();
   hashes.resize(end);
@@ -46,6 +73,7 @@ KVCacheManager::Impl::MatchPlan KVCacheManager::Impl::plan_match(const SequenceS
     if (nodes[parent].num_children == 0) break;  // nothing below it to match
     const NodeId n = find_child(parent, h, t, e, spec.lora_task_id, spec.cache_salt);
     if (n == kNoNode) break;
+    if (plan.nodes.empty()) plan.nodes.reserve(num_matchable - i);  // one allocation for the chain
     plan.nodes.push_back(n);
     plan.last_hash = h;
     parent = n;

@@ -181,6 +181,8 @@ struct KVCacheManager::Impl {
   // buckets, so the misses of a run of lookups overlap.
   void extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
                      uint64_t identity, size_t end, bool prefetch) const;
+  void extend_hashes_avx2(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
+                          uint64_t identity, size_t end, bool prefetch) const;
   // Blocks add_sequence takes out of num_available() for num_tokens tokens. Drops the plan's
   // partial copy when pinning its source would leave too few blocks (those tokens are computed).
   int32_t settle_blocks_to_add(MatchPlan& plan, int32_t num_tokens) const;
@@ -201,6 +203,7 @@ struct KVCacheManager::Impl {
   CacheConfig config;
   int32_t tpb = 0;
   int32_t key_hash_bits = 64;
+  bool use_avx2 = cpu_has_avx2();  // block hashes with AVX2 (the same keys as without)
   NodeId root = kNoNode;  // sentinel node: parent of every first block, never in a block
 
   template <typename T>
