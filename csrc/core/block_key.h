@@ -148,7 +148,10 @@ __attribute__((target("avx2"))) inline uint64_t hash_bytes_avx2(const void* data
   return hash_finish(acc[0], acc[1], acc[2], acc[3], p + 32 * num_stripes, num_bytes % 32, num_bytes);
 }
 
-inline bool cpu_has_avx2() { return __builtin_cpu_supports("avx2"); }
+inline bool cpu_has_avx2() {
+  __builtin_cpu_init();  // idempotent; needed where no constructor has run it yet
+  return __builtin_cpu_supports("avx2");
+}
 #else
 inline bool cpu_has_avx2() { return false; }
 #endif
