@@ -11,9 +11,10 @@ Rules (the specification the C++ manager is checked against):
   If the key is already cached, the sequence's block takes the node over (the node moves into it;
   the cached copy's block, primary or secondary, becomes free) unless the cached copy is a
   primary block that other sequences reference: then the block stays an unkeyed duplicate and the
-  chain continues through the cached node. Before a block is stored below a parent that is no
-  longer referenced, the parent moves into the sequence's duplicate of it; if the sliding window
-  released that duplicate and the parent is not held, the chain stops.
+  chain continues through the cached node. Before a block is stored, the canonical nodes above
+  it (parent first, up to the first that is referenced or held) that nothing references or holds
+  move into the sequence's duplicates of them; if the sliding window released one of those
+  duplicates, the chain stops.
 - Available blocks: free ones plus primary nodes that are not held (held: referenced, or with a
   held primary child). They only shrink by blocks handed out.
 - match: longest chain of cached full blocks, never the last prompt token; then (partial reuse)
@@ -309,12 +310,19 @@ class ReferenceKVCache:
             if seq.table[i] is None:
                 seq.broken = True
                 break
-            if i > 0 and parent.refcount == 0:
-                if seq.table[i - 1] == "own":  # this sequence's duplicate of the parent
-                    self._take_over(parent, seq_id, seq, i - 1)
-                elif not self._held(parent):
-                    seq.broken = True
-                    break
+            # Canonical nodes above block i that nothing references or holds would be pinned by
+            # the new child: each moves into this sequence's duplicate of it (the chain stops if
+            # the window released one).
+            idle, j, node = [], i - 1, parent
+            while node is not None and node.refcount == 0 and not self._held(node):
+                idle.append((j, node))
+                node = self.nodes[node.parent] if node.parent is not None else None
+                j -= 1
+            if any(seq.table[j] != "own" for j, _ in idle):
+                seq.broken = True
+                break
+            for j, node in idle:
+                self._take_over(node, seq_id, seq, j)
             t, e = self._block(seq.tokens, seq.extras, i)
             key = self._key(parent.key if parent else None, t, e, seq.lora, seq.salt)
             node = self.nodes.get(key)

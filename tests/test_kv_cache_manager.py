@@ -507,6 +507,24 @@ def test_duplicate_let_go_by_its_other_holder_is_taken_over_before_the_chain_gro
     assert m.check_invariants() == []
 
 
+def test_every_idle_ancestor_is_taken_over_not_only_the_parent():
+    m = make(num_primary_blocks=6, enable_partial_reuse=False)
+    tokens = prompt(0, 2 * T + 3)
+    m.add_sequence(1, tokens, len(tokens))
+    m.add_sequence(2, tokens, len(tokens))
+    m.mark_computed(1, 2 * T)  # a0 -> a1 cached, held by sequence 1
+    m.mark_computed(2, len(tokens))  # sequence 2 holds duplicates of both
+    m.release(1)  # a0 and a1 are idle: unreferenced, evictable
+    available = m.num_available_blocks()
+    m.append_tokens(2, [99])
+    m.mark_computed(2, 3 * T)  # a2 goes below a1: a1 and a0 move into sequence 2's duplicates
+    assert m.num_available_blocks() == available
+    m.release(2)
+    assert matched_blocks(m, tokens + [99, 5]) == 3
+    assert m.stats().primary.num_cached_blocks == 3
+    assert m.check_invariants() == []
+
+
 def test_request_filling_the_pool_exactly_is_admitted_without_partial_copy():
     m = make(tokens_per_block=2, num_primary_blocks=2)
     run_context(m, 0, [0, 1])  # cached, unreferenced: a partial match for [0, ...]

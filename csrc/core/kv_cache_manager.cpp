@@ -85,6 +85,30 @@ void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequenc
   on_referenced(n);
 }
 
+// Block i is about to be stored below the sequence's chain of canonical nodes (parent first).
+// Those above it that nobody references and nothing holds yet — the sequence computed duplicates
+// of them while other sequences held them, and those have let go since — would become held by
+// the new child: pinned although unreferenced, so num_available() would shrink without an
+// allocation. Each of them moves into the sequence's duplicate of it instead (its old block is
+// freed: available blocks stay the same). Returns false, changing nothing, when one of them has
+// no duplicate left (the sliding window released it): the chain stops there.
+bool KVCacheManager::Impl::take_over_idle_ancestors(SequenceId seq_id, Sequence& seq, int32_t i) {
+  int32_t num_idle = 0;
+  for (NodeId c = seq.last_node; c != root && primary_refcount[nodes[c].block_id] == 0 && !is_held(c);
+       c = nodes[c].parent) {
+    const BlockId own = seq.block_ids[i - 1 - num_idle];
+    if (own == kNoBlock || primary_node[own] != kNoNode) return false;
+    ++num_idle;
+  }
+  NodeId c = seq.last_node;
+  for (int32_t k = 0; k < num_idle; ++k) {
+    const NodeId up = nodes[c].parent;
+    take_over_node(c, seq.block_ids[i - 1 - k], seq, seq_id);
+    c = up;
+  }
+  return true;
+}
+
 // The index buckets that storing block j of seq writes.
 void KVCacheManager::Impl::prefetch_store(const Sequence& seq, int32_t j) const {
   key_index.prefetch_for_write(seq.block_hashes[j]);
@@ -129,19 +153,9 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
       seq.chain_broken = true;
       break;
     }
-    if (i > 0 && primary_refcount[nodes[parent].block_id] == 0) {
-      // The parent is cached but nobody references it: this sequence computed a duplicate of it
-      // that another sequence held at the time. A child held below an unreferenced parent would
-      // pin it (no longer evictable, so num_available() would shrink without an allocation):
-      // the parent moves into the duplicate instead. If the window released the duplicate, the
-      // chain stops unless the parent is held anyway.
-      const BlockId own = seq.block_ids[i - 1];
-      if (own != kNoBlock && primary_node[own] == kNoNode) {
-        take_over_node(parent, own, seq, seq_id);
-      } else if (!is_held(parent)) {
-        seq.chain_broken = true;
-        break;
-      }
+    if (i > 0 && !take_over_idle_ancestors(seq_id, seq, i)) {
+      seq.chain_broken = true;  // an idle ancestor's duplicate was released by the window
+      break;
     }
     const TokenId* t = seq.token_ids.data() + static_cast<size_t>(i) * tpb;
     const ExtraId* e = seq.extra_ids.empty() ? nullptr : seq.extra_ids.data() + static_cast<size_t>(i) * tpb;

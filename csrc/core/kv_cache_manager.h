@@ -6,11 +6,12 @@
 //   into the sequence's block (a primary copy's block is freed; a host copy's block too, with a
 //   KvCacheEvent ONBOARDED), unless other sequences reference the primary copy: then the block
 //   stays an unkeyed duplicate (freed on release) and the chain continues through the cached node.
-//   Should those sequences let the node go before the next block is stored below it, the node
-//   moves into the duplicate then. So an unreferenced node never has a child held only through
-//   it, and num_available_blocks() shrinks only by blocks handed out (the scheduler's
-//   GUARANTEED_NO_EVICT reservations rely on it). A chain whose unreferenced, unheld parent was
-//   released by the sliding window stops there.
+//   Should those sequences let the cached nodes go before the next block is stored below them,
+//   the ones nothing holds any more move into the sequence's duplicates then (every such
+//   ancestor, not only the parent). So no unreferenced node becomes pinned by a child, and
+//   num_available_blocks() shrinks only by blocks handed out (the scheduler's
+//   GUARANTEED_NO_EVICT reservations rely on it). If the sliding window released the duplicate
+//   of such an ancestor, the chain stops there.
 // - LRU order is the order in which blocks became unreferenced (a release walks the table from
 //   its last block) or arrived in the host tier; a block takes its computing sequence's priority.
 // - An evicted primary block that is dropped (priority below secondary_offload_min_priority, or

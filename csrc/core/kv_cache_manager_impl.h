@@ -194,6 +194,7 @@ struct KVCacheManager::Impl {
   int32_t num_available() const { return static_cast<int32_t>(primary_free.size()) + num_unheld_primary; }
   void validate_spec(const SequenceSpec& spec) const;
   void take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id);
+  bool take_over_idle_ancestors(SequenceId seq_id, Sequence& seq, int32_t i);
   Sequence& get(SequenceId id);
   const Sequence& get(SequenceId id) const;
   void store_blocks(SequenceId seq_id, Sequence& seq);
