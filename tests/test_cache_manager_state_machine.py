@@ -125,6 +125,21 @@ class CacheManagerMachine(RuleBasedStateMachine):
         if second is not None:
             self._compute(second, len(tokens))
 
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=5, max_size=14),
+          answer=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    def twins_first_leaves(self, tokens, answer):
+        """As twins, then the first request ends while the second generates its answer: the
+        blocks the second one stores go below cached blocks it only duplicated."""
+        first = self._add(tokens, None, 0, 0, 35, len(tokens))
+        second = self._add(tokens, None, 0, 0, 35, len(tokens) + len(answer))
+        if first is None or second is None:
+            return
+        self._compute(first, len(tokens))
+        self._compute(second, len(tokens))
+        self._release(first)
+        self._append(second, answer)
+        self._compute(second, len(answer))
+
     @rule(data=st.data(), more=st.integers(1, 8))
     def grow(self, data, more):
         if not self.seqs:
@@ -145,7 +160,9 @@ class CacheManagerMachine(RuleBasedStateMachine):
     def append(self, data, tokens):
         if not self.seqs:
             return
-        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self._append(data.draw(st.sampled_from(sorted(self.seqs))), tokens)
+
+    def _append(self, seq_id, tokens):
         self.manager.append_tokens(seq_id, tokens)
         self.ref.append_tokens(seq_id, tokens)
         seq = self.seqs[seq_id]
