@@ -1,6 +1,6 @@
 // Eviction and host offload of KVCacheManager: taking new primary blocks, choosing LRU victims,
 // offloading them to the secondary pool or dropping them.
-#include <algorithm>
+#include <stdexcept>
 
 #include "kv_cache_manager_impl.h"
 

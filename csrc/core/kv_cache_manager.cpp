@@ -7,6 +7,10 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "kv_cache_manager_impl.h"
 
 namespace kvtool {
@@ -177,6 +181,9 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     seq.last_node_generation = nodes[n].generation;
     ++seq.num_stored_blocks;
   }
+#if defined(__SSE2__)
+  _mm_sfence();  // token ids went out with streaming stores: order them before anything later
+#endif
 }
 
 // Blocks wholly before (num_computed_tokens - window) leave the sequence's table.
