@@ -4,7 +4,10 @@ Synthetic trace: requests of 2,048 tokens (tokens_per_block 32); half of them st
 16 shared 1,024-token prefixes, the rest are random. A 100,000-block primary pool with a
 20,000-block host tier. Requests are processed one at a time: add_sequence (prefix match +
 allocation), allocate one more token slot, mark_computed, take_copy_ops, release; each request
-is timed. The same trace's first requests also run through the pure-Python reference model
+is timed. Once the pools are full (after about 1,600 requests) every new block evicts a primary
+block to the host tier, which drops a host block. The trace runs --repeat times with reuse on
+(the machine's cores are shared: each run's median is reported), once with reuse off. The same
+trace's first requests also run through the pure-Python reference model
 (tests/reference_kv_cache.py) for a speed ratio, and their reuse results are compared.
 
     .venv/bin/python bench/cache_manager.py --output results/cache_manager.md
