@@ -77,6 +77,20 @@ def test_greedy_outputs_identical_when_host_offloading_forces_evictions(plan_dir
     assert stats["offloaded_blocks"] > 0 and stats["onboarded_blocks"] > 0
 
 
+def test_a_fully_cached_prompt_batched_with_a_new_prompt_gives_the_same_outputs(plan_dir):
+    # 97 tokens: a second time, 6 blocks are reused and the context chunk is the last token only.
+    # It is scheduled ahead of the new prompt's 103-token chunk and attended as a one-token row
+    # after it, like a decode token.
+    repeated, new = [p[:97] for p in shared_prefix_prompts()[:1]][0], shared_prefix_prompts()[1]
+    alone = [greedy_tokens(plan_dir, [p], kv_cache_config=KvCacheConfig(enable_block_reuse=False))[0][0]
+             for p in (repeated, new)]
+    llm = LLM(model=plan_dir, max_batch_size=4)
+    llm.generate(repeated, GREEDY)
+    outputs = llm.generate([repeated, new], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+    assert llm.engine.records[outputs[0].request_id].num_reused_tokens == 96
+
+
 @pytest.mark.parametrize("policy", list(ContextChunkingPolicy))
 def test_greedy_outputs_identical_with_chunked_context(plan_dir, reference_tokens, policy):
     tokens, _ = greedy_tokens(plan_dir, shared_prefix_prompts(), max_num_tokens=32,

@@ -1,7 +1,8 @@
 """What one forward step tells every attention layer about the flattened batch.
 
-The step's new tokens are flattened into one dimension: the context chunks of all context
-requests first, then one token per generating request. Request i owns query rows
+The step's new tokens are flattened into one dimension: the multi-token context chunks first,
+then one token per remaining request (generating requests, and context chunks of a single token,
+which attend exactly like a decode token). Request i owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]``; its KV after the step spans ``seq_lens[i]`` tokens,
 the last ``query_lens[i]`` of which are the new ones (causal mask aligned bottom-right).
 """
@@ -22,7 +23,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [num_seqs, max_blocks_per_seq] int32, primary block ids, -1 padded
     slot_mapping: torch.Tensor     # [num_tokens] int64, block_id * tokens_per_block + offset of each new token
     tokens_per_block: int
-    num_context_seqs: int          # the first num_context_seqs requests are context chunks
+    num_context_seqs: int          # these first requests use context attention; every later one has 1 new token
     max_query_len: int
     max_seq_len: int
 

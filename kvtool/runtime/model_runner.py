@@ -33,12 +33,18 @@ class ModelRunner:
         self.kv_caches = pools.layer_caches()
 
     def prepare(self, requests) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flattens the step's requests (context chunks first, then decode tokens).
+        """Flattens the step's requests: multi-token context chunks first, then every request with
+        one new token (decode tokens, and context chunks of one token such as the last token of a
+        fully cached prompt, which attention treats exactly like a decode token: on a GPU the
+        split-K decode kernel serves it instead of a mostly idle context-kernel tile).
 
         Returns input_ids [num_tokens], the attention metadata, and the row of the last token of
-        each sampling request [num_sampling] (whose logits are needed).
+        each sampling request [num_sampling] (whose logits are needed), in the order of ``requests``.
         """
         tpb = self.tokens_per_block
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].token_ids) == 1)  # stable
+        sampling = [i for i, r in enumerate(requests) if r.samples]
+        requests = [requests[i] for i in order]
         token_ids = [np.asarray(r.token_ids, dtype=np.int64) for r in requests]
         query_lens = np.array([len(t) for t in token_ids], dtype=np.int32)
         num_cached = np.array([r.num_cached_tokens for r in requests], dtype=np.int32)
@@ -56,8 +62,10 @@ class ModelRunner:
         slot_blocks = block_tables[seq_index, positions // tpb].astype(np.int64)
         slot_mapping = slot_blocks * tpb + positions % tpb
 
-        sample_rows = np.array([query_start_loc[i + 1] - 1 for i, r in enumerate(requests) if r.samples],
-                               dtype=np.int64)
+        # The last row of each sampling request, in the caller's order (logits come back in it).
+        last_rows = query_start_loc[1:].astype(np.int64) - 1
+        row_of = dict(zip(order, last_rows.tolist()))
+        sample_rows = np.array([row_of[i] for i in sampling], dtype=np.int64)
         device = self.device
         meta = AttentionMetadata(
             positions=torch.from_numpy(positions).to(device),
@@ -67,7 +75,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables).to(device),
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
             tokens_per_block=tpb,
-            num_context_seqs=sum(1 for r in requests if r.is_context),
+            num_context_seqs=int((query_lens > 1).sum()),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )

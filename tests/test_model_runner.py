@@ -1,0 +1,68 @@
+"""ModelRunner.prepare: how a step's requests become the flattened batch the attention layers see."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool import LLM
+from kvtool.plan import BuildOptions, build_plan
+
+TOKENS_PER_BLOCK = 4
+
+
+class Scheduled(NamedTuple):
+    token_ids: np.ndarray
+    block_ids: np.ndarray
+    num_cached_tokens: int
+    is_context: bool
+    samples: bool
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "tiny-llama"
+    build_plan("preset:tiny-llama", out, BuildOptions(tokens_per_block=TOKENS_PER_BLOCK, max_seq_len=64,
+                                                       max_batch_size=4, max_num_tokens=64))
+    llm = LLM(model=str(out))
+    yield llm.engine.runner
+    llm.shutdown()
+
+
+def scheduled(num_new: int, num_cached: int, first_block: int, *, is_context: bool, samples: bool = True):
+    num_blocks = -(-(num_new + num_cached) // TOKENS_PER_BLOCK)
+    return Scheduled(np.arange(10, 10 + num_new, dtype=np.int32),
+                     np.arange(first_block, first_block + num_blocks, dtype=np.int32), num_cached, is_context, samples)
+
+
+def test_one_token_context_chunks_are_flattened_after_multi_token_chunks(runner):
+    requests = [
+        scheduled(1, 11, 0, is_context=True),               # a fully cached prompt: only its last token
+        scheduled(5, 0, 3, is_context=True),                # a new prompt
+        scheduled(3, 4, 5, is_context=True, samples=False),  # a middle chunk of a chunked prompt
+        scheduled(1, 6, 7, is_context=False),               # a decode token
+    ]
+    input_ids, meta, sample_rows = runner.prepare(requests)
+    # Flattened: the 5-token and 3-token chunks, then the two one-token rows in their given order.
+    assert meta.query_lens.tolist() == [5, 3, 1, 1]
+    assert meta.seq_lens.tolist() == [5, 7, 12, 7]
+    assert meta.num_context_seqs == 2
+    assert meta.block_tables[2, :3].tolist() == [0, 1, 2]
+    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 11, 6]
+    assert meta.slot_mapping[8].item() == 2 * TOKENS_PER_BLOCK + 3  # position 11 lives in block 2
+    assert input_ids.shape == (10,)
+    # Logit rows come back in the order of the given requests (the non-sampling chunk has none).
+    assert sample_rows.tolist() == [8, 4, 9]
+
+
+def test_logits_do_not_depend_on_the_order_requests_are_given_in(runner):
+    cached = scheduled(8, 0, 0, is_context=True)
+    runner.execute([cached])  # writes the KV of blocks 0-1
+    repeat = scheduled(1, 8, 0, is_context=True)._replace(token_ids=np.array([17], dtype=np.int32))
+    fresh = scheduled(6, 0, 4, is_context=True)
+    one_way = runner.execute([repeat, fresh])
+    other_way = runner.execute([fresh, repeat])
+    torch.testing.assert_close(one_way, other_way[[1, 0]])
