@@ -8,13 +8,16 @@ expect (or a shared-memory size they disagree on) fails here, not on the GPU.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import pytest
 import torch
 
-from kvtool.kernels.block_copy import CopyRun, block_copy_spec, coalesce_runs
+from kvtool.kernels.block_copy import block_copy_spec
 from kvtool.kernels.compiler import (
     KernelCompileError,
     KernelCompiler,
@@ -143,6 +146,58 @@ def test_compile_error_carries_the_compiler_log(tmp_path):
         compiler.compile(KernelSpec.create("broken.cu", ARCH))
 
 
+# ---- resources per kernel (ptxas -v): what decides whether and how well a launch fits an SM ----
+
+SM90_REGISTERS_PER_SM = 64 * 1024
+SM90_SMEM_PER_SM = 228 * 1024  # of which at most 227 KiB per CTA; 1 KiB per CTA is reserved
+
+
+class KernelResources(NamedTuple):
+    registers: int
+    spill_bytes: int  # spill stores + spill loads
+    static_smem: int
+
+
+def _ptxas_resources(spec: KernelSpec, tmp_path) -> dict[str, KernelResources]:
+    command = NvccBackend(NVCC).command(spec, default_source_dir(), tmp_path / f"{spec.stem}.cubin")
+    result = subprocess.run([*command, "-Xptxas=-v"], capture_output=True, text=True, check=True)
+    report: dict[str, KernelResources] = {}
+    for entry in re.split(r"Compiling entry function ", result.stderr)[1:]:
+        name = re.match(r"'(\w+)'", entry).group(1)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", entry)
+        smem = re.search(r"(\d+) bytes smem", entry)
+        report[name] = KernelResources(int(re.search(r"Used (\d+) registers", entry).group(1)),
+                                       int(spills.group(1)) + int(spills.group(2)), int(smem.group(1)) if smem else 0)
+    return report
+
+
+def _ctas_per_sm(resources: KernelResources, num_threads: int, dynamic_smem: int = 0) -> int:
+    registers = -(-resources.registers // 8) * 8 * num_threads  # allocated in units of 8 per thread
+    smem = resources.static_smem + dynamic_smem + 1024
+    return min(SM90_REGISTERS_PER_SM // registers, SM90_SMEM_PER_SM // smem, 2048 // num_threads)
+
+
+@needs_nvcc
+def test_the_heaviest_specializations_fit_an_sm_without_register_spills(tmp_path):
+    context_4 = context_attention_spec(128, 16, torch.bfloat16, ARCH)
+    context_8 = context_attention_spec(128, 16, torch.float16, ARCH, num_warps=8)
+    decode_8 = decode_attention_spec(128, 16, torch.bfloat16, 8, ARCH)
+    specs = [context_4, context_8, decode_8, kv_append_spec(ARCH), block_copy_spec(ARCH)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        reports = dict(zip([s.label for s in specs], pool.map(lambda s: _ptxas_resources(s, tmp_path), specs)))
+    for label, report in reports.items():
+        for name, resources in report.items():
+            assert resources.spill_bytes == 0, f"{name} of {label} spills registers: {resources}"
+    # Two context CTAs per SM (load of one tile overlaps the math of the other), one at 8 warps.
+    context = reports[context_4.label]["kvt_paged_context_attention"]
+    assert _ctas_per_sm(context, 128, smem_bytes(128)) >= 2
+    context = reports[context_8.label]["kvt_paged_context_attention"]
+    assert _ctas_per_sm(context, 256, smem_bytes(128, num_warps=8)) >= 1
+    # Decode is memory-bound: with 8 query heads per CTA (the most registers), 4 CTAs per SM still
+    # keep 4 x 128 threads x 4 x 16 B = 32 KiB of loads in flight per SM (HBM3 needs about 15).
+    assert _ctas_per_sm(reports[decode_8.label]["kvt_paged_decode_attention"], 128) >= 4
+
+
 def _nvrtc_backend():
     try:
         return NvrtcBackend(load_nvrtc())
@@ -180,14 +235,6 @@ def test_decode_splits_sequences_longer_than_a_partition():
     assert num_partitions(512, 512) == 1
     assert num_partitions(513, 512) == 2
     assert num_partitions(4096, 512) == 8
-
-
-def test_block_copy_coalesces_consecutive_ids_into_runs():
-    runs = coalesce_runs([4, 5, 6, 9, 2, 3], [10, 11, 12, 13, 0, 7])
-    assert runs == [CopyRun(4, 10, 3), CopyRun(9, 13, 1), CopyRun(2, 0, 1), CopyRun(3, 7, 1)]
-    assert coalesce_runs([], []) == []
-    with pytest.raises(ValueError, match="same length"):
-        coalesce_runs([1, 2], [3])
 
 
 @needs_nvcc

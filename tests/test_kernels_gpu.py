@@ -472,6 +472,19 @@ def test_block_copy_serves_the_runtime_host_pool(library, method):
         assert torch.equal(host.block(d), device_pool[s].cpu())
 
 
+def test_block_copy_kernel_moves_more_blocks_than_one_grid_dimension_holds(library):
+    from kvtool.kernels.block_copy import copy_blocks
+
+    # 70,000 ops of 32-byte blocks: more than the 65,535 a grid's y or z dimension allows.
+    num_blocks = 70_000
+    src = torch.arange(num_blocks * 16, dtype=torch.int16, device=DEVICE).view(torch.float16).view(num_blocks, 16)
+    dst = torch.zeros_like(src)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(4))
+    copy_blocks(src, dst, list(range(num_blocks)), order.tolist(), method="kernel", library=library)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[order.to(DEVICE)].view(torch.int16), src.view(torch.int16))
+
+
 def test_block_copy_kernel_refuses_pageable_host_memory(library):
     from kvtool.kernels.block_copy import copy_blocks
 

@@ -18,15 +18,15 @@ constexpr int NUM_THREADS = 256;
 constexpr int UNROLL = 4;
 }  // namespace
 
-// grid: (ceil(bytes_per_block / bytes_per_cta), num_ops); block: 256.
+// grid: (num_ops, ceil(bytes_per_block / bytes_per_cta)); block: 256.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) kvt_block_copy(
     const u64* __restrict__ src_addresses, const u64* __restrict__ dst_addresses, i64 bytes_per_block,
     i64 bytes_per_cta) {
-  const int op = blockIdx.y;
+  const int op = blockIdx.x;  // x: up to 2^31 - 1 ops (y and z stop at 65535)
   const uint4* src = reinterpret_cast<const uint4*>(src_addresses[op]);
   uint4* dst = reinterpret_cast<uint4*>(dst_addresses[op]);
-  const i64 begin = static_cast<i64>(blockIdx.x) * (bytes_per_cta / 16);
-  const i64 end_bytes = static_cast<i64>(blockIdx.x + 1) * bytes_per_cta;
+  const i64 begin = static_cast<i64>(blockIdx.y) * (bytes_per_cta / 16);
+  const i64 end_bytes = static_cast<i64>(blockIdx.y + 1) * bytes_per_cta;
   const i64 end = (end_bytes < bytes_per_block ? end_bytes : bytes_per_block) / 16;
   for (i64 i = begin + threadIdx.x; i < end; i += NUM_THREADS * UNROLL) {
     uint4 v[UNROLL];

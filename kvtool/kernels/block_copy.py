@@ -107,6 +107,43 @@ class _Pool:
                 return self.chunks[chunk][index:index + count]
         return None
 
+    def block_addresses(self, block_ids: Sequence[int], bytes_per_block: int, name: str) -> np.ndarray:
+        """Device-usable addresses of the blocks [len(block_ids)] int64, one lookup per chunk.
+
+        Blocks of one tensor (or chunk) are ``bytes_per_block`` apart, so a block's address is
+        its tensor's mapped base plus an offset: no per-block tensor views or driver calls.
+        """
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size and ids.min() < 0:
+            raise ValueError(f"{name}: block id {int(ids.min())} is negative")
+        if self.holder is not None and not hasattr(self.holder, "chunk"):
+            return np.array([_device_address(self.holder.block(int(b)), name) for b in ids], dtype=np.int64)
+        if self.tensor is not None:
+            chunk_of, index = np.zeros_like(ids), ids
+        else:
+            per_chunk = self.chunks[0].shape[0] if self.chunks is not None else self.holder.blocks_per_chunk
+            chunk_of, index = np.divmod(ids, per_chunk)
+        addresses = np.empty_like(ids)
+        for chunk_index in np.unique(chunk_of).tolist():
+            chunk = self._chunk(chunk_index, name)
+            selected = chunk_of == chunk_index
+            if index[selected].max() >= chunk.shape[0]:
+                raise ValueError(f"{name}: block id {int(ids[selected][index[selected].argmax()])} is out of range")
+            if _block_bytes(chunk[0], name) != bytes_per_block or chunk.stride(0) * chunk.element_size() != bytes_per_block:
+                raise ValueError(f"{name} blocks must be contiguous {bytes_per_block}-byte slabs, back to back")
+            addresses[selected] = _device_address(chunk, name) + index[selected] * bytes_per_block
+        return addresses
+
+    def _chunk(self, chunk_index: int, name: str) -> torch.Tensor:
+        """[blocks, ...] tensor holding chunk ``chunk_index`` (the whole pool for one tensor)."""
+        if self.tensor is not None:
+            return self.tensor
+        if self.chunks is not None:
+            if chunk_index >= len(self.chunks):
+                raise ValueError(f"{name}: block ids reach chunk {chunk_index} of a pool of {len(self.chunks)} chunks")
+            return self.chunks[chunk_index]
+        return self.holder.chunk(chunk_index)
+
     @property
     def device(self) -> torch.device:
         if self.tensor is not None:
@@ -122,27 +159,14 @@ def _block_bytes(block: torch.Tensor, name: str) -> int:
     return block.numel() * block.element_size()
 
 
-def _device_address(block: torch.Tensor, name: str) -> int:
-    """The address a kernel uses for this block: device memory as is, pinned host memory mapped."""
-    if block.is_cuda:
-        return block.data_ptr()
-    if not block.is_pinned():
+def _device_address(tensor: torch.Tensor, name: str) -> int:
+    """The address a kernel uses for this tensor: device memory as is, pinned host memory mapped."""
+    if tensor.is_cuda:
+        return tensor.data_ptr()
+    if not tensor.is_pinned():
         raise ValueError(f"{name} is in pageable host memory, which a kernel cannot read: pin it "
                          "(torch.empty(..., pin_memory=True)) or use method='memcpy'")
-    return _mapped_host_address(block.data_ptr())
-
-
-def _mapped_host_address(host_address: int) -> int:
-    # With unified addressing (every 64-bit CUDA platform) pinned host memory has the same address
-    # on the device; ask the driver anyway so a registered (cudaHostRegister) buffer also works.
-    try:
-        import cupy  # noqa: PLC0415
-
-        attributes = cupy.cuda.runtime.pointerGetAttributes(host_address)
-        device_pointer = int(getattr(attributes, "devicePointer", 0) or 0)
-        return device_pointer or host_address
-    except Exception:  # noqa: BLE001 - old CuPy without the call: UVA address
-        return host_address
+    return _mapped_host_address(tensor.data_ptr())
 
 
 def copy_blocks(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -191,18 +215,16 @@ def _copy_with_kernel(src: _Pool, dst: _Pool, src_block_ids: Sequence[int], dst_
                       bytes_per_block: int, device: torch.device, library: KernelLibrary) -> None:
     if bytes_per_block % 16:
         raise ValueError(f"a block of {bytes_per_block} bytes is not a multiple of 16: use method='memcpy'")
-    num_ops = len(src_block_ids)
-    addresses = np.empty((2, num_ops), dtype=np.int64)
-    for i, (s, d) in enumerate(zip(src_block_ids, dst_block_ids)):
-        src_block, dst_block = src.block(int(s)), dst.block(int(d))
-        addresses[0, i] = _device_address(src_block, "src_pool")
-        addresses[1, i] = _device_address(dst_block, "dst_pool")
+    # [2, num_ops]: source addresses, destination addresses
+    addresses = np.stack([src.block_addresses(src_block_ids, bytes_per_block, "src_pool"),
+                          dst.block_addresses(dst_block_ids, bytes_per_block, "dst_pool")])
     if (addresses % 16).any():
         raise ValueError("block addresses must be 16-byte aligned: allocate the pools with torch")
     # Pinned staging + async upload on this stream: torch keeps the staging buffer alive until the
     # copy has run, and the device table belongs to this stream's allocations.
     table = torch.from_numpy(addresses).pin_memory().to(device, non_blocking=True)
     kernel = library.kernel(block_copy_spec(device_arch(device)), KERNEL, device.index)
-    grid = (math.ceil(bytes_per_block / BYTES_PER_CTA), num_ops)
+    # Ops along x (up to 2^31 - 1 of them), slices of a block along y.
+    grid = (addresses.shape[1], math.ceil(bytes_per_block / BYTES_PER_CTA))
     args = (ptr(table[0]), ptr(table[1]), i64(bytes_per_block), i64(BYTES_PER_CTA))
     launch(kernel, grid, (NUM_THREADS,), args, device_index=device.index)

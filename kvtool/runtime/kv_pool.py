@@ -61,7 +61,8 @@ class HostBlockPool:
     def num_allocated_bytes(self) -> int:
         return sum(chunk.numel() * chunk.element_size() for chunk in self._chunks if chunk is not None)
 
-    def _chunk(self, chunk_index: int) -> torch.Tensor:
+    def chunk(self, chunk_index: int) -> torch.Tensor:
+        """[blocks_in_chunk, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]; allocated on first use."""
         chunk = self._chunks[chunk_index]
         if chunk is None:
             first = chunk_index * self.blocks_per_chunk
@@ -74,7 +75,7 @@ class HostBlockPool:
     def block(self, block_id: int) -> torch.Tensor:
         """[num_layers, 2, tokens_per_block, num_kv_heads, head_dim] view of one host block."""
         chunk_index, index = divmod(block_id, self.blocks_per_chunk)
-        return self._chunk(chunk_index)[index]
+        return self.chunk(chunk_index)[index]
 
 
 class KvCachePools:

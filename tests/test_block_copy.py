@@ -1,0 +1,62 @@
+"""Host-side planning of batched block copies (no GPU needed): which addresses the copy kernel gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtool.kernels import block_copy
+from kvtool.kernels.block_copy import CopyRun, _Pool, coalesce_runs
+from kvtool.runtime.kv_pool import BlockShape, HostBlockPool
+
+
+@pytest.fixture
+def host_addresses(monkeypatch):
+    # The kernel path maps pinned host memory; CPU tensors stand in here, at their own addresses.
+    monkeypatch.setattr(block_copy, "_device_address", lambda tensor, name: tensor.data_ptr())
+
+
+def _bytes(block: torch.Tensor) -> int:
+    return block.numel() * block.element_size()
+
+
+@pytest.mark.parametrize("form", ["tensor", "chunks", "host_pool"])
+def test_block_addresses_match_each_blocks_own_view(host_addresses, form):
+    shape = BlockShape(num_layers=2, tokens_per_block=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+    if form == "tensor":
+        pool = torch.zeros(11, *shape.dims, dtype=shape.dtype)
+    elif form == "chunks":
+        pool = [torch.zeros(n, *shape.dims, dtype=shape.dtype) for n in (4, 4, 3)]
+    else:
+        pool = HostBlockPool(shape, num_blocks=11, pin_memory=False)
+        pool.blocks_per_chunk = 4  # several chunks without allocating 64 MiB each
+        pool._chunks = [None] * 3
+    view = _Pool.of(pool, "pool")
+    block_ids = [10, 0, 5, 4, 3, 8, 5]
+    addresses = view.block_addresses(block_ids, shape.num_bytes, "pool")
+    assert addresses.tolist() == [view.block(b).data_ptr() for b in block_ids]
+
+
+def test_block_addresses_refuse_ids_outside_the_pool(host_addresses):
+    chunks = [torch.zeros(4, 2, 8, dtype=torch.float16) for _ in range(2)]
+    with pytest.raises(ValueError, match="chunk 2"):
+        _Pool.of(chunks, "dst_pool").block_addresses([1, 9], _bytes(chunks[0][0]), "dst_pool")
+    pool = torch.zeros(3, 2, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="block id 3 is out of range"):
+        _Pool.of(pool, "src_pool").block_addresses([0, 3], _bytes(pool[0]), "src_pool")
+    with pytest.raises(ValueError, match="negative"):
+        _Pool.of(pool, "src_pool").block_addresses([-1], _bytes(pool[0]), "src_pool")
+
+
+def test_block_addresses_refuse_blocks_that_are_not_back_to_back(host_addresses):
+    strided = torch.zeros(4, 2, 16, dtype=torch.float16)[:, :, :8]  # [4, 2, 8] views with gaps
+    with pytest.raises(ValueError, match="contiguous"):
+        _Pool.of(strided, "src_pool").block_addresses([0, 1], 32, "src_pool")
+
+
+def test_block_copy_coalesces_consecutive_ids_into_runs():
+    runs = coalesce_runs([4, 5, 6, 9, 2, 3], [10, 11, 12, 13, 0, 7])
+    assert runs == [CopyRun(4, 10, 3), CopyRun(9, 13, 1), CopyRun(2, 0, 1), CopyRun(3, 7, 1)]
+    assert coalesce_runs([], []) == []
+    with pytest.raises(ValueError, match="same length"):
+        coalesce_runs([1, 2], [3])
