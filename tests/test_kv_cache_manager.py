@@ -351,6 +351,30 @@ def test_onboarded_host_block_frees_its_secondary_block():
     assert m.check_invariants() == []
 
 
+def test_offloads_of_a_step_do_not_overwrite_host_blocks_its_onboards_read():
+    # a (3 blocks) goes to the host; when it comes back each onboard needs b's primary block, so
+    # b's blocks are offloaded in between. With free host blocks left, none of those offloads
+    # lands on a host block an onboard of the same step reads (so the runtime can batch them).
+    m = make(num_primary_blocks=4, num_secondary_blocks=8)
+    a, b = prompt(0, 3 * T + 1), prompt(50, 4 * T)
+    run_context(m, 1, a)
+    run_context(m, 2, b)
+    m.take_copy_ops()
+    m.add_sequence(3, a, len(a))
+    ops = m.take_copy_ops()
+    onboard_reads = {int(s) for s, p in zip(ops.src_block_ids, ops.src_pool) if p == 1}
+    offload_writes = {int(d) for d, p in zip(ops.dst_block_ids, ops.dst_pool) if p == 1}
+    assert len(onboard_reads) == 3 and len(offload_writes) == 4  # a's last block is new: b loses all 4
+    assert onboard_reads.isdisjoint(offload_writes)
+    assert m.stats().secondary.num_free_blocks == 8 - 4  # b's blocks; a's host blocks are free again
+    assert m.check_invariants() == []
+    m.release(3)
+    # Later steps may reuse them: a's 4 blocks are offloaded into the 4 free host blocks, no drop.
+    run_context(m, 4, prompt(200, 4 * T))
+    assert m.stats().evicted_blocks == 0
+    assert m.check_invariants() == []
+
+
 def test_secondary_pool_evicts_by_lru():
     m = make(num_primary_blocks=2, num_secondary_blocks=1)
     first, second = prompt(0, T + 1), prompt(20, T + 1)

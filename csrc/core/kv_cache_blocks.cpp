@@ -160,7 +160,7 @@ void KVCacheManager::Impl::move_to_primary(NodeId n, BlockId block) {
   Node& x = nodes[n];
   lru_remove(n);
   secondary_node[x.block_id] = kNoNode;
-  secondary_free.push_back(x.block_id);
+  secondary_onboarded.push_back(x.block_id);  // its contents are read by this step's onboard
   x.pool = PoolKind::kPrimary;
   x.block_id = block;
   x.pinned = false;

@@ -28,13 +28,19 @@ BlockId KVCacheManager::Impl::acquire_primary() {
 }
 
 BlockId KVCacheManager::Impl::acquire_secondary() {
-  if (secondary_free.empty()) {
+  if (num_free_secondary() == 0) {
     const NodeId victim = find_victim(PoolKind::kSecondary);
     if (victim == kNoNode) return kNoBlock;
     drop_tree(victim);  // a leaf: its block goes back to secondary_free
   }
-  const BlockId b = secondary_free.back();
-  secondary_free.pop_back();
+  return pop_free_secondary();
+}
+
+BlockId KVCacheManager::Impl::pop_free_secondary() {
+  std::vector<BlockId>& from = secondary_free.empty() ? secondary_onboarded : secondary_free;
+  if (from.empty()) return kNoBlock;
+  const BlockId b = from.back();
+  from.pop_back();
   return b;
 }
 
@@ -76,7 +82,7 @@ NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
 void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<BlockId>& out) {
   const bool offload = config.num_secondary_blocks > 0;
   const int32_t num_drops =
-      count - static_cast<int32_t>(primary_free.size()) - (offload ? static_cast<int32_t>(secondary_free.size()) : 0);
+      count - static_cast<int32_t>(primary_free.size()) - (offload ? num_free_secondary() : 0);
   scout_walk = scout_bucket = kNoNode;
   scout_steps_left = 0;
   if (num_drops > 1) {
@@ -164,14 +170,13 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
         prefetch_line_for_write(&node_info[guess]);
       }
     }
-    if (secondary_free.empty()) {
+    if (num_free_secondary() == 0) {
       if (!may_drop) break;
       const NodeId victim = to.head[q];
       if (victim == kNoNode || nodes[victim].pinned || nodes[victim].num_children > 0) break;
       drop_node(victim);  // a leaf: its block goes back to secondary_free
     }
-    const BlockId dst = secondary_free.back();
-    secondary_free.pop_back();
+    const BlockId dst = pop_free_secondary();
     const BlockId block = x.block_id;
     emit_copy(PoolKind::kPrimary, block, PoolKind::kSecondary, dst, tpb);
     primary_node[block] = kNoNode;

@@ -17,7 +17,7 @@ CacheStats KVCacheManager::stats() const {
   s.primary.num_used_blocks = m.num_used_primary;
   s.primary.num_cached_blocks = s.primary.num_blocks - s.primary.num_free_blocks - s.primary.num_used_blocks;
   s.secondary.num_blocks = m.config.num_secondary_blocks;
-  s.secondary.num_free_blocks = static_cast<int32_t>(m.secondary_free.size());
+  s.secondary.num_free_blocks = m.num_free_secondary();
   s.secondary.num_used_blocks = 0;  // sequences never hold host blocks
   s.secondary.num_cached_blocks = s.secondary.num_blocks - s.secondary.num_free_blocks;
   return s;
@@ -79,8 +79,10 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
 
   // Secondary pool: every block exactly one of free / cached.
   std::vector<char> in_secondary_free(num_secondary, 0);
-  for (BlockId b : m.secondary_free) {
-    if (in_secondary_free[b]++) fail("secondary block " + s(b) + " is on the free list twice");
+  for (const std::vector<BlockId>* list : {&m.secondary_free, &m.secondary_onboarded}) {
+    for (BlockId b : *list) {
+      if (in_secondary_free[b]++) fail("secondary block " + s(b) + " is on the free lists twice");
+    }
   }
   for (BlockId b = 0; b < num_secondary; ++b) {
     if ((in_secondary_free[b] != 0) == (m.secondary_node[b] != kNoNode)) {

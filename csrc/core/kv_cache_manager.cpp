@@ -397,6 +397,10 @@ std::vector<BlockId> KVCacheManager::block_ids(SequenceId seq_id) const { return
 std::vector<CopyOp> KVCacheManager::take_copy_ops() {
   std::vector<CopyOp> out(impl_->copy_ops);  // the manager keeps its buffer's capacity
   impl_->copy_ops.clear();
+  // The onboards are handed over: the blocks they read may be overwritten by later steps' copies.
+  std::vector<BlockId>& onboarded = impl_->secondary_onboarded;
+  impl_->secondary_free.insert(impl_->secondary_free.end(), onboarded.begin(), onboarded.end());
+  onboarded.clear();
   return out;
 }
 

@@ -164,6 +164,10 @@ struct KVCacheManager::Impl {
   void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
   BlockId acquire_primary();
   BlockId acquire_secondary();       // kNoBlock when no secondary block can be had
+  BlockId pop_free_secondary();      // a free secondary block, kNoBlock when none is free
+  int32_t num_free_secondary() const {
+    return static_cast<int32_t>(secondary_free.size() + secondary_onboarded.size());
+  }
   static int lowest_priority(const LruLists& l);  // -1 when every list is empty
   NodeId find_victim(PoolKind pool) const;
   int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out);
@@ -225,6 +229,11 @@ struct KVCacheManager::Impl {
   std::vector<BlockId> primary_free;       // stack
   std::vector<NodeId> secondary_node;      // [num_secondary_blocks]
   std::vector<BlockId> secondary_free;     // stack
+  // Secondary blocks freed by an onboard since the last take_copy_ops: handed out only when
+  // secondary_free is empty, so a step's offloads do not overwrite host blocks its onboards still
+  // read. Otherwise every offload waits for the previous onboard and the runtime cannot batch
+  // the step's copies (a swap through a full host pool still chains, as it must).
+  std::vector<BlockId> secondary_onboarded;
   LruLists lru[2];                         // by PoolKind
   int32_t num_unheld_primary = 0;          // primary nodes not held: evictable, part of num_available
   int32_t num_used_primary = 0;            // primary blocks with refcount > 0

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvtool.errors import KvtoolError
+from kvtool.runtime.copy_batches import copy_batches
 from kvtool.runtime.device import available_host_memory_bytes
 
 PRIMARY = 0
@@ -102,7 +103,8 @@ class KvCachePools:
 
     def execute_copies(self, src_pool: np.ndarray, src_block_ids: np.ndarray, dst_pool: np.ndarray,
                        dst_block_ids: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Runs the manager's copy operations in their order before the forward that needs them.
+        """Runs the manager's copy operations (batched, with the result of running them in their
+        order) before the forward that needs them.
 
         On a GPU they run on a copy stream; the compute stream waits for them (an onboard lands
         before the forward that reads it) and they wait for the previous forward (an offload
@@ -120,34 +122,24 @@ class KvCachePools:
         compute_stream.wait_stream(self._copy_stream)
 
     def _run_copies(self, src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens) -> None:
-        # Consecutive whole-block copies in one direction between tiers form one batch: on a GPU,
-        # one kernel launch per batch instead of one copy per block.
-        tokens_per_block = self.shape.tokens_per_block
-        num_ops = len(src_pool)
-        start = 0
-        while start < num_ops:
-            direction = (int(src_pool[start]), int(dst_pool[start]))
-            end = start + 1
-            if int(num_tokens[start]) >= tokens_per_block:
-                while (end < num_ops and (int(src_pool[end]), int(dst_pool[end])) == direction
-                       and int(num_tokens[end]) >= tokens_per_block):
-                    end += 1
-            self._copy_batch(direction, src_block_ids[start:end], dst_block_ids[start:end],
-                             int(num_tokens[start]) if end == start + 1 else tokens_per_block)
-            start = end
+        # Independent whole-block copies in one direction form one batch: on a GPU, one kernel
+        # launch per batch instead of one copy per block.
+        for batch in copy_batches(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens):
+            self._copy_batch((batch.src_pool, batch.dst_pool), batch.src_block_ids, batch.dst_block_ids,
+                             batch.num_tokens)
 
     def _copy_batch(self, direction: tuple[int, int], src_ids, dst_ids, count: int) -> None:
         if count >= self.shape.tokens_per_block and direction != (PRIMARY, PRIMARY) and self._kernels is not None:
             from kvtool.kernels.block_copy import copy_blocks
 
             pools = {PRIMARY: self.primary, SECONDARY: self.host}
-            copy_blocks(pools[direction[0]], pools[direction[1]], [int(i) for i in src_ids],
-                        [int(i) for i in dst_ids], self._copy_stream, library=self._kernels)
+            copy_blocks(pools[direction[0]], pools[direction[1]], src_ids, dst_ids, self._copy_stream,
+                        library=self._kernels)
             return
         non_blocking = self._copy_stream is not None
         for src_id, dst_id in zip(src_ids, dst_ids):
-            src = self._block(direction[0], int(src_id))
-            dst = self._block(direction[1], int(dst_id))
+            src = self._block(direction[0], src_id)
+            dst = self._block(direction[1], dst_id)
             if count >= self.shape.tokens_per_block:
                 dst.copy_(src, non_blocking=non_blocking)
             else:
