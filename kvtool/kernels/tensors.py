@@ -70,6 +70,8 @@ def row_strides(tensor: torch.Tensor, name: str, num_heads: int, head_dim: int) 
 
 def int32_on(tensor: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
     """``tensor`` as a contiguous int32 tensor on ``device`` (metadata usually already is)."""
+    if tensor.dtype == torch.int32 and tensor.device == device and tensor.is_contiguous():
+        return tensor  # the usual case (the runner's metadata): no op dispatched, per layer per kernel
     if tensor.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be an integer tensor, got {tensor.dtype}")
     return tensor.to(device=device, dtype=torch.int32).contiguous()
