@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import random
-from typing import NamedTuple
-
 import numpy as np
 import pytest
 import torch
 
 from kvtool import LLM, KvCacheConfig, SamplingParams, SchedulerConfig
 from kvtool.plan import BuildOptions, build_plan
+from kvtool.runtime.model_runner import StepRequest
 
 
 def _gpu_ready() -> bool:
@@ -80,19 +79,11 @@ def reference_tokens(plan_dir):
     return tokens
 
 
-class Scheduled(NamedTuple):
-    token_ids: np.ndarray
-    block_ids: np.ndarray
-    num_cached_tokens: int
-    is_context: bool
-    samples: bool
-
-
 def test_prompt_logits_on_the_gpu_match_transformers(plan_dir, hf_checkpoint):
     prompt = shared_prefix_prompts()[0]
     llm = make_llm(plan_dir)
     num_blocks = -(-len(prompt) // TOKENS_PER_BLOCK)
-    request = Scheduled(np.asarray(prompt, dtype=np.int32), np.arange(num_blocks, dtype=np.int32), 0, True, True)
+    request = StepRequest(np.asarray(prompt, dtype=np.int32), np.arange(num_blocks, dtype=np.int32), 0, True, True)
     ours = llm.engine.runner.execute([request])[0].cpu()  # [vocab] float32
     llm.shutdown()
     with torch.no_grad():

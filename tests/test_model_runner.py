@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import pytest
 import torch
 
 from kvtool import LLM
 from kvtool.plan import BuildOptions, build_plan
+from kvtool.runtime.model_runner import StepRequest
 
 TOKENS_PER_BLOCK = 4
-
-
-class Scheduled(NamedTuple):
-    token_ids: np.ndarray
-    block_ids: np.ndarray
-    num_cached_tokens: int
-    is_context: bool
-    samples: bool
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +25,8 @@ def runner(tmp_path_factory):
 
 def scheduled(num_new: int, num_cached: int, first_block: int, *, is_context: bool, samples: bool = True):
     num_blocks = -(-(num_new + num_cached) // TOKENS_PER_BLOCK)
-    return Scheduled(np.arange(10, 10 + num_new, dtype=np.int32),
-                     np.arange(first_block, first_block + num_blocks, dtype=np.int32), num_cached, is_context, samples)
+    return StepRequest(np.arange(10, 10 + num_new, dtype=np.int32),
+                       np.arange(first_block, first_block + num_blocks, dtype=np.int32), num_cached, is_context, samples)
 
 
 def test_one_token_context_chunks_are_flattened_after_multi_token_chunks(runner):

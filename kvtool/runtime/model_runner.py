@@ -11,8 +11,9 @@ from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.runtime.kv_pool import KvCachePools
 
 
-class _WarmUpRequest(NamedTuple):
-    """The fields of a scheduled request that prepare() reads."""
+class StepRequest(NamedTuple):
+    """The fields of a scheduled request that prepare() reads (the scheduler's plan entries have
+    them too); for driving a runner directly: warm-up, tests."""
 
     token_ids: np.ndarray
     block_ids: np.ndarray
@@ -92,8 +93,8 @@ class ModelRunner:
         tpb = self.tokens_per_block
         num_tokens = max(1, min(num_tokens, self.pools.num_primary_blocks * tpb - 1))
         block_ids = np.arange(-(-(num_tokens + 1) // tpb), dtype=np.int32)
-        context = _WarmUpRequest(np.zeros(num_tokens, np.int32), block_ids, 0, True, True)
-        decode = _WarmUpRequest(np.zeros(1, np.int32), block_ids, num_tokens, False, True)
+        context = StepRequest(np.zeros(num_tokens, np.int32), block_ids, 0, True, True)
+        decode = StepRequest(np.zeros(1, np.int32), block_ids, num_tokens, False, True)
         self.execute([context])
         self.execute([decode])
         if self.device.type == "cuda":
