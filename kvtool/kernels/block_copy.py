@@ -169,6 +169,19 @@ def _device_address(tensor: torch.Tensor, name: str) -> int:
     return _mapped_host_address(tensor.data_ptr())
 
 
+def _mapped_host_address(host_address: int) -> int:
+    # With unified addressing (every 64-bit CUDA platform) pinned host memory has the same address
+    # on the device; ask the driver anyway so a registered (cudaHostRegister) buffer also works.
+    try:
+        import cupy  # noqa: PLC0415
+
+        attributes = cupy.cuda.runtime.pointerGetAttributes(host_address)
+        device_pointer = int(getattr(attributes, "devicePointer", 0) or 0)
+        return device_pointer or host_address
+    except Exception:  # noqa: BLE001 - old CuPy without the call: UVA address
+        return host_address
+
+
 def copy_blocks(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
                 stream: torch.cuda.Stream | None = None, *, method: CopyMethod = "kernel",
                 library: KernelLibrary | None = None) -> None:
