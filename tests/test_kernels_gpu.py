@@ -406,6 +406,11 @@ def test_kernels_run_on_torch_current_stream(library):
 
     sc = _mixed_step(torch.float16, 128, 16, None, seed=1)
     expected = reference_attention(sc)
+    backend = CudaPagedAttention(library)
+    # Compile and load the kernels first: a launch delayed by compilation would run after the
+    # sleep below and read the real query whatever stream it ran on.
+    backend.forward(sc.query, sc.new_key, sc.new_value, sc.kv_cache, sc.meta, scale=sc.scale, sliding_window=None)
+    torch.cuda.synchronize()
     real_query = sc.query.clone()
     sc.query.zero_()
     side = torch.cuda.Stream()
@@ -414,8 +419,8 @@ def test_kernels_run_on_torch_current_stream(library):
         torch.cuda._sleep(50_000_000)  # the real query lands late on this stream...
         sc.query.copy_(real_query)
         # ...so a kernel launched anywhere but on `side` would read zeros.
-        out = CudaPagedAttention(library).forward(sc.query, sc.new_key, sc.new_value, sc.kv_cache, sc.meta,
-                                                  scale=sc.scale, sliding_window=None)
+        out = backend.forward(sc.query, sc.new_key, sc.new_value, sc.kv_cache, sc.meta, scale=sc.scale,
+                              sliding_window=None)
     side.synchronize()
     assert_rows_match(out, expected, sc.rows(0, sc.meta.num_seqs), torch.float16)
 

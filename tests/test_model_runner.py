@@ -41,6 +41,7 @@ def test_one_token_context_chunks_are_flattened_after_multi_token_chunks(runner)
     assert meta.query_lens.tolist() == [5, 3, 1, 1]
     assert meta.seq_lens.tolist() == [5, 7, 12, 7]
     assert meta.num_context_seqs == 2
+    assert (meta.max_seq_len, meta.max_decode_seq_len) == (12, 12)  # the decode grid's split-K bound
     assert meta.block_tables[2, :3].tolist() == [0, 1, 2]
     assert meta.positions.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 11, 6]
     assert meta.slot_mapping[8].item() == 2 * TOKENS_PER_BLOCK + 3  # position 11 lives in block 2
@@ -57,3 +58,10 @@ def test_logits_do_not_depend_on_the_order_requests_are_given_in(runner):
     one_way = runner.execute([repeat, fresh])
     other_way = runner.execute([fresh, repeat])
     torch.testing.assert_close(one_way, other_way[[1, 0]])
+
+
+def test_the_decode_grid_is_sized_by_decode_rows_only(runner):
+    _, meta, _ = runner.prepare([scheduled(40, 0, 0, is_context=True), scheduled(1, 6, 10, is_context=False)])
+    assert (meta.max_seq_len, meta.max_decode_seq_len) == (40, 7)
+    _, meta, _ = runner.prepare([scheduled(9, 0, 0, is_context=True)])
+    assert meta.max_decode_seq_len == 0

@@ -26,6 +26,7 @@ class AttentionMetadata:
     num_context_seqs: int          # these first requests use context attention; every later one has 1 new token
     max_query_len: int
     max_seq_len: int
+    max_decode_seq_len: int | None = None  # longest one-token row's seq_len (decode grid); None: max_seq_len
 
     @property
     def num_seqs(self) -> int:

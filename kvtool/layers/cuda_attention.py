@@ -4,7 +4,7 @@ Per layer and step: the KV append kernel stores the step's keys/values at ``slot
 paged context kernel (FlashAttention-2-style, tensor cores) attends the context chunks to their
 cached prefix plus themselves; the paged decode kernel (split-K + reduce) attends the generating
 tokens. Everything runs on torch's current stream with no host synchronization: the metadata's
-host-side ints (``max_query_len``, ``max_seq_len``, ``num_context_seqs``) size the grids.
+host-side ints (``max_query_len``, ``max_decode_seq_len``, ``num_context_seqs``) size the grids.
 
 Same semantics as :class:`kvtool.layers.attention.TorchPagedAttention` (the reference the GPU
 tests compare against).
@@ -75,8 +75,10 @@ class CudaPagedAttention:
                                     scale=scale, sliding_window=sliding_window, out=out,
                                     num_warps=self.context_num_warps)
         if num_decode:
+            # Split-K partitions for the longest decode row, not a long prefill beside it.
+            max_decode_seq_len = meta.max_seq_len if meta.max_decode_seq_len is None else meta.max_decode_seq_len
             paged_decode_attention(self.library, query, kv_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, seq_offset=num_context, num_seqs=num_decode,
-                                   max_seq_len=meta.max_seq_len, scale=scale, sliding_window=sliding_window,
+                                   max_seq_len=max_decode_seq_len, scale=scale, sliding_window=sliding_window,
                                    out=out, partition_size=self.decode_partition_size)
         return out

@@ -79,6 +79,7 @@ class ModelRunner:
             num_context_seqs=int((query_lens > 1).sum()),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
+            max_decode_seq_len=int(seq_lens[query_lens == 1].max(initial=0)),
         )
         input_ids = torch.from_numpy(np.concatenate(token_ids)).to(device)
         return input_ids, meta, torch.from_numpy(sample_rows).to(device)
