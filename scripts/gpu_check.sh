@@ -68,6 +68,11 @@ if has_step test; then
   "$PY" -m pytest -m gpu tests/ -q -rs --durations=15 2>&1 | tee "$OUT/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   [[ $rc -eq 0 ]] || { note "GPU tests failed (rc $rc)"; status=1; }
+  # A machine without a usable GPU or CuPy skips them all: that is no pass.
+  if grep -q "needs a CUDA GPU" "$OUT/pytest_gpu.log"; then
+    note "GPU tests were skipped (no CUDA GPU or no CuPy here): nothing was checked"
+    status=1
+  fi
 fi
 
 if has_step bench; then
