@@ -9,7 +9,7 @@ import torch
 
 from kvtool.kernels.compiler import KernelSpec
 from kvtool.kernels.loader import KernelLibrary, device_arch, f32, i32, i64, launch, ptr
-from kvtool.kernels.tensors import cache_strides, dtype_is_bf16, int32_on, row_strides
+from kvtool.kernels.tensors import dtype_is_bf16, paged_attention_args
 
 SOURCE = "paged_context_attention.cu"
 KERNEL = "kvt_paged_context_attention"
@@ -57,28 +57,16 @@ def paged_context_attention(library: KernelLibrary, query: torch.Tensor, kv_cach
     """
     if num_seqs == 0 or max_query_len <= 0:
         return
-    strides = cache_strides(kv_cache)
-    _num_blocks, _two, tokens_per_block, num_kv_heads, head_dim = kv_cache.shape
-    num_heads = query.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype != kv_cache.dtype or out.dtype != kv_cache.dtype:
-        raise ValueError(f"query ({query.dtype}), out ({out.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
-    q_token_stride, q_head_stride = row_strides(query, "query", num_heads, head_dim)
-    out_token_stride, out_head_stride = row_strides(out, "out", num_heads, head_dim)
+    a = paged_attention_args(query, kv_cache, out, block_tables, query_start_loc, seq_lens)
     device = kv_cache.device
-    block_tables = int32_on(block_tables, device, "block_tables")
-    query_start_loc = int32_on(query_start_loc, device, "query_start_loc")
-    seq_lens = int32_on(seq_lens, device, "seq_lens")
-
-    spec = context_attention_spec(head_dim, tokens_per_block, kv_cache.dtype, device_arch(device), num_warps)
-    shared = smem_bytes(head_dim, num_warps)
+    spec = context_attention_spec(a.head_dim, a.tokens_per_block, kv_cache.dtype, device_arch(device), num_warps)
+    shared = smem_bytes(a.head_dim, num_warps)
     kernel = library.kernel(spec, KERNEL, device.index, dynamic_smem_bytes=shared)
-    grid = (math.ceil(max_query_len / block_m(num_warps)), num_heads, num_seqs)
+    grid = (math.ceil(max_query_len / block_m(num_warps)), a.num_heads, num_seqs)
     window = int(sliding_window) if sliding_window else 0
-    args = (ptr(query), i64(q_token_stride), i64(q_head_stride),
-            ptr(kv_cache), i64(strides.block), i64(strides.kv), i64(strides.token), i64(strides.head),
-            ptr(block_tables), i64(block_tables.stride(0)), ptr(query_start_loc), ptr(seq_lens),
-            ptr(out), i64(out_token_stride), i64(out_head_stride),
-            i32(num_heads), i32(num_kv_heads), f32(scale * LOG2_E), i32(window))
+    args = (ptr(query), *map(i64, a.query_strides),
+            ptr(kv_cache), i64(a.cache.block), i64(a.cache.kv), i64(a.cache.token), i64(a.cache.head),
+            ptr(a.block_tables), i64(a.block_tables.stride(0)), ptr(a.query_start_loc), ptr(a.seq_lens),
+            ptr(out), *map(i64, a.out_strides),
+            i32(a.num_heads), i32(a.num_kv_heads), f32(scale * LOG2_E), i32(window))
     launch(kernel, grid, (32 * num_warps,), args, device_index=device.index, shared_mem=shared)

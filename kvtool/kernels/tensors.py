@@ -8,6 +8,7 @@ elements (16-bit dtypes). A tensor that breaks this is a caller bug and raises V
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -75,3 +76,41 @@ def int32_on(tensor: torch.Tensor, device: torch.device, name: str) -> torch.Ten
     if tensor.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be an integer tensor, got {tensor.dtype}")
     return tensor.to(device=device, dtype=torch.int32).contiguous()
+
+
+class PagedAttentionArgs(NamedTuple):
+    """The checked inputs of a paged attention launch (context or decode)."""
+
+    cache: CacheStrides
+    tokens_per_block: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    query_strides: tuple[int, int]  # (token, head) element strides
+    out_strides: tuple[int, int]
+    block_tables: torch.Tensor      # int32 on the cache's device, contiguous
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def paged_attention_args(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
+                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> PagedAttentionArgs:
+    """Checks query/out [num_tokens, num_heads, head_dim] against a layer's kv_cache
+    [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim] and brings the metadata to int32."""
+    if kv_cache.dim() != 5 or query.dim() != 3:
+        raise ValueError("kv_cache must be [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim] and query "
+                         f"[num_tokens, num_heads, head_dim], got {tuple(kv_cache.shape)} and {tuple(query.shape)}")
+    _num_blocks, _two, tokens_per_block, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype != kv_cache.dtype or out.dtype != kv_cache.dtype:
+        raise ValueError(f"query ({query.dtype}), out ({out.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
+    cache = cache_strides(kv_cache)
+    device = kv_cache.device
+    return PagedAttentionArgs(cache, tokens_per_block, num_heads, num_kv_heads, head_dim,
+                              row_strides(query, "query", num_heads, head_dim),
+                              row_strides(out, "out", num_heads, head_dim),
+                              int32_on(block_tables, device, "block_tables"),
+                              int32_on(query_start_loc, device, "query_start_loc"),
+                              int32_on(seq_lens, device, "seq_lens"))
