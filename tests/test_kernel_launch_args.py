@@ -1,0 +1,92 @@
+"""Every launcher passes its kernel exactly the parameters the kernel's CUDA signature declares, in
+order and with matching C types (checked on any machine: the launch itself is intercepted).
+
+A kernel receives raw bytes: an argument in the wrong place or of the wrong width is not an error
+CuPy can report, it is garbage the kernel computes with. The signatures are read from the .cu
+sources, so a kernel edit that the launcher does not follow fails here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool.kernels import kv_append, paged_context_attention, paged_decode_attention, tensors
+from kvtool.kernels.compiler import default_source_dir
+
+C_TYPES = {"i64": np.int64, "long long": np.int64, "int": np.int32, "float": np.float32}
+
+
+def kernel_parameter_types(source: str, kernel: str) -> list[type]:
+    """NumPy scalar types of the parameters of ``extern "C" __global__ ... kernel(...)``."""
+    text = re.sub(r"//[^\n]*", "", (default_source_dir() / source).read_text())
+    match = re.search(rf"\b{kernel}\s*\(([^)]*)\)\s*\{{", text)
+    assert match, f"{kernel} not found in {source}"
+    types = []
+    for parameter in match.group(1).split(","):
+        declaration = parameter.replace("__restrict__", "").replace("const", "").strip()
+        if "*" in declaration:
+            types.append(np.uint64)
+        else:
+            base = declaration.rsplit(" ", 1)[0].strip()
+            types.append(C_TYPES[base])
+    return types
+
+
+class FakeLibrary:
+    def kernel(self, spec, name, device_index, *, dynamic_smem_bytes=0):
+        return name
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Launches as (kernel name, argument types); CPU tensors pass the CUDA-only checks."""
+    calls: list[tuple[str, list[type]]] = []
+    monkeypatch.setattr(tensors, "_check_vector_aligned", lambda tensor, name, strides: None)
+    for module in (kv_append, paged_context_attention, paged_decode_attention):
+        monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
+        monkeypatch.setattr(module, "launch",
+                            lambda kernel, grid, block, args, **kwargs: calls.append((kernel, [type(a) for a in args])))
+    return calls
+
+
+def step_tensors(num_tokens=4, num_heads=4, num_kv_heads=2, head_dim=64, tpb=16):
+    query = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float16)
+    kv_cache = torch.zeros(8, 3, 2, tpb, num_kv_heads, head_dim, dtype=torch.float16)[:, 1]  # a layer's view
+    metadata = dict(block_tables=torch.zeros(2, 4, dtype=torch.int32),
+                    query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+                    seq_lens=torch.tensor([3, 1200], dtype=torch.int32))
+    return query, kv_cache, metadata
+
+
+def test_context_attention_launch_matches_the_kernel_signature(launches):
+    query, kv_cache, meta = step_tensors()
+    paged_context_attention.paged_context_attention(FakeLibrary(), query, kv_cache, **meta, num_seqs=1,
+                                                    max_query_len=3, scale=0.125, sliding_window=None,
+                                                    out=torch.empty_like(query))
+    assert launches == [("kvt_paged_context_attention",
+                         kernel_parameter_types("paged_context_attention.cu", "kvt_paged_context_attention"))]
+
+
+def test_decode_attention_and_reduce_launches_match_the_kernel_signatures(launches):
+    query, kv_cache, meta = step_tensors()
+    paged_decode_attention.paged_decode_attention(FakeLibrary(), query, kv_cache, **meta, seq_offset=1, num_seqs=1,
+                                                  max_seq_len=1200, scale=0.125, sliding_window=None,
+                                                  out=torch.empty_like(query))
+    source = "paged_decode_attention.cu"
+    assert launches == [("kvt_paged_decode_attention", kernel_parameter_types(source, "kvt_paged_decode_attention")),
+                        ("kvt_paged_decode_reduce", kernel_parameter_types(source, "kvt_paged_decode_reduce"))]
+
+
+def test_kv_append_launch_matches_the_kernel_signature(launches):
+    query, kv_cache, _ = step_tensors()
+    key = torch.zeros(4, 2, 64, dtype=torch.float16)
+    kv_append.append_kv(FakeLibrary(), key, key.clone(), kv_cache, torch.arange(4, dtype=torch.int64))
+    assert launches == [("kvt_kv_append", kernel_parameter_types("kv_append.cu", "kvt_kv_append"))]
+
+
+def test_signature_reader_sees_every_parameter():
+    assert kernel_parameter_types("block_copy.cu", "kvt_block_copy") == [np.uint64, np.uint64, np.int64, np.int64]
