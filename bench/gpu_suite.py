@@ -8,6 +8,7 @@ Sections (``--sections``, default all):
            out contiguously; 4 x 4096-token causal prefills (target >= 0.9)
   blocks   host<->device block copy (kernel and memcpy variants, scattered ids) vs one plain
            pinned copy of the same bytes (target >= 0.8)
+  swap     offload + onboard in one step: one stream after the other vs both directions at once
   e2e      preset:qwen3-8b through kvtool.LLM (bench/gpu_e2e.py): TTFT reuse off / on for a 2k shared
            prompt + 128-token question (target >= 10), TPOT / TTFT of an identical 4k prompt sent
            back to back (target >= 1/1.5), A,B,A,B 4k TTFT recompute / onboard (target >= 8);
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-SECTIONS = ("copy", "decode", "context", "blocks", "e2e")
+SECTIONS = ("copy", "decode", "context", "blocks", "swap", "e2e")
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time: covers Python launch overhead of one timed call
 
 
@@ -258,6 +259,39 @@ def section_blocks(suite: Suite, library, dtype: torch.dtype) -> None:
                           bandwidth, "GB/s", baseline, bandwidth / baseline, 0.8))
 
 
+def section_swap(suite: Suite, library, dtype: torch.dtype) -> None:
+    """A step that offloads one request's blocks while onboarding another's (the A,B,A,B pattern):
+    one stream after the other (what the runtime does) vs the two directions on two streams at once.
+    PCIe is full duplex; this says whether overlapping the directions would pay."""
+    from kvtool.kernels.block_copy import copy_blocks
+
+    block_dims = (36, 2, 16, 8, 128)  # qwen3-8b, 16-token blocks
+    num_ops = 64
+    device_pool = torch.randn((2 * num_ops, *block_dims), device="cuda").to(dtype)
+    host_pool = torch.empty((2 * num_ops, *block_dims), dtype=dtype).pin_memory()
+    out_ids, in_ids = list(range(num_ops)), list(range(num_ops, 2 * num_ops))
+    num_bytes = 2 * num_ops * device_pool[0].numel() * device_pool.element_size()  # both directions
+    second = torch.cuda.Stream()
+    for method in ("kernel", "memcpy"):
+        def sequential(method=method):
+            stream = torch.cuda.current_stream()
+            copy_blocks(device_pool, host_pool, out_ids, out_ids, stream, method=method, library=library)
+            copy_blocks(host_pool, device_pool, in_ids, in_ids, stream, method=method, library=library)
+
+        def overlapped(method=method):
+            current = torch.cuda.current_stream()
+            second.wait_stream(current)
+            copy_blocks(device_pool, host_pool, out_ids, out_ids, current, method=method, library=library)
+            copy_blocks(host_pool, device_pool, in_ids, in_ids, second, method=method, library=library)
+            current.wait_stream(second)
+
+        one = num_bytes / (suite.time_ms(sequential) * 1e-3) / 1e9
+        two = num_bytes / (suite.time_ms(overlapped) * 1e-3) / 1e9
+        case = f"offload {num_ops} + onboard {num_ops} blocks of 2.36 MB, {method}"
+        suite.add(Row("swap", f"{case}, one stream", "bandwidth (both directions)", one, "GB/s"))
+        suite.add(Row("swap", f"{case}, two streams", "bandwidth (both directions)", two, "GB/s", one, two / one))
+
+
 def section_e2e(suite: Suite, model: str, dtype: str, prefix_len: int, question_len: int, long_len: int,
                 repeats: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -331,6 +365,7 @@ def main() -> int:
         "decode": lambda: section_decode(suite, library, dtype),
         "context": lambda: section_context(suite, library, dtype),
         "blocks": lambda: section_blocks(suite, library, dtype),
+        "swap": lambda: section_swap(suite, library, dtype),
         "e2e": lambda: section_e2e(suite, args.e2e_model, args.dtype, args.e2e_prefix_len, args.e2e_question_len,
                                    args.e2e_long_len, args.e2e_repeats),
     }
