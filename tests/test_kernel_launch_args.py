@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtool.kernels import kv_append, paged_context_attention, paged_decode_attention, tensors
+from kvtool.kernels import block_copy, kv_append, paged_context_attention, paged_decode_attention, tensors
 from kvtool.kernels.compiler import default_source_dir
 
 C_TYPES = {"i64": np.int64, "long long": np.int64, "int": np.int32, "float": np.float32}
@@ -46,7 +46,7 @@ def launches(monkeypatch):
     """Launches as (kernel name, argument types); CPU tensors pass the CUDA-only checks."""
     calls: list[tuple[str, list[type]]] = []
     monkeypatch.setattr(tensors, "_check_vector_aligned", lambda tensor, name, strides: None)
-    for module in (kv_append, paged_context_attention, paged_decode_attention):
+    for module in (block_copy, kv_append, paged_context_attention, paged_decode_attention):
         monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
         monkeypatch.setattr(module, "launch",
                             lambda kernel, grid, block, args, **kwargs: calls.append((kernel, [type(a) for a in args])))
@@ -88,5 +88,13 @@ def test_kv_append_launch_matches_the_kernel_signature(launches):
     assert launches == [("kvt_kv_append", kernel_parameter_types("kv_append.cu", "kvt_kv_append"))]
 
 
-def test_signature_reader_sees_every_parameter():
-    assert kernel_parameter_types("block_copy.cu", "kvt_block_copy") == [np.uint64, np.uint64, np.int64, np.int64]
+def test_block_copy_launches_match_the_kernel_signature(launches):
+    table = torch.zeros(2, 3, dtype=torch.int64)  # [source, destination] addresses of 3 ops
+    prepared = block_copy.PreparedBlockCopy("kvt_block_copy", table, bytes_per_block=4096, device=torch.device("cpu"))
+    prepared.launch()
+    prepared.launch(1024, 512)  # one layer's slice of each block
+    expected = kernel_parameter_types("block_copy.cu", "kvt_block_copy")
+    assert expected == [np.uint64, np.uint64, np.int64, np.int64, np.int64]
+    assert launches == [("kvt_block_copy", expected)] * 2
+    with pytest.raises(ValueError, match="inside the 4096-byte block"):
+        prepared.launch(4000, 512)

@@ -38,6 +38,30 @@ def test_copies_run_in_order_and_partial_copies_touch_only_their_tokens():
     assert torch.all(pools.primary[2][:, :, :2] == 2.0) and torch.all(pools.primary[2][:, :, 2:] == 0.0)
 
 
+@pytest.mark.parametrize("layered", [False, True])
+def test_a_steps_copies_give_the_same_blocks_whole_or_layer_by_layer(layered):
+    # Layer by layer is how a large step's copies run on a GPU (each layer's attention waits only
+    # for its own layer); on the CPU the same slicing runs synchronously.
+    pools = KvCachePools(SHAPE, num_primary_blocks=6, num_secondary_blocks=6, device=torch.device("cpu"))
+    pools.layered_copy_min_bytes = 0 if layered else None
+    generator = torch.Generator().manual_seed(0)
+    pools.primary.copy_(torch.randn(pools.primary.shape, generator=generator))
+    for block in range(6):
+        pools.host.block(block).copy_(torch.randn(SHAPE.dims, generator=generator))
+    primary_before, host_before = pools.primary.clone(), torch.stack([pools.host.block(b).clone() for b in range(6)])
+    # The A,B,A,B shape (offload a block, onboard into it, ...) plus a partial copy-on-write.
+    ops = [(PRIMARY, 0, SECONDARY, 4, 4), (SECONDARY, 1, PRIMARY, 0, 4), (PRIMARY, 2, SECONDARY, 5, 4),
+           (SECONDARY, 4, PRIMARY, 2, 4), (PRIMARY, 3, PRIMARY, 5, 3)]
+    src_pool, src, dst_pool, dst, num_tokens = (np.array(column) for column in zip(*ops))
+    pools.execute_copies(src_pool, src, dst_pool, dst, num_tokens)
+    assert not pools.copies_pending_per_layer  # nothing is left in flight on a CPU
+    assert torch.equal(pools.host.block(4), primary_before[0]) and torch.equal(pools.host.block(5), primary_before[2])
+    assert torch.equal(pools.primary[0], host_before[1])
+    assert torch.equal(pools.primary[2], primary_before[0])  # onboarded from host block 4, written just before
+    assert torch.equal(pools.primary[5][:, :, :3], primary_before[3][:, :, :3])
+    assert torch.equal(pools.primary[5][:, :, 3:], primary_before[5][:, :, 3:])
+
+
 def test_pool_size_is_the_smaller_of_max_tokens_and_the_memory_fraction():
     block_bytes = 1 << 20
     by_tokens = size_pools(block_bytes, 16, max_tokens=160, free_memory_fraction=0.9, free_memory_bytes=1 << 40,

@@ -66,11 +66,14 @@ def test_batched_requests_reuse_a_prefix_as_soon_as_its_first_chunk_is_computed(
     assert stats["early_reused_blocks"] > 0
 
 
-def test_greedy_outputs_identical_when_host_offloading_forces_evictions(plan_dir, reference_tokens):
+@pytest.mark.parametrize("layered_copies", [False, True])
+def test_greedy_outputs_identical_when_host_offloading_forces_evictions(plan_dir, reference_tokens, layered_copies):
     # 8 blocks hold one request (103 prompt + 6 generated tokens = 7 blocks): every request evicts.
     prompts = shared_prefix_prompts()
     llm = LLM(model=plan_dir, max_batch_size=1,
               kv_cache_config=KvCacheConfig(max_tokens=8 * TOKENS_PER_BLOCK, host_cache_size=1 << 20))
+    if layered_copies:  # as a large step's copies run on a GPU: one layer after the other
+        llm.engine.runner.pools.layered_copy_min_bytes = 0
     tokens = [llm.generate(p, GREEDY).outputs[0].token_ids for p in prompts + prompts]
     stats = llm.get_stats()
     assert tokens == reference_tokens + reference_tokens

@@ -104,11 +104,14 @@ def test_greedy_outputs_identical_with_early_reuse_in_a_batch(plan_dir, referenc
     assert stats["early_reused_blocks"] > 0
 
 
-def test_greedy_outputs_identical_when_blocks_come_back_from_host_memory(plan_dir, reference_tokens):
+@pytest.mark.parametrize("layered_copies", [False, True])
+def test_greedy_outputs_identical_when_blocks_come_back_from_host_memory(plan_dir, reference_tokens, layered_copies):
     # 8 blocks hold one request (103 + 8 tokens = 7 blocks): every prompt evicts the previous one.
+    # Layered: each layer's copies get an event that layer's attention waits for (as in large steps).
     prompts = shared_prefix_prompts()
     llm = make_llm(plan_dir, max_batch_size=1,
                    kv_cache_config=KvCacheConfig(max_tokens=8 * TOKENS_PER_BLOCK, host_cache_size=16 << 20))
+    llm.engine.runner.pools.layered_copy_min_bytes = 0 if layered_copies else None
     tokens = [llm.generate(p, GREEDY).outputs[0].token_ids for p in prompts + prompts]
     stats = llm.get_stats()
     llm.shutdown()

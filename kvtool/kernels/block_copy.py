@@ -8,6 +8,8 @@ returning that block's ``[num_layers, 2, tpb, kvh, hd]`` view (``kvtool.runtime.
 Two interchangeable methods, both asynchronous on the given stream:
   * ``"kernel"``: one launch of csrc/kernels/block_copy.cu for the whole list; the GPU reads/writes
     pinned host memory directly through its mapped (UVA) address. One launch per call.
+    ``prepare_block_copy`` uploads a list's address tables once and launches it for any byte range
+    of every block: the runtime copies a large step layer by layer that way.
   * ``"memcpy"``: one ``cudaMemcpyAsync`` (torch ``copy_``) per run of consecutive block ids.
 bench/gpu_suite.py measures both against the plain pinned-copy bandwidth.
 """
@@ -195,37 +197,47 @@ def copy_blocks(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int], dst_
     runs = coalesce_runs(src_block_ids, dst_block_ids)
     if not runs:
         return
-    src, dst = _Pool.of(src_pool, "src_pool"), _Pool.of(dst_pool, "dst_pool")
-    cuda_devices = [p.device for p in (src, dst) if p.device.type == "cuda"]
-    if not cuda_devices:
-        raise ValueError("copy_blocks moves blocks to or from a GPU: at least one pool must be on a CUDA device")
-    device = cuda_devices[0]
+    src, dst, device, _bytes_per_block = _resolve_pools(src_pool, dst_pool, runs[0])
     stream = stream if stream is not None else torch.cuda.current_stream(device)
-    first_src, first_dst = src.block(runs[0].src_start), dst.block(runs[0].dst_start)
-    bytes_per_block = _block_bytes(first_src, "src_pool")
-    if _block_bytes(first_dst, "dst_pool") != bytes_per_block:
-        raise ValueError(f"src_pool and dst_pool blocks differ in size ({bytes_per_block} vs "
-                         f"{_block_bytes(first_dst, 'dst_pool')} bytes): they must hold the same block shape")
     with torch.cuda.stream(stream):
         if method == "memcpy":
             _copy_with_memcpy(src, dst, runs)
         else:
-            _copy_with_kernel(src, dst, src_block_ids, dst_block_ids, bytes_per_block, device,
-                              library if library is not None else KernelLibrary())
+            prepare_block_copy(src_pool, dst_pool, src_block_ids, dst_block_ids, library=library).launch()
 
 
-def _copy_with_memcpy(src: _Pool, dst: _Pool, runs: list[CopyRun]) -> None:
-    for run in runs:
-        src_view, dst_view = src.run_view(run.src_start, run.count), dst.run_view(run.dst_start, run.count)
-        if src_view is not None and dst_view is not None:
-            dst_view.copy_(src_view, non_blocking=True)
-            continue
-        for offset in range(run.count):
-            dst.block(run.dst_start + offset).copy_(src.block(run.src_start + offset), non_blocking=True)
+class PreparedBlockCopy:
+    """A batch of block copies for the copy kernel, its device address tables already uploaded:
+    launch it for whole blocks, or once per layer (``byte_offset``/``num_bytes`` = that layer's
+    slice of every block) with no further host work than the launch itself."""
+
+    def __init__(self, kernel, table: torch.Tensor, bytes_per_block: int, device: torch.device) -> None:
+        self.kernel = kernel
+        self.table = table  # [2, num_ops] int64: source, destination addresses
+        self.bytes_per_block = bytes_per_block
+        self.device = device
+
+    def launch(self, byte_offset: int = 0, num_bytes: int | None = None) -> None:
+        """Copies bytes [byte_offset, byte_offset + num_bytes) of every block, on the current stream."""
+        num_bytes = self.bytes_per_block - byte_offset if num_bytes is None else num_bytes
+        if byte_offset % 16 or num_bytes % 16 or byte_offset < 0 or num_bytes <= 0 \
+                or byte_offset + num_bytes > self.bytes_per_block:
+            raise ValueError(f"byte range [{byte_offset}, {byte_offset + num_bytes}) must lie inside the "
+                             f"{self.bytes_per_block}-byte block, in multiples of 16")
+        grid = (self.table.shape[1], math.ceil(num_bytes / BYTES_PER_CTA))
+        args = (ptr(self.table[0]), ptr(self.table[1]), i64(byte_offset), i64(num_bytes), i64(BYTES_PER_CTA))
+        launch(self.kernel, grid, (NUM_THREADS,), args, device_index=self.device.index)
 
 
-def _copy_with_kernel(src: _Pool, dst: _Pool, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-                      bytes_per_block: int, device: torch.device, library: KernelLibrary) -> None:
+def prepare_block_copy(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                       *, library: KernelLibrary | None = None) -> PreparedBlockCopy:
+    """Checks the pools and uploads the address tables on the current stream (the stream the
+    copies will run on: the upload is ordered before them)."""
+    if len(src_block_ids) != len(dst_block_ids) or len(src_block_ids) == 0:
+        raise ValueError(f"src_block_ids ({len(src_block_ids)}) and dst_block_ids ({len(dst_block_ids)}) "
+                         "must have the same, non-zero length")
+    first = CopyRun(int(src_block_ids[0]), int(dst_block_ids[0]), 1)
+    src, dst, device, bytes_per_block = _resolve_pools(src_pool, dst_pool, first)
     if bytes_per_block % 16:
         raise ValueError(f"a block of {bytes_per_block} bytes is not a multiple of 16: use method='memcpy'")
     # [2, num_ops]: source addresses, destination addresses
@@ -236,8 +248,30 @@ def _copy_with_kernel(src: _Pool, dst: _Pool, src_block_ids: Sequence[int], dst_
     # Pinned staging + async upload on this stream: torch keeps the staging buffer alive until the
     # copy has run, and the device table belongs to this stream's allocations.
     table = torch.from_numpy(addresses).pin_memory().to(device, non_blocking=True)
+    library = library if library is not None else KernelLibrary()
     kernel = library.kernel(block_copy_spec(device_arch(device)), KERNEL, device.index)
-    # Ops along x (up to 2^31 - 1 of them), slices of a block along y.
-    grid = (addresses.shape[1], math.ceil(bytes_per_block / BYTES_PER_CTA))
-    args = (ptr(table[0]), ptr(table[1]), i64(bytes_per_block), i64(BYTES_PER_CTA))
-    launch(kernel, grid, (NUM_THREADS,), args, device_index=device.index)
+    return PreparedBlockCopy(kernel, table, bytes_per_block, device)
+
+
+def _resolve_pools(src_pool: Any, dst_pool: Any, first: CopyRun) -> tuple[_Pool, _Pool, torch.device, int]:
+    """Both pools' views, the CUDA device involved and the bytes of one block (equal on both sides)."""
+    src, dst = _Pool.of(src_pool, "src_pool"), _Pool.of(dst_pool, "dst_pool")
+    cuda_devices = [p.device for p in (src, dst) if p.device.type == "cuda"]
+    if not cuda_devices:
+        raise ValueError("copy_blocks moves blocks to or from a GPU: at least one pool must be on a CUDA device")
+    bytes_per_block = _block_bytes(src.block(first.src_start), "src_pool")
+    dst_bytes = _block_bytes(dst.block(first.dst_start), "dst_pool")
+    if dst_bytes != bytes_per_block:
+        raise ValueError(f"src_pool and dst_pool blocks differ in size ({bytes_per_block} vs {dst_bytes} bytes): "
+                         "they must hold the same block shape")
+    return src, dst, cuda_devices[0], bytes_per_block
+
+
+def _copy_with_memcpy(src: _Pool, dst: _Pool, runs: list[CopyRun]) -> None:
+    for run in runs:
+        src_view, dst_view = src.run_view(run.src_start, run.count), dst.run_view(run.dst_start, run.count)
+        if src_view is not None and dst_view is not None:
+            dst_view.copy_(src_view, non_blocking=True)
+            continue
+        for offset in range(run.count):
+            dst.block(run.dst_start + offset).copy_(src.block(run.src_start + offset), non_blocking=True)

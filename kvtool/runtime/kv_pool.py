@@ -13,12 +13,15 @@ import numpy as np
 import torch
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.copy_batches import copy_batches
+from kvtool.runtime.copy_batches import CopyBatch, copy_batches
 from kvtool.runtime.device import available_host_memory_bytes
 
 PRIMARY = 0
 SECONDARY = 1
 HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
+# Copy layer by layer from this many bytes a step: about 2.4 ms over PCIe 5, well above the host
+# time of issuing two launches per layer (about 1.5 ms for 36 layers). A guess to tune on a GPU.
+LAYERED_COPY_MIN_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,12 @@ class KvCachePools:
         self.host = HostBlockPool(shape, num_secondary_blocks, pin_memory=device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._kernels = kernels
+        # A step copying at least this many bytes copies layer by layer, each layer's copies
+        # followed by an event its attention waits for: the forward starts on the first layers
+        # while the later ones still move. Below it, one launch per batch costs less than the
+        # per-layer launches save. None: always whole blocks (no copy kernel to launch per layer).
+        self.layered_copy_min_bytes: int | None = LAYERED_COPY_MIN_BYTES if kernels is not None else None
+        self._layer_events: list | None = None  # this step's per-layer copy events, until the forward
 
     @property
     def num_primary_blocks(self) -> int:
@@ -106,45 +115,86 @@ class KvCachePools:
         """Runs the manager's copy operations (batched, with the result of running them in their
         order) before the forward that needs them.
 
-        On a GPU they run on a copy stream; the compute stream waits for them (an onboard lands
-        before the forward that reads it) and they wait for the previous forward (an offload
-        reads the block's final contents).
+        On a GPU they run on a copy stream after the previous forward (an offload reads a block's
+        final contents). A small step's copies all land before the forward starts; a large one's
+        land layer by layer, and layer i's attention waits only for layer i (``wait_for_layer``).
         """
+        self._layer_events = None
         if len(src_pool) == 0:
             return
+        batches = copy_batches(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens)
+        num_bytes = len(src_pool) * self.shape.num_bytes
+        layered = self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
         if self._copy_stream is None:
-            self._run_copies(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens)
+            for layer in range(self.shape.num_layers) if layered else [None]:
+                for batch in batches:
+                    self._copy_batch(batch, layer)
             return
         compute_stream = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self._copy_stream):
-            self._run_copies(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens)
-        compute_stream.wait_stream(self._copy_stream)
+            if layered:
+                self._layer_events = self._copy_layer_by_layer(batches)
+            else:
+                for batch in batches:
+                    self._copy_batch(batch, None)
+        if not layered:
+            compute_stream.wait_stream(self._copy_stream)
 
-    def _run_copies(self, src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens) -> None:
-        # Independent whole-block copies in one direction form one batch: on a GPU, one kernel
-        # launch per batch instead of one copy per block.
-        for batch in copy_batches(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens):
-            self._copy_batch((batch.src_pool, batch.dst_pool), batch.src_block_ids, batch.dst_block_ids,
-                             batch.num_tokens)
+    def wait_for_layer(self, layer: int) -> None:
+        """Makes the current stream wait for this step's copies of ``layer`` (no-op without any)."""
+        if self._layer_events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
 
-    def _copy_batch(self, direction: tuple[int, int], src_ids, dst_ids, count: int) -> None:
-        if count >= self.shape.tokens_per_block and direction != (PRIMARY, PRIMARY) and self._kernels is not None:
-            from kvtool.kernels.block_copy import copy_blocks
+    @property
+    def copies_pending_per_layer(self) -> bool:
+        return self._layer_events is not None
 
-            pools = {PRIMARY: self.primary, SECONDARY: self.host}
-            copy_blocks(pools[direction[0]], pools[direction[1]], src_ids, dst_ids, self._copy_stream,
-                        library=self._kernels)
+    def _copy_layer_by_layer(self, batches: list[CopyBatch]) -> list:
+        # Whole-block batches between tiers get their address tables uploaded once, then one launch
+        # per layer; the rest (partial or primary -> primary copies) are torch copies of the slice.
+        prepared = [self._prepare_kernel_copy(batch) for batch in batches]
+        layer_bytes = self.shape.num_bytes // self.shape.num_layers
+        events = []
+        for layer in range(self.shape.num_layers):
+            for batch, kernel_copy in zip(batches, prepared):
+                if kernel_copy is not None:
+                    kernel_copy.launch(layer * layer_bytes, layer_bytes)
+                else:
+                    self._copy_batch(batch, layer)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+            events.append(event)
+        return events
+
+    def _uses_kernel(self, batch: CopyBatch) -> bool:
+        return (self._kernels is not None and batch.num_tokens >= self.shape.tokens_per_block
+                and (batch.src_pool, batch.dst_pool) != (PRIMARY, PRIMARY))
+
+    def _prepare_kernel_copy(self, batch: CopyBatch):
+        if not self._uses_kernel(batch):
+            return None
+        from kvtool.kernels.block_copy import prepare_block_copy
+
+        pools = {PRIMARY: self.primary, SECONDARY: self.host}
+        return prepare_block_copy(pools[batch.src_pool], pools[batch.dst_pool], batch.src_block_ids,
+                                  batch.dst_block_ids, library=self._kernels)
+
+    def _copy_batch(self, batch: CopyBatch, layer: int | None) -> None:
+        """The batch's copies (of one layer's slice of each block, or of whole blocks)."""
+        if layer is None and self._uses_kernel(batch):
+            self._prepare_kernel_copy(batch).launch()
             return
         non_blocking = self._copy_stream is not None
-        for src_id, dst_id in zip(src_ids, dst_ids):
-            src = self._block(direction[0], src_id)
-            dst = self._block(direction[1], dst_id)
-            if count >= self.shape.tokens_per_block:
-                dst.copy_(src, non_blocking=non_blocking)
-            else:
-                # A partially matching block: only its first `count` token slots are valid.
-                dst[:, :, :count].copy_(src[:, :, :count], non_blocking=non_blocking)
+        for src_id, dst_id in zip(batch.src_block_ids, batch.dst_block_ids):
+            src = self._block(batch.src_pool, src_id)
+            dst = self._block(batch.dst_pool, dst_id)
+            if layer is not None:  # [1, 2, tokens_per_block, num_kv_heads, head_dim]
+                src, dst = src[layer:layer + 1], dst[layer:layer + 1]
+            if batch.num_tokens < self.shape.tokens_per_block:
+                # A partially matching block: only its first num_tokens token slots are valid.
+                src, dst = src[:, :, :batch.num_tokens], dst[:, :, :batch.num_tokens]
+            dst.copy_(src, non_blocking=non_blocking)
 
     def _block(self, pool: int, block_id: int) -> torch.Tensor:
         if pool == PRIMARY:

@@ -105,5 +105,7 @@ class ModelRunner:
     def execute(self, requests) -> torch.Tensor:
         """Runs the forward for the step; returns logits [num_sampling_requests, vocab] float32."""
         input_ids, meta, sample_rows = self.prepare(requests)
+        if self.pools.copies_pending_per_layer:
+            meta.layer_ready = self.pools.wait_for_layer
         hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
         return self.model.compute_logits(hidden[sample_rows])
