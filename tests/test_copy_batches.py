@@ -63,8 +63,8 @@ def test_alternating_offloads_and_onboards_become_two_launches():
         ops.append((0, 10 + i, 1, 20 + i, TOKENS_PER_BLOCK))  # offload B's block 10+i to host 20+i
         ops.append((1, 30 + i, 0, 10 + i, TOKENS_PER_BLOCK))  # onboard A's host block 30+i into it
     batches = copy_batches(*as_arrays(ops))
-    assert batches == [CopyBatch(0, 1, TOKENS_PER_BLOCK, [10, 11, 12, 13], [20, 21, 22, 23]),
-                       CopyBatch(1, 0, TOKENS_PER_BLOCK, [30, 31, 32, 33], [10, 11, 12, 13])]
+    assert batches == [CopyBatch(0, 1, TOKENS_PER_BLOCK, [10, 11, 12, 13], [20, 21, 22, 23], wave=0),
+                       CopyBatch(1, 0, TOKENS_PER_BLOCK, [30, 31, 32, 33], [10, 11, 12, 13], wave=1)]
 
 
 def test_an_offload_into_a_host_block_an_onboard_just_read_waits_for_it():

@@ -9,7 +9,9 @@ import torch
 from kvtool import LLM, KvCacheConfig, SamplingParams
 from kvtool.errors import KvtoolError
 from kvtool.runtime.device import available_host_memory_bytes
-from kvtool.runtime.kv_pool import PRIMARY, SECONDARY, BlockShape, KvCachePools, size_pools
+from kvtool.runtime.copy_batches import copy_batches
+from kvtool.runtime.kv_pool import (PRIMARY, SECONDARY, BlockShape, KvCachePools, offloads_then_onboards,
+                                  size_pools)
 
 SHAPE = BlockShape(num_layers=2, tokens_per_block=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
@@ -60,6 +62,21 @@ def test_a_steps_copies_give_the_same_blocks_whole_or_layer_by_layer(layered):
     assert torch.equal(pools.primary[2], primary_before[0])  # onboarded from host block 4, written just before
     assert torch.equal(pools.primary[5][:, :, :3], primary_before[3][:, :, :3])
     assert torch.equal(pools.primary[5][:, :, 3:], primary_before[5][:, :, 3:])
+
+
+def batches_of(ops):
+    return copy_batches(*(np.array(column) for column in zip(*ops)))
+
+
+def test_only_an_offload_wave_then_an_onboard_wave_splits_over_two_streams():
+    swap = [(PRIMARY, 0, SECONDARY, 4, 4), (SECONDARY, 1, PRIMARY, 0, 4), (PRIMARY, 2, SECONDARY, 5, 4),
+            (SECONDARY, 3, PRIMARY, 2, 4)]
+    assert offloads_then_onboards(batches_of(swap))
+    assert not offloads_then_onboards(batches_of(swap[:1]))  # offloads only: one stream does
+    # An onboard that waits for nothing joins the first wave: the waves no longer split by direction.
+    assert not offloads_then_onboards(batches_of(swap + [(SECONDARY, 6, PRIMARY, 7, 4)]))
+    # A host block read by an onboard and then overwritten by an offload: a third wave.
+    assert not offloads_then_onboards(batches_of(swap + [(PRIMARY, 7, SECONDARY, 1, 4)]))
 
 
 def test_pool_size_is_the_smaller_of_max_tokens_and_the_memory_fraction():

@@ -18,13 +18,15 @@ import numpy as np
 
 class CopyBatch(NamedTuple):
     """Copies of ``num_tokens`` leading token slots of block ``src_block_ids[i]`` of pool
-    ``src_pool`` into block ``dst_block_ids[i]`` of pool ``dst_pool``; independent of each other."""
+    ``src_pool`` into block ``dst_block_ids[i]`` of pool ``dst_pool``; independent of each other.
+    ``wave``: batches of a wave run after every batch of the waves before it."""
 
     src_pool: int
     dst_pool: int
     num_tokens: int
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    wave: int = 0
 
 
 def copy_batches(src_pool: np.ndarray, src_block_ids: np.ndarray, dst_pool: np.ndarray,
@@ -43,7 +45,7 @@ def copy_batches(src_pool: np.ndarray, src_block_ids: np.ndarray, dst_pool: np.n
         key = (wave, src_p, dst_p, count)
         batch = batches.get(key)
         if batch is None:
-            batch = batches[key] = CopyBatch(src_p, dst_p, count, [], [])
+            batch = batches[key] = CopyBatch(src_p, dst_p, count, [], [], wave)
         batch.src_block_ids.append(src_b)
         batch.dst_block_ids.append(dst_b)
     return [batches[key] for key in sorted(batches, key=lambda k: k[0])]

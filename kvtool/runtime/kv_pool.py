@@ -94,6 +94,8 @@ class KvCachePools:
         self.primary = torch.zeros((num_primary_blocks, *shape.dims), dtype=shape.dtype, device=device)
         self.host = HostBlockPool(shape, num_secondary_blocks, pin_memory=device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Onboards of a layered step run here, beside the offloads of the next layer (PCIe is full duplex).
+        self._onboard_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._kernels = kernels
         # A step copying at least this many bytes copies layer by layer, each layer's copies
         # followed by an event its attention waits for: the forward starts on the first layers
@@ -132,6 +134,7 @@ class KvCachePools:
             return
         compute_stream = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute_stream)
+        self._copy_stream.wait_stream(self._onboard_stream)  # even if a forward left its events unawaited
         with torch.cuda.stream(self._copy_stream):
             if layered:
                 self._layer_events = self._copy_layer_by_layer(batches)
@@ -151,10 +154,33 @@ class KvCachePools:
         return self._layer_events is not None
 
     def _copy_layer_by_layer(self, batches: list[CopyBatch]) -> list:
-        # Whole-block batches between tiers get their address tables uploaded once, then one launch
-        # per layer; the rest (partial or primary -> primary copies) are torch copies of the slice.
-        prepared = [self._prepare_kernel_copy(batch) for batch in batches]
+        """Issues the copies one layer at a time; returns an event per layer that follows all of
+        that layer's copies. Called with the copy stream current."""
         layer_bytes = self.shape.num_bytes // self.shape.num_layers
+        if offloads_then_onboards(batches) and all(self._uses_kernel(b) for b in batches):
+            # The usual large step: offload wave, then onboards into the blocks it freed. Layer i's
+            # onboards wait for layer i's offloads only, so they overlap layer i + 1's offloads.
+            offloads = [self._prepare_kernel_copy(b) for b in batches if b.wave == 0]
+            with torch.cuda.stream(self._onboard_stream):  # tables live on the stream that reads them
+                onboards = [self._prepare_kernel_copy(b) for b in batches if b.wave == 1]
+            events = []
+            for layer in range(self.shape.num_layers):
+                for copy in offloads:
+                    copy.launch(layer * layer_bytes, layer_bytes)
+                offloaded = torch.cuda.Event()
+                offloaded.record(self._copy_stream)
+                self._onboard_stream.wait_event(offloaded)
+                with torch.cuda.stream(self._onboard_stream):
+                    for copy in onboards:
+                        copy.launch(layer * layer_bytes, layer_bytes)
+                onboarded = torch.cuda.Event()
+                onboarded.record(self._onboard_stream)
+                events.append(onboarded)
+            return events
+        # Anything else, one stream: whole-block batches between tiers get their address tables
+        # uploaded once and one launch per layer; the rest (partial or primary -> primary) are torch
+        # copies of the layer's slice.
+        prepared = [self._prepare_kernel_copy(batch) for batch in batches]
         events = []
         for layer in range(self.shape.num_layers):
             for batch, kernel_copy in zip(batches, prepared):
@@ -200,6 +226,12 @@ class KvCachePools:
         if pool == PRIMARY:
             return self.primary[block_id]
         return self.host.block(block_id)
+
+
+def offloads_then_onboards(batches: list[CopyBatch]) -> bool:
+    """True for a step whose copies are one wave of offloads followed by one wave of onboards: the
+    two directions can then move on two streams, layer by layer."""
+    return {(b.wave, b.src_pool, b.dst_pool) for b in batches} == {(0, PRIMARY, SECONDARY), (1, SECONDARY, PRIMARY)}
 
 
 def check_host_cache_size(host_cache_size: int) -> None:
