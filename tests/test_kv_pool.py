@@ -64,6 +64,33 @@ def test_a_steps_copies_give_the_same_blocks_whole_or_layer_by_layer(layered):
     assert torch.equal(pools.primary[5][:, :, 3:], primary_before[5][:, :, 3:])
 
 
+class RecordCopies(torch.overrides.TorchFunctionMode):
+    """Records (destination contiguous, source contiguous) for every Tensor.copy_."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            self.calls.append((args[0].is_contiguous(), args[1].is_contiguous()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_partial_copies_move_contiguous_pieces_only(layered):
+    # A strided view of host memory would be gathered on the CPU at call time: on a GPU, before
+    # an offload queued earlier in the step has written that host block.
+    pools = KvCachePools(SHAPE, num_primary_blocks=4, num_secondary_blocks=4, device=torch.device("cpu"))
+    pools.layered_copy_min_bytes = 0 if layered else None
+    pools.primary[3] = 5.0
+    ops = [(PRIMARY, 3, SECONDARY, 0, 4), (SECONDARY, 0, PRIMARY, 1, 3)]  # offload, then a partial onboard
+    with RecordCopies() as recorder:
+        pools.execute_copies(*(np.array(column) for column in zip(*ops)))
+    assert recorder.calls and all(dst and src for dst, src in recorder.calls)
+    assert torch.all(pools.primary[1][:, :, :3] == 5.0) and torch.all(pools.primary[1][:, :, 3:] == 0.0)
+
+
 def batches_of(ops):
     return copy_batches(*(np.array(column) for column in zip(*ops)))
 

@@ -57,6 +57,7 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
   for (BlockId b = config.num_primary_blocks; b-- > 0;) primary_free.push_back(b);
   secondary_node.assign(config.num_secondary_blocks, kNoNode);
   secondary_free.reserve(config.num_secondary_blocks);
+  secondary_onboarded.reserve(config.num_secondary_blocks);
   for (BlockId b = config.num_secondary_blocks; b-- > 0;) secondary_free.push_back(b);
 }
 
@@ -160,7 +161,7 @@ void KVCacheManager::Impl::move_to_primary(NodeId n, BlockId block) {
   Node& x = nodes[n];
   lru_remove(n);
   secondary_node[x.block_id] = kNoNode;
-  secondary_onboarded.push_back(x.block_id);  // its contents are read by this step's onboard
+  secondary_onboarded.push_back(x.block_id);  // an onboard of this step may still read it
   x.pool = PoolKind::kPrimary;
   x.block_id = block;
   x.pinned = false;

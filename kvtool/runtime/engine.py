@@ -90,16 +90,17 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of requests that produced a token this step."""
         plan = self.scheduler.schedule()
+        copies = plan.copy_ops
+        self.runner.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool,
+                                         copies.dst_block_ids, copies.num_tokens)
         if len(plan.requests) == 0:
+            self.runner.pools.wait_for_all_copies()  # no forward will wait for them layer by layer
             if self.scheduler.has_unfinished_requests():
                 raise KvtoolError(
                     f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
                     f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise max_tokens "
                     "(--max_tokens_in_paged_kv_cache) or free_gpu_memory_fraction")
             return []
-        copies = plan.copy_ops
-        self.runner.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool,
-                                         copies.dst_block_ids, copies.num_tokens)
         sampling = [r for r in plan.requests if r.samples]
         logits = self.runner.execute(plan.requests)
         params = [self._running[r.request_id].params for r in sampling]

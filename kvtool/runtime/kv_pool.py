@@ -126,7 +126,8 @@ class KvCachePools:
             return
         batches = copy_batches(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens)
         num_bytes = len(src_pool) * self.shape.num_bytes
-        layered = self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
+        layered = (self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
+                   and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)  # the kernel's vectors
         if self._copy_stream is None:
             for layer in range(self.shape.num_layers) if layered else [None]:
                 for batch in batches:
@@ -135,19 +136,38 @@ class KvCachePools:
         compute_stream = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(compute_stream)
         self._copy_stream.wait_stream(self._onboard_stream)  # even if a forward left its events unawaited
-        with torch.cuda.stream(self._copy_stream):
-            if layered:
-                self._layer_events = self._copy_layer_by_layer(batches)
-            else:
-                for batch in batches:
-                    self._copy_batch(batch, None)
-        if not layered:
-            compute_stream.wait_stream(self._copy_stream)
+        try:
+            with torch.cuda.stream(self._copy_stream):
+                if layered:
+                    self._layer_events = self._copy_layer_by_layer(batches)
+                else:
+                    for batch in batches:
+                        self._copy_batch(batch, None)
+        finally:
+            if not layered or self._layer_events is None:  # small step, or issuing failed midway
+                self.wait_for_all_copies()
 
     def wait_for_layer(self, layer: int) -> None:
         """Makes the current stream wait for this step's copies of ``layer`` (no-op without any)."""
         if self._layer_events is not None:
             torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
+
+    def wait_for_all_copies(self) -> None:
+        """Makes the current stream wait for every copy issued so far: after a small step's copies,
+        and whenever a forward will not consume the per-layer events (no forward, or it failed)."""
+        self._layer_events = None
+        if self._copy_stream is not None:
+            compute_stream = torch.cuda.current_stream(self.device)
+            compute_stream.wait_stream(self._copy_stream)
+            compute_stream.wait_stream(self._onboard_stream)
+
+    def load_copy_kernel(self) -> None:
+        """Compiles / loads the block copy kernel now (warm-up), not in the first step that copies."""
+        if self._kernels is not None and self.host.num_blocks > 0:
+            from kvtool.kernels.block_copy import KERNEL, block_copy_spec
+            from kvtool.kernels.loader import device_arch
+
+            self._kernels.kernel(block_copy_spec(device_arch(self.device)), KERNEL, self.device.index)
 
     @property
     def copies_pending_per_layer(self) -> bool:
@@ -212,15 +232,21 @@ class KvCachePools:
             self._prepare_kernel_copy(batch).launch()
             return
         non_blocking = self._copy_stream is not None
+        count = batch.num_tokens
+        layers = range(self.shape.num_layers) if layer is None else [layer]
         for src_id, dst_id in zip(batch.src_block_ids, batch.dst_block_ids):
-            src = self._block(batch.src_pool, src_id)
+            src = self._block(batch.src_pool, src_id)  # [num_layers, 2, tokens_per_block, kvh, hd]
             dst = self._block(batch.dst_pool, dst_id)
-            if layer is not None:  # [1, 2, tokens_per_block, num_kv_heads, head_dim]
-                src, dst = src[layer:layer + 1], dst[layer:layer + 1]
-            if batch.num_tokens < self.shape.tokens_per_block:
-                # A partially matching block: only its first num_tokens token slots are valid.
-                src, dst = src[:, :, :batch.num_tokens], dst[:, :, :batch.num_tokens]
-            dst.copy_(src, non_blocking=non_blocking)
+            if count >= self.shape.tokens_per_block:
+                src, dst = (src, dst) if layer is None else (src[layer], dst[layer])
+                dst.copy_(src, non_blocking=non_blocking)
+                continue
+            # A partially matching block: only its first `count` token slots are valid. Copied as
+            # contiguous [count, kvh, hd] pieces: torch would gather a strided host view on the CPU
+            # when called, before the copy stream has written that host block.
+            for copy_layer in layers:
+                for kv in (0, 1):
+                    dst[copy_layer, kv, :count].copy_(src[copy_layer, kv, :count], non_blocking=non_blocking)
 
     def _block(self, pool: int, block_id: int) -> torch.Tensor:
         if pool == PRIMARY:

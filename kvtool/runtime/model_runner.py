@@ -98,14 +98,22 @@ class ModelRunner:
         decode = StepRequest(np.zeros(1, np.int32), block_ids, num_tokens, False, True)
         self.execute([context])
         self.execute([decode])
+        self.pools.load_copy_kernel()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, requests) -> torch.Tensor:
         """Runs the forward for the step; returns logits [num_sampling_requests, vocab] float32."""
-        input_ids, meta, sample_rows = self.prepare(requests)
         if self.pools.copies_pending_per_layer:
-            meta.layer_ready = self.pools.wait_for_layer
-        hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
+            try:
+                input_ids, meta, sample_rows = self.prepare(requests)
+                meta.layer_ready = self.pools.wait_for_layer
+                hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
+            except BaseException:
+                self.pools.wait_for_all_copies()  # no copy may outlive a forward that stopped early
+                raise
+        else:
+            input_ids, meta, sample_rows = self.prepare(requests)
+            hidden = self.model(input_ids, meta, self.kv_caches)
         return self.model.compute_logits(hidden[sample_rows])
