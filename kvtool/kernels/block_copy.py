@@ -197,13 +197,13 @@ def copy_blocks(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int], dst_
     runs = coalesce_runs(src_block_ids, dst_block_ids)
     if not runs:
         return
-    src, dst, device, _bytes_per_block = _resolve_pools(src_pool, dst_pool, runs[0])
+    src, dst, device, bytes_per_block = _resolve_pools(src_pool, dst_pool, runs[0].src_start, runs[0].dst_start)
     stream = stream if stream is not None else torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         if method == "memcpy":
             _copy_with_memcpy(src, dst, runs)
         else:
-            prepare_block_copy(src_pool, dst_pool, src_block_ids, dst_block_ids, library=library).launch()
+            _upload(src, dst, src_block_ids, dst_block_ids, device, bytes_per_block, library).launch()
 
 
 class PreparedBlockCopy:
@@ -236,8 +236,19 @@ def prepare_block_copy(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int
     if len(src_block_ids) != len(dst_block_ids) or len(src_block_ids) == 0:
         raise ValueError(f"src_block_ids ({len(src_block_ids)}) and dst_block_ids ({len(dst_block_ids)}) "
                          "must have the same, non-zero length")
-    first = CopyRun(int(src_block_ids[0]), int(dst_block_ids[0]), 1)
-    src, dst, device, bytes_per_block = _resolve_pools(src_pool, dst_pool, first)
+    src, dst, device, bytes_per_block = _resolve_pools(src_pool, dst_pool, int(src_block_ids[0]),
+                                                       int(dst_block_ids[0]))
+    return _upload(src, dst, src_block_ids, dst_block_ids, device, bytes_per_block, library)
+
+
+def block_copy_kernel(library: KernelLibrary, device: torch.device):
+    """The copy kernel for ``device``, compiled and loaded on first use."""
+    return library.kernel(block_copy_spec(device_arch(device)), KERNEL, device.index)
+
+
+def _upload(src: _Pool, dst: _Pool, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+            device: torch.device, bytes_per_block: int, library: KernelLibrary | None) -> PreparedBlockCopy:
+    """The address tables of already resolved pools, uploaded on the current stream."""
     if bytes_per_block % 16:
         raise ValueError(f"a block of {bytes_per_block} bytes is not a multiple of 16: use method='memcpy'")
     # [2, num_ops]: source addresses, destination addresses
@@ -248,19 +259,19 @@ def prepare_block_copy(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int
     # Pinned staging + async upload on this stream: torch keeps the staging buffer alive until the
     # copy has run, and the device table belongs to this stream's allocations.
     table = torch.from_numpy(addresses).pin_memory().to(device, non_blocking=True)
-    library = library if library is not None else KernelLibrary()
-    kernel = library.kernel(block_copy_spec(device_arch(device)), KERNEL, device.index)
+    kernel = block_copy_kernel(library if library is not None else KernelLibrary(), device)
     return PreparedBlockCopy(kernel, table, bytes_per_block, device)
 
 
-def _resolve_pools(src_pool: Any, dst_pool: Any, first: CopyRun) -> tuple[_Pool, _Pool, torch.device, int]:
+def _resolve_pools(src_pool: Any, dst_pool: Any, src_block_id: int,
+                   dst_block_id: int) -> tuple[_Pool, _Pool, torch.device, int]:
     """Both pools' views, the CUDA device involved and the bytes of one block (equal on both sides)."""
     src, dst = _Pool.of(src_pool, "src_pool"), _Pool.of(dst_pool, "dst_pool")
     cuda_devices = [p.device for p in (src, dst) if p.device.type == "cuda"]
     if not cuda_devices:
         raise ValueError("copy_blocks moves blocks to or from a GPU: at least one pool must be on a CUDA device")
-    bytes_per_block = _block_bytes(src.block(first.src_start), "src_pool")
-    dst_bytes = _block_bytes(dst.block(first.dst_start), "dst_pool")
+    bytes_per_block = _block_bytes(src.block(src_block_id), "src_pool")
+    dst_bytes = _block_bytes(dst.block(dst_block_id), "dst_pool")
     if dst_bytes != bytes_per_block:
         raise ValueError(f"src_pool and dst_pool blocks differ in size ({bytes_per_block} vs {dst_bytes} bytes): "
                          "they must hold the same block shape")

@@ -164,10 +164,9 @@ class KvCachePools:
     def load_copy_kernel(self) -> None:
         """Compiles / loads the block copy kernel now (warm-up), not in the first step that copies."""
         if self._kernels is not None and self.host.num_blocks > 0:
-            from kvtool.kernels.block_copy import KERNEL, block_copy_spec
-            from kvtool.kernels.loader import device_arch
+            from kvtool.kernels.block_copy import block_copy_kernel
 
-            self._kernels.kernel(block_copy_spec(device_arch(self.device)), KERNEL, self.device.index)
+            block_copy_kernel(self._kernels, self.device)
 
     @property
     def copies_pending_per_layer(self) -> bool:

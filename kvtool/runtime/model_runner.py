@@ -105,15 +105,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, requests) -> torch.Tensor:
         """Runs the forward for the step; returns logits [num_sampling_requests, vocab] float32."""
-        if self.pools.copies_pending_per_layer:
-            try:
-                input_ids, meta, sample_rows = self.prepare(requests)
-                meta.layer_ready = self.pools.wait_for_layer
-                hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
-            except BaseException:
-                self.pools.wait_for_all_copies()  # no copy may outlive a forward that stopped early
-                raise
-        else:
+        try:
             input_ids, meta, sample_rows = self.prepare(requests)
-            hidden = self.model(input_ids, meta, self.kv_caches)
+            if self.pools.copies_pending_per_layer:
+                meta.layer_ready = self.pools.wait_for_layer
+            hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
+        except BaseException:
+            self.pools.wait_for_all_copies()  # no copy may outlive a forward that stopped early
+            raise
         return self.model.compute_logits(hidden[sample_rows])
