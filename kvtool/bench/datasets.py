@@ -27,12 +27,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtool.errors import DatasetError
+from kvtool.files import atomic_write
 
 ALLOWED_KEYS = ("input_ids", "prompt", "output_tokens", "max_tokens", "session_id", "turn",
                 "arrival_time_s", "extra_ids", "priority", "cache_salt", "request_id", "task_id")
@@ -263,15 +263,8 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
 def write_jsonl(path: str | os.PathLike, lines: Iterable[Mapping]) -> Path:
     """Writes one JSON object per line, atomically (a temporary file, then os.replace)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            for line in lines:
-                out.write(json.dumps(line, separators=(",", ":")))
-                out.write("\n")
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as out:
+        for line in lines:
+            out.write(json.dumps(line, separators=(",", ":")))
+            out.write("\n")
     return path

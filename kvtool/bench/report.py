@@ -9,13 +9,13 @@ from __future__ import annotations
 import csv
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 from kvtool.bench.metrics import CSV_COLUMNS, RequestMetrics
 from kvtool.errors import KvtoolError
+from kvtool.files import atomic_write
 
 SUMMARY_FILE = "summary.csv"
 
@@ -74,23 +74,14 @@ class RequestCsvWriter:
 def write_summary_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, object]]) -> Path:
     """Writes rows (one per variant) atomically; columns are the union of keys in first-seen order."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     columns: dict[str, None] = {}
     for row in rows:
         columns.update(dict.fromkeys(row))
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", newline="", encoding="utf-8") as out:
-            writer = csv.writer(out)
-            writer.writerow(columns)
-            for row in rows:
-                writer.writerow([format_cell(row.get(column)) for column in columns])
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, newline="", fsync=True) as out:
+        writer = csv.writer(out)
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow([format_cell(row.get(column)) for column in columns])
     return path
 
 

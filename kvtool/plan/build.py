@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from kvtool.errors import PlanError
+from kvtool.files import staging_dir
 from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import write_tokenizer
@@ -58,7 +58,7 @@ def build_plan(source: str, output_dir: Path, options: BuildOptions, *, compile_
         raise ValueError(f"output directory {output_dir} exists and is not a plan: choose an empty or new directory")
     # Build beside the target, then swap it in: an interrupted build never leaves a half plan.
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.building-", dir=output_dir.parent))
+    staging = staging_dir(output_dir, "building")
     try:
         dtype = torch_dtype(options.dtype)
         specs = {name: (shape, dtype) for name, shape in weight_shapes(config).items()}
