@@ -24,6 +24,7 @@ what is wrong.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -73,6 +74,7 @@ class Dataset:
 
     path: Path
     records: tuple[DatasetRecord, ...]
+    sha256: str = ""             # of the file's bytes: tells whether two reports replayed the same workload
 
     def __len__(self) -> int:
         return len(self.records)
@@ -243,21 +245,26 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
         raise DatasetError(f"dataset {path} does not exist; generate one with `kvtool dataset ...`")
     if path.is_dir():
         raise DatasetError(f"dataset {path} is a directory; give a JSON Lines file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DatasetError(f"dataset {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): "
+                           "give a JSON Lines file (see `kvtool dataset`)") from None
     records: list[DatasetRecord] = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DatasetError(f"{path} line {line_number}: not valid JSON ({error.msg} at column "
-                                   f"{error.colno})") from None
-            records.append(parse_line(obj, path, line_number))
+    for line_number, line in enumerate(text.replace("\r\n", "\n").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DatasetError(f"{path} line {line_number}: not valid JSON ({error.msg} at column "
+                               f"{error.colno})") from None
+        records.append(parse_line(obj, path, line_number))
     if not records:
         raise DatasetError(f"dataset {path} has no requests (the file is empty)")
     _check_sessions_and_ids(path, records)
-    return Dataset(path=path, records=tuple(records))
+    return Dataset(path=path, records=tuple(records), sha256=hashlib.sha256(data).hexdigest())
 
 
 def write_jsonl(path: str | os.PathLike, lines: Iterable[Mapping]) -> Path:

@@ -90,11 +90,18 @@ def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
     path = Path(path)
     if not path.is_file():
         raise KvtoolError(f"report {path} does not exist or is not a file")
-    with path.open(newline="", encoding="utf-8") as source:
-        reader = csv.DictReader(source)
-        if not reader.fieldnames:
-            raise KvtoolError(f"report {path} is empty (no header row)")
-        return list(reader)
+    try:
+        with path.open(newline="", encoding="utf-8") as source:
+            reader = csv.DictReader(source)
+            if not reader.fieldnames:
+                raise KvtoolError(f"report {path} is empty (no header row)")
+            return list(reader)
+    except UnicodeDecodeError as error:
+        raise KvtoolError(f"report {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): give a "
+                          "summary.csv or requests.csv that kvtool bench wrote") from None
+    except csv.Error as error:
+        raise KvtoolError(f"report {path} is not a CSV file ({error}): give a summary.csv or requests.csv that "
+                          "kvtool bench wrote") from None
 
 
 def _optional_float(text: str | None) -> float | None:

@@ -226,6 +226,9 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
         raise ScenarioError(f"{path}: not valid YAML ({error})") from None
+    except UnicodeDecodeError as error:
+        raise ScenarioError(f"scenario {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): "
+                            "give a YAML file such as bench_configs/system_prompt.yaml") from None
     check = _Checker(path)
     document = copy.deepcopy(check.keys(document, "top level", TOP_LEVEL_KEYS))
     for assignment in sets:

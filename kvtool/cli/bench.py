@@ -15,6 +15,7 @@ from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.paths import check_writable_dir, check_writable_file
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -128,6 +129,7 @@ def _run_single(plan, model, dataset, output, label, flags, console):
     if plan is None and model is None:
         raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
     options = BenchOptions(**flags)
+    _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
     data = load_dataset(dataset)
     summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
     llm = runner.create_llm(str(plan if plan is not None else model), options)
@@ -141,11 +143,22 @@ def _run_single(plan, model, dataset, output, label, flags, console):
     return [result.row], result.interrupted, [requests_csv, summary_csv]
 
 
+def _check_output(output: Path | None, default: Path, *, single_run: bool) -> None:
+    """Before anything runs: the reports can be written where they will go."""
+    flag = "--output" if output is not None else "the default --output"
+    path = Path(output) if output is not None else default
+    if single_run and path.suffix.lower() == ".csv":
+        check_writable_file(path, flag)
+    else:
+        check_writable_dir(path, flag)
+
+
 def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_dir, console):
     scenario = load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags)
     output_dir = Path(output) if output is not None else runner.default_output_dir(scenario.name)
     if output_dir.suffix.lower() == ".csv":
         raise ValueError(f"--output {output_dir}: a scenario writes several files; give a directory")
+    _check_output(output, output_dir, single_run=False)
     result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=runner.create_llm,
                                 plan_resolver=lambda variant: sweep.resolve_variant_plan(variant, plan_cache_dir))
     written = [output_dir / row["requests_csv"] for row in result.rows] + [result.summary_csv]

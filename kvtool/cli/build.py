@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.paths import check_replaceable_dir
 
 
 class Toggle(str, enum.Enum):
@@ -59,6 +60,7 @@ def build(
                                max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
                                dtype=dtype.value, kv_cache_dtype=kv_cache_dtype.value if kv_cache_dtype else None,
                                seed=seed)
+        check_replaceable_dir(output, "--output")
         start = time.perf_counter()
         build_plan(model, output, options, compile_kernels=compile_kernels)
         plan = load_plan(output)

@@ -13,6 +13,7 @@ from kvtool.bench.compare import compare_rows, format_ratio, format_value, load_
 from kvtool.bench.report import write_summary_csv
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.paths import check_writable_file
 
 
 def _table_width(rows, variants) -> int:
@@ -31,6 +32,10 @@ def compare(
 ) -> None:
     """Print the reports' metrics side by side (rows = metrics, columns = variants, ratios vs the first)."""
     with user_errors():
+        if plot is not None:
+            check_writable_file(plot, "--plot", "ttft.png")
+        if output is not None:
+            check_writable_file(output, "--output", "compare.csv")
         variants = load_variants(reports)
         rows = compare_rows(variants)
         table = Table(title=f"kvtool compare (ratios against {variants[0].name})")

@@ -15,6 +15,7 @@ from kvtool.bench.datasets import load_dataset, write_jsonl
 from kvtool.bench.sharegpt import approximate_token_count, import_sharegpt
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.paths import check_writable_file
 
 dataset_app = typer.Typer(help="Generate or import benchmark datasets (JSON Lines) and describe them.",
                           no_args_is_help=True)
@@ -27,7 +28,14 @@ def flag(name: str, help: str, **kwargs):
     return typer.Option(*spellings, help=help, **kwargs)
 
 
-Output = Annotated[Path, flag("output", "The JSON Lines file to write.", show_default=False)]
+def _writable_output(path: Path) -> Path:
+    # Checked while the flags are parsed: before anything is generated or imported.
+    with user_errors():
+        return check_writable_file(path, "--output", "dataset.jsonl")
+
+
+Output = Annotated[Path, flag("output", "The JSON Lines file to write.", show_default=False,
+                              callback=_writable_output)]
 Seed = Annotated[int, flag("seed", "Random seed: the same seed writes the same file.")]
 Spread = Annotated[float, flag("length_spread", "Draw each length uniformly within +-this fraction (0.2 = +-20%).")]
 MinTokenId = Annotated[int, flag("min_token_id", "Smallest token id drawn.")]

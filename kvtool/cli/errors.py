@@ -10,9 +10,21 @@ from rich.console import Console
 
 from kvtool.errors import KvtoolError
 
-# What a user can cause by a bad flag, file or value. Anything else is our bug and keeps its traceback.
-USER_ERRORS = (KvtoolError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-               PermissionError)
+# What a user can cause by a bad flag, file or value; an OSError (permission denied, read-only file
+# system, no space left) is about a path the user gave or the machine. Anything else is our bug
+# and keeps its traceback.
+USER_ERRORS = (KvtoolError, ValueError, OSError)
+
+
+def error_message(error: BaseException) -> str:
+    """One line: an OS error names its path and the reason (a read-only file system, a full disk, ...)."""
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        return f"{error.filename}: {error.strerror.lower()}: check the path and its permissions"
+    return str(error)
+
+
+def print_error(error: BaseException) -> None:
+    Console(stderr=True).print(f"[bold red]Error:[/] {error_message(error)}", highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -20,5 +32,5 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except USER_ERRORS as error:
-        Console(stderr=True).print(f"[bold red]Error:[/] {error}", highlight=False, soft_wrap=True)
+        print_error(error)
         raise typer.Exit(code=2) from None
