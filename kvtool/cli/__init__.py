@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from kvtool.cli.options import normalize_option
 from kvtool.version import __version__, git_revision
 
 app = typer.Typer(
@@ -12,6 +13,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # --tokens-per-block is --tokens_per_block: one spelling in the help, both accepted.
+    context_settings={"token_normalize_func": normalize_option},
 )
 
 

@@ -15,20 +15,11 @@ from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.help import KvtoolCommand
+from kvtool.cli.options import either, flag, toggle
 from kvtool.cli.paths import check_writable_dir, check_writable_file
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
-
-
-def flag(name: str, help: str, **kwargs):
-    """A typer option spelled both --under_score and --dash-ed."""
-    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    return typer.Option(*spellings, help=help, **kwargs)
-
-
-def switch(on: str, off: str, help: str):
-    """A --on/--off boolean flag in both spellings; None when neither is given."""
-    return typer.Option(f"--{on}/--{off}", f"--{on.replace('_', '-')}/--{off.replace('_', '-')}", help=help)
 
 
 def _default_label(plan: Path | None, model: str | None) -> str:
@@ -37,64 +28,85 @@ def _default_label(plan: Path | None, model: str | None) -> str:
     return str(model).removeprefix("preset:")
 
 
-@app.command()
+MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT = "Model and plan", "KV cache", "Scheduler", "Workload", "Output"
+
+
+@app.command(cls=KvtoolCommand)
 def bench(
-    plan: Annotated[Path | None, flag("plan", "A plan directory built by `kvtool build`.")] = None,
+    plan: Annotated[Path | None, flag("plan", "A plan directory built by `kvtool build`.", MODEL)] = None,
     model: Annotated[str | None, flag("model", "preset:NAME or a Hugging Face checkpoint directory, built on the "
-                                      "fly (with --config: replaces the scenario's model).")] = None,
-    dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).")] = None,
-    config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.")] = None,
-    set_: Annotated[list[str] | None, flag("set", "Override a scenario value: --set bench.max_batch_size=4 "
-                                            "(repeatable; needs --config).")] = None,
-    output: Annotated[Path | None, flag("output", "Output directory (or a summary .csv path); default "
-                                        "results/<dataset or scenario>-<timestamp>.")] = None,
-    label: Annotated[str | None, flag("label", "Variant name in the reports (default: the plan/preset name).")] = None,
-    plan_cache_dir: Annotated[Path | None, flag("plan_cache_dir", "Where scenarios build their plans (default "
-                                                "$KVTOOL_CACHE_DIR or ~/.cache/kvtool/plans).")] = None,
-    enable_kv_cache_reuse: Annotated[bool | None, switch("enable_kv_cache_reuse", "disable_kv_cache_reuse",
-                                                         "Reuse cached KV blocks of shared prefixes [on].")] = None,
+                                      "fly (with --config: replaces the scenario's model).", MODEL)] = None,
+    tokens_per_block: Annotated[int | None, flag("tokens_per_block", "Block size: a build option for --model "
+                                                 "(one plan per value), checked against --plan.", MODEL)] = None,
+    plan_cache_dir: Annotated[Path | None, flag("plan_cache_dir", "Where plans built on the fly go (default "
+                                                "$KVTOOL_CACHE_DIR or ~/.cache/kvtool/plans; see `kvtool plans`).",
+                                                MODEL)] = None,
+    enable_kv_cache_reuse: Annotated[bool | None, toggle("enable_kv_cache_reuse", "Reuse cached KV blocks of "
+                                                         "shared prefixes (the default).", KV_CACHE)] = None,
+    disable_kv_cache_reuse: Annotated[bool | None, toggle("disable_kv_cache_reuse", "Compute every prompt in full.",
+                                                          KV_CACHE)] = None,
+    max_tokens_in_paged_kv_cache: Annotated[int | None, flag(
+        "max_tokens_in_paged_kv_cache", "Primary pool size in tokens (the smaller of this and the memory "
+        "fraction's budget).", KV_CACHE)] = None,
+    kv_cache_free_gpu_mem_fraction: Annotated[float | None, flag(
+        "kv_cache_free_gpu_mem_fraction", "Fraction of the free memory (a CPU: available host memory) for the "
+        "primary pool (default 0.9; a CPU pool without max_tokens: 256 MiB at most).", KV_CACHE)] = None,
     kv_host_cache_bytes: Annotated[str | None, flag("kv_host_cache_bytes", "Host memory for offloaded blocks: bytes "
-                                                    "or 512MB / 1GiB [0: no offloading].")] = None,
-    max_tokens_in_paged_kv_cache: Annotated[int | None, flag("max_tokens_in_paged_kv_cache",
-                                                             "Primary KV pool size in tokens.")] = None,
-    kv_cache_free_gpu_mem_fraction: Annotated[float | None, flag("kv_cache_free_gpu_mem_fraction",
-                                                                 "Fraction of free memory for the KV pool [0.9].")] = None,
+                                                    "or 512MB / 1GiB (default 0: no offloading).", KV_CACHE)] = None,
     max_attention_window_size: Annotated[int | None, flag("max_attention_window_size",
-                                                          "Sliding attention window (tokens).")] = None,
-    scheduler_policy: Annotated[str | None, flag("scheduler_policy", "guaranteed_no_evict | max_utilization | "
-                                                 "static_batch [guaranteed_no_evict].")] = None,
-    context_chunking_policy: Annotated[str | None, flag("context_chunking_policy", "first_come_first_served | "
-                                                        "equal_progress [first_come_first_served].")] = None,
-    enable_chunked_context: Annotated[bool | None, switch("enable_chunked_context", "disable_chunked_context",
-                                                          "Split long contexts into chunks [off].")] = None,
-    max_batch_size: Annotated[int | None, flag("max_batch_size", "Requests per step [the plan's].")] = None,
-    max_num_tokens: Annotated[int | None, flag("max_num_tokens", "Tokens per step [the plan's].")] = None,
-    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output [the plan's].")] = None,
-    tokens_per_block: Annotated[int | None, flag("tokens_per_block", "Checked against the plan (scenarios built "
-                                                 "from a model: one plan per value).")] = None,
-    mode: Annotated[str | None, flag("mode", "offline (all queued at t0) | sequential (one at a time) [offline].")] = None,
-    concurrency: Annotated[int | None, flag("concurrency", "Keep N requests in flight.")] = None,
-    request_rate: Annotated[float | None, flag("request_rate", "Poisson arrivals at R requests/s (seeded).")] = None,
-    seed: Annotated[int | None, flag("seed", "Seed of the Poisson arrivals [0].")] = None,
-    warmup: Annotated[int | None, flag("warmup", "Run the first N dataset requests first, uncounted [0].")] = None,
-    warmup_counts_in_stats: Annotated[bool | None, typer.Option(
-        "--warmup_counts_in_stats", "--warmup-counts-in-stats",
-        help="Keep the warm-up's cache counters (default: reset after warm-up).")] = None,
-    num_requests: Annotated[int | None, flag("num_requests", "Measure at most N requests.")] = None,
+                                                          "Sliding attention window (tokens).", KV_CACHE)] = None,
+    scheduler_policy: Annotated[str | None, flag("scheduler_policy", "guaranteed_no_evict (default) | "
+                                                 "max_utilization | static_batch.", SCHEDULER)] = None,
+    enable_chunked_context: Annotated[bool | None, toggle("enable_chunked_context", "Split long contexts into "
+                                                          "chunks.", SCHEDULER)] = None,
+    disable_chunked_context: Annotated[bool | None, toggle("disable_chunked_context", "Each context in one step "
+                                                           "(the default).", SCHEDULER)] = None,
+    context_chunking_policy: Annotated[str | None, flag("context_chunking_policy", "first_come_first_served "
+                                                        "(default) | equal_progress.", SCHEDULER)] = None,
+    max_batch_size: Annotated[int | None, flag("max_batch_size", "Requests per step (default: the plan's).",
+                                               SCHEDULER)] = None,
+    max_num_tokens: Annotated[int | None, flag("max_num_tokens", "Tokens per step (default: the plan's).",
+                                               SCHEDULER)] = None,
+    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output (default: the plan's).",
+                                            SCHEDULER)] = None,
+    dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD)] = None,
+    config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.",
+                                        WORKLOAD)] = None,
+    set_: Annotated[list[str] | None, flag("set", "Override a scenario value: --set bench.max_batch_size=4 "
+                                            "(repeatable; needs --config).", WORKLOAD)] = None,
+    mode: Annotated[str | None, flag("mode", "offline (default: all queued at the start) | sequential (one at a "
+                                     "time).", WORKLOAD)] = None,
+    concurrency: Annotated[int | None, flag("concurrency", "Keep N requests in flight.", WORKLOAD)] = None,
+    request_rate: Annotated[float | None, flag("request_rate", "Poisson arrivals at R requests/s (seeded).",
+                                               WORKLOAD)] = None,
+    seed: Annotated[int | None, flag("seed", "Seed of the Poisson arrivals (default 0).", WORKLOAD)] = None,
+    warmup: Annotated[int | None, flag("warmup", "Run the first N dataset requests first, uncounted.",
+                                       WORKLOAD)] = None,
+    warmup_counts_in_stats: Annotated[bool | None, toggle(
+        "warmup_counts_in_stats", "Keep the warm-up's cache counters (default: reset after warm-up).",
+        WORKLOAD)] = None,
+    num_requests: Annotated[int | None, flag("num_requests", "Measure at most N requests.", WORKLOAD)] = None,
+    output: Annotated[Path | None, flag("output", "Output directory or summary .csv path (default "
+                                        "results/<dataset or scenario>-<time>).", OUTPUT)] = None,
+    label: Annotated[str | None, flag("label", "Variant name in the reports (default: the plan/preset name).",
+                                      OUTPUT)] = None,
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
-    given = dict(enable_kv_cache_reuse=enable_kv_cache_reuse, kv_host_cache_bytes=kv_host_cache_bytes,
-                 max_tokens_in_paged_kv_cache=max_tokens_in_paged_kv_cache,
+    given = dict(kv_host_cache_bytes=kv_host_cache_bytes, max_tokens_in_paged_kv_cache=max_tokens_in_paged_kv_cache,
                  kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
                  max_attention_window_size=max_attention_window_size, scheduler_policy=scheduler_policy,
-                 context_chunking_policy=context_chunking_policy, enable_chunked_context=enable_chunked_context,
-                 max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                 tokens_per_block=tokens_per_block, mode=mode, concurrency=concurrency, request_rate=request_rate,
-                 seed=seed, warmup=warmup, warmup_counts_in_stats=warmup_counts_in_stats, num_requests=num_requests)
-    flags = {name: value for name, value in given.items() if value is not None}
+                 context_chunking_policy=context_chunking_policy, max_batch_size=max_batch_size,
+                 max_num_tokens=max_num_tokens, max_seq_len=max_seq_len, tokens_per_block=tokens_per_block,
+                 mode=mode, concurrency=concurrency, request_rate=request_rate, seed=seed, warmup=warmup,
+                 warmup_counts_in_stats=warmup_counts_in_stats, num_requests=num_requests)
     console = Console(stderr=True)
     try:
         with user_errors():
+            given["enable_kv_cache_reuse"] = either(enable_kv_cache_reuse, disable_kv_cache_reuse,
+                                                    "enable_kv_cache_reuse", "disable_kv_cache_reuse")
+            given["enable_chunked_context"] = either(enable_chunked_context, disable_chunked_context,
+                                                     "enable_chunked_context", "disable_chunked_context")
+            flags = {name: value for name, value in given.items() if value is not None}
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
             if config is not None:

@@ -13,6 +13,8 @@ from rich.table import Table
 
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.help import KvtoolCommand
+from kvtool.cli.options import either, flag, toggle
 from kvtool.cli.paths import check_replaceable_dir
 
 
@@ -27,34 +29,39 @@ class DType(str, enum.Enum):
     bfloat16 = "bfloat16"
 
 
-@app.command()
+MODEL, KV_CACHE, LIMITS, OUTPUT = "Model", "KV cache", "Runtime limits (a bench may ask for less)", "Output"
+
+
+@app.command(cls=KvtoolCommand)
 def build(
-    model: Annotated[str, typer.Option("--model", "-m",
-                                       help="A local Hugging Face checkpoint directory or preset:NAME.")],
-    output: Annotated[Path, typer.Option("--output", "--output_dir", "--output-dir", "-o",
-                                         help="The plan directory to write.")],
-    tokens_per_block: Annotated[int, typer.Option("--tokens_per_block", "--tokens-per-block",
-                                                  help="KV cache block size in tokens (a power of 2).")] = 32,
-    use_paged_context_fmha: Annotated[Toggle, typer.Option(
-        "--use_paged_context_fmha", "--use-paged-context-fmha",
-        help="Context attention over the paged cache; 'disable' forbids KV reuse.")] = Toggle.enable,
-    max_batch_size: Annotated[int, typer.Option("--max_batch_size", "--max-batch-size")] = 8,
-    max_seq_len: Annotated[int | None, typer.Option("--max_seq_len", "--max-seq-len",
-                                                    help="Default: min(max_position_embeddings, 4096).")] = None,
-    max_num_tokens: Annotated[int, typer.Option("--max_num_tokens", "--max-num-tokens")] = 8192,
-    dtype: Annotated[DType, typer.Option("--dtype", help="Weight and activation dtype.")] = DType.float32,
-    kv_cache_dtype: Annotated[DType | None, typer.Option("--kv_cache_dtype", "--kv-cache-dtype",
-                                                         help="Default: --dtype.")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of a preset's random weights.")] = 0,
-    compile_kernels: Annotated[bool | None, typer.Option(
-        "--compile_kernels/--no_compile_kernels", "--compile-kernels/--no-compile-kernels",
-        help="Compile the plan's CUDA kernels (sm_90) into it; default: when this machine has a GPU.",
-        show_default=False)] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="A local Hugging Face checkpoint directory or "
+                                       "preset:NAME.", rich_help_panel=MODEL)],
+    output: Annotated[Path, typer.Option("--output", "--output_dir", "-o", help="The plan directory to write.",
+                                         rich_help_panel=OUTPUT)],
+    dtype: Annotated[DType, flag("dtype", "Weight and activation dtype.", MODEL)] = DType.float32,
+    seed: Annotated[int, flag("seed", "Seed of a preset's random weights.", MODEL)] = 0,
+    tokens_per_block: Annotated[int, flag("tokens_per_block", "KV cache block size in tokens (a power of 2).",
+                                          KV_CACHE)] = 32,
+    kv_cache_dtype: Annotated[DType | None, flag("kv_cache_dtype", "KV cache dtype (default: --dtype).",
+                                                 KV_CACHE)] = None,
+    use_paged_context_fmha: Annotated[Toggle, flag(
+        "use_paged_context_fmha", "Context attention over the paged cache; 'disable' forbids KV reuse.",
+        KV_CACHE)] = Toggle.enable,
+    max_batch_size: Annotated[int, flag("max_batch_size", "Requests per step.", LIMITS)] = 8,
+    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output (default: "
+                                            "min(max_position_embeddings, 4096)).", LIMITS)] = None,
+    max_num_tokens: Annotated[int, flag("max_num_tokens", "Tokens per step.", LIMITS)] = 8192,
+    compile_kernels: Annotated[bool | None, toggle(
+        "compile_kernels", "Compile the plan's CUDA kernels (sm_90) into it (default: when this machine has a "
+        "GPU).", OUTPUT)] = None,
+    no_compile_kernels: Annotated[bool | None, toggle("no_compile_kernels", "Leave them to the first run on a "
+                                                      "GPU.", OUTPUT)] = None,
 ) -> None:
     """Build a model (HF checkpoint directory or preset:NAME) into a plan directory."""
     with user_errors():
         from kvtool.plan import BuildOptions, build_plan, load_plan
 
+        compile_kernels = either(compile_kernels, no_compile_kernels, "compile_kernels", "no_compile_kernels")
         options = BuildOptions(tokens_per_block=tokens_per_block,
                                use_paged_context_fmha=use_paged_context_fmha is Toggle.enable,
                                max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,

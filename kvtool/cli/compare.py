@@ -13,6 +13,7 @@ from kvtool.bench.compare import compare_rows, format_ratio, format_value, load_
 from kvtool.bench.report import write_summary_csv
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.paths import check_writable_file
 
 
@@ -23,7 +24,7 @@ def _table_width(rows, variants) -> int:
     return max(Console().width, metric + 4 + values)
 
 
-@app.command()
+@app.command(cls=KvtoolCommand)
 def compare(
     reports: Annotated[list[Path], typer.Argument(help="Summary CSVs (a row per variant) and/or per-request CSVs.",
                                                   show_default=False)],

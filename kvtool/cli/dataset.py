@@ -15,17 +15,13 @@ from kvtool.bench.datasets import load_dataset, write_jsonl
 from kvtool.bench.sharegpt import approximate_token_count, import_sharegpt
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
+from kvtool.cli.help import KvtoolCommand
+from kvtool.cli.options import either, flag, toggle
 from kvtool.cli.paths import check_writable_file
 
 dataset_app = typer.Typer(help="Generate or import benchmark datasets (JSON Lines) and describe them.",
                           no_args_is_help=True)
 app.add_typer(dataset_app, name="dataset")
-
-
-def flag(name: str, help: str, **kwargs):
-    """A typer option spelled both --under_score and --dash-ed."""
-    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    return typer.Option(*spellings, help=help, **kwargs)
 
 
 def _writable_output(path: Path) -> Path:
@@ -54,7 +50,7 @@ def _write(output: Path, lines: list[dict]) -> None:
     typer.echo(f"wrote {len(lines)} requests{detail} to {output}")
 
 
-@dataset_app.command("system-prompt")
+@dataset_app.command("system-prompt", cls=KvtoolCommand)
 def system_prompt(
     output: Output,
     num_groups: Annotated[int, flag("num_groups", "Number of distinct system prompts.")] = 8,
@@ -73,7 +69,7 @@ def system_prompt(
             output_len=output_len, shuffle=shuffle))
 
 
-@dataset_app.command("multi-turn")
+@dataset_app.command("multi-turn", cls=KvtoolCommand)
 def multi_turn(
     output: Output,
     num_sessions: Annotated[int, flag("num_sessions", "Number of chat sessions.")] = 8,
@@ -81,20 +77,23 @@ def multi_turn(
     user_turn_len: Annotated[int, flag("user_turn_len", "Tokens of each user message.")] = 64,
     answer_len: Annotated[int, flag("answer_len", "Tokens generated per turn.")] = 64,
     system_prompt_len: Annotated[int, flag("system_prompt_len", "System prompt before the first message (0: none).")] = 0,
-    shared_system_prompt: Annotated[bool, typer.Option(
-        "--shared_system_prompt/--per_session_system_prompt", "--shared-system-prompt/--per-session-system-prompt",
-        help="One system prompt for every session, or one per session.")] = True,
+    shared_system_prompt: Annotated[bool, toggle("shared_system_prompt", "One system prompt for every session "
+                                                 "(the default).")] = False,
+    per_session_system_prompt: Annotated[bool, toggle("per_session_system_prompt",
+                                                      "One system prompt per session.")] = False,
     seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
 ) -> None:
     """Multi-turn chat sessions: each turn's prompt is the history + the generated answer + a new message."""
     with user_errors():
+        shared = either(shared_system_prompt, per_session_system_prompt, "shared_system_prompt",
+                        "per_session_system_prompt") is not False
         _write(output, generators.generate_multi_turn(
             _options(seed, length_spread, min_token_id, max_token_id), num_sessions=num_sessions,
             num_turns=num_turns, user_turn_len=user_turn_len, answer_len=answer_len,
-            system_prompt_len=system_prompt_len, shared_system_prompt=shared_system_prompt))
+            system_prompt_len=system_prompt_len, shared_system_prompt=shared))
 
 
-@dataset_app.command("abab")
+@dataset_app.command("abab", cls=KvtoolCommand)
 def abab(
     output: Output,
     prompt_len: Annotated[int, flag("prompt_len", "Length of each of the prompts A and B (tokens).")] = 1024,
@@ -108,7 +107,7 @@ def abab(
                                                 prompt_len=prompt_len, num_rounds=num_rounds, output_len=output_len))
 
 
-@dataset_app.command("random")
+@dataset_app.command("random", cls=KvtoolCommand)
 def random_prompts(
     output: Output,
     num_requests: Annotated[int, flag("num_requests", "Number of requests.")] = 64,
@@ -123,7 +122,7 @@ def random_prompts(
                                                   output_len=output_len))
 
 
-@dataset_app.command("prefix-repetition")
+@dataset_app.command("prefix-repetition", cls=KvtoolCommand)
 def prefix_repetition(
     output: Output,
     num_prefixes: Annotated[int, flag("num_prefixes", "Number of distinct prefixes.")] = 4,
@@ -140,7 +139,7 @@ def prefix_repetition(
             prefix_len=prefix_len, suffix_len=suffix_len, num_requests=num_requests, output_len=output_len))
 
 
-@dataset_app.command("import-sharegpt")
+@dataset_app.command("import-sharegpt", cls=KvtoolCommand)
 def import_sharegpt_command(
     source: Annotated[Path, typer.Argument(help="A local ShareGPT-style JSON file.", show_default=False)],
     output: Output,
@@ -179,7 +178,7 @@ def _length_cells(stats: LengthStats) -> list[str]:
     return [str(stats.min), f"{stats.mean:.1f}", f"{stats.p50:.0f}", f"{stats.p90:.0f}", str(stats.max)]
 
 
-@dataset_app.command("stats")
+@dataset_app.command("stats", cls=KvtoolCommand)
 def stats(
     dataset: Annotated[Path, typer.Argument(help="A JSON Lines dataset file.", show_default=False)],
     tokens_per_block: Annotated[int, flag("tokens_per_block", "Block size for the shared-prefix fraction.")] = 32,
