@@ -4,17 +4,34 @@
     plan_from_checkpoint("mistral_sliding_window")  -> Path of a plan built from it (tokens_per_block 8)
     tiny_llama_plan, tiny_qwen3_plan  -> Paths of plans built from the presets (tokens_per_block 16)
 
-Nothing is downloaded; transformers is imported only by tests that use these fixtures.
+Nothing is downloaded; transformers is imported only by tests that use these fixtures. Plans and
+kernels built on the fly go to the session's temporary directory, never the user's cache.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from hf_checkpoints import TEST_TOKENS_PER_BLOCK, HfCheckpoint, make_hf_checkpoint
 
 from kvtool.plan import BuildOptions, build_plan
+
+
+@pytest.fixture(scope="session", autouse=True)
+def caches_outside_home(tmp_path_factory):
+    """LLM(model="preset:...") and `kvtool bench --model` build into $KVTOOL_CACHE_DIR, compiled kernels go
+    to $KVTOOL_KERNEL_CACHE: both point into this session's temporary directory (subprocesses inherit it)."""
+    saved = {name: os.environ.get(name) for name in ("KVTOOL_CACHE_DIR", "KVTOOL_KERNEL_CACHE")}
+    os.environ["KVTOOL_CACHE_DIR"] = str(tmp_path_factory.mktemp("plan-cache"))
+    os.environ["KVTOOL_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
 from kvtool.plan.build import build_plan
 from kvtool.plan.format import FORMAT_VERSION
-from kvtool.plan.load import Plan, default_cache_dir, load_plan, resolve_model
+from kvtool.plan.cache import default_cache_dir
+from kvtool.plan.load import Plan, load_plan, resolve_model
 from kvtool.plan.options import BuildOptions
 
 __all__ = ["BuildOptions", "FORMAT_VERSION", "Plan", "build_plan", "default_cache_dir", "load_plan", "resolve_model"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from kvtool.models.llama import LlamaModel
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import Tokenizer, load_tokenizer
 from kvtool.plan.build import build_plan
+from kvtool.plan.cache import default_cache_dir
 from kvtool.plan.format import FORMAT_VERSION, PLAN_FILE, file_checksum, manifest_digest
 from kvtool.plan.options import BuildOptions
 
@@ -168,12 +168,6 @@ def _safetensors_header(path: Path, hint: str) -> dict[str, Any]:
             return json.loads(f.read(header_len))
         except ValueError:
             raise PlanError(f"{path} has a corrupt safetensors header: {hint}") from None
-
-
-def default_cache_dir() -> Path:
-    """Where plans built on the fly live: $KVTOOL_CACHE_DIR, else ~/.cache/kvtool/plans."""
-    configured = os.environ.get("KVTOOL_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "kvtool" / "plans"
 
 
 def resolve_model(model: str, *, options: BuildOptions | None = None, cache_dir: Path | None = None) -> Plan:
