@@ -14,7 +14,6 @@ import argparse
 import random
 
 from kvtool import LLM, KvCacheConfig, SamplingParams
-from kvtool.plan import BuildOptions
 
 TOKENS_PER_BLOCK = 16
 
@@ -26,10 +25,9 @@ def run(model: str, enable_offloading: bool, prompt_len: int, max_tokens: int, s
     # The primary pool holds exactly one request: its prompt plus its generated tokens.
     pool_tokens = -(-(prompt_len + max_tokens) // TOKENS_PER_BLOCK) * TOKENS_PER_BLOCK
     kv_cache_config = KvCacheConfig(
-        enable_block_reuse=True, max_tokens=pool_tokens,
+        enable_block_reuse=True, max_tokens=pool_tokens, tokens_per_block=TOKENS_PER_BLOCK,
         host_cache_size=(64 << 20) if enable_offloading else 0)
-    llm = LLM(model=model, max_batch_size=1, kv_cache_config=kv_cache_config,
-              build_options=BuildOptions(tokens_per_block=TOKENS_PER_BLOCK))
+    llm = LLM(model=model, max_batch_size=1, kv_cache_config=kv_cache_config)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     rounds = []
     for round_index in range(2):

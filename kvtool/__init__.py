@@ -3,8 +3,11 @@
 The LLM API mirrors TensorRT-LLM's names::
 
     from kvtool import LLM, SamplingParams, KvCacheConfig
-    llm = LLM(model="preset:tiny-llama", kv_cache_config=KvCacheConfig(enable_block_reuse=True))
+    llm = LLM(model="preset:tiny-llama", kv_cache_config=KvCacheConfig(enable_block_reuse=True, tokens_per_block=16))
     out = llm.generate("Hello", SamplingParams(max_tokens=8))
+
+A model given as a checkpoint or preset is built on the fly with ``build_options=BuildOptions(...)``
+(trtllm-build's flags) and KvCacheConfig's tokens_per_block.
 """
 
 from kvtool.config import (
@@ -18,6 +21,7 @@ from kvtool.version import __version__
 
 __all__ = [
     "LLM",
+    "BuildOptions",
     "SamplingParams",
     "KvCacheConfig",
     "SchedulerConfig",
@@ -28,9 +32,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and the C++ extension: import it only when asked for.
+    # LLM and BuildOptions pull in torch (LLM the C++ extension too): import them only when asked for.
     if name == "LLM":
         from kvtool.llm import LLM
 
         return LLM
+    if name == "BuildOptions":
+        from kvtool.plan.options import BuildOptions
+
+        return BuildOptions
     raise AttributeError(f"module 'kvtool' has no attribute {name!r}")

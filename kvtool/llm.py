@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 
@@ -13,10 +14,16 @@ from kvtool import _core
 from kvtool.config import KvCacheConfig, SamplingParams, SchedulerConfig
 from kvtool.errors import KvtoolError
 from kvtool.plan.kernels import plan_kernel_cache
-from kvtool.runtime.device import default_device, describe_device, free_device_memory_bytes
+from kvtool.plan import BuildOptions, Plan, is_built_plan, resolve_model
+from kvtool.runtime.device import (available_host_memory_bytes, default_device, describe_device,
+                                   free_device_memory_bytes)
 from kvtool.runtime.engine import Engine
-from kvtool.runtime.kv_pool import BlockShape, KvCachePools, check_host_cache_size, size_pools
+from kvtool.runtime.kv_pool import BlockShape, KvCachePools
+from kvtool.runtime.pool_sizes import size_pools
 from kvtool.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger("kvtool")
+
 
 @dataclass
 class CompletionOutput:
@@ -70,19 +77,24 @@ def _attention_backend(kernels):
 class LLM:
     """A model served by kvtool's runtime.
 
-    ``model`` is a plan directory, a local Hugging Face checkpoint directory or ``preset:NAME``;
-    the latter two are built into a plan on the fly. Runtime limits default to the plan's and may
-    not exceed them.
+    ``model`` is a plan directory (or a loaded Plan), a local Hugging Face checkpoint directory or
+    ``preset:NAME``; the latter two are built into a plan on the fly (cached, see `kvtool plans`)
+    with ``build_options``, ``kv_cache_config.tokens_per_block`` and limits above what those options
+    admit. Runtime limits default to the plan's and may not exceed them. ``num_workload_blocks``:
+    the most KV blocks the work ahead can create (the bench computes it from its dataset); a
+    ``host_cache_size`` larger than the available memory is then accepted when those blocks fit.
+    ``pool_sizes`` tells the KV pools actually created (and notes on how they were sized).
     """
 
-    def __init__(self, model: str, *, max_batch_size: int | None = None, max_seq_len: int | None = None,
+    def __init__(self, model: str | Plan, *, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, kv_cache_config: KvCacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, device: str | None = None,
-                 build_options=None) -> None:
-        from kvtool.plan import resolve_model
-
+                 build_options: BuildOptions | None = None, num_workload_blocks: int | None = None) -> None:
         kv_cache_config = kv_cache_config or KvCacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
+        if not is_built_plan(model):
+            build_options = on_the_fly_build_options(build_options, kv_cache_config, max_batch_size=max_batch_size,
+                                                     max_seq_len=max_seq_len, max_num_tokens=max_num_tokens)
         self.plan = resolve_model(model, options=build_options)
         opts = self.plan.build_options
         self.max_batch_size = _runtime_limit("max_batch_size", max_batch_size, opts.max_batch_size)
@@ -95,15 +107,17 @@ class LLM:
         config = self.plan.model_config
         window = _attention_window(config.sliding_window, kv_cache_config.max_attention_window, self.max_seq_len)
         kernels = _kernel_library(self.device, plan_kernel_cache(self.plan.path))
-        model_module = self.plan.load_model(self.device, _attention_backend(kernels), attention_window=window)
         tokens_per_block = opts.tokens_per_block
         shape = BlockShape(config.num_layers, tokens_per_block, config.num_kv_heads, config.head_dim,
                            self.plan.kv_cache_dtype)
-        check_host_cache_size(kv_cache_config.host_cache_size)
-        sizes = size_pools(shape.num_bytes, tokens_per_block, max_tokens=kv_cache_config.max_tokens,
-                           free_memory_fraction=kv_cache_config.free_gpu_memory_fraction,
-                           free_memory_bytes=free_device_memory_bytes(self.device),
-                           host_cache_size=kv_cache_config.host_cache_size, on_cpu=self.device.type == "cpu")
+        on_cpu = self.device.type == "cpu"
+        model_module = self.plan.load_model(self.device, _attention_backend(kernels), attention_window=window)
+        self.pool_sizes = size_pools(
+            shape.num_bytes, tokens_per_block, max_tokens=kv_cache_config.max_tokens,
+            free_memory_fraction=kv_cache_config.free_gpu_memory_fraction,
+            free_memory_bytes=free_device_memory_bytes(self.device), host_cache_size=kv_cache_config.host_cache_size,
+            on_cpu=on_cpu, available_host_bytes=available_host_memory_bytes(), num_workload_blocks=num_workload_blocks)
+        sizes = self.pool_sizes
         pools = KvCachePools(shape, sizes.num_primary_blocks, sizes.num_secondary_blocks, self.device, kernels)
         cache_cfg = _core.CacheConfig(
             tokens_per_block=tokens_per_block,
@@ -172,6 +186,13 @@ class LLM:
         else:
             text, token_ids = None, [int(t) for t in prompt]
         result = GenerationOutput(request_id, text, token_ids, [CompletionOutput(0, "", [], None)])
+        room = self.max_seq_len - len(token_ids)
+        if 0 < room < params.max_tokens:
+            # As TensorRT-LLM's LLM API: generate up to max_seq_len, with a warning.
+            logger.warning("SamplingParams.max_tokens=%d is more than the %d tokens max_seq_len=%d leaves after the "
+                           "%d-token prompt: generating at most %d", params.max_tokens, room, self.max_seq_len,
+                           len(token_ids), room)
+            params = replace(params, max_tokens=room)
         try:
             self.engine.add_request(request_id, token_ids, params, extra_ids=extra_ids)
         except ValueError as error:
@@ -231,13 +252,29 @@ def _attention_window(model_window: int | None, user_window: int | None, max_seq
     return window if window is not None and window < max_seq_len else None
 
 
+def on_the_fly_build_options(build_options: BuildOptions | None, kv_cache_config: KvCacheConfig, *,
+                             max_batch_size: int | None = None, max_seq_len: int | None = None,
+                             max_num_tokens: int | None = None) -> BuildOptions:
+    """What a plan built on the fly is built with: ``build_options`` (default: BuildOptions()), the
+    block size KvCacheConfig asks for, and the runtime limits asked for where they exceed those options."""
+    options = build_options or BuildOptions()
+    wanted = kv_cache_config.tokens_per_block
+    default = BuildOptions().tokens_per_block
+    if wanted is not None and wanted != options.tokens_per_block and options.tokens_per_block != default:
+        raise KvtoolError(f"KvCacheConfig.tokens_per_block={wanted} and BuildOptions.tokens_per_block="
+                          f"{options.tokens_per_block} disagree: give the block size once")
+    return options.admitting(tokens_per_block=wanted, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                             max_num_tokens=max_num_tokens)
+
+
 def _check_against_plan(plan, kv_cache_config: KvCacheConfig, scheduler_config: SchedulerConfig) -> None:
     opts = plan.build_options
     if kv_cache_config.tokens_per_block is not None and kv_cache_config.tokens_per_block != opts.tokens_per_block:
+        # Only a plan the user built: a plan built on the fly gets the block size asked for.
         raise KvtoolError(
             f"tokens_per_block={kv_cache_config.tokens_per_block} does not match the plan {plan.path}, "
-            f"built with tokens_per_block={opts.tokens_per_block}: rebuild with "
-            f"`kvtool build --tokens_per_block {kv_cache_config.tokens_per_block}` or drop the option")
+            f"built with tokens_per_block={opts.tokens_per_block}: rebuild it with "
+            f"`kvtool build --tokens_per_block {kv_cache_config.tokens_per_block}`, or leave tokens_per_block out")
     if not plan.supports_kv_reuse:
         if kv_cache_config.enable_block_reuse:
             raise KvtoolError(

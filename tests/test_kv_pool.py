@@ -10,8 +10,7 @@ from kvtool import LLM, KvCacheConfig, SamplingParams
 from kvtool.errors import KvtoolError
 from kvtool.runtime.device import available_host_memory_bytes
 from kvtool.runtime.copy_batches import copy_batches
-from kvtool.runtime.kv_pool import (PRIMARY, SECONDARY, BlockShape, KvCachePools, offloads_then_onboards,
-                                  size_pools)
+from kvtool.runtime.kv_pool import PRIMARY, SECONDARY, BlockShape, KvCachePools, offloads_then_onboards
 
 SHAPE = BlockShape(num_layers=2, tokens_per_block=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
@@ -104,16 +103,6 @@ def test_only_an_offload_wave_then_an_onboard_wave_splits_over_two_streams():
     assert not offloads_then_onboards(batches_of(swap + [(SECONDARY, 6, PRIMARY, 7, 4)]))
     # A host block read by an onboard and then overwritten by an offload: a third wave.
     assert not offloads_then_onboards(batches_of(swap + [(PRIMARY, 7, SECONDARY, 1, 4)]))
-
-
-def test_pool_size_is_the_smaller_of_max_tokens_and_the_memory_fraction():
-    block_bytes = 1 << 20
-    by_tokens = size_pools(block_bytes, 16, max_tokens=160, free_memory_fraction=0.9, free_memory_bytes=1 << 40,
-                           host_cache_size=0, on_cpu=False)
-    by_memory = size_pools(block_bytes, 16, max_tokens=1 << 30, free_memory_fraction=0.5,
-                           free_memory_bytes=100 << 20, host_cache_size=10 << 20, on_cpu=False)
-    assert by_tokens.num_primary_blocks == 10
-    assert by_memory.num_primary_blocks == 50 and by_memory.num_secondary_blocks == 10
 
 
 def test_host_cache_larger_than_available_memory_is_refused_with_both_numbers():

@@ -170,10 +170,17 @@ def _safetensors_header(path: Path, hint: str) -> dict[str, Any]:
             raise PlanError(f"{path} has a corrupt safetensors header: {hint}") from None
 
 
-def resolve_model(model: str, *, options: BuildOptions | None = None, cache_dir: Path | None = None) -> Plan:
-    """A plan directory is loaded as is (``options`` are baked into it and ignored); a Hugging Face
-    checkpoint directory or ``preset:NAME`` is built once into ``cache_dir`` (keyed by source and
+def is_built_plan(model) -> bool:
+    """True for a Plan or a plan directory (used as built); False for what resolve_model builds."""
+    return isinstance(model, Plan) or (not str(model).startswith(PRESET_PREFIX) and (Path(model) / PLAN_FILE).is_file())
+
+
+def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cache_dir: Path | None = None) -> Plan:
+    """A Plan or a plan directory is used as is (``options`` are baked into it and ignored); a Hugging
+    Face checkpoint directory or ``preset:NAME`` is built once into ``cache_dir`` (keyed by source and
     options; a changed checkpoint or an invalid cached plan is rebuilt) and loaded from there."""
+    if isinstance(model, Plan):
+        return model
     model = str(model)
     options = options or BuildOptions()
     if model.startswith(PRESET_PREFIX):

@@ -58,6 +58,21 @@ class BuildOptions:
         return BuildOptions(**{**asdict(self), "max_seq_len": max_seq_len,
                                "kv_cache_dtype": self.resolved_kv_cache_dtype})
 
+    def admitting(self, *, tokens_per_block: int | None = None, max_batch_size: int | None = None,
+                  max_seq_len: int | None = None, max_num_tokens: int | None = None) -> BuildOptions:
+        """A copy for a plan built on the fly: with this block size, and admitting these runtime limits
+        (a limit these options already admit is left as is, so such runs share one plan)."""
+        changes: dict[str, Any] = {}
+        if tokens_per_block is not None:
+            changes["tokens_per_block"] = tokens_per_block
+        admitted = {"max_batch_size": self.max_batch_size, "max_num_tokens": self.max_num_tokens,
+                    "max_seq_len": self.max_seq_len or DEFAULT_MAX_SEQ_LEN_CAP}
+        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+                            ("max_num_tokens", max_num_tokens)):
+            if value is not None and value > admitted[name]:
+                changes[name] = value
+        return BuildOptions(**{**asdict(self), **changes})
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtool.errors import KvtoolError
 from kvtool.runtime.copy_batches import CopyBatch, copy_batches
-from kvtool.runtime.device import available_host_memory_bytes
 
 PRIMARY = 0
 SECONDARY = 1
@@ -257,43 +255,3 @@ def offloads_then_onboards(batches: list[CopyBatch]) -> bool:
     """True for a step whose copies are one wave of offloads followed by one wave of onboards: the
     two directions can then move on two streams, layer by layer."""
     return {(b.wave, b.src_pool, b.dst_pool) for b in batches} == {(0, PRIMARY, SECONDARY), (1, SECONDARY, PRIMARY)}
-
-
-def check_host_cache_size(host_cache_size: int) -> None:
-    """Refuses a host cache larger than the memory this machine can give, with both numbers."""
-    available = available_host_memory_bytes()
-    if host_cache_size > available:
-        raise KvtoolError(
-            f"host_cache_size (--kv_host_cache_bytes) of {host_cache_size:,} bytes exceeds the "
-            f"{available:,} bytes of host memory available: choose at most {available:,}")
-
-
-CPU_PRIMARY_POOL_CAP_BYTES = 256 << 20  # on a CPU, "free device memory" is host memory: cap the default
-
-
-@dataclass(frozen=True)
-class PoolSizes:
-    num_primary_blocks: int
-    num_secondary_blocks: int
-
-
-def size_pools(block_bytes: int, tokens_per_block: int, *, max_tokens: int | None,
-               free_memory_fraction: float, free_memory_bytes: int, host_cache_size: int,
-               on_cpu: bool) -> PoolSizes:
-    """Primary blocks from max_tokens, else from a fraction of free memory; the smaller when both.
-
-    Without max_tokens on a CPU the pool is capped at 256 MiB: the host's free memory is not a
-    device budget, and an oversized pool only slows start-up.
-    """
-    budget = free_memory_fraction * free_memory_bytes
-    if on_cpu:
-        budget = min(budget, CPU_PRIMARY_POOL_CAP_BYTES)
-    num_blocks = int(budget // block_bytes)
-    if max_tokens is not None:
-        num_blocks = min(num_blocks, -(-max_tokens // tokens_per_block))
-    if num_blocks < 1:
-        raise KvtoolError(
-            f"the KV cache gets no block: one block takes {block_bytes:,} bytes but the budget is "
-            f"{int(budget):,} bytes (free_gpu_memory_fraction={free_memory_fraction}, max_tokens={max_tokens}): "
-            "raise max_tokens / free_gpu_memory_fraction")
-    return PoolSizes(num_blocks, host_cache_size // block_bytes)
