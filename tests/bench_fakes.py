@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from kvtool.errors import KvtoolError
 from kvtool.runtime.request import RequestOutput, RequestRecord
 
 
@@ -49,7 +50,7 @@ class FakeEngine:
     def __init__(self, *, clock=time.perf_counter, advance=None, vocab_size: int = 1000, max_seq_len: int = 4096,
                  max_batch_size: int = 64, tokens_per_block: int = 4, step_s: float = 0.010,
                  context_s_per_token: float = 0.001, interrupt_at_step: int | None = None,
-                 enable_block_reuse: bool = True) -> None:
+                 enable_block_reuse: bool = True, refuse_when_added=None, fail_at_step: int | None = None) -> None:
         self.clock = clock
         self.advance = advance or (lambda seconds: None)
         self.vocab_size = vocab_size
@@ -60,6 +61,10 @@ class FakeEngine:
         self.context_s_per_token = context_s_per_token
         self.interrupt_at_step = interrupt_at_step
         self.enable_block_reuse = enable_block_reuse
+        # A request the pre-check passes but add_request refuses (prompt -> message or None), and a
+        # step that raises: what can still go wrong during a run.
+        self.refuse_when_added = refuse_when_added or (lambda prompt: None)
+        self.fail_at_step = fail_at_step
         self.records: dict[int, RequestRecord] = {}
         self.prompts: dict[int, list[int]] = {}
         self.extra_ids: dict[int, list[int] | None] = {}
@@ -73,15 +78,22 @@ class FakeEngine:
         self.num_resets = 0
         self.stats = {"reused_blocks": 0, "missed_blocks": 0}
 
-    def add_request(self, request_id, prompt_token_ids, sampling_params, *, extra_ids=None, arrival_time=None):
+    def request_problem(self, prompt_token_ids, sampling_params, *, extra_ids=None):
         prompt = list(prompt_token_ids)
         if not prompt:
-            raise ValueError(f"request {request_id}: the prompt is empty")
+            return "the prompt is empty"
         if max(prompt) >= self.vocab_size:
-            raise ValueError(f"request {request_id}: token id {max(prompt)} is outside the vocabulary")
+            return f"token id {max(prompt)} is outside the vocabulary"
         if len(prompt) + sampling_params.max_tokens > self.max_seq_len:
-            raise ValueError(f"request {request_id}: {len(prompt)} prompt tokens + {sampling_params.max_tokens} "
-                             f"output tokens exceed max_seq_len {self.max_seq_len}")
+            return (f"{len(prompt)} prompt tokens + {sampling_params.max_tokens} output tokens exceed max_seq_len "
+                    f"{self.max_seq_len}")
+        return None
+
+    def add_request(self, request_id, prompt_token_ids, sampling_params, *, extra_ids=None, arrival_time=None):
+        prompt = list(prompt_token_ids)
+        problem = self.request_problem(prompt, sampling_params) or self.refuse_when_added(prompt)
+        if problem is not None:
+            raise ValueError(f"request {request_id}: {problem}")
         now = self.clock()
         self.records[request_id] = RequestRecord(request_id=request_id,
                                                  arrival_time=now if arrival_time is None else arrival_time,
@@ -104,6 +116,8 @@ class FakeEngine:
         self.num_steps += 1
         if self.interrupt_at_step is not None and self.num_steps >= self.interrupt_at_step:
             raise KeyboardInterrupt
+        if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
+            raise KvtoolError(f"step {self.num_steps}: the engine failed")
         while self._waiting and len(self._running) < self.max_batch_size:
             self._running.append(self._waiting.pop(0))
         duration = self.step_s

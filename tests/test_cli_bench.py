@@ -44,7 +44,7 @@ class FakeLlmFactory(list):
         super().__init__()
         self.settings = {}
 
-    def __call__(self, model, options):
+    def __call__(self, model, options, dataset=None, cache_dir=None):
         llm = FakeLLM(enable_block_reuse=options.enable_kv_cache_reuse, **self.settings)
         self.append((model, options, llm))
         return llm
@@ -259,3 +259,24 @@ def test_host_cache_sizes_accept_bytes_and_units(text, size):
     from kvtool.bench.options import parse_bytes
 
     assert parse_bytes(text) == size
+
+
+def test_an_error_that_stops_the_run_still_writes_the_summary_and_exits_2(tmp_path, dataset, fake_llms):
+    fake_llms.settings["fail_at_step"] = 7  # sequential, 3 steps per request: 2 finish first
+    out = tmp_path / "failed"
+    result = invoke("bench", "--model", "preset:x", "--dataset", dataset, "--output", out, "--mode", "sequential")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "Error: step 7: the engine failed" in result.output and "stopped by an error" in result.output
+    summary, = read_rows(out / "summary.csv")
+    assert summary["interrupted"] == "True" and summary["run_error"] == "step 7: the engine failed"
+    assert summary["num_requests"] == "2" and len(read_rows(out / "requests.csv")) == 2
+
+
+def test_a_request_refused_mid_run_is_an_error_row_in_the_summary(tmp_path, dataset, fake_llms):
+    fake_llms.settings["refuse_when_added"] = lambda prompt: "refused" if prompt[-1] == 12 else None
+    out = tmp_path / "errors"
+    result = invoke("bench", "--model", "preset:x", "--dataset", dataset, "--output", out)
+    assert result.exit_code == 0, result.output
+    summary, = read_rows(out / "summary.csv")
+    assert (summary["num_requests"], summary["num_errors"], summary["interrupted"]) == ("5", "1", "False")
+    assert "requests (errors)" in result.output and "5 (1)" in result.output

@@ -14,6 +14,7 @@ from bench_fakes import FakeClock, FakeEngine, FakeLLM, FakeTokenizer
 
 from kvtool.bench.datasets import load_dataset, write_jsonl
 from kvtool.bench.options import BenchOptions
+from kvtool.bench.precheck import request_problems
 from kvtool.bench.replay import ReplaySchedule, Replayer, poisson_due_times, prepare_items
 from kvtool.bench.runner import run_bench
 from kvtool.errors import DatasetError
@@ -38,8 +39,7 @@ class Harness:
         self.finished = []
 
     def run(self, dataset, *, timed=True, items=None):
-        items = items if items is not None else prepare_items(dataset, tokenizer=self.tokenizer,
-                                                              vocab_size=self.engine.vocab_size)
+        items = items if items is not None else prepare_items(dataset, tokenizer=self.tokenizer)
         return self.replayer.run(items, self.finished.append, timed=timed)
 
     def engine_id(self, request_id):
@@ -138,7 +138,7 @@ def test_session_history_carries_over_from_warmup_to_the_measured_run(tmp_path):
     h = Harness()
     dataset = dataset_of(tmp_path, [{"session_id": "a", "turn": 0, "input_ids": [11, 12], "output_tokens": 2},
                                     {"session_id": "a", "turn": 1, "input_ids": [13], "output_tokens": 1}])
-    items = prepare_items(dataset, tokenizer=h.tokenizer, vocab_size=1000)
+    items = prepare_items(dataset, tokenizer=h.tokenizer)
     h.run(dataset, items=items[:1], timed=False)
     h.run(dataset, items=items[1:])
     first, second = (f.record for f in h.finished)
@@ -190,16 +190,60 @@ def test_text_prompts_are_tokenized_and_later_turns_get_no_second_bos(tmp_path):
 
 def test_token_ids_outside_the_vocabulary_name_the_line(tmp_path):
     dataset = dataset_of(tmp_path, [req([1, 2]), req([3, 5000])], name="v.jsonl")
-    with pytest.raises(DatasetError, match=r"v\.jsonl line 2: token id 5000 is outside the model's vocabulary "
-                                           r"\[0, 1000\); regenerate the dataset with --max_token_id 1000"):
-        prepare_items(dataset, tokenizer=FakeTokenizer(1000), vocab_size=1000)
+    items = prepare_items(dataset, tokenizer=FakeTokenizer(1000))
+    assert request_problems(items, FakeEngine(), vocab_size=1000) == [
+        f"{tmp_path / 'v.jsonl'} line 2: token id 5000 is outside the model's vocabulary [0, 1000): regenerate the "
+        "dataset with --max_token_id 1000 or less"]
 
 
-def test_a_request_the_engine_refuses_names_the_line(tmp_path):
-    h = Harness(max_seq_len=8)
-    with pytest.raises(DatasetError, match=r"long\.jsonl line 2: the engine refused the request \(7 prompt tokens\)"
-                                           r": request 1: 7 prompt tokens \+ 2 output tokens exceed max_seq_len 8"):
-        h.run(dataset_of(tmp_path, [req([11]), req([12] * 7)], name="long.jsonl"))
+def test_every_request_the_engine_would_refuse_is_listed_before_anything_runs(tmp_path):
+    lines = [req([11]), req([12] * 7), req([13]), req([14] * 9)] + [req([15] * 8) for _ in range(6)]
+    dataset = dataset_of(tmp_path, lines, name="long.jsonl")
+    llm, clock = fake_llm(max_seq_len=8)
+    with pytest.raises(DatasetError) as error:
+        run_bench(llm, dataset, BenchOptions(), label="x", requests_csv=tmp_path / "r.csv", clock=clock,
+                  sleep=clock.sleep)
+    message = str(error.value)
+    assert message.startswith(f"8 of the 10 requests in {tmp_path / 'long.jsonl'} cannot run")
+    assert "long.jsonl line 2: 7 prompt tokens + 2 output tokens exceed max_seq_len 8" in message
+    assert "long.jsonl line 4: 9 prompt tokens" in message and "... and 3 more" in message
+    assert "line 1:" not in message and "line 3:" not in message
+    assert llm.engine.num_steps == 0 and not (tmp_path / "r.csv").exists()  # nothing ran, nothing written
+
+
+def test_a_session_turn_is_checked_with_its_history(tmp_path):
+    # Turn 1's prompt: 3 + 2 generated + 3 new = 8 tokens, + 2 to generate = 10 > max_seq_len 9.
+    dataset = dataset_of(tmp_path, [req([11] * 3, session_id="s", turn=0), req([12] * 3, session_id="s", turn=1)],
+                         name="chat.jsonl")
+    items = prepare_items(dataset, tokenizer=FakeTokenizer(1000))
+    problem, = request_problems(items, FakeEngine(max_seq_len=9), vocab_size=1000)
+    assert problem.endswith("chat.jsonl line 2: 8 prompt tokens + 2 output tokens exceed max_seq_len 9")
+
+
+def test_a_request_refused_during_the_run_is_an_error_row_and_the_run_goes_on(tmp_path):
+    refuse = lambda prompt: "no room today" if prompt[0] == 12 else None  # noqa: E731
+    dataset = dataset_of(tmp_path, [req([11]), req([12] * 3), req([13]), req([12] * 2, session_id="s", turn=0),
+                                    req([14], session_id="s", turn=1)], name="d.jsonl")
+    llm, clock = fake_llm(refuse_when_added=refuse)
+    result = run_bench(llm, dataset, BenchOptions(mode="sequential"), label="x", requests_csv=tmp_path / "r.csv",
+                       clock=clock, sleep=clock.sleep)
+    rows = {row["request_id"]: row for row in read_rows(tmp_path / "r.csv")}
+    assert set(rows) == {"0", "1", "2", "3", "4"}
+    assert "d.jsonl line 2: the engine refused the request (3 prompt tokens): request" in rows["1"]["error"]
+    assert "no room today" in rows["1"]["error"] and rows["1"]["ttft_ms"] == ""
+    assert "not sent: turn 0 of session 's' failed" in rows["4"]["error"]
+    assert rows["0"]["error"] == rows["2"]["error"] == ""
+    assert result.row["num_requests"] == 2 and result.row["num_errors"] == 3 and not result.interrupted
+
+
+def test_an_error_that_stops_the_engine_keeps_what_finished(tmp_path):
+    dataset = dataset_of(tmp_path, [req([11 + i] * 4, out=2) for i in range(6)])
+    llm, clock = fake_llm(fail_at_step=5)
+    result = run_bench(llm, dataset, BenchOptions(mode="sequential"), label="f", requests_csv=tmp_path / "r.csv",
+                       clock=clock, sleep=clock.sleep)
+    assert result.interrupted and "step 5: the engine failed" in str(result.failure)
+    assert result.row["run_error"] == "step 5: the engine failed" and result.row["num_requests"] == 2
+    assert [row["request_id"] for row in read_rows(tmp_path / "r.csv")] == ["0", "1"]
 
 
 def test_schedule_validation():

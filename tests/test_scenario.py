@@ -145,7 +145,7 @@ class Recorder:
         self.plans.append(dict(variant.build))
         return f"plans/{variant.label}"
 
-    def create(self, plan_dir, options):
+    def create(self, plan_dir, options, dataset=None):
         interrupt = 3 if len(self.llms) == self.interrupt_in_variant else None
         llm = FakeLLM(interrupt_at_step=interrupt, enable_block_reuse=options.enable_kv_cache_reuse)
         self.llms.append((plan_dir, options, llm))

@@ -95,8 +95,8 @@ class FinishedRequest(NamedTuple):
     bench_start: float           # the clock value the run started at
 
 
-def prepare_items(dataset: Dataset, *, tokenizer, vocab_size: int) -> list[ReplayItem]:
-    """Tokenizes text prompts and checks every token id against the model's vocabulary."""
+def prepare_items(dataset: Dataset, *, tokenizer) -> list[ReplayItem]:
+    """Tokenizes text prompts (kvtool.bench.precheck checks the result against the model)."""
     items = []
     bos_token_id = getattr(tokenizer, "bos_token_id", None)
     sessions_seen: set[str] = set()
@@ -111,10 +111,6 @@ def prepare_items(dataset: Dataset, *, tokenizer, vocab_size: int) -> list[Repla
                 token_ids = token_ids[1:]
         if record.session_id is not None:
             sessions_seen.add(record.session_id)
-        bad = [t for t in token_ids if t >= vocab_size]
-        if bad:
-            raise DatasetError(f"{where}: token id {max(bad)} is outside the model's vocabulary "
-                               f"[0, {vocab_size}); regenerate the dataset with --max_token_id {vocab_size} or less")
         items.append(ReplayItem(index=index, record=record,
                                 request_id=record.request_id if record.request_id is not None else str(index),
                                 new_token_ids=tuple(token_ids), new_extra_ids=record.extra_ids, where=where))
@@ -139,6 +135,10 @@ def sampling_params_for(record: DatasetRecord) -> SamplingParams:
         extra["priority"] = record.priority
     return SamplingParams(max_tokens=record.output_tokens, temperature=0.0, ignore_eos=True,
                           cache_salt=record.cache_salt, **extra)
+
+
+class RequestRefused(DatasetError):
+    """The engine refused a request in the middle of a run (the replay records an error row)."""
 
 
 class _Pending(NamedTuple):
@@ -195,11 +195,15 @@ class Replayer:
                     item, arrival = pending.item, now if pending.due is None else start + pending.due
                 else:
                     break
-                in_flight[self._issue(item, arrival)] = item
+                try:
+                    in_flight[self._issue(item, arrival)] = item
+                except RequestRefused as refused:
+                    # An error row; the run goes on (a later turn of the session cannot be sent either).
+                    self._report_refused(item, arrival, str(refused), start, followups, on_finish)
             if not in_flight:
-                # Nothing to run until the next request is due.
-                self.sleep(max(0.0, start + queue[0].due - self.clock()))
-                continue
+                if queue:  # nothing to run until the next request is due
+                    self.sleep(max(0.0, start + queue[0].due - self.clock()))
+                continue  # (or every request left was refused)
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"the engine reports no unfinished request while {len(in_flight)} are in flight")
             for output in self.engine.step():
@@ -243,10 +247,22 @@ class Replayer:
             self.engine.add_request(engine_id, prompt_ids, sampling_params_for(item.record),
                                     extra_ids=extra_ids, arrival_time=arrival)
         except ValueError as error:
-            raise DatasetError(f"{item.where}: the engine refused the request ({len(prompt_ids)} prompt tokens): "
-                               f"{error}") from None
+            raise RequestRefused(f"{item.where}: the engine refused the request ({len(prompt_ids)} prompt tokens): "
+                                 f"{error}") from None
         self._prompts[engine_id] = (prompt_ids, extra_ids)
         return engine_id
+
+    def _report_refused(self, item: ReplayItem, arrival: float, message: str, start: float,
+                        followups: dict[tuple[str, int], ReplayItem],
+                        on_finish: Callable[[FinishedRequest], None]) -> None:
+        prompt_ids, _ = self._prompt_for(item)
+        record = RequestRecord(request_id=-1, arrival_time=arrival, num_prompt_tokens=len(prompt_ids),
+                               finish_reason="error", error=message)
+        on_finish(FinishedRequest(item, record, start))
+        later = followups.pop(item.session_key, None) if item.session_key is not None else None
+        if later is not None:
+            self._report_refused(later, arrival, f"{later.where}: not sent: turn {item.record.turn} of session "
+                                 f"{item.record.session_id!r} failed", start, followups, on_finish)
 
     def _remember_session(self, item: ReplayItem, engine_id: int, record: RequestRecord) -> None:
         prompt_ids, extra_ids = self._prompts.pop(engine_id)

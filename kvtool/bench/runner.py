@@ -17,8 +17,10 @@ from kvtool.bench.datasets import Dataset
 from kvtool.bench.device import device_columns
 from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
 from kvtool.bench.options import BenchOptions
-from kvtool.bench.replay import FinishedRequest, Replayer, prepare_items
+from kvtool.bench.precheck import check_requests
+from kvtool.bench.replay import FinishedRequest, Replayer, ReplayItem, prepare_items
 from kvtool.bench.report import RequestCsvWriter
+from kvtool.bench.workload import max_num_blocks
 from kvtool.version import __version__, git_revision
 
 
@@ -29,26 +31,37 @@ class BenchResult:
     row: dict
     requests: list[RequestMetrics]
     interrupted: bool
+    failure: Exception | None = None  # what stopped the run early (the summary covers what finished)
 
 
-def build_options_for(options: BenchOptions):
-    """BuildOptions for a model built on the fly (preset or checkpoint): the block size and the limits
-    the bench flags ask for, so a plan built for this bench admits them."""
-    from kvtool.plan import BuildOptions
-
-    wanted = {name: getattr(options, name) for name in ("tokens_per_block", "max_batch_size", "max_seq_len",
-                                                        "max_num_tokens") if getattr(options, name) is not None}
-    return BuildOptions(**wanted)
+def split_items(items: list[ReplayItem], options: BenchOptions) -> tuple[list[ReplayItem], list[ReplayItem]]:
+    """(warm-up items, measured items) of a run, as --warmup and --num_requests ask."""
+    measured = items[options.warmup:]
+    if options.num_requests is not None:
+        measured = measured[:options.num_requests]
+    return items[:options.warmup], measured
 
 
-def create_llm(model: str, options: BenchOptions):
-    """kvtool.LLM for a plan directory (used as built), or a checkpoint/preset (built on the fly with
-    build_options_for(options)), configured from the bench flags."""
+def create_llm(model: str, options: BenchOptions, dataset: Dataset | None = None, *,
+               cache_dir: Path | None = None):
+    """kvtool.LLM for a plan directory (used as built), or a checkpoint/preset (built on the fly into
+    cache_dir with the block size and limits the flags ask for), configured from the bench flags.
+    With the dataset, a host cache larger than the available memory is accepted when the dataset
+    cannot fill more than that (kvtool.bench.workload)."""
     from kvtool import LLM  # torch and the C++ extension load only when a bench really runs
+    from kvtool.llm import on_the_fly_build_options
+    from kvtool.plan import is_built_plan, resolve_model
 
-    is_plan_dir = (Path(model) / "plan.json").is_file()
-    build = None if is_plan_dir else build_options_for(options)
-    return LLM(model=model, build_options=build, **options.llm_kwargs())
+    build = None
+    if not is_built_plan(model):
+        build = on_the_fly_build_options(None, options.kv_cache_config(), max_batch_size=options.max_batch_size,
+                                         max_seq_len=options.max_seq_len, max_num_tokens=options.max_num_tokens)
+    plan = resolve_model(model, options=build, cache_dir=cache_dir)
+    num_workload_blocks = None
+    if dataset is not None and options.kv_host_cache_bytes:
+        warmup, measured = split_items(prepare_items(dataset, tokenizer=plan.tokenizer), options)
+        num_workload_blocks = max_num_blocks(warmup + measured, plan.build_options.tokens_per_block)
+    return LLM(model=plan, num_workload_blocks=num_workload_blocks, **options.llm_kwargs())
 
 
 def default_output_dir(stem: str, now: datetime.datetime | None = None) -> Path:
@@ -113,22 +126,29 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
               sleep: Callable[[float], None] = time.sleep) -> BenchResult:
     """Replays the dataset (warm-up first), appending a row to requests_csv as each request finishes.
 
-    A KeyboardInterrupt ends the replay early: the result holds what finished and interrupted=True.
+    Every request is checked first (kvtool.bench.precheck: a DatasetError lists those that cannot
+    run). A request the engine still refuses becomes an error row and the run goes on. A
+    KeyboardInterrupt, or an error that stops the engine, ends the replay early: the result holds
+    what finished, interrupted=True and the error (``failure``, for the caller to raise once the
+    summary is written).
     """
     console = console or Console(stderr=True)
     engine = llm.engine
-    items = prepare_items(dataset, tokenizer=llm.tokenizer, vocab_size=_vocab_size(llm))
-    warmup_items = items[:options.warmup]
-    measured = items[options.warmup:]
-    if options.num_requests is not None:
-        measured = measured[:options.num_requests]
+    items = prepare_items(dataset, tokenizer=llm.tokenizer)
+    warmup_items, measured = split_items(items, options)
     if not measured:
         raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(items)} requests and --warmup "
                          f"is {options.warmup}; lower --warmup or use a bigger dataset")
+    check_requests(warmup_items + measured, engine, _vocab_size(llm), source=str(dataset.path))
+    pool_sizes = getattr(llm, "pool_sizes", None)
+    if pool_sizes is not None:
+        device = str(getattr(llm, "device_description", "")).split(":")[0]
+        for line in (pool_sizes.describe(device), *pool_sizes.notes):
+            console.print(line, highlight=False, soft_wrap=True)
 
     replayer = Replayer(engine, options.schedule(), clock=clock, sleep=sleep)
     finished: list[RequestMetrics] = []
-    interrupted = False
+    interrupted, failure = False, None
     started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     with RequestCsvWriter(requests_csv) as writer, _progress(console) as progress:
         try:
@@ -150,18 +170,23 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
             replayer.run(measured, on_finish)
         except KeyboardInterrupt:
             interrupted = True
+        except Exception as error:  # noqa: BLE001 - the summary of what finished is written, then it is raised
+            interrupted, failure = True, error
 
-    row = {"label": label, "interrupted": interrupted, "started_at": started_at,
-           "dataset": str(dataset.path), "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
+    row = {"label": label, "interrupted": interrupted, "run_error": None if failure is None else str(failure),
+           "started_at": started_at, "dataset": str(dataset.path), "dataset_sha256": dataset.sha256,
+           "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
            **plan_columns(llm), **(config_columns or {}), **options.as_row(),
            "replay": options.schedule().describe()}
     # The block size in effect: the flag, else the plan's (the LLM refuses a flag that contradicts the plan).
     row["tokens_per_block"] = options.tokens_per_block or row.get("plan_tokens_per_block")
+    if pool_sizes is not None:
+        row.update(pool_sizes.as_row())
     row.update(summarize(finished).as_row())
     row.update(engine.get_stats())
     row.update(device_columns(llm))
     row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
-    return BenchResult(row=row, requests=finished, interrupted=interrupted)
+    return BenchResult(row=row, requests=finished, interrupted=interrupted, failure=failure)
 
 
 def _ms(value) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvtool.bench.datasets import load_dataset
+from kvtool.bench.datasets import Dataset, load_dataset
 from kvtool.bench.options import BenchOptions
 from kvtool.bench.report import SUMMARY_FILE, requests_file_name, write_summary_csv
 from kvtool.bench.runner import create_llm, run_bench
@@ -22,6 +22,7 @@ class SweepResult:
     rows: list[dict]
     interrupted: bool
     summary_csv: Path
+    failure: Exception | None = None  # the error that stopped the sweep, raised by the caller
 
 
 def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -> str:
@@ -35,10 +36,11 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
 
 
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
-                 llm_factory: Callable[[str, BenchOptions], object] = create_llm,
+                 llm_factory: Callable[[str, BenchOptions, Dataset], object] = create_llm,
                  plan_resolver: Callable[[Variant], str] = resolve_variant_plan) -> SweepResult:
     """Runs every variant; the summary CSV is rewritten (atomically) after each one, so an
-    interrupted sweep keeps the rows of the variants that finished plus the interrupted one's."""
+    interrupted sweep keeps the rows of the variants that finished plus the interrupted one's
+    (an error that stops a variant stops the sweep: it is returned as ``failure``)."""
     console = console or Console(stderr=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     summary_csv = output_dir / SUMMARY_FILE
@@ -54,7 +56,7 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
                       f"{dict(variant.build) or ''} on {dataset.path}", highlight=False)
         try:
             plan_dir = plan_resolver(variant)
-            llm = llm_factory(plan_dir, variant.options)
+            llm = llm_factory(plan_dir, variant.options, dataset)
         except KeyboardInterrupt:
             return SweepResult(rows, True, summary_csv)
         try:
@@ -69,5 +71,5 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
         rows.append(result.row)
         write_summary_csv(summary_csv, rows)
         if result.interrupted:
-            return SweepResult(rows, True, summary_csv)
+            return SweepResult(rows, True, summary_csv, result.failure)
     return SweepResult(rows, False, summary_csv)

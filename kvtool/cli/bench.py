@@ -112,12 +112,13 @@ def bench(
             if config is not None:
                 if label is not None:
                     raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
-                rows, interrupted, written = _run_scenario(config, set_ or [], plan, model, dataset, output, flags,
-                                                           plan_cache_dir, console)
+                rows, interrupted, written, failure = _run_scenario(config, set_ or [], plan, model, dataset,
+                                                                    output, flags, plan_cache_dir, console)
             else:
                 if set_:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
-                rows, interrupted, written = _run_single(plan, model, dataset, output, label, flags, console)
+                rows, interrupted, written, failure = _run_single(plan, model, dataset, output, label, flags,
+                                                                  plan_cache_dir, console)
     except KeyboardInterrupt:
         console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -129,13 +130,18 @@ def bench(
     Console(width=max(Console().width, width)).print(runner.summary_table(rows))
     for path in written:
         console.print(f"wrote {path}", highlight=False)
+    if failure is not None:
+        console.print("[bold red]stopped by an error[/]: the reports hold the requests that finished "
+                      "(summary marked interrupted=True, run_error says why)")
+        with user_errors():
+            raise failure
     if interrupted:
         console.print("[bold yellow]interrupted[/]: the reports hold the requests that finished "
                       "(summary marked interrupted=True)")
         raise typer.Exit(EXIT_INTERRUPTED)
 
 
-def _run_single(plan, model, dataset, output, label, flags, console):
+def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, console):
     if dataset is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
     if plan is None and model is None:
@@ -144,7 +150,7 @@ def _run_single(plan, model, dataset, output, label, flags, console):
     _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
     data = load_dataset(dataset)
     summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
-    llm = runner.create_llm(str(plan if plan is not None else model), options)
+    llm = runner.create_llm(str(plan if plan is not None else model), options, data, cache_dir=plan_cache_dir)
     try:
         result = runner.run_bench(llm, data, options, label=label or _default_label(plan, model),
                                   requests_csv=requests_csv, console=console,
@@ -152,7 +158,7 @@ def _run_single(plan, model, dataset, output, label, flags, console):
     finally:
         llm.shutdown()
     write_summary_csv(summary_csv, [result.row])
-    return [result.row], result.interrupted, [requests_csv, summary_csv]
+    return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
 
 
 def _check_output(output: Path | None, default: Path, *, single_run: bool) -> None:
@@ -174,4 +180,4 @@ def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_
     result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=runner.create_llm,
                                 plan_resolver=lambda variant: sweep.resolve_variant_plan(variant, plan_cache_dir))
     written = [output_dir / row["requests_csv"] for row in result.rows] + [result.summary_csv]
-    return result.rows, result.interrupted, written
+    return result.rows, result.interrupted, written, result.failure

@@ -7,6 +7,8 @@ manager), the KV pools and the model runner, and records per-request timestamps 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import re
 import time
 from dataclasses import dataclass
 
@@ -45,6 +47,10 @@ class Engine:
                  bytes_per_token: int, tokenizer=None) -> None:
         self.runner = runner
         self.scheduler = _core.Scheduler(cache_config, scheduler_config)
+        self._cache_config = cache_config
+        self._scheduler_config = scheduler_config
+        self._probe: _core.Scheduler | None = None  # checks requests without queuing them
+        self._probe_ids = itertools.count()
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.bytes_per_token = bytes_per_token
@@ -77,6 +83,31 @@ class Engine:
         self.records[request_id] = record
         self._running[request_id] = _Request(params, make_generator(params, request_id, self.runner.device),
                                              record)
+
+    def request_problem(self, prompt_token_ids, sampling_params: SamplingParams, *, extra_ids=None) -> str | None:
+        """Why add_request would refuse this request (None: it would be queued), without queuing it:
+        a scratch scheduler with this engine's configuration (and no host pool) is asked."""
+        token_ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.vocab_size):
+            return (f"token id {int(token_ids.max() if token_ids.max() >= self.vocab_size else token_ids.min())} is "
+                    f"outside the model's vocabulary [0, {self.vocab_size})")
+        if self._probe is None:
+            config = self._cache_config
+            self._probe = _core.Scheduler(_core.CacheConfig(
+                tokens_per_block=config.tokens_per_block, num_primary_blocks=config.num_primary_blocks,
+                num_secondary_blocks=0, enable_block_reuse=config.enable_block_reuse,
+                enable_partial_reuse=config.enable_partial_reuse, max_attention_window=config.max_attention_window),
+                self._scheduler_config)
+        probe_id = next(self._probe_ids)
+        try:
+            self._probe.add_request(probe_id, token_ids.astype(np.int32), sampling_params.max_tokens,
+                                    extra_ids=None if extra_ids is None else np.asarray(extra_ids, dtype=np.uint64),
+                                    priority=sampling_params.priority)
+        except ValueError as error:
+            # The scheduler names the request by the probe's id: say "the request" instead.
+            return re.sub(r"^request \d+(: )?", lambda m: "" if m.group(1) else "the request", str(error))
+        self._probe.finish_request(probe_id)
+        return None
 
     def abort_request(self, request_id: int) -> None:
         if request_id in self._running:
