@@ -65,3 +65,23 @@ def test_compare_errors_exit_2_without_traceback(tmp_path):
     result = invoke("compare", summary, "--plot", tmp_path / "p.png")
     assert result.exit_code == 2 and "needs per-request data" in " ".join(result.output.split())
     assert invoke("compare").exit_code == 2  # no report given
+
+
+def test_compare_says_what_differs_marks_cut_runs_and_judges_repeats(tmp_path):
+    def row(label, repeat, ttft, **extra):
+        return {"label": label, "repeat": repeat, "ttft_ms_mean": ttft, "ttft_ms_p50": ttft, "num_requests": 8,
+                "num_errors": 0, "interrupted": False, "cache_hit_rate": 0.824, "dataset": "abab.jsonl",
+                "dataset_sha256": "0123456789ab" * 4, "tokens_per_block": 32, "kv_primary_tokens": 576,
+                "device": "cpu: test", **extra}
+
+    rows = [row(label, r, base + r, kv_host_bytes=host)
+            for r in range(1, 6) for label, base, host in (("no-host", 200.0, 0), ("host", 40.0, 1 << 26))]
+    rows[-1]["interrupted"] = True
+    summary = write_summary_csv(tmp_path / "summary.csv", rows)
+    text = " ".join(invoke("compare", summary).output.split())
+    assert "same for all: dataset abab.jsonl (sha256 0123456789ab); block size 32 tokens; primary pool 576 tokens" in text
+    assert "differs: host pool (no-host: off, host: 64.0 MiB)" in text
+    assert "host (median of 5 runs) (1 of 5 runs interrupted)" in text
+    hit_rate = next(line for line in invoke("compare", summary).output.splitlines() if "cache hit rate" in line)
+    assert "82.4%" in hit_rate  # as the bench table shows it
+    assert "TTFT p50: host is faster: 0.21x no-host (medians of 5 and 5 runs" in text and "p = 0.008" in text

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtool.bench.compare import compare_rows, format_ratio, load_variants, plot_ttft
+from kvtool.bench.compare import (compare_rows, format_ratio, load_variants, plot_ttft, setup_differences,
+                                  verdicts)
 from kvtool.bench.metrics import request_metrics
 from kvtool.bench.report import RequestCsvWriter, write_summary_csv
 from kvtool.errors import KvtoolError
@@ -98,3 +99,64 @@ def test_a_csv_that_is_not_a_report_is_refused(tmp_path):
     (tmp_path / "header.csv").write_text("label,ttft_ms_mean\n")
     with pytest.raises(KvtoolError, match="no rows"):
         load_variants([tmp_path / "header.csv"])
+
+
+def run_row(label, repeat, ttft, **extra):
+    return {"label": label, "repeat": repeat, "ttft_ms_mean": ttft, "ttft_ms_p50": ttft, "num_requests": 4,
+            "num_errors": 0, "interrupted": False, "cache_hit_rate": 0.8245, "dataset": "d/abab.jsonl",
+            "dataset_sha256": "ab" * 32, "tokens_per_block": 32, "kv_primary_tokens": 1024, "kv_host_bytes": 0,
+            "device": "cpu: test", "model": "preset:tiny-llama", **extra}
+
+
+def test_the_runs_of_a_repeated_variant_become_one_column_of_medians(tmp_path):
+    rows = [run_row(label, r, ttft) for r in (1, 2, 3) for label, ttft in (("on", 10.0 + r), ("off", 50.0 + 10 * r))]
+    on, off = load_variants([write_summary_csv(tmp_path / "summary.csv", rows)])
+    assert (on.name, on.num_runs, off.num_runs) == ("on", 3, 3)
+    ttft = row_named(compare_rows([on, off]), "ttft_ms_p50")
+    assert ttft.values == (12.0, 70.0) and ttft.ratios[1] == pytest.approx(70 / 12)
+    assert (ttft.spreads[0].low, ttft.spreads[0].high, ttft.spreads[1].high) == (11.0, 13.0, 80.0)
+    found, = [line for line in verdicts([on, off]) if line.startswith("TTFT p50")]
+    # Apart, but 3 runs each cannot show p < 0.05.
+    assert "off / on = 5.83x is inconclusive: too few runs to tell" in found and "p = 0.100" in found
+
+
+def test_what_differs_besides_the_compared_flags_is_named(tmp_path):
+    a = write_summary_csv(tmp_path / "a.csv", [run_row("a", 1, 10.0)])
+    b = write_summary_csv(tmp_path / "b.csv", [run_row("b", 1, 12.0, tokens_per_block=16, dataset_sha256="cd" * 32,
+                                                       kv_host_bytes=1 << 30)])
+    same, different = setup_differences(load_variants([a, b]))
+    assert dict(same) == {"model": "preset:tiny-llama", "primary pool": "1,024 tokens", "device": "cpu: test"}
+    assert dict(different) == {"dataset": ["abab.jsonl (sha256 abababababab)", "abab.jsonl (sha256 cdcdcdcdcdcd)"],
+                               "block size": ["32 tokens", "16 tokens"], "host pool": ["off", "1,024.0 MiB"]}
+
+
+def test_interrupted_and_errored_variants_are_marked(tmp_path):
+    rows = [run_row("ok", 1, 1.0), run_row("cut", 1, 1.0, interrupted=True), run_row("bad", 1, 1.0, num_errors=2)]
+    ok, cut, bad = load_variants([write_summary_csv(tmp_path / "s.csv", rows)])
+    assert (ok.status(), cut.status(), bad.status()) == ("", "interrupted", "2 errors")
+
+
+def test_plot_titles_name_the_workload_and_unit_and_the_legend_stays_off_the_curves(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    saved = {}
+    original = matplotlib.figure.Figure.savefig
+
+    def keep(figure, *args, **kwargs):
+        result = original(figure, *args, **kwargs)
+        renderer = figure.canvas.get_renderer()  # while the figure is open, as drawn
+        cdf_axes = figure.axes[1]
+        saved.update(figure=figure, legend=cdf_axes.get_legend().get_window_extent(renderer),
+                     curves=cdf_axes.get_window_extent(renderer))
+        return result
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    write_requests(tmp_path / "requests-on.csv", "on", [10.0, 12.0, 30.0])
+    path = write_summary_csv(tmp_path / "summary.csv", [{**summary_row("on", 17.0, True, "requests-on.csv"),
+                                                         "scenario": "system_prompt"}])
+    plot_ttft(load_variants([path]), tmp_path / "p.png")
+    figure = saved["figure"]
+    assert figure._suptitle.get_text() == "Time to first token on the system_prompt workload (ms, lower is better)"
+    box_axes, cdf_axes = figure.axes
+    assert "lower is better" in box_axes.get_ylabel() and "lower is better" in cdf_axes.get_xlabel()
+    assert not saved["legend"].overlaps(saved["curves"])

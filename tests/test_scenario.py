@@ -180,3 +180,29 @@ def test_an_interrupted_sweep_keeps_finished_variants_and_the_partial_one(tmp_pa
         rows = list(csv.DictReader(f))
     assert [(row["label"], row["interrupted"]) for row in rows] == [("on", "False"), ("off", "True")]
     assert rows[1]["num_requests"] == "1"  # sequential, two steps per request: one finished before step 3
+
+
+def test_repeated_variants_run_alternately_with_a_row_and_request_file_per_run(tmp_path):
+    recorder = Recorder()
+    scenario = load_scenario(write_yaml(tmp_path, BASE), sets=["repeat=3"])
+    assert scenario.repeat == 3
+    result = run_scenario(scenario, tmp_path / "out", llm_factory=recorder.create, plan_resolver=recorder.resolve)
+    with result.summary_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["label"], row["repeat"]) for row in rows] == [("on", "1"), ("off", "1"), ("on", "2"), ("off", "2"),
+                                                               ("on", "3"), ("off", "3")]
+    assert [row["requests_csv"] for row in rows[:2]] == ["requests-on-1.csv", "requests-off-1.csv"]
+    assert len(recorder.llms) == 6 and len(recorder.plans) == 2  # a plan per variant, a fresh engine per run
+    with pytest.raises(ScenarioError, match="repeat: expected a number of runs >= 1, got 0"):
+        load_scenario(write_yaml(tmp_path, {**BASE, "repeat": 0}))
+
+
+def test_the_demo_scenarios_load_with_the_plan_and_dataset_the_demo_gives(tmp_path):
+    dataset = tmp_path / "d.jsonl"
+    demos = sorted((CONFIG_DIR.parent / "examples").glob("demo_*.yaml"))
+    assert len(demos) == 2
+    for path in demos:
+        scenario = load_scenario(path, plan=tmp_path / "plan", dataset=dataset)
+        assert scenario.repeat == 5 and len(scenario.variants) == 2, path
+        assert all(v.plan == tmp_path / "plan" and v.dataset.path == dataset for v in scenario.variants), path
+        assert all(v.options.warmup == 2 for v in scenario.variants), path

@@ -1,6 +1,7 @@
 """Side-by-side comparison of bench reports, and a plot of their TTFT distributions.
 
-Inputs are summary CSVs (every row a variant) and per-request CSVs (every label a variant,
+Inputs are summary CSVs (every row a variant; rows of one label numbered by ``repeat`` are the
+runs of one variant: kvtool.bench.repeats) and per-request CSVs (every label a variant,
 summarized with kvtool.bench.metrics.summarize). A summary row's per-request file
 (``requests_csv``, beside the summary) is read when present, for the plot.
 """
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtool.bench.metrics import RequestMetrics, summarize
-from kvtool.bench.report import read_csv, request_metrics_from_row, rows_by_label
+from kvtool.bench.repeats import Spread, as_number, group_by_label, median_row, spread, verdict
+from kvtool.bench.report import format_hit_rate, read_csv, request_metrics_from_row, rows_by_label
 from kvtool.errors import KvtoolError
 
 # (column, display name) in table order.
@@ -40,17 +42,35 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("onboarded_bytes", "onboarded bytes"),
 )
 # Configuration columns never worth a row (they differ on every run).
-_NOISY_COLUMNS = frozenset({"label", "started_at", "requests_csv", "duration_s"})
+_NOISY_COLUMNS = frozenset({"label", "started_at", "requests_csv", "duration_s", "repeat", "num_runs"})
 
 
 @dataclass
 class CompareVariant:
-    """One column of the comparison: a name, its summary values and (when known) its requests."""
+    """One column of the comparison: a name, its summary values (medians when it ran several times),
+    its runs' rows and (when known) its requests, every run's pooled."""
 
     name: str
     row: dict[str, str]
     requests: list[RequestMetrics] | None
     source: Path
+    runs: list[dict] = field(default_factory=list)
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.runs) or 1
+
+    def status(self) -> str:
+        """'' for a complete run without errors, else e.g. 'interrupted, 3 errors'."""
+        runs = self.runs or [self.row]
+        interrupted = sum(str(run.get("interrupted")) == "True" for run in runs)
+        errors = sum(int(as_number(run.get("num_errors")) or 0) for run in runs)
+        parts = []
+        if interrupted:
+            parts.append("interrupted" if len(runs) == 1 else f"{interrupted} of {len(runs)} runs interrupted")
+        if errors:
+            parts.append(f"{errors} error{'s' if errors > 1 else ''}")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -59,6 +79,7 @@ class CompareRow:
     column: str
     values: tuple[float | str | None, ...]
     ratios: tuple[float | None, ...]     # value / first variant's value
+    spreads: tuple[Spread | None, ...] = ()  # over the runs of a variant that ran more than once
 
 
 def _number(text) -> float | str | None:
@@ -98,10 +119,15 @@ def load_variants(paths: Sequence[str | os.PathLike]) -> list[CompareVariant]:
                     raise KvtoolError(f"{path}: a row is not a kvtool per-request row ({error})") from None
                 variants.append(CompareVariant(label or path.stem, _summary_from_requests(label, requests),
                                                requests, path))
+        elif "ttft_ms_mean" in columns and "repeat" in columns:
+            for runs in group_by_label(rows):
+                requests = [r for run in runs for r in (_requests_beside(path, run) or [])]
+                variants.append(CompareVariant(runs[0].get("label") or path.stem, median_row(runs),
+                                               requests or None, path, [dict(run) for run in runs]))
         elif "ttft_ms_mean" in columns:
             for row in rows:
                 variants.append(CompareVariant(row.get("label") or path.stem, dict(row),
-                                               _requests_beside(path, row), path))
+                                               _requests_beside(path, row), path, [dict(row)]))
         else:
             raise KvtoolError(f"{path} is neither a kvtool summary CSV (ttft_ms_mean column) nor a per-request CSV "
                               "(request_id and ttft_ms columns)")
@@ -138,7 +164,8 @@ def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
         first = values[0]
         ratios = tuple(value / first if isinstance(value, float) and isinstance(first, float) and first else None
                        for value in values)
-        rows.append(CompareRow(name, column, values, ratios))
+        spreads = tuple(spread(v.runs, column) if v.num_runs > 1 else None for v in variants)
+        rows.append(CompareRow(name, column, values, ratios, spreads))
     metric_columns = {column for column, _ in METRICS}
     config_columns: dict[str, None] = {}
     for variant in variants:
@@ -151,6 +178,76 @@ def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
             rows.append(CompareRow(column, column, tuple(v if v != "" else None for v in values),
                                    (None,) * len(values)))
     return rows
+
+
+# What must match for a comparison to mean what it seems to: the header says where variants differ.
+SETUP: tuple[tuple[str, str], ...] = (("model", "model"), ("dataset", "dataset"), ("tokens_per_block", "block size"),
+                                      ("kv_primary_tokens", "primary pool"), ("kv_host_bytes", "host pool"),
+                                      ("device", "device"))
+
+
+def _setup_value(row: dict, column: str) -> str | None:
+    value = row.get(column)
+    if value in (None, ""):
+        return None
+    if column == "model" and not row.get("model") and row.get("plan_path"):
+        value = row["plan_path"]
+    if column == "dataset":
+        digest = row.get("dataset_sha256") or ""
+        return f"{Path(str(value)).name} (sha256 {digest[:12]})" if digest else Path(str(value)).name
+    if column == "kv_primary_tokens":
+        return f"{int(float(value)):,} tokens"
+    if column == "kv_host_bytes":
+        return "off" if not float(value) else f"{float(value) / (1 << 20):,.1f} MiB"
+    if column == "tokens_per_block":
+        return f"{int(float(value))} tokens"
+    return str(value)
+
+
+def setup_differences(variants: Sequence[CompareVariant]) -> tuple[list[tuple[str, str]], list[tuple[str, list]]]:
+    """(what every variant shares: [(name, value)], where they differ: [(name, [value per variant])]);
+    a value no report records is left out."""
+    same, different = [], []
+    for column, name in SETUP:
+        values = [_setup_value(v.row, column) for v in variants]
+        if all(value is None for value in values):
+            continue
+        if len(set(values)) == 1:
+            same.append((name, values[0]))
+        else:
+            different.append((name, values))
+    return same, different
+
+
+def verdicts(variants: Sequence[CompareVariant], columns: Sequence[tuple[str, str]] = (
+        ("ttft_ms_p50", "TTFT p50"), ("ttft_ms_mean", "TTFT mean"))) -> list[str]:
+    """For each variant after the first: how its TTFT compares with the first's, and whether the runs
+    show it (kvtool.bench.repeats.verdict)."""
+    lines = []
+    baseline = variants[0]
+    for column, name in columns:
+        base = spread(baseline.runs or [baseline.row], column)
+        if base is None:
+            continue
+        for variant in variants[1:]:
+            figure = spread(variant.runs or [variant.row], column)
+            if figure is None:
+                continue
+            found = verdict(variant.name, figure, baseline.name, base)
+            if found is not None:
+                lines.append(f"{name}: {found.text}")
+    return lines
+
+
+def format_metric(column: str, value) -> str:
+    """A cell of the table: the cache hit rate as the bench table shows it, other values by format_value."""
+    if column == "cache_hit_rate" and isinstance(value, float):
+        return format_hit_rate(value)
+    return format_value(value)
+
+
+def format_spread(figure: Spread | None) -> str:
+    return "" if figure is None or figure.low == figure.high else f"{figure.low:,.1f}-{figure.high:,.1f}"
 
 
 def format_value(value) -> str:
@@ -167,44 +264,59 @@ def format_ratio(ratio: float | None) -> str:
     return "" if ratio is None else f"{ratio:.2f}x"
 
 
+def workload_name(variants: Sequence[CompareVariant]) -> str:
+    """What the variants replayed: the scenario's name, else the dataset files' names ('' when unknown)."""
+    for column in ("scenario", "dataset"):
+        names = list(dict.fromkeys(Path(str(v.row[column])).stem for v in variants if v.row.get(column)))
+        if names:
+            return " / ".join(names)
+    return ""
+
+
 def plot_ttft(variants: Sequence[CompareVariant], path: str | os.PathLike) -> Path:
-    """A PNG with the TTFT distribution of every variant that has per-request data: a box plot and a CDF."""
+    """A PNG with the TTFT distribution of every variant that has per-request data (every run's requests
+    pooled): a box plot and a CDF, titled with the workload and the unit."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write files only
     import matplotlib.pyplot as plt
 
-    with_data = [(v.name, sorted(r.ttft_ms for r in v.requests if r.ok and r.ttft_ms is not None))
+    with_data = [(v, sorted(r.ttft_ms for r in v.requests if r.ok and r.ttft_ms is not None))
                  for v in variants if v.requests]
-    with_data = [(name, values) for name, values in with_data if values]
+    with_data = [(v, values) for v, values in with_data if values]
     if not with_data:
         raise KvtoolError("the TTFT plot needs per-request data: pass per-request CSVs, or keep each summary's "
                           "requests_csv file beside it")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure, (box_axes, cdf_axes) = plt.subplots(1, 2, figsize=(12, 5))
-    names = [name for name, _ in with_data]
+    figure, (box_axes, cdf_axes) = plt.subplots(1, 2, figsize=(13, 5))
+    workload = workload_name([v for v, _ in with_data])
+    figure.suptitle(f"Time to first token{f' on the {workload} workload' if workload else ''} "
+                    "(ms, lower is better)", fontsize=13)
+    names = [v.name for v, _ in with_data]
     box_axes.boxplot([values for _, values in with_data], showmeans=True)
     box_axes.set_xticks(range(1, len(names) + 1), names, rotation=20, ha="right")
-    box_axes.set_ylabel("TTFT (ms)")
-    box_axes.set_title("TTFT per request (box: quartiles, whiskers 1.5 IQR, triangle: mean)")
+    box_axes.set_ylabel("TTFT (ms, lower is better)")
+    box_axes.set_title("per request (box: quartiles, whiskers: 1.5 IQR, triangle: mean)", fontsize=10)
     box_axes.grid(axis="y", alpha=0.3)
-    for name, values in with_data:
+    for variant, values in with_data:
         fractions = [(i + 1) / len(values) for i in range(len(values))]
-        cdf_axes.step(values, fractions, where="post", label=f"{name} (n={len(values)})")
+        runs = f", {variant.num_runs} runs" if variant.num_runs > 1 else ""
+        cdf_axes.step(values, fractions, where="post", label=f"{variant.name} (n={len(values)}{runs})")
     low, high = min(v[0] for _, v in with_data), max(v[-1] for _, v in with_data)
     if low > 0 and high / low > 20:  # reuse on vs off spans orders of magnitude
         cdf_axes.set_xscale("log")
         box_axes.set_yscale("log")
-    cdf_axes.set_xlabel("TTFT (ms)")
-    cdf_axes.set_ylabel("fraction of requests")
-    cdf_axes.set_title("TTFT CDF")
+    cdf_axes.set_xlabel("TTFT (ms, lower is better)")
+    cdf_axes.set_ylabel("fraction of requests with at most this TTFT")
+    cdf_axes.set_title("CDF (a curve further left is better)", fontsize=10)
     cdf_axes.grid(alpha=0.3)
-    cdf_axes.legend(loc="lower right")
+    # Beside the axes, never over the curves.
+    cdf_axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=9)
     skipped = [v.name for v in variants if v.name not in names]
     if skipped:
         figure.text(0.01, 0.01, f"no per-request data: {', '.join(skipped)}", fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return path

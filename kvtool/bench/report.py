@@ -29,6 +29,13 @@ def format_cell(value) -> str:
     return str(value)
 
 
+def format_hit_rate(value) -> str:
+    """'82.4%' (the bench table and kvtool compare show the cache hit rate alike); '-' when unknown."""
+    if value is None or value == "":
+        return "-"
+    return f"{float(value):.1%}"
+
+
 def safe_label(label: str) -> str:
     """A label usable in a file name."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"

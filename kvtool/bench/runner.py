@@ -18,8 +18,9 @@ from kvtool.bench.device import device_columns
 from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
 from kvtool.bench.options import BenchOptions
 from kvtool.bench.precheck import check_requests
+from kvtool.bench.repeats import as_number, group_by_label, median_row
 from kvtool.bench.replay import FinishedRequest, Replayer, ReplayItem, prepare_items
-from kvtool.bench.report import RequestCsvWriter
+from kvtool.bench.report import RequestCsvWriter, format_hit_rate
 from kvtool.bench.workload import max_num_blocks
 from kvtool.version import __version__, git_revision
 
@@ -193,17 +194,25 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.2f}"
 
 
+def _count(value) -> str:
+    number = as_number(value)
+    return "-" if number is None else f"{round(number):,}"
+
+
 def summary_table(rows: list[Mapping]) -> Table:
-    """The end-of-run table: one column per variant (label)."""
+    """The end-of-run table: one column per variant (label); repeated runs show their medians."""
+    rows = [group[0] if len(group) == 1 else median_row(group) for group in group_by_label(rows)]
     table = Table(title="kvtool bench summary", show_lines=False)
     table.add_column("metric")
     for row in rows:
         title = str(row.get("label", ""))
+        if row.get("num_runs"):
+            title += f" (median of {row['num_runs']} runs)"
         if row.get("interrupted"):
             title += " (interrupted)"
         table.add_column(title, justify="right")
     lines: list[tuple[str, Callable[[Mapping], str]]] = [
-        ("requests (errors)", lambda r: f"{r.get('num_requests')} ({r.get('num_errors')})"),
+        ("requests (errors)", lambda r: f"{_count(r.get('num_requests'))} ({_count(r.get('num_errors'))})"),
     ]
     for metric, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
         for stat in ("mean", "p50", "p90", "p99"):
@@ -211,10 +220,10 @@ def summary_table(rows: list[Mapping]) -> Table:
     lines += [
         ("output tokens/s", lambda r: _ms(r.get("output_tokens_per_s"))),
         ("requests/s", lambda r: _ms(r.get("requests_per_s"))),
-        ("reused / missed blocks", lambda r: f"{r.get('reused_blocks', '-')} / {r.get('missed_blocks', '-')}"),
-        ("cache hit rate", lambda r: "-" if r.get("cache_hit_rate") is None else f"{float(r['cache_hit_rate']):.1%}"),
+        ("reused / missed blocks", lambda r: f"{_count(r.get('reused_blocks'))} / {_count(r.get('missed_blocks'))}"),
+        ("cache hit rate", lambda r: format_hit_rate(r.get("cache_hit_rate"))),
         ("offloaded / onboarded blocks",
-         lambda r: f"{r.get('offloaded_blocks', '-')} / {r.get('onboarded_blocks', '-')}"),
+         lambda r: f"{_count(r.get('offloaded_blocks'))} / {_count(r.get('onboarded_blocks'))}"),
         ("bytes offloaded / onboarded", lambda r: f"{_bytes(r.get('offloaded_bytes'))} / {_bytes(r.get('onboarded_bytes'))}"),
     ]
     for name, cell in lines:

@@ -38,7 +38,8 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
                  llm_factory: Callable[[str, BenchOptions, Dataset], object] = create_llm,
                  plan_resolver: Callable[[Variant], str] = resolve_variant_plan) -> SweepResult:
-    """Runs every variant; the summary CSV is rewritten (atomically) after each one, so an
+    """Runs every variant (``scenario.repeat`` times, alternating); the summary CSV is rewritten
+    (atomically) after each run (a row per run, ``repeat`` numbering the runs), so an
     interrupted sweep keeps the rows of the variants that finished plus the interrupted one's
     (an error that stops a variant stops the sweep: it is returned as ``failure``)."""
     console = console or Console(stderr=True)
@@ -46,25 +47,32 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
     summary_csv = output_dir / SUMMARY_FILE
     dataset_files: dict[str, Path] = {}
     rows: list[dict] = []
-    for variant in scenario.variants:
+    plan_dirs: dict[str, str] = {}
+    runs = [(repeat, variant) for repeat in range(1, scenario.repeat + 1) for variant in scenario.variants]
+    for repeat, variant in runs:  # alternating, so that a change in the machine's load hits every variant
         key = variant.dataset.describe()
         if key not in dataset_files:
             stem = "dataset" if not dataset_files else f"dataset-{variant.label}"
             dataset_files[key] = variant.dataset.materialize(output_dir, stem)
         dataset = load_dataset(dataset_files[key])
-        console.print(f"[bold]{scenario.name}[/] variant [bold]{variant.label}[/]: {variant.plan_source} "
+        run = f" (run {repeat} of {scenario.repeat})" if scenario.repeat > 1 else ""
+        console.print(f"[bold]{scenario.name}[/] variant [bold]{variant.label}[/]{run}: {variant.plan_source} "
                       f"{dict(variant.build) or ''} on {dataset.path}", highlight=False)
         try:
-            plan_dir = plan_resolver(variant)
-            llm = llm_factory(plan_dir, variant.options, dataset)
+            if variant.label not in plan_dirs:
+                plan_dirs[variant.label] = plan_resolver(variant)
+            llm = llm_factory(plan_dirs[variant.label], variant.options, dataset)
         except KeyboardInterrupt:
             return SweepResult(rows, True, summary_csv)
         try:
             config_columns = {"scenario": scenario.name, "scenario_file": str(scenario.path),
                               "model": variant.plan_source, "dataset_spec": key,
                               **{f"build_{k}": v for k, v in variant.build.items()}}
+            if scenario.repeat > 1:
+                config_columns["repeat"] = repeat
+            name = variant.label if scenario.repeat == 1 else f"{variant.label}-{repeat}"
             result = run_bench(llm, dataset, variant.options, label=variant.label,
-                               requests_csv=output_dir / requests_file_name(variant.label),
+                               requests_csv=output_dir / requests_file_name(name),
                                config_columns=config_columns, console=console)
         finally:
             llm.shutdown()

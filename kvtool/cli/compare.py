@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.bench.compare import compare_rows, format_ratio, format_value, load_variants, plot_ttft
+from kvtool.bench.compare import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
+                                  plot_ttft, setup_differences, verdicts)
 from kvtool.bench.report import write_summary_csv
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
@@ -17,17 +18,57 @@ from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.paths import check_writable_file
 
 
+def _title(variant) -> str:
+    status = variant.status()
+    runs = f" (median of {variant.num_runs} runs)" if variant.num_runs > 1 else ""
+    return f"{variant.name}{runs}" + (f" ({status})" if status else "")
+
+
+def _table(rows, variants) -> Table:
+    repeated = any(v.num_runs > 1 for v in variants)
+    table = Table(title=f"kvtool compare (ratios against {variants[0].name})")
+    table.add_column("metric", no_wrap=True)
+    for position, variant in enumerate(variants):
+        table.add_column(_title(variant), justify="right")
+        if repeated:
+            table.add_column("runs' range", justify="right", style="dim")
+        if position:
+            table.add_column("ratio", justify="right", style="cyan")
+    for row in rows:
+        cells = []
+        for position, (value, ratio) in enumerate(zip(row.values, row.ratios)):
+            cells.append(format_metric(row.column, value))
+            if repeated:
+                cells.append(format_spread(row.spreads[position] if row.spreads else None))
+            if position:
+                cells.append(format_ratio(ratio))
+        table.add_row(row.name, *cells)
+    return table
+
+
 def _table_width(rows, variants) -> int:
     """Wide enough that no number is cut short: at least the terminal's width."""
     metric = max(len(row.name) for row in rows) if rows else 10
-    values = sum(max(len(v.name), 12) + 3 for v in variants) + 9 * (len(variants) - 1)
+    repeated = any(v.num_runs > 1 for v in variants)
+    values = sum(max(len(_title(v)), 12) + 3 + (20 if repeated else 0) for v in variants) + 9 * (len(variants) - 1)
     return max(Console().width, metric + 4 + values)
+
+
+def _print_setup(console: Console, variants) -> None:
+    """What the variants share, and (in yellow) what else differs between them besides the flags compared."""
+    same, different = setup_differences(variants)
+    if same:
+        console.print("same for all: " + "; ".join(f"{name} {value}" for name, value in same), highlight=False,
+                      soft_wrap=True)
+    for name, values in different:
+        shown = ", ".join(f"{v.name}: {value or '?'}" for v, value in zip(variants, values))
+        console.print(f"[yellow]differs[/]: {name} ({shown})", highlight=False, soft_wrap=True)
 
 
 @app.command(cls=KvtoolCommand)
 def compare(
-    reports: Annotated[list[Path], typer.Argument(help="Summary CSVs (a row per variant) and/or per-request CSVs.",
-                                                  show_default=False)],
+    reports: Annotated[list[Path], typer.Argument(help="Summary CSVs (a row per variant, or per run of a repeated "
+                                                  "variant) and/or per-request CSVs.", show_default=False)],
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the TTFT distributions.")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Also write the table as CSV.")] = None,
 ) -> None:
@@ -39,20 +80,15 @@ def compare(
             check_writable_file(output, "--output", "compare.csv")
         variants = load_variants(reports)
         rows = compare_rows(variants)
-        table = Table(title=f"kvtool compare (ratios against {variants[0].name})")
-        table.add_column("metric", no_wrap=True)
-        for position, variant in enumerate(variants):
-            table.add_column(variant.name, justify="right")
-            if position:
-                table.add_column("ratio", justify="right", style="cyan")
-        for row in rows:
-            cells = []
-            for position, (value, ratio) in enumerate(zip(row.values, row.ratios)):
-                cells.append(format_value(value))
-                if position:
-                    cells.append(format_ratio(ratio))
-            table.add_row(row.name, *cells)
-        Console(width=_table_width(rows, variants)).print(table)
+        console = Console(width=_table_width(rows, variants))
+        _print_setup(console, variants)
+        console.print(_table(rows, variants))
+        for variant in variants:
+            if variant.status():
+                console.print(f"[yellow]{variant.name}[/]: {variant.status()}: its figures cover the requests that "
+                              "finished without error", highlight=False, soft_wrap=True)
+        for line in verdicts(variants):
+            console.print(line, highlight=False, soft_wrap=True)
         if output is not None:
             csv_rows = []
             for row in rows:
