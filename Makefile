@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 CORE_SOURCES := $(shell find csrc/core -type f) CMakeLists.txt pyproject.toml
 OUT ?= out/gpu-check
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: setup test demo stubs bench gpu-check clean
 
@@ -13,11 +15,13 @@ setup: $(VENV)/.installed
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
+# torch is pinned and installed first, so that nothing resolves it unpinned. The pin fixes the
+# version, not the build: pip takes what its index serves (PyPI on Linux x86_64: the CUDA build).
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu (or .../cu128, ...) chooses the build.
 # The build backend is installed beside it so the extension builds without build isolation.
 $(VENV)/.installed: $(VENV)/bin/python $(CORE_SOURCES)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install --quiet "scikit-build-core>=0.10" "nanobind>=2.4" cmake ninja
 	$(PIP) install --quiet --no-build-isolation -e '.[test]'
 	touch $@
