@@ -79,7 +79,8 @@ def test_compare_says_what_differs_marks_cut_runs_and_judges_repeats(tmp_path):
     rows[-1]["interrupted"] = True
     summary = write_summary_csv(tmp_path / "summary.csv", rows)
     text = " ".join(invoke("compare", summary).output.split())
-    assert "same for all: dataset abab.jsonl (sha256 0123456789ab); block size 32 tokens; primary pool 576 tokens" in text
+    assert ("same for all: dataset abab.jsonl (sha256 0123456789ab); block size 32 tokens; primary pool 576 "
+            "tokens") in text
     assert "differs: host pool (no-host: off, host: 64.0 MiB)" in text
     assert "host (median of 5 runs) (1 of 5 runs interrupted)" in text
     hit_rate = next(line for line in invoke("compare", summary).output.splitlines() if "cache hit rate" in line)

@@ -55,5 +55,6 @@ def test_runs_of_a_label_merge_into_medians():
     rows.append({"label": "off", "repeat": 1, "ttft_ms_p50": 5.0, "interrupted": False})
     on, off = group_by_label(rows)
     merged = median_row(on)
-    assert (merged["ttft_ms_p50"], merged["device"], merged["num_runs"], merged["interrupted"]) == (20.0, "cpu", 3, True)
+    assert (merged["ttft_ms_p50"], merged["device"], merged["num_runs"]) == (20.0, "cpu", 3)
+    assert merged["interrupted"] is True
     assert len(off) == 1

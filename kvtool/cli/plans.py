@@ -55,7 +55,8 @@ def list_plans(plan_cache_dir: CacheDir = None) -> None:
         for column in ("block", "dtype", "size", "created"):
             table.add_column(column, no_wrap=True)
         for entry in entries:
-            table.add_row(entry.plan_id[:ID_CHARS], entry.source, str(entry.tokens_per_block or "-"), entry.dtype or "-",
+            table.add_row(entry.plan_id[:ID_CHARS], entry.source, str(entry.tokens_per_block or "-"),
+                          entry.dtype or "-",
                           _mib(entry.size_bytes), entry.created_at[:16].replace("T", " ") or "-")
         console.print(table)
         console.print(f"{len(entries)} plans, {_mib(sum(e.size_bytes for e in entries))}; remove with "

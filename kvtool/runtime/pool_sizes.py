@@ -63,15 +63,16 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
         asked_blocks = -(-max_tokens // tokens_per_block)
         asked_bytes = asked_blocks * block_bytes
         if asked_bytes > free_memory_bytes:
+            there = "host memory are available" if on_cpu else "device memory are free"
             raise KvtoolError(
                 f"max_tokens (--max_tokens_in_paged_kv_cache) {max_tokens:,} needs {asked_bytes:,} bytes of KV cache "
-                f"but only {free_memory_bytes:,} bytes of {memory} are available: choose at most "
+                f"but only {free_memory_bytes:,} bytes of {there}: choose at most "
                 f"{free_memory_bytes // block_bytes * tokens_per_block:,} tokens")
         num_blocks = min(asked_blocks, budget_blocks)
         if num_blocks < asked_blocks:
             notes.append(
-                f"max_tokens {max_tokens:,} ({_bytes(asked_bytes)}) is more than free_gpu_memory_fraction {fraction} of "
-                f"the {_bytes(free_memory_bytes)} of {memory} allows: the pool holds "
+                f"max_tokens {max_tokens:,} ({_bytes(asked_bytes)}) is more than free_gpu_memory_fraction "
+                f"{fraction} of the {_bytes(free_memory_bytes)} of {memory} allows: the pool holds "
                 f"{num_blocks * tokens_per_block:,} tokens, the smaller of the two (as in TensorRT-LLM)")
     if num_blocks < 1:
         raise KvtoolError(
@@ -100,8 +101,8 @@ def _host_blocks(block_bytes: int, tokens_per_block: int, host_cache_size: int, 
         raise KvtoolError(f"{too_big}: choose at most {available_bytes:,} bytes")
     reachable = min(num_blocks, num_workload_blocks) * block_bytes
     if reachable > available_bytes:
-        raise KvtoolError(f"{too_big}, and this workload can fill {reachable:,} bytes of it, {reachable - available_bytes:,} "
-                          f"more than available: choose at most {available_bytes:,} bytes")
+        raise KvtoolError(f"{too_big}, and this workload can fill {reachable:,} bytes of it, "
+                          f"{reachable - available_bytes:,} more than available: choose at most {available_bytes:,} bytes")
     notes.append(f"--kv_host_cache_bytes {host_cache_size:,} is more than the {_bytes(available_bytes)} of host memory "
                  f"available, but it is a limit (allocated as blocks are offloaded) and this workload can put at most "
                  f"{min(num_blocks, num_workload_blocks):,} blocks ({_bytes(reachable)}) there: going ahead")
