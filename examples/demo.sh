@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: the main job on the built-in tiny model, start to finish, with the public CLI.
 # Builds tiny-llama with 32-token blocks, then runs two scenarios, each variant 5 times alternating
-# (after 2 warm-up requests per run): a shared-system-prompt workload with KV reuse on and off, and
+# after an unrecorded warm-up round (and 2 uncounted warm-up requests per run): a
+# shared-system-prompt workload with KV reuse on and off, and
 # the A,B,A,B workload without and with a host cache. kvtool compare reports the medians, the
 # runs' spread and whether the difference is larger than it, and plots the TTFT distributions.
 set -euo pipefail

@@ -205,4 +205,16 @@ def test_the_demo_scenarios_load_with_the_plan_and_dataset_the_demo_gives(tmp_pa
         scenario = load_scenario(path, plan=tmp_path / "plan", dataset=dataset)
         assert scenario.repeat == 5 and len(scenario.variants) == 2, path
         assert all(v.plan == tmp_path / "plan" and v.dataset.path == dataset for v in scenario.variants), path
-        assert all(v.options.warmup == 2 for v in scenario.variants), path
+        assert all(v.options.warmup == 2 for v in scenario.variants) and scenario.warmup_rounds == 1, path
+
+
+def test_warmup_rounds_run_every_variant_first_and_leave_no_trace(tmp_path):
+    recorder = Recorder()
+    scenario = load_scenario(write_yaml(tmp_path, {**BASE, "repeat": 2, "warmup_rounds": 1}))
+    result = run_scenario(scenario, tmp_path / "out", llm_factory=recorder.create, plan_resolver=recorder.resolve)
+    assert len(recorder.llms) == 2 + 4  # one warm-up round of both variants, then two recorded rounds
+    with result.summary_csv.open() as f:
+        assert [(row["label"], row["repeat"]) for row in csv.DictReader(f)] == [
+            ("on", "1"), ("off", "1"), ("on", "2"), ("off", "2")]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*requests*")) == [
+        "requests-off-1.csv", "requests-off-2.csv", "requests-on-1.csv", "requests-on-2.csv"]

@@ -18,6 +18,7 @@
       - {label: reuse-on, enable_kv_cache_reuse: true}
       - {label: reuse-off, enable_kv_cache_reuse: false}
     repeat: 5                            # run the variants 5 times, alternating (default 1)
+    warmup_rounds: 1                     # ... after running each once, unrecorded (default 0)
 
 ``tokens_per_block`` in ``bench`` or a variant is a build option when the plan is built from
 ``model`` (each value builds its own plan), and a flag checked against the plan for ``plan: DIR``.
@@ -41,7 +42,8 @@ from kvtool.bench.options import BenchOptions
 from kvtool.errors import KvtoolError
 
 DEFAULT_MODEL = "preset:tiny-llama"
-TOP_LEVEL_KEYS = ("name", "description", "model", "plan", "build", "dataset", "bench", "sweep", "repeat")
+TOP_LEVEL_KEYS = ("name", "description", "model", "plan", "build", "dataset", "bench", "sweep", "repeat",
+                  "warmup_rounds")
 BUILD_KEYS = ("tokens_per_block", "use_paged_context_fmha", "max_batch_size", "max_seq_len", "max_num_tokens",
               "dtype", "kv_cache_dtype", "seed")  # kvtool.plan.BuildOptions (checked against it when building)
 VARIANT_KEYS = ("label", "model", "plan", "build", "dataset")
@@ -99,6 +101,7 @@ class Scenario:
     description: str
     variants: tuple[Variant, ...]
     repeat: int = 1              # runs of every variant, alternating: a median and a spread per figure
+    warmup_rounds: int = 0       # rounds of every variant run first and not recorded (a process warming up)
 
 
 def parse_set(assignment: str) -> tuple[list[str], object]:
@@ -289,8 +292,11 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
             raise check.fail(where, str(error)) from None
         variants.append(Variant(label=label, model=variant_model, plan=Path(variant_plan) if variant_plan else None,
                                 build=build, dataset=spec, options=options))
-    repeat = document.get("repeat", 1)
-    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
-        raise check.fail("repeat", f"expected a number of runs >= 1, got {repeat!r}")
+    counts = {}
+    for key, default, minimum in (("repeat", 1, 1), ("warmup_rounds", 0, 0)):
+        value = document.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise check.fail(key, f"expected a number of runs >= {minimum}, got {value!r}")
+        counts[key] = value
     return Scenario(path=path, name=name, description=str(document.get("description") or ""),
-                    variants=tuple(variants), repeat=repeat)
+                    variants=tuple(variants), **counts)

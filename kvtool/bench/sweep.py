@@ -38,7 +38,8 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
                  llm_factory: Callable[[str, BenchOptions, Dataset], object] = create_llm,
                  plan_resolver: Callable[[Variant], str] = resolve_variant_plan) -> SweepResult:
-    """Runs every variant (``scenario.repeat`` times, alternating); the summary CSV is rewritten
+    """Runs every variant (``scenario.repeat`` times, alternating, after ``scenario.warmup_rounds``
+    unrecorded rounds); the summary CSV is rewritten
     (atomically) after each run (a row per run, ``repeat`` numbering the runs), so an
     interrupted sweep keeps the rows of the variants that finished plus the interrupted one's
     (an error that stops a variant stops the sweep: it is returned as ``failure``)."""
@@ -48,14 +49,19 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
     dataset_files: dict[str, Path] = {}
     rows: list[dict] = []
     plan_dirs: dict[str, str] = {}
-    runs = [(repeat, variant) for repeat in range(1, scenario.repeat + 1) for variant in scenario.variants]
-    for repeat, variant in runs:  # alternating, so that a change in the machine's load hits every variant
+    # Warm-up rounds (repeat 0) first, then the measured ones; alternating, so that a change in the
+    # machine's load hits every variant.
+    runs = [(0, variant) for _ in range(scenario.warmup_rounds) for variant in scenario.variants]
+    runs += [(repeat, variant) for repeat in range(1, scenario.repeat + 1) for variant in scenario.variants]
+    for repeat, variant in runs:
         key = variant.dataset.describe()
         if key not in dataset_files:
             stem = "dataset" if not dataset_files else f"dataset-{variant.label}"
             dataset_files[key] = variant.dataset.materialize(output_dir, stem)
         dataset = load_dataset(dataset_files[key])
         run = f" (run {repeat} of {scenario.repeat})" if scenario.repeat > 1 else ""
+        if not repeat:
+            run = " (warm-up round, not recorded)"
         console.print(f"[bold]{scenario.name}[/] variant [bold]{variant.label}[/]{run}: {variant.plan_source} "
                       f"{dict(variant.build) or ''} on {dataset.path}", highlight=False)
         try:
@@ -71,11 +77,16 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
             if scenario.repeat > 1:
                 config_columns["repeat"] = repeat
             name = variant.label if scenario.repeat == 1 else f"{variant.label}-{repeat}"
-            result = run_bench(llm, dataset, variant.options, label=variant.label,
-                               requests_csv=output_dir / requests_file_name(name),
+            requests_csv = output_dir / (requests_file_name(name) if repeat else f".warmup-{variant.label}.csv")
+            result = run_bench(llm, dataset, variant.options, label=variant.label, requests_csv=requests_csv,
                                config_columns=config_columns, console=console)
         finally:
             llm.shutdown()
+        if not repeat:
+            requests_csv.unlink(missing_ok=True)
+            if result.interrupted:
+                return SweepResult(rows, True, summary_csv, result.failure)
+            continue
         rows.append(result.row)
         write_summary_csv(summary_csv, rows)
         if result.interrupted:

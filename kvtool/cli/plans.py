@@ -59,7 +59,7 @@ def list_plans(plan_cache_dir: CacheDir = None) -> None:
                           entry.dtype or "-",
                           _mib(entry.size_bytes), entry.created_at[:16].replace("T", " ") or "-")
         console.print(table)
-        console.print(f"{len(entries)} plans, {_mib(sum(e.size_bytes for e in entries))}; remove with "
+        console.print(f"{len(entries)} plan{'s' if len(entries) != 1 else ''}, {_mib(sum(e.size_bytes for e in entries))}; remove with "
                       "`kvtool plans remove ID...` or `kvtool plans remove --all`", highlight=False)
 
 
