@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvtool.errors import KvtoolError
 
@@ -20,5 +21,6 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except USER_ERRORS as error:
-        Console(stderr=True).print(f"[bold red]Error:[/] {error}", highlight=False, soft_wrap=True)
+        # escape: a message may hold brackets (pip install 'kvtool[gguf]') that are not rich markup.
+        Console(stderr=True).print(f"[bold red]Error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
