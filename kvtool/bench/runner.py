@@ -15,7 +15,7 @@ from rich.table import Table
 
 from kvtool.bench.datasets import Dataset
 from kvtool.bench.device import device_columns
-from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
+from kvtool.bench.metrics import ENGINE, RequestMetrics, request_metrics, summarize
 from kvtool.bench.options import BenchOptions
 from kvtool.bench.replay import FinishedRequest, Replayer, prepare_items
 from kvtool.bench.report import RequestCsvWriter
@@ -151,7 +151,7 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
         except KeyboardInterrupt:
             interrupted = True
 
-    row = {"label": label, "interrupted": interrupted, "started_at": started_at,
+    row = {"label": label, "engine": ENGINE, "interrupted": interrupted, "started_at": started_at,
            "dataset": str(dataset.path), "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
            **plan_columns(llm), **(config_columns or {}), **options.as_row(),
            "replay": options.schedule().describe()}
