@@ -12,6 +12,7 @@ Each run writes, under its output directory:
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,17 @@ class PeerRequest:
     request_id: str
     input_ids: list[int]
     output_tokens: int
+
+
+def replay_arguments(doc: str | None, *, model_help: str) -> argparse.ArgumentParser:
+    """The arguments every replay script takes: the model, the dataset, where to write, the label, the warm-up."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", "--plan", dest="model", required=True, help=model_help)
+    parser.add_argument("--dataset", required=True, help="a kvtool dataset (JSON Lines of token ids)")
+    parser.add_argument("--output", required=True, type=Path, help="the run's directory")
+    parser.add_argument("--label", required=True, help="the variant's name in the reports")
+    parser.add_argument("--warmup", type=int, default=1, help="leading requests run first, uncounted")
+    return parser
 
 
 def load_requests(path: str | Path) -> list[PeerRequest]:

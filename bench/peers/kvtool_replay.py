@@ -7,11 +7,9 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-from pathlib import Path
 
-from common import write_outputs
+from common import replay_arguments, write_outputs
 
 from kvtool import LLM
 from kvtool.bench.datasets import load_dataset
@@ -21,15 +19,10 @@ from kvtool.bench.runner import run_bench
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--label", required=True)
+    parser = replay_arguments(__doc__, model_help="a plan directory (kvtool build)")
     parser.add_argument("--reuse", choices=("on", "off"), required=True)
     parser.add_argument("--partial_reuse", choices=("on", "off"), default="on",
                         help="KvCacheConfig.enable_partial_reuse: copy a partially matching block (default on)")
-    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
 
     options = BenchOptions(enable_kv_cache_reuse=args.reuse == "on", mode="sequential", warmup=args.warmup)
@@ -37,10 +30,10 @@ def main() -> None:
     kwargs["kv_cache_config"] = dataclasses.replace(kwargs["kv_cache_config"],
                                                     enable_partial_reuse=args.partial_reuse == "on")
     args.output.mkdir(parents=True, exist_ok=True)
-    with LLM(model=args.plan, **kwargs) as llm:
+    with LLM(model=args.model, **kwargs) as llm:
         result = run_bench(llm, load_dataset(args.dataset), options, label=args.label,
                            requests_csv=args.output / "requests.csv",
-                           config_columns={"model": args.plan, "enable_partial_reuse": args.partial_reuse == "on"})
+                           config_columns={"model": args.model, "enable_partial_reuse": args.partial_reuse == "on"})
     write_summary_csv(args.output / "summary.csv", [result.row])
     write_outputs(args.output / "outputs.jsonl", result.requests)
     row = result.row

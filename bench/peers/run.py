@@ -20,7 +20,6 @@ same token ids, and the partial-reuse check). Peers run in their own venv (`make
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -130,7 +129,6 @@ class LoadSampler:
         self.interval_s = interval_s
         self.samples: list[dict] = []
         self.variant = ""
-        self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -151,7 +149,7 @@ class LoadSampler:
             capacity = elapsed * ticks_per_s * num_cpus
             busy = 100.0 * (now[1] - previous[1]) / capacity
             ours = 100.0 * max(0, now[2] - previous[2]) / capacity
-            self.samples.append({"time_s": round(now[0] - self._t0, 1), "variant": self.variant,
+            self.samples.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "variant": self.variant,
                                  "loadavg_1m": os.getloadavg()[0], "cpu_busy_pct": round(busy, 1),
                                  "cpu_benchmark_pct": round(min(ours, busy), 1),
                                  "cpu_other_pct": round(max(0.0, busy - ours), 1)})
@@ -167,7 +165,8 @@ def _cpu_busy_ticks() -> int:
 
 def _tree_ticks(root: int) -> int:
     """CPU ticks (user + system) of ``root`` and every live descendant."""
-    parents, ticks = {}, {}
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -176,15 +175,14 @@ def _tree_ticks(root: int) -> int:
                 fields = stat.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        parents[int(entry)] = int(fields[1])
+        children.setdefault(int(fields[1]), []).append(int(entry))
         ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    tree, frontier = {root}, [root]
+    total, frontier = 0, [root]
     while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return sum(ticks.get(pid, 0) for pid in tree)
+        pid = frontier.pop()
+        total += ticks.get(pid, 0)
+        frontier.extend(children.get(pid, ()))
+    return total
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -352,6 +350,8 @@ def main() -> None:
     parser.add_argument("--system_prompt_len", type=int, default=1024)
     parser.add_argument("--question_len", type=int, default=32)
     parser.add_argument("--output_len", type=int, default=16)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in --work (and their load samples); run only the missing ones")
     parser.add_argument("--report_only", action="store_true", help="only rebuild the results from --work")
     args = parser.parse_args()
 
@@ -365,9 +365,9 @@ def main() -> None:
     plan, checkpoint, dataset = prepare(args.work, args)
     sampler = LoadSampler()
     samples_file = args.work / "load.json"
-    if args.report_only:
-        sampler.samples = json.loads(samples_file.read_text()) if samples_file.is_file() else []
-    else:
+    if (args.report_only or args.resume) and samples_file.is_file():
+        sampler.samples = json.loads(samples_file.read_text())
+    if not args.report_only:
         variants = [v for v in VARIANTS if v.engine in engines]
         sampler.start()
         try:
@@ -375,6 +375,8 @@ def main() -> None:
                 shift = cycle % len(variants)
                 for variant in variants[shift:] + variants[:shift]:
                     output = args.work / f"cycle-{cycle}" / slug(variant.name)
+                    if args.resume and (output / "summary.csv").is_file():
+                        continue
                     sampler.variant = f"{cycle}:{variant.name}"
                     print(f"== cycle {cycle + 1}/{args.cycles}: {variant.name}", flush=True)
                     log = output.parent / f"{slug(variant.name)}.log"

@@ -12,13 +12,11 @@ Every token's time is taken when its id is on the host.
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
 import torch
 import transformers
-from common import RunReport, load_requests, request_row
+from common import RunReport, load_requests, replay_arguments, request_row
 from transformers import AutoModelForCausalLM
 
 ENGINE = "transformers"
@@ -80,13 +78,8 @@ def generate(model, prompt: list[int], num_tokens: int, cache, num_cached: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face checkpoint directory (float32 weights)")
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--label", required=True)
+    parser = replay_arguments(__doc__, model_help="a Hugging Face checkpoint directory (float32 weights)")
     parser.add_argument("--prefix_cache", choices=("off", "copy"), required=True)
-    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
 
     requests = load_requests(args.dataset)

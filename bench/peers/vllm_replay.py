@@ -12,11 +12,9 @@ queries/hits (tokens) over the measured requests.
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
-from common import RunReport, load_requests, request_row
+from common import RunReport, load_requests, replay_arguments, request_row
 
 ENGINE = "vllm"
 
@@ -32,15 +30,10 @@ def prefix_cache_counters(llm) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face checkpoint directory (float32 weights)")
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--label", required=True)
+    parser = replay_arguments(__doc__, model_help="a Hugging Face checkpoint directory (float32 weights)")
     parser.add_argument("--prefix_caching", choices=("on", "off"), required=True)
     parser.add_argument("--block_size", type=int, default=32)
     parser.add_argument("--max_model_len", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
 
     import vllm

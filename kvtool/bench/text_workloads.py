@@ -73,9 +73,12 @@ class TextSource:
 
     def question(self, passage: Sequence[str], index: int, budget: int) -> str:
         """Question ``index`` about a passage: the instruction quoting a fragment that starts at the
-        passage's index-th sentence (cycling), cut to fit ``budget`` tokens."""
-        starts = [0] + [n + 1 for n, word in enumerate(passage[:-1])
-                        if _SENTENCE_END.search(word.rstrip()) or "\n" in word]  # sentences and headings
+        passage's index-th sentence (then at other words), cut to fit ``budget`` tokens."""
+        sentences = [0] + [n + 1 for n, word in enumerate(passage[:-1])
+                           if _SENTENCE_END.search(word.rstrip()) or "\n" in word]  # sentences and headings
+        # Sentence starts first; past them, other words, so a short passage still gives distinct questions.
+        is_sentence = set(sentences)
+        starts = sentences + [n for n in range(len(passage)) if n not in is_sentence]
         start = starts[index % len(starts)]
         words = list(passage[start:]) + list(passage[:start])
 
