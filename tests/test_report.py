@@ -19,7 +19,7 @@ from kvtool.bench.report import (
 from kvtool.errors import KvtoolError
 from kvtool.runtime.request import RequestRecord
 
-EXPECTED_COLUMNS = ["label", "request_id", "session_id", "turn", "input_tokens", "output_tokens", "reused_tokens",
+EXPECTED_COLUMNS = ["label", "engine", "request_id", "session_id", "turn", "input_tokens", "output_tokens", "reused_tokens",
                     "onboarded_blocks", "arrival_s", "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "itl_ms",
                     "e2e_ms", "error"]
 

@@ -99,7 +99,7 @@ def _is_per_request(columns: Sequence[str]) -> bool:
 
 
 def _summary_from_requests(label: str, requests: list[RequestMetrics]) -> dict[str, str]:
-    row = {"label": label}
+    row = {"label": label, "engine": "/".join(sorted({r.engine for r in requests}))}
     row.update({k: "" if v is None else v for k, v in summarize(requests).as_row().items()})
     return row
 

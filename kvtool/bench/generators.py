@@ -46,7 +46,7 @@ class GeneratorOptions:
                              "0.25 draws each length uniformly within +-25%")
 
 
-class _Sampler:
+class Sampler:
     """Seeded source of token ids and lengths for one generated file."""
 
     def __init__(self, options: GeneratorOptions) -> None:
@@ -69,12 +69,12 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
     for name, value in values.items():
         _require(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value}")
 
 
-def _non_negative(**values: int) -> None:
+def check_non_negative(**values: int) -> None:
     for name, value in values.items():
         _require(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0, got {value}")
 
@@ -86,9 +86,9 @@ def generate_system_prompt(options: GeneratorOptions, *, num_groups: int, prompt
 
     Lines come group by group (or shuffled with ``shuffle``).
     """
-    _positive(num_groups=num_groups, prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len,
+    check_positive(num_groups=num_groups, prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len,
               question_len=question_len, output_len=output_len)
-    sampler = _Sampler(options)
+    sampler = Sampler(options)
     lines = []
     for _group in range(num_groups):
         system_prompt = sampler.tokens(system_prompt_len)
@@ -108,9 +108,9 @@ def generate_multi_turn(options: GeneratorOptions, *, num_sessions: int, num_tur
     Turn 0's new tokens are the system prompt (if any) + the first user message; each later
     turn's are the next user message (the engine prepends the history and generated answer).
     """
-    _positive(num_sessions=num_sessions, num_turns=num_turns, user_turn_len=user_turn_len, answer_len=answer_len)
-    _non_negative(system_prompt_len=system_prompt_len)
-    sampler = _Sampler(options)
+    check_positive(num_sessions=num_sessions, num_turns=num_turns, user_turn_len=user_turn_len, answer_len=answer_len)
+    check_non_negative(system_prompt_len=system_prompt_len)
+    sampler = Sampler(options)
     shared = sampler.tokens(system_prompt_len) if shared_system_prompt else None
     first_tokens = {}
     for session in range(num_sessions):
@@ -127,8 +127,8 @@ def generate_multi_turn(options: GeneratorOptions, *, num_sessions: int, num_tur
 
 def generate_abab(options: GeneratorOptions, *, prompt_len: int, num_rounds: int, output_len: int) -> list[Line]:
     """Two prompts A and B of prompt_len tokens, alternating A, B, A, B, ... for num_rounds rounds."""
-    _positive(prompt_len=prompt_len, num_rounds=num_rounds, output_len=output_len)
-    sampler = _Sampler(options)
+    check_positive(prompt_len=prompt_len, num_rounds=num_rounds, output_len=output_len)
+    sampler = Sampler(options)
     prompt_a, prompt_b = sampler.tokens(prompt_len), sampler.tokens(prompt_len)
     lines = []
     for _round in range(num_rounds):
@@ -141,8 +141,8 @@ def generate_abab(options: GeneratorOptions, *, prompt_len: int, num_rounds: int
 def generate_random(options: GeneratorOptions, *, num_requests: int, input_len: int,
                     output_len: int) -> list[Line]:
     """num_requests independent random prompts: no prefix is shared (beyond chance)."""
-    _positive(num_requests=num_requests, input_len=input_len, output_len=output_len)
-    sampler = _Sampler(options)
+    check_positive(num_requests=num_requests, input_len=input_len, output_len=output_len)
+    sampler = Sampler(options)
     return [{"input_ids": sampler.tokens(input_len), "output_tokens": sampler.length(output_len)}
             for _ in range(num_requests)]
 
@@ -150,11 +150,11 @@ def generate_random(options: GeneratorOptions, *, num_requests: int, input_len: 
 def generate_prefix_repetition(options: GeneratorOptions, *, num_prefixes: int, prefix_len: int, suffix_len: int,
                                num_requests: int, output_len: int) -> list[Line]:
     """num_requests requests spread evenly over num_prefixes prefixes, each with its own suffix, shuffled."""
-    _positive(num_prefixes=num_prefixes, prefix_len=prefix_len, num_requests=num_requests, output_len=output_len)
-    _non_negative(suffix_len=suffix_len)
+    check_positive(num_prefixes=num_prefixes, prefix_len=prefix_len, num_requests=num_requests, output_len=output_len)
+    check_non_negative(suffix_len=suffix_len)
     _require(num_requests >= num_prefixes,
              f"num_requests ({num_requests}) must be >= num_prefixes ({num_prefixes}) so every prefix is used")
-    sampler = _Sampler(options)
+    sampler = Sampler(options)
     prefixes = [sampler.tokens(prefix_len) for _ in range(num_prefixes)]
     lines = [{"input_ids": prefixes[i % num_prefixes] + sampler.tokens(suffix_len),
               "output_tokens": sampler.length(output_len)} for i in range(num_requests)]

@@ -41,9 +41,11 @@ LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """One row of the per-request CSV. Times in seconds since the bench start, latencies in ms."""
+    """One row of the per-request CSV. Times in seconds since the bench start, latencies in ms.
+    ``engine`` names what served the request (kvtool, or a peer replayed by bench/peers/)."""
 
     label: str
+    engine: str
     request_id: str
     session_id: str | None
     turn: int | None
@@ -61,13 +63,17 @@ class RequestMetrics:
     error: str | None = None
     # Every gap between consecutive tokens (ms); kept in memory for the pooled ITL, not written to CSV.
     token_gaps_ms: tuple[float, ...] = ()
+    # The generated token ids; kept in memory (bench/peers/ compares them across engines), not written to CSV.
+    output_token_ids: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.finish_s is not None
 
 
-CSV_COLUMNS = tuple(name for name in RequestMetrics.__dataclass_fields__ if name != "token_gaps_ms")
+CSV_COLUMNS = tuple(name for name in RequestMetrics.__dataclass_fields__
+                    if name not in ("token_gaps_ms", "output_token_ids"))
+ENGINE = "kvtool"
 
 
 def request_metrics(record: RequestRecord, *, label: str, request_id: str, bench_start: float,
@@ -95,12 +101,12 @@ def request_metrics(record: RequestRecord, *, label: str, request_id: str, bench
     if error is None and record.finish_reason in ("error", "abort"):
         error = record.finish_reason
     return RequestMetrics(
-        label=label, request_id=request_id, session_id=session_id, turn=turn,
+        label=label, engine=ENGINE, request_id=request_id, session_id=session_id, turn=turn,
         input_tokens=record.num_prompt_tokens, output_tokens=num_output,
         reused_tokens=record.num_reused_tokens, onboarded_blocks=record.num_onboarded_blocks,
         arrival_s=arrival - bench_start, first_token_s=since_start(record.first_token_time),
         finish_s=since_start(record.finish_time), ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
-        error=error, token_gaps_ms=gaps)
+        error=error, token_gaps_ms=gaps, output_token_ids=tuple(record.output_token_ids))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

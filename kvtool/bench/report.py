@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from kvtool.bench.metrics import CSV_COLUMNS, RequestMetrics
+from kvtool.bench.metrics import CSV_COLUMNS, ENGINE, RequestMetrics
 from kvtool.errors import KvtoolError
 from kvtool.files import atomic_write
 
@@ -122,7 +122,8 @@ def _optional_int(text: str | None) -> int | None:
 def request_metrics_from_row(row: Mapping[str, str]) -> RequestMetrics:
     """A per-request CSV row back as RequestMetrics (without the individual token gaps)."""
     return RequestMetrics(
-        label=row.get("label", ""), request_id=row["request_id"], session_id=row.get("session_id") or None,
+        label=row.get("label", ""), engine=row.get("engine") or ENGINE, request_id=row["request_id"],
+        session_id=row.get("session_id") or None,
         turn=_optional_int(row.get("turn")), input_tokens=int(row["input_tokens"]),
         output_tokens=int(row["output_tokens"]), reused_tokens=_optional_int(row.get("reused_tokens")) or 0,
         onboarded_blocks=_optional_int(row.get("onboarded_blocks")) or 0,

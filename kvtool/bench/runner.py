@@ -15,7 +15,7 @@ from rich.table import Table
 
 from kvtool.bench.datasets import Dataset
 from kvtool.bench.device import device_columns
-from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
+from kvtool.bench.metrics import ENGINE, RequestMetrics, request_metrics, summarize
 from kvtool.bench.options import BenchOptions
 from kvtool.bench.precheck import check_requests
 from kvtool.bench.repeats import as_number, group_by_label, median_row
@@ -174,7 +174,7 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
         except Exception as error:  # noqa: BLE001 - the summary of what finished is written, then it is raised
             interrupted, failure = True, error
 
-    row = {"label": label, "interrupted": interrupted, "run_error": None if failure is None else str(failure),
+    row = {"label": label, "engine": ENGINE, "interrupted": interrupted, "run_error": None if failure is None else str(failure),
            "started_at": started_at, "dataset": str(dataset.path), "dataset_sha256": dataset.sha256,
            "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
            **plan_columns(llm), **(config_columns or {}), **options.as_row(),

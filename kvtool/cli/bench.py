@@ -34,8 +34,9 @@ MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT = "Model and plan", "KV cache", "Sc
 @app.command(cls=KvtoolCommand)
 def bench(
     plan: Annotated[Path | None, flag("plan", "A plan directory built by `kvtool build`.", MODEL)] = None,
-    model: Annotated[str | None, flag("model", "preset:NAME or a Hugging Face checkpoint directory, built on the "
-                                      "fly (with --config: replaces the scenario's model).", MODEL)] = None,
+    model: Annotated[str | None, flag("model", "preset:NAME, a Hugging Face checkpoint directory, a .gguf "
+                                      "file or gguf:NAME, built on the fly (with --config: replaces the "
+                                      "scenario's model).", MODEL)] = None,
     tokens_per_block: Annotated[int | None, flag("tokens_per_block", "Block size: a build option for --model "
                                                  "(one plan per value), checked against --plan.", MODEL)] = None,
     plan_cache_dir: Annotated[Path | None, flag("plan_cache_dir", "Where plans built on the fly go (default "

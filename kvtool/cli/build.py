@@ -34,8 +34,9 @@ MODEL, KV_CACHE, LIMITS, OUTPUT = "Model", "KV cache", "Runtime limits (a bench 
 
 @app.command(cls=KvtoolCommand)
 def build(
-    model: Annotated[str, typer.Option("--model", "-m", help="A local Hugging Face checkpoint directory or "
-                                       "preset:NAME.", rich_help_panel=MODEL)],
+    model: Annotated[str, typer.Option("--model", "-m", help="A local Hugging Face checkpoint directory, a "
+                                       ".gguf file, gguf:NAME (gguf:smollm2-135m) or preset:NAME.",
+                                       rich_help_panel=MODEL)],
     output: Annotated[Path, typer.Option("--output", "--output_dir", "-o", help="The plan directory to write.",
                                          rich_help_panel=OUTPUT)],
     dtype: Annotated[DType, flag("dtype", "Weight and activation dtype.", MODEL)] = DType.float32,
@@ -57,7 +58,7 @@ def build(
     no_compile_kernels: Annotated[bool | None, toggle("no_compile_kernels", "Leave them to the first run on a "
                                                       "GPU.", OUTPUT)] = None,
 ) -> None:
-    """Build a model (HF checkpoint directory or preset:NAME) into a plan directory."""
+    """Build a model (HF checkpoint directory, .gguf file, gguf:NAME or preset:NAME) into a plan directory."""
     with user_errors():
         from kvtool.plan import BuildOptions, build_plan, load_plan
 
@@ -80,8 +81,13 @@ def _print_summary(plan, seconds: float) -> None:
     table.add_column(style="bold")
     table.add_column()
     source = plan.source
-    table.add_row("source", f"preset:{source['name']} (seed {source['seed']})" if source["kind"] == "preset"
-                  else source["path"])
+    if source["kind"] == "preset":
+        table.add_row("source", f"preset:{source['name']} (seed {source['seed']})")
+    elif source["kind"] == "gguf":
+        where = f"gguf:{source['name']} ({Path(source['path']).name})" if source.get("name") else source["path"]
+        table.add_row("source", f"{where}, dequantized to {plan.build_options.dtype}")
+    else:
+        table.add_row("source", source["path"])
     table.add_row("model", f"{config.family}: {config.num_layers} layers, hidden {config.hidden_size}, "
                            f"{config.num_heads} heads / {config.num_kv_heads} KV heads x {config.head_dim}, "
                            f"vocab {config.vocab_size}")

@@ -13,6 +13,7 @@ from kvtool.bench import generators
 from kvtool.bench.dataset_stats import LengthStats, dataset_stats
 from kvtool.bench.datasets import load_dataset, write_jsonl
 from kvtool.bench.sharegpt import approximate_token_count, import_sharegpt
+from kvtool.bench.text_workloads import TextSource, text_abab, text_multi_turn, text_system_prompt
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
@@ -36,11 +37,33 @@ Seed = Annotated[int, flag("seed", "Random seed: the same seed writes the same f
 Spread = Annotated[float, flag("length_spread", "Draw each length uniformly within +-this fraction (0.2 = +-20%).")]
 MinTokenId = Annotated[int, flag("min_token_id", "Smallest token id drawn.")]
 MaxTokenId = Annotated[int, flag("max_token_id", "Token ids are drawn below this (keep it within the model's vocabulary).")]
+Text = Annotated[Path | None, flag("text", "Cut the prompts from this text file (real text; needs --plan) instead of "
+                                   "drawing random token ids.")]
+PlanDir = Annotated[Path | None, flag("plan", "With --text: the plan whose tokenizer encodes the text.")]
+ChatTemplate = Annotated[bool, toggle("chat_template", "With --text: apply the plan's chat template (system and user "
+                                      "messages, assistant header).")]
 
 
 def _options(seed: int, length_spread: float, min_token_id: int, max_token_id: int) -> generators.GeneratorOptions:
     return generators.GeneratorOptions(seed=seed, min_token_id=min_token_id, max_token_id=max_token_id,
                                        length_spread=length_spread)
+
+
+def _text_source(text: Path | None, plan: Path | None, chat_template: bool, min_token_id: int,
+                 max_token_id: int) -> TextSource | None:
+    """The text to cut prompts from, or None for random token ids."""
+    if text is None:
+        if plan is not None or chat_template:
+            raise ValueError("--plan and --chat_template go with --text FILE (prompts cut from a text file)")
+        return None
+    if plan is None:
+        raise ValueError("--text needs --plan DIR: the plan's tokenizer turns the text into token ids")
+    defaults = generators.GeneratorOptions()
+    if (min_token_id, max_token_id) != (defaults.min_token_id, defaults.max_token_id):
+        raise ValueError("--min_token_id/--max_token_id bound random ids; with --text the tokenizer gives the ids")
+    if not text.is_file():
+        raise FileNotFoundError(f"text file {text} does not exist")
+    return TextSource.from_file(text, _plan_tokenizer(plan), chat=chat_template)
 
 
 def _write(output: Path, lines: list[dict]) -> None:
@@ -60,13 +83,17 @@ def system_prompt(
     output_len: Annotated[int, flag("output_len", "Tokens to generate per request.")] = 64,
     shuffle: Annotated[bool, flag("shuffle", "Shuffle the requests instead of writing them group by group.")] = False,
     seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+    text: Text = None, plan: PlanDir = None, chat_template: ChatTemplate = False,
 ) -> None:
-    """Groups of requests sharing a system prompt (like SGLang's generated-shared-prefix)."""
+    """Groups of requests sharing a system prompt (like SGLang's generated-shared-prefix); with --text,
+    passages of real text, each followed by its own questions about it."""
     with user_errors():
-        _write(output, generators.generate_system_prompt(
-            _options(seed, length_spread, min_token_id, max_token_id), num_groups=num_groups,
-            prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len, question_len=question_len,
-            output_len=output_len, shuffle=shuffle))
+        source = _text_source(text, plan, chat_template, min_token_id, max_token_id)
+        options = _options(seed, length_spread, min_token_id, max_token_id)
+        kwargs = dict(num_groups=num_groups, prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len,
+                      question_len=question_len, output_len=output_len, shuffle=shuffle)
+        _write(output, generators.generate_system_prompt(options, **kwargs) if source is None
+               else text_system_prompt(source, options, **kwargs))
 
 
 @dataset_app.command("multi-turn", cls=KvtoolCommand)
@@ -82,15 +109,19 @@ def multi_turn(
     per_session_system_prompt: Annotated[bool, toggle("per_session_system_prompt",
                                                       "One system prompt per session.")] = False,
     seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+    text: Text = None, plan: PlanDir = None, chat_template: ChatTemplate = False,
 ) -> None:
-    """Multi-turn chat sessions: each turn's prompt is the history + the generated answer + a new message."""
+    """Multi-turn chat sessions: each turn's prompt is the history + the generated answer + a new message
+    (with --text: questions about a passage of real text)."""
     with user_errors():
         shared = either(shared_system_prompt, per_session_system_prompt, "shared_system_prompt",
                         "per_session_system_prompt") is not False
-        _write(output, generators.generate_multi_turn(
-            _options(seed, length_spread, min_token_id, max_token_id), num_sessions=num_sessions,
-            num_turns=num_turns, user_turn_len=user_turn_len, answer_len=answer_len,
-            system_prompt_len=system_prompt_len, shared_system_prompt=shared))
+        source = _text_source(text, plan, chat_template, min_token_id, max_token_id)
+        options = _options(seed, length_spread, min_token_id, max_token_id)
+        kwargs = dict(num_sessions=num_sessions, num_turns=num_turns, user_turn_len=user_turn_len,
+                      answer_len=answer_len, system_prompt_len=system_prompt_len, shared_system_prompt=shared)
+        _write(output, generators.generate_multi_turn(options, **kwargs) if source is None
+               else text_multi_turn(source, options, **kwargs))
 
 
 @dataset_app.command("abab", cls=KvtoolCommand)
@@ -100,11 +131,16 @@ def abab(
     num_rounds: Annotated[int, flag("num_rounds", "Rounds of A, B.")] = 4,
     output_len: Annotated[int, flag("output_len", "Tokens to generate per request.")] = 16,
     seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
+    text: Text = None, plan: PlanDir = None, chat_template: ChatTemplate = False,
 ) -> None:
-    """Two prompts alternating A, B, A, B, ... (replay it with --mode sequential to see offloading)."""
+    """Two prompts alternating A, B, A, B, ... (replay it with --mode sequential to see offloading);
+    with --text, two passages of real text."""
     with user_errors():
-        _write(output, generators.generate_abab(_options(seed, length_spread, min_token_id, max_token_id),
-                                                prompt_len=prompt_len, num_rounds=num_rounds, output_len=output_len))
+        source = _text_source(text, plan, chat_template, min_token_id, max_token_id)
+        options = _options(seed, length_spread, min_token_id, max_token_id)
+        kwargs = dict(prompt_len=prompt_len, num_rounds=num_rounds, output_len=output_len)
+        _write(output, generators.generate_abab(options, **kwargs) if source is None
+               else text_abab(source, options, **kwargs))
 
 
 @dataset_app.command("random", cls=KvtoolCommand)
@@ -169,7 +205,7 @@ def _plan_tokenizer(plan: Path):
     """The tokenizer a plan was built with (read from the plan directory)."""
     from kvtool.plan import load_plan  # noqa: PLC0415 - torch-free, but only needed here
 
-    return load_plan(plan).tokenizer
+    return load_plan(plan, verify_checksum=False).tokenizer
 
 
 def _length_cells(stats: LengthStats) -> list[str]:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kvtool.errors import KvtoolError
 
@@ -24,7 +25,9 @@ def error_message(error: BaseException) -> str:
 
 
 def print_error(error: BaseException) -> None:
-    Console(stderr=True).print(f"[bold red]Error:[/] {error_message(error)}", highlight=False, soft_wrap=True)
+    # escape: a message may hold brackets (pip install 'kvtool[gguf]') that are not rich markup.
+    Console(stderr=True).print(f"[bold red]Error:[/] {escape(error_message(error))}", highlight=False,
+                               soft_wrap=True)
 
 
 @contextlib.contextmanager

@@ -70,32 +70,62 @@ class ByteLevelTokenizer:
 
 class HuggingFaceTokenizer:
     """A copied Hugging Face tokenizer. ``tokenizer.json`` loads with the fast ``tokenizers``
-    library; other layouts (e.g. sentencepiece only) go through transformers' AutoTokenizer."""
+    library; other layouts (e.g. sentencepiece only) go through transformers' AutoTokenizer,
+    which also renders the chat template (``apply_chat_template``)."""
 
     def __init__(self, directory: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.directory = directory
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         if (directory / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as FastTokenizer
 
             self._fast = FastTokenizer.from_file(str(directory / "tokenizer.json"))
-            self._slow = None
+            self._auto = None
         else:
             from transformers import AutoTokenizer
 
             self._fast = None
-            self._slow = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            self._auto = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
             return list(self._fast.encode(text).ids)
-        return list(self._slow.encode(text))
+        return list(self._auto.encode(text))
 
     def decode(self, token_ids: list[int]) -> str:
         ids = [int(t) for t in token_ids]
         if self._fast is not None:
             return self._fast.decode(ids, skip_special_tokens=True)
-        return self._slow.decode(ids, skip_special_tokens=True)
+        return self._auto.decode(ids, skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        if (self.directory / "chat_template.jinja").is_file():
+            return True
+        config = self.directory / "tokenizer_config.json"
+        return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+    def render_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """``messages`` ([{"role": ..., "content": ...}]) as text in the model's chat format."""
+        if not self.has_chat_template:
+            raise ValueError(f"the tokenizer in {self.directory} has no chat template: build the plan from a chat "
+                             "model's checkpoint, or leave the chat template off")
+        if self._auto is None:
+            from transformers import AutoTokenizer
+
+            self._auto = AutoTokenizer.from_pretrained(str(self.directory), local_files_only=True)
+        return self._auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of chat-formatted text: its special tokens are written out, none is added."""
+        if self._fast is not None:
+            return list(self._fast.encode(text, add_special_tokens=False).ids)
+        return list(self._auto.encode(text, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` in the model's chat format (as transformers' apply_chat_template)."""
+        return self.encode_chat(self.render_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
 
 def has_hf_tokenizer(checkpoint_dir: Path) -> bool:

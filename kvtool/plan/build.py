@@ -1,14 +1,16 @@
-"""`build_plan`: convert a Hugging Face checkpoint, or generate a preset, into a plan directory.
+"""`build_plan`: convert a Hugging Face checkpoint or a GGUF file, or generate a preset, into a plan directory.
 
 Weights are streamed tensor by tensor into weights.safetensors in kvtool's fused layout and the
 target dtype, so building needs memory for one tensor, not the whole model. Checkpoints are read
-through safetensors only: pickled weights (*.bin, *.pt) are never loaded.
+through safetensors only: pickled weights (*.bin, *.pt) are never loaded. A GGUF file is first
+dequantized into a float32 checkpoint beside the plan (kvtool.models.gguf), then built like one.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import torch
 from kvtool.errors import PlanError
 from kvtool.files import staging_dir
 from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
+from kvtool.models.gguf import dequantize_gguf, is_gguf_source, resolve_gguf
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import write_tokenizer
 from kvtool.plan.format import (CHECKSUM_ALGORITHM, FORMAT_VERSION, TOKENIZER_DIR, WEIGHTS_FILE,
@@ -32,30 +35,48 @@ _INIT_STD = 0.02  # transformers' initializer_range for these families
 
 
 def build_plan(source: str, output_dir: Path, options: BuildOptions, *, compile_kernels: bool | None = None) -> Path:
-    """Build ``source`` (a Hugging Face checkpoint directory or ``preset:NAME``) into the plan
-    directory ``output_dir`` and return it. An existing plan there is replaced.
+    """Build ``source`` (a Hugging Face checkpoint directory, a .gguf file, ``gguf:NAME`` or
+    ``preset:NAME``) into the plan directory ``output_dir`` and return it. An existing plan there
+    is replaced.
 
     ``compile_kernels``: compile the plan's CUDA kernels into it (None: when this machine has a
     GPU and the kernels cover the model's dtype and head_dim)."""
     output_dir = Path(output_dir)
+    if output_dir.exists() and not (output_dir / "plan.json").is_file() and any(output_dir.iterdir()):
+        raise ValueError(f"output directory {output_dir} exists and is not a plan: choose an empty or new directory")
+    if is_gguf_source(source):
+        gguf = resolve_gguf(source)
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        # The dequantized checkpoint is an intermediate: it lives beside the plan only while building.
+        with tempfile.TemporaryDirectory(prefix=f".{output_dir.name}.gguf-", dir=output_dir.parent) as scratch:
+            checkpoint_dir = dequantize_gguf(gguf.path, Path(scratch))
+            source_info = {"kind": "gguf", "path": str(gguf.path.resolve()), "name": gguf.name}
+            return _build_checkpoint(checkpoint_dir, output_dir, options, source_info, compile_kernels)
     if source.startswith(PRESET_PREFIX):
         config = preset_config(source)
         options = options.resolved(config.max_position_embeddings)
-        name = source[len(PRESET_PREFIX):]
         tensors = _preset_tensors(config, options)
-        source_info: dict[str, Any] = {"kind": "preset", "name": name, "seed": options.seed}
-        checkpoint_dir = None
-    else:
-        checkpoint_dir = Path(source)
-        config = read_checkpoint_config(checkpoint_dir)
-        options = options.resolved(config.max_position_embeddings)
-        reader = _CheckpointReader(checkpoint_dir)
-        config = reader.check_tied_embeddings(config)
-        tensors = reader.tensors(config, torch_dtype(options.dtype))
+        source_info: dict[str, Any] = {"kind": "preset", "name": source[len(PRESET_PREFIX):], "seed": options.seed}
+        return _write_plan(output_dir, config, options, tensors, None, source_info, compile_kernels)
+    return _build_checkpoint(Path(source), output_dir, options, None, compile_kernels)
+
+
+def _build_checkpoint(checkpoint_dir: Path, output_dir: Path, options: BuildOptions,
+                      source_info: dict[str, Any] | None, compile_kernels: bool | None) -> Path:
+    config = read_checkpoint_config(checkpoint_dir)
+    options = options.resolved(config.max_position_embeddings)
+    reader = _CheckpointReader(checkpoint_dir)
+    config = reader.check_tied_embeddings(config)
+    tensors = reader.tensors(config, torch_dtype(options.dtype))
+    if source_info is None:
         source_info = {"kind": "checkpoint", "path": str(checkpoint_dir.resolve()),
                        "files": sorted(path.name for path in reader.files)}
-    if output_dir.exists() and not (output_dir / "plan.json").is_file() and any(output_dir.iterdir()):
-        raise ValueError(f"output directory {output_dir} exists and is not a plan: choose an empty or new directory")
+    return _write_plan(output_dir, config, options, tensors, checkpoint_dir, source_info, compile_kernels)
+
+
+def _write_plan(output_dir: Path, config: ModelConfig, options: BuildOptions,
+                tensors: Iterator[tuple[str, torch.Tensor]], checkpoint_dir: Path | None,
+                source_info: dict[str, Any], compile_kernels: bool | None) -> Path:
     # Build beside the target, then swap it in: an interrupted build never leaves a half plan.
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(output_dir, "building")

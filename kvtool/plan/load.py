@@ -16,6 +16,7 @@ import torch
 from kvtool.errors import PlanError
 from kvtool.layers.attention import AttentionBackend
 from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
+from kvtool.models.gguf import GGUF_PREFIX, is_gguf_source, resolve_gguf
 from kvtool.models.llama import LlamaModel
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import Tokenizer, load_tokenizer
@@ -80,11 +81,13 @@ class Plan:
 
 
 def _rebuild_hint(plan_dir: Path, manifest: dict[str, Any] | None = None) -> str:
-    source = "<HF checkpoint dir | preset:NAME>"
+    source = "<HF checkpoint dir | FILE.gguf | gguf:NAME | preset:NAME>"
     if manifest is not None:
         info = manifest.get("source") or {}
         if info.get("kind") == "preset":
             source = f"preset:{info.get('name')}"
+        elif info.get("kind") == "gguf":
+            source = f"{GGUF_PREFIX}{info['name']}" if info.get("name") else str(info.get("path"))
         elif info.get("kind") == "checkpoint":
             source = str(info.get("path"))
     return f"rebuild it with `kvtool build --model {source} --output {plan_dir}`"
@@ -177,8 +180,9 @@ def is_built_plan(model) -> bool:
 
 def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cache_dir: Path | None = None) -> Plan:
     """A Plan or a plan directory is used as is (``options`` are baked into it and ignored); a Hugging
-    Face checkpoint directory or ``preset:NAME`` is built once into ``cache_dir`` (keyed by source and
-    options; a changed checkpoint or an invalid cached plan is rebuilt) and loaded from there."""
+    Face checkpoint directory, a GGUF file (``FILE.gguf`` or ``gguf:NAME``) or ``preset:NAME`` is built
+    once into ``cache_dir`` (keyed by source and options; a changed checkpoint or an invalid cached
+    plan is rebuilt) and loaded from there."""
     if isinstance(model, Plan):
         return model
     model = str(model)
@@ -186,13 +190,17 @@ def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cac
     if model.startswith(PRESET_PREFIX):
         preset_config(model)  # unknown preset: ValueError listing the presets, before any work
         source_key: dict[str, Any] = {"preset": model[len(PRESET_PREFIX):]}
+    elif is_gguf_source(model):
+        gguf = resolve_gguf(model)  # a missing file or package: the error says how to get it
+        stat = gguf.path.stat()
+        source_key = {"gguf": str(gguf.path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     else:
         path = Path(model)
         if (path / PLAN_FILE).is_file():
             return load_plan(path)
         if not (path / "config.json").is_file():
             raise PlanError(f"model {model!r} is neither a plan directory (plan.json), a Hugging Face checkpoint "
-                            "directory (config.json + *.safetensors) nor preset:NAME")
+                            "directory (config.json + *.safetensors), a .gguf file, gguf:NAME nor preset:NAME")
         source_key = _checkpoint_key(path)
         model = str(path.resolve())
     key_text = json.dumps({"format_version": FORMAT_VERSION, "source": source_key, "options": options.to_dict()},

@@ -1,0 +1,45 @@
+"""Replay a kvtool dataset through kvtool itself, as `kvtool bench --mode sequential --warmup 1` does
+(the same run_bench), and also keep every request's output ids for the cross-engine check.
+
+    .venv/bin/python bench/peers/kvtool_replay.py --plan PLAN --dataset D.jsonl --output DIR \
+        --label kvtool-reuse-on --reuse on [--partial_reuse off]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common import replay_arguments, write_outputs
+
+from kvtool import LLM
+from kvtool.bench.datasets import load_dataset
+from kvtool.bench.options import BenchOptions
+from kvtool.bench.report import write_summary_csv
+from kvtool.bench.runner import run_bench
+
+
+def main() -> None:
+    parser = replay_arguments(__doc__, model_help="a plan directory (kvtool build)")
+    parser.add_argument("--reuse", choices=("on", "off"), required=True)
+    parser.add_argument("--partial_reuse", choices=("on", "off"), default="on",
+                        help="KvCacheConfig.enable_partial_reuse: copy a partially matching block (default on)")
+    args = parser.parse_args()
+
+    options = BenchOptions(enable_kv_cache_reuse=args.reuse == "on", mode="sequential", warmup=args.warmup)
+    kwargs = options.llm_kwargs()
+    kwargs["kv_cache_config"] = dataclasses.replace(kwargs["kv_cache_config"],
+                                                    enable_partial_reuse=args.partial_reuse == "on")
+    args.output.mkdir(parents=True, exist_ok=True)
+    with LLM(model=args.model, **kwargs) as llm:
+        result = run_bench(llm, load_dataset(args.dataset), options, label=args.label,
+                           requests_csv=args.output / "requests.csv",
+                           config_columns={"model": args.model, "enable_partial_reuse": args.partial_reuse == "on"})
+    write_summary_csv(args.output / "summary.csv", [result.row])
+    write_outputs(args.output / "outputs.jsonl", result.requests)
+    row = result.row
+    print(f"{args.label}: {row['num_requests']} requests, TTFT p50 {row['ttft_ms_p50']:.1f} ms, "
+          f"reused / missed blocks {row.get('reused_blocks')} / {row.get('missed_blocks')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
