@@ -204,7 +204,7 @@ void KVCacheManager::Impl::release_window(SequenceId seq_id, Sequence& seq) {
 // ---------------------------------------------------------------------------------------------
 // Public interface
 
-KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config, 64)) {}
+KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config, kFullKeyHashBits)) {}
 KVCacheManager::KVCacheManager(CacheConfig config, int32_t key_hash_bits)
     : impl_(std::make_unique<Impl>(config, key_hash_bits)) {}
 KVCacheManager::~KVCacheManager() = default;

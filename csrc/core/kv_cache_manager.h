@@ -36,8 +36,9 @@ class KVCacheManager {
  public:
   explicit KVCacheManager(CacheConfig config);  // validates config
   // Test hook: keep only the low key_hash_bits bits of every block key hash (0..64; 0 makes every
-  // key collide), to show that the collision guard never reuses wrong KV. 64 in production.
+  // key collide), to show that the collision guard never reuses wrong KV.
   KVCacheManager(CacheConfig config, int32_t key_hash_bits);
+  static constexpr int32_t kFullKeyHashBits = 64;  // production
   ~KVCacheManager();
   KVCacheManager(KVCacheManager&&) noexcept;
   KVCacheManager& operator=(KVCacheManager&&) noexcept;
