@@ -1,17 +1,7 @@
-// The capacity scheduler: which requests hold KV cache blocks this step.
-//
-// Before each step every generating request gets room for its newest token. Then queued requests
-// are admitted first come, first served (a paused request waits at the front), never skipping
-// one that does not fit, up to max_batch_size running requests:
-//   GUARANTEED_NO_EVICT  admit only if the blocks for the request's whole lifetime fit beside every
-//                        running request's remaining needs, so no started request ever waits for
-//                        a block;
-//   MAX_UTILIZATION      admit while the prompt fits now; when a generating request cannot get a
-//                        block, pause the most recently started request (its computed blocks stay
-//                        cached) until it can;
-//   STATIC_BATCH         admit as GUARANTEED_NO_EVICT does, but only when no request is running.
-// With enable_in_batch_prefix_reuse, a queued request that a running context is still computing
-// shared prompt blocks for waits (others behind it may go first) and reuses them once computed.
+// The capacity scheduler: which requests hold KV cache blocks this step. Generating requests get
+// room for their newest token first; then queued requests are admitted in order (paused ones at
+// the front, never skipping one that does not fit) as the CapacitySchedulerPolicy allows (its
+// values are described where they are bound, in bind_scheduler.cpp).
 #include <algorithm>
 #include <cstddef>
 

@@ -1,12 +1,7 @@
-// The micro-batch scheduler: which running requests compute in this step, and how much.
-//
-// A step holds at most max_batch_size requests and max_num_tokens tokens. Generation requests go
-// first (one token each: cheap and latency-sensitive), oldest first; context chunks fill the rest.
-// Without chunked context a context runs whole or waits (first come, first served). With it, a
-// context that does not fit is cut so that the chunk ends on a block boundary (a multiple of
-// tokens_per_block when it starts on one; the final chunk may be any length):
-//   FIRST_COME_FIRST_SERVED  the oldest context takes as much as fits, then the next one;
-//   EQUAL_PROGRESS           every context advances one block before any advances a second.
+// The micro-batch scheduler: which running requests compute in this step, and how much, within
+// max_batch_size and max_num_tokens. Generation requests go first (one token each: cheap and
+// latency-sensitive); context chunks fill the rest, each ending on a block boundary unless it ends
+// the context (ContextChunkingPolicy decides which context advances first).
 #include <algorithm>
 #include <vector>
 
