@@ -166,8 +166,8 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
   return n;
 }
 
-// The walking cursor loads the next node's line; the bucket cursor, kForecastDistance nodes
-// behind it, loads the index buckets its node's drop will erase.
+// The walking cursor loads the next node's line; the bucket cursor, two nodes behind it, loads
+// the index buckets that its node's drop (kForecastDistance drops ahead) will erase.
 void KVCacheManager::Impl::advance_scout_walk() {
   if (scout_walk == kNoNode) return;
   scout_walk = nodes[scout_walk].lru_next;

@@ -1,6 +1,6 @@
 // Hash index of prefix-tree nodes: a multimap from a 64-bit key to node ids. The cache manager
 // does a lookup, an insert or an erase per block it matches, stores or drops, at random places;
-// std::unordered_multimap made the whole manager about 3x slower (results/cache_manager.md).
+// std::unordered_multimap made the whole manager 2.5x slower (results/cache_manager.md).
 // One cache line per bucket, so each touches a single line, which can be prefetched.
 //
 // A bucket holds 7 entries (32-bit tag of the key, node id) and an overflow count. An entry lives
