@@ -189,7 +189,20 @@ def main(argv=None):
     print(text)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
+        args.output.write_text(text + kept_measurements(args.output))
+
+
+MEASUREMENTS_HEADING = "## Micro-optimisation measurements"
+
+
+def kept_measurements(path: Path) -> str:
+    """The hand-measured section of an existing report (from MEASUREMENTS_HEADING on): a rerun of
+    the table must not lose it."""
+    if not path.exists():
+        return ""
+    old = path.read_text()
+    start = old.find("\n" + MEASUREMENTS_HEADING)
+    return "" if start < 0 else old[start:]
 
 
 if __name__ == "__main__":

@@ -526,7 +526,7 @@ class ScheduledRequest:
 
     def __repr__(self) -> str: ...
 
-class StepPlan:
+class ScheduledBatch:
     """What the runtime executes in one step."""
 
     @property
@@ -593,13 +593,13 @@ class RequestStats:
 
 class Scheduler:
     """
-    Request states, capacity policy, micro-batch limits and chunked context over a KV cache manager it owns. Each step: schedule() -> run the plan -> complete_step().
+    Request states, capacity policy, micro-batch limits and chunked context over a KV cache manager it owns. Each step: schedule() -> run the batch -> complete_step().
     """
 
     def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
         """Raises ValueError for a bad configuration."""
 
-    def add_request(self, request_id: int, token_ids: object, max_new_tokens: int, *, extra_ids: object | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> None:
+    def add_request(self, request_id: int, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> None:
         """
         Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the request for an empty prompt, prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
         """
@@ -609,14 +609,14 @@ class Scheduler:
         Finishes a request early (EOS, stop string, abort) and releases its blocks; no-op when already finished. KeyError for an unknown id.
         """
 
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> ScheduledBatch:
         """
-        Plans the next step. Run its copy_ops, then the forward of its requests, then call complete_step. RuntimeError if the previous non-empty plan was not completed.
+        Schedules the next step. Run its copy_ops, then the forward of its requests, then call complete_step. RuntimeError if the previous non-empty batch was not completed.
         """
 
-    def complete_step(self, request_ids: object, token_ids: object) -> list[int]:
+    def complete_step(self, request_ids: numpy.ndarray | list[int], token_ids: numpy.ndarray | list[int]) -> list[int]:
         """
-        Reports the last plan: request_ids (int64) of the requests that sampled and their sampled token_ids (int32). Returns the ids of requests that reached max_new_tokens (finished, blocks released). ValueError when request_ids are not the plan's sampling requests.
+        Reports the last batch: request_ids (int64) of the requests that sampled and their sampled token_ids (int32). Returns the ids of requests that reached max_new_tokens (finished, blocks released). ValueError when request_ids are not the batch's sampling requests.
         """
 
     def has_unfinished_requests(self) -> bool: ...

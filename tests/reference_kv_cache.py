@@ -1,4 +1,4 @@
-"""A short pure-Python model of the KV cache semantics (DESIGN.md "KV cache semantics").
+"""A short pure-Python model of the KV cache rules (docs/architecture.md#kv-cache-rules).
 
 It is written independently of the C++ manager, for clarity rather than speed: block identity
 is the exact nested tuple (parent key, tokens, extra ids, LoRA task id, cache salt) (no hashing,
@@ -162,7 +162,7 @@ class ReferenceKVCache:
         return dict(num_matched_tokens=len(chain) * self.tpb + k, num_matched_blocks=len(chain),
                     num_secondary_blocks=sum(n.tier == "S" for n in chain), num_partial_tokens=k)
 
-    def plan(self, tokens, num_tokens, extras=None, lora=0, salt=0):
+    def match_to_add(self, tokens, num_tokens, extras=None, lora=0, salt=0):
         """(matched nodes, partial source or None, partial token count, blocks to add as a
         function of whether the partial copy is made)."""
         chain, source, k = self.match(tokens, extras, lora, salt)
@@ -177,7 +177,7 @@ class ReferenceKVCache:
         return chain, source, k, needed
 
     def num_blocks_to_add(self, tokens, num_tokens, extras=None, lora=0, salt=0):
-        _, source, _, needed = self.plan(tokens, num_tokens, extras, lora, salt)
+        _, source, _, needed = self.match_to_add(tokens, num_tokens, extras, lora, salt)
         return needed(1 if source is not None else 0)
 
     # ---- pools ------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ class ReferenceKVCache:
     def add_sequence(self, seq_id, tokens, num_tokens, extras=None, lora=0, salt=0, priority=35):
         """The caller checks can_add_sequence first."""
         assert seq_id not in self.seqs
-        chain, source, k, _ = self.plan(tokens, num_tokens, extras, lora, salt)
+        chain, source, k, _ = self.match_to_add(tokens, num_tokens, extras, lora, salt)
         seq = Seq(list(tokens), list(extras) if extras is not None and any(extras) else None, lora, salt, priority)
         early = sum(1 for n in chain if n.tier == "P" and n.owner is not None)
         onboarded = sum(1 for n in chain if n.tier == "S")

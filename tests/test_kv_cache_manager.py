@@ -1,4 +1,4 @@
-"""KV cache manager semantics (DESIGN.md "KV cache semantics"), one test per rule, through Python."""
+"""KV cache manager rules (docs/architecture.md#kv-cache-rules), one test per rule, through Python."""
 
 import numpy as np
 import pytest

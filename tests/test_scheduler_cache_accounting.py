@@ -24,7 +24,7 @@ def test_guaranteed_no_evict_never_pauses_when_a_request_recomputes_a_cached_blo
     add(scheduler, 1, [0, 0], 4)  # lifetime 6 tokens = the whole pool; its first block twins request 0's
     run = run_steps(scheduler, model)
     assert run.outputs[1] == reference_output([0, 0], 4)
-    assert all(len(plan.paused_request_ids) == 0 for plan in run.plans)
+    assert all(len(batch.paused_request_ids) == 0 for batch in run.batches)
     assert scheduler.cache_manager.check_invariants() == []
 
 
@@ -35,5 +35,5 @@ def test_request_filling_the_pool_runs_beside_a_cached_partial_match():
     add(scheduler, 1, [0, 0, 0], 1)  # lifetime 4 tokens = the whole pool; [0] matches request 0's block
     run = run_steps(scheduler, model)
     assert run.outputs[1] == reference_output([0, 0, 0], 1)
-    assert all(len(plan.paused_request_ids) == 0 for plan in run.plans)
+    assert all(len(batch.paused_request_ids) == 0 for batch in run.batches)
     assert scheduler.request_stats(1).num_reused_tokens == 0  # the partial copy gave way

@@ -11,8 +11,8 @@ STATIC_BATCH = _core.CapacitySchedulerPolicy.STATIC_BATCH
 State = _core.RequestState
 
 
-def scheduled_ids(plan) -> set[int]:
-    return {r.request_id for r in plan.requests}
+def scheduled_ids(batch) -> set[int]:
+    return {r.request_id for r in batch.requests}
 
 
 def test_guaranteed_no_evict_admits_only_what_fits_for_whole_lifetime():
@@ -22,13 +22,13 @@ def test_guaranteed_no_evict_admits_only_what_fits_for_whole_lifetime():
     prompts = {i: distinct_prompt(i, 8) for i in range(3)}
     for request_id, prompt in prompts.items():
         add(scheduler, request_id, prompt, 8)
-    run = run_steps(scheduler, model, until=lambda run: len(run.plans) == 1)
-    assert scheduled_ids(run.plans[0]) == {0, 1}
+    run = run_steps(scheduler, model, until=lambda run: len(run.batches) == 1)
+    assert scheduled_ids(run.batches[0]) == {0, 1}
     assert scheduler.request_state(2) == State.QUEUED
     assert scheduler.num_running_requests() == 2 and scheduler.num_queued_requests() == 1
 
     run = run_steps(scheduler, model, run)
-    first_step_of_2 = min(i for i, plan in enumerate(run.plans) if 2 in scheduled_ids(plan))
+    first_step_of_2 = min(i for i, batch in enumerate(run.batches) if 2 in scheduled_ids(batch))
     assert first_step_of_2 > min(run.finish_steps[0], run.finish_steps[1])
     assert {i: run.outputs[i] for i in prompts} == {i: reference_output(p, 8) for i, p in prompts.items()}
 
@@ -38,8 +38,8 @@ def test_max_utilization_admits_what_fits_now():
     scheduler, model = make_scheduler(num_primary_blocks=8, capacity_scheduler_policy=MAX_UTILIZATION)
     for request_id in range(3):
         add(scheduler, request_id, distinct_prompt(request_id, 8), 8)
-    run = run_steps(scheduler, model, until=lambda run: len(run.plans) == 1)
-    assert scheduled_ids(run.plans[0]) == {0, 1, 2}
+    run = run_steps(scheduler, model, until=lambda run: len(run.batches) == 1)
+    assert scheduled_ids(run.batches[0]) == {0, 1, 2}
 
 
 def test_guaranteed_no_evict_never_pauses():
@@ -57,13 +57,13 @@ def test_guaranteed_no_evict_never_pauses():
         return False
 
     run = run_steps(scheduler, model, until=record_states)
-    assert all(list(plan.paused_request_ids) == [] for plan in run.plans)
+    assert all(list(batch.paused_request_ids) == [] for batch in run.batches)
     for request_id, prompt in prompts.items():
         assert scheduler.request_stats(request_id).num_pauses == 0
         assert State.PAUSED not in seen_states[request_id]
         assert run.outputs[request_id] == reference_output(prompt, 12 - request_id)
     # The pool was the limit: not everything ran at once.
-    assert max(len(plan.requests) for plan in run.plans) < len(prompts)
+    assert max(len(batch.requests) for batch in run.batches) < len(prompts)
 
 
 def test_max_utilization_pauses_most_recent_request_and_resumes_it():
@@ -76,18 +76,18 @@ def test_max_utilization_pauses_most_recent_request_and_resumes_it():
         add(scheduler, request_id, prompt, 16)
     run = run_steps(scheduler, model)
 
-    pause_steps = [i for i, plan in enumerate(run.plans) if len(plan.paused_request_ids) > 0]
-    assert [list(run.plans[i].paused_request_ids) for i in pause_steps] == [[2]]
+    pause_steps = [i for i, batch in enumerate(run.batches) if len(batch.paused_request_ids) > 0]
+    assert [list(run.batches[i].paused_request_ids) for i in pause_steps] == [[2]]
     pause_step = pause_steps[0]
-    assert scheduled_ids(run.plans[pause_step]) == {0, 1}
+    assert scheduled_ids(run.batches[pause_step]) == {0, 1}
     assert [scheduler.request_stats(i).num_pauses for i in range(3)] == [0, 0, 1]
     # Resumed, it recomputes its prompt + the tokens generated before the pause, less the full
     # blocks computed before the pause that are still cached.
-    num_generated_before_pause = sum(1 for plan in run.plans[:pause_step] for r in plan.requests
+    num_generated_before_pause = sum(1 for batch in run.batches[:pause_step] for r in batch.requests
                                      if r.request_id == 2 and r.samples)
     assert num_generated_before_pause == 9
-    resume_step = min(i for i in range(pause_step + 1, len(run.plans)) if 2 in scheduled_ids(run.plans[i]))
-    resumed = next(r for r in run.plans[resume_step].requests if r.request_id == 2)
+    resume_step = min(i for i in range(pause_step + 1, len(run.batches)) if 2 in scheduled_ids(run.batches[i]))
+    resumed = next(r for r in run.batches[resume_step].requests if r.request_id == 2)
     assert resumed.is_context and resumed.samples
     assert resumed.num_cached_tokens + len(resumed.token_ids) == 8 + num_generated_before_pause
     assert resumed.num_cached_tokens > 0 and resumed.num_cached_tokens % 4 == 0
@@ -117,10 +117,10 @@ def test_static_batch_waits_for_running_batch():
     for request_id, prompt in prompts.items():
         add(scheduler, request_id, prompt, max_new_tokens[request_id])
     run = run_steps(scheduler, model)
-    first_step_of_second_batch = min(i for i, plan in enumerate(run.plans) if scheduled_ids(plan) & {2, 3})
+    first_step_of_second_batch = min(i for i, batch in enumerate(run.batches) if scheduled_ids(batch) & {2, 3})
     # Request 0 finished early, yet the second batch started only when request 1 was done too.
     assert run.finish_steps[0] < run.finish_steps[1] < first_step_of_second_batch
-    assert scheduled_ids(run.plans[first_step_of_second_batch]) == {2, 3}
+    assert scheduled_ids(run.batches[first_step_of_second_batch]) == {2, 3}
     for request_id, prompt in prompts.items():
         assert run.outputs[request_id] == reference_output(prompt, max_new_tokens[request_id])
 
@@ -132,5 +132,5 @@ def test_guaranteed_no_evict_refills_a_slot_as_soon_as_a_request_finishes():
     for request_id, n in max_new_tokens.items():
         add(scheduler, request_id, distinct_prompt(request_id, 6), n)
     run = run_steps(scheduler, model)
-    first_step_of_2 = min(i for i, plan in enumerate(run.plans) if 2 in scheduled_ids(plan))
+    first_step_of_2 = min(i for i, batch in enumerate(run.batches) if 2 in scheduled_ids(batch))
     assert first_step_of_2 == run.finish_steps[0] + 1 < run.finish_steps[1]

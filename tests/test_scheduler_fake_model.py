@@ -1,7 +1,7 @@
-"""A fake model that executes the scheduler's step plans against a token-level KV store.
+"""A fake model that executes the scheduler's batches against a token-level KV store.
 
 It is the independent reference for the scheduler tests: the "KV" of a position is the token
-and position written there, kept in the very blocks the plan names (copy ops included). The
+and position written there, kept in the very blocks the batch names (copy ops included). The
 sampler reads the whole history back from the block table, so a wrong block table, a wrong
 num_cached_tokens, a reused block holding other tokens or a skipped copy changes the output
 against the pure-Python reference, which needs no cache at all.
@@ -35,7 +35,7 @@ def reference_output(prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 class FakeModel:
-    """Executes step plans: runs copy ops, writes (token, position) into block slots, samples."""
+    """Executes scheduled batches: runs copy ops, writes (token, position) into block slots, samples."""
 
     def __init__(self, cache_config: _core.CacheConfig) -> None:
         self.tokens_per_block = cache_config.tokens_per_block
@@ -46,22 +46,22 @@ class FakeModel:
             _core.PoolKind.SECONDARY: [[None] * tpb for _ in range(cache_config.num_secondary_blocks)],
         }
 
-    def execute(self, plan) -> tuple[list[int], list[int]]:
-        """Returns (request ids that sampled, their sampled tokens), in plan order."""
+    def execute(self, batch) -> tuple[list[int], list[int]]:
+        """Returns (request ids that sampled, their sampled tokens), in batch order."""
         tpb = self.tokens_per_block
-        for op in plan.copy_ops.to_list():
+        for op in batch.copy_ops.to_list():
             src = self.pools[op.src_pool][op.src_block_id]
             dst = self.pools[op.dst_pool][op.dst_block_id]
             dst[: op.num_tokens] = src[: op.num_tokens]
         primary = self.pools[_core.PoolKind.PRIMARY]
         # Every request writes its new KV before any reads, as one forward does.
-        for r in plan.requests:
+        for r in batch.requests:
             block_ids = r.block_ids
             for i, token in enumerate(r.token_ids.tolist()):
                 position = r.num_cached_tokens + i
                 primary[block_ids[position // tpb]][position % tpb] = (token, position)
         request_ids, token_ids = [], []
-        for r in plan.requests:
+        for r in batch.requests:
             if not r.samples:
                 continue
             block_ids = r.block_ids
@@ -82,19 +82,19 @@ class FakeModel:
 class Run:
     """What a run to completion produced."""
 
-    plans: list = field(default_factory=list)                 # every StepPlan, in order
+    batches: list = field(default_factory=list)               # every ScheduledBatch, in order
     outputs: dict = field(default_factory=lambda: defaultdict(list))  # request id -> sampled tokens
     finish_steps: dict = field(default_factory=dict)          # request id -> index of the step that finished it
 
 
-def check_plan_limits(plan, config: _core.SchedulerConfig) -> None:
-    assert len(plan.requests) <= config.max_batch_size
-    num_tokens = sum(len(r.token_ids) for r in plan.requests)
-    assert plan.num_tokens == num_tokens <= config.max_num_tokens
-    assert len({r.request_id for r in plan.requests}) == len(plan.requests)
-    kinds = [r.is_context for r in plan.requests]
+def check_batch_limits(batch, config: _core.SchedulerConfig) -> None:
+    assert len(batch.requests) <= config.max_batch_size
+    num_tokens = sum(len(r.token_ids) for r in batch.requests)
+    assert batch.num_tokens == num_tokens <= config.max_num_tokens
+    assert len({r.request_id for r in batch.requests}) == len(batch.requests)
+    kinds = [r.is_context for r in batch.requests]
     assert kinds == sorted(kinds, reverse=True), "context chunks come before generation requests"
-    for r in plan.requests:
+    for r in batch.requests:
         if not r.is_context:
             assert len(r.token_ids) == 1 and r.samples
 
@@ -108,16 +108,16 @@ def run_steps(scheduler: _core.Scheduler, model: FakeModel, run: Run | None = No
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests() or (until is not None and until(run)):
             return run
-        plan = scheduler.schedule()
-        assert len(plan.requests) > 0, "an empty plan while requests are unfinished: the scheduler is stuck"
-        check_plan_limits(plan, config)
-        request_ids, token_ids = model.execute(plan)
+        batch = scheduler.schedule()
+        assert len(batch.requests) > 0, "an empty batch while requests are unfinished: the scheduler is stuck"
+        check_batch_limits(batch, config)
+        request_ids, token_ids = model.execute(batch)
         finished = scheduler.complete_step(np.array(request_ids, dtype=np.int64), np.array(token_ids, dtype=np.int32))
         for request_id, token_id in zip(request_ids, token_ids):
             run.outputs[request_id].append(token_id)
         for request_id in finished:
-            run.finish_steps[request_id] = len(run.plans)
-        run.plans.append(plan)
+            run.finish_steps[request_id] = len(run.batches)
+        run.batches.append(batch)
         assert scheduler.cache_manager.check_invariants() == []
     if until is None:
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
@@ -159,25 +159,25 @@ def test_fake_model_output_changes_with_a_wrong_block_table():
     prompts = {0: distinct_prompt(0, 8), 1: distinct_prompt(1, 8)}
     for request_id, prompt in prompts.items():
         add(scheduler, request_id, prompt, 3)
-    run = run_steps(scheduler, model, until=lambda run: len(run.plans) == 1)  # both contexts computed
-    plan = scheduler.schedule()
+    run = run_steps(scheduler, model, until=lambda run: len(run.batches) == 1)  # both contexts computed
+    batch = scheduler.schedule()
     expected = {i: reference_output(p, 2)[1] for i, p in prompts.items()}
-    assert dict(zip(*copy.deepcopy(model).execute(plan))) == expected
+    assert dict(zip(*copy.deepcopy(model).execute(batch))) == expected
     # Reading request 0's history from request 1's blocks (and vice versa) must change the samples.
-    swapped = dict(zip(*copy.deepcopy(model).execute(_SwappedBlocks(plan))))
+    swapped = dict(zip(*copy.deepcopy(model).execute(_SwappedBlocks(batch))))
     assert swapped[0] != expected[0] and swapped[1] != expected[1]
     assert run.outputs == {i: reference_output(p, 1) for i, p in prompts.items()}
 
 
 class _SwappedBlocks:
-    """A plan whose first two requests exchanged block tables."""
+    """A batch whose first two requests exchanged block tables."""
 
     class _Request:
         def __init__(self, r, block_ids):
             self.request_id, self.is_context, self.samples = r.request_id, r.is_context, r.samples
             self.num_cached_tokens, self.token_ids, self.block_ids = r.num_cached_tokens, r.token_ids, block_ids
 
-    def __init__(self, plan):
-        a, b = plan.requests[0], plan.requests[1]
-        self.copy_ops = plan.copy_ops
+    def __init__(self, batch):
+        a, b = batch.requests[0], batch.requests[1]
+        self.copy_ops = batch.copy_ops
         self.requests = [self._Request(a, b.block_ids), self._Request(b, a.block_ids)]

@@ -8,7 +8,7 @@ from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, refe
 
 
 def first_chunk(run, request_id: int):
-    return next(r for plan in run.plans for r in plan.requests if r.request_id == request_id)
+    return next(r for batch in run.batches for r in batch.requests if r.request_id == request_id)
 
 
 def test_reused_prefix_is_not_recomputed():
@@ -38,8 +38,8 @@ def test_early_reuse_within_batch():
     add(scheduler, 0, first, 3)
     add(scheduler, 1, second, 3)
     run = run_steps(scheduler, model)
-    assert [(r.request_id, r.num_cached_tokens, len(r.token_ids)) for r in run.plans[0].requests] == [(0, 0, 16)]
-    assert [(r.request_id, r.num_cached_tokens, len(r.token_ids)) for r in run.plans[1].requests] == [
+    assert [(r.request_id, r.num_cached_tokens, len(r.token_ids)) for r in run.batches[0].requests] == [(0, 0, 16)]
+    assert [(r.request_id, r.num_cached_tokens, len(r.token_ids)) for r in run.batches[1].requests] == [
         (0, 16, 8), (1, 16, 5)]
     assert scheduler.request_stats(0).num_reused_blocks == 0
     stats = scheduler.request_stats(1)
@@ -56,8 +56,8 @@ def test_requests_sharing_a_prefix_compute_it_once():
     for request_id, prompt in prompts.items():
         add(scheduler, request_id, prompt, 2)
     run = run_steps(scheduler, model)
-    assert [r.request_id for r in run.plans[0].requests] == [0]
-    assert [(r.request_id, r.num_cached_tokens) for r in run.plans[1].requests if r.is_context] == [(1, 12), (2, 12)]
+    assert [r.request_id for r in run.batches[0].requests] == [0]
+    assert [(r.request_id, r.num_cached_tokens) for r in run.batches[1].requests if r.is_context] == [(1, 12), (2, 12)]
     assert [scheduler.request_stats(i).num_early_reused_blocks for i in prompts] == [0, 3, 3]
     for request_id, prompt in prompts.items():
         assert run.outputs[request_id] == reference_output(prompt, 2)
@@ -70,7 +70,7 @@ def test_unrelated_request_goes_ahead_of_one_waiting_for_a_prefix():
     add(scheduler, 1, prefix + [2], 2)  # waits for request 0's prefix
     add(scheduler, 2, distinct_prompt(9, 13), 2)
     run = run_steps(scheduler, model)
-    assert [r.request_id for r in run.plans[0].requests] == [0, 2]
+    assert [r.request_id for r in run.batches[0].requests] == [0, 2]
     assert first_chunk(run, 1).num_cached_tokens == 12
 
 
@@ -81,7 +81,7 @@ def test_in_batch_prefix_reuse_can_be_turned_off():
     for request_id, prompt in prompts.items():
         add(scheduler, request_id, prompt, 2)
     run = run_steps(scheduler, model)
-    assert [(r.request_id, r.num_cached_tokens) for r in run.plans[0].requests] == [(0, 0), (1, 0), (2, 0)]
+    assert [(r.request_id, r.num_cached_tokens) for r in run.batches[0].requests] == [(0, 0), (1, 0), (2, 0)]
     assert all(scheduler.request_stats(i).num_reused_blocks == 0 for i in prompts)
 
 
@@ -93,7 +93,7 @@ def test_static_batch_computes_a_shared_prefix_within_the_batch():
     for request_id in range(3):
         add(scheduler, request_id, prefix + [request_id], 2)
     run = run_steps(scheduler, model)
-    assert [r.request_id for r in run.plans[0].requests] == [0, 1, 2]
+    assert [r.request_id for r in run.batches[0].requests] == [0, 1, 2]
 
 
 def test_prefix_under_another_cache_salt_is_not_waited_for():
@@ -102,5 +102,5 @@ def test_prefix_under_another_cache_salt_is_not_waited_for():
     add(scheduler, 0, prefix + [1], 2, cache_salt=1)
     add(scheduler, 1, prefix + [2], 2, cache_salt=2)
     run = run_steps(scheduler, model)
-    assert [r.request_id for r in run.plans[0].requests] == [0, 1]
+    assert [r.request_id for r in run.batches[0].requests] == [0, 1]
     assert scheduler.request_stats(1).num_reused_blocks == 0

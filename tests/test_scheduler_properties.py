@@ -67,12 +67,12 @@ def run_workload(workload: Workload):
     run = Run()
     while pending or scheduler.has_unfinished_requests():
         # Requests arrive at their step, or at once when the scheduler has nothing else to do.
-        while pending and (pending[0].arrival_step <= len(run.plans) or not scheduler.has_unfinished_requests()):
+        while pending and (pending[0].arrival_step <= len(run.batches) or not scheduler.has_unfinished_requests()):
             r = pending.pop(0)
             add(scheduler, r.request_id, r.prompt, r.max_new_tokens)
-        num_steps = len(run.plans)
-        run_steps(scheduler, model, run, until=lambda run: len(run.plans) > num_steps)  # one step
-        assert len(run.plans) < 2_000, "the scheduler does not make progress"
+        num_steps = len(run.batches)
+        run_steps(scheduler, model, run, until=lambda run: len(run.batches) > num_steps)  # one step
+        assert len(run.batches) < 2_000, "the scheduler does not make progress"
     return scheduler, run
 
 
@@ -91,8 +91,8 @@ def check_every_request_finished(workload: Workload, scheduler, run) -> None:
 def test_every_request_finishes_with_exactly_max_new_tokens(workload: Workload):
     scheduler, run = run_workload(workload)
     # Coverage of the interesting paths (pytest --hypothesis-show-statistics).
-    event(f"paused: {any(len(plan.paused_request_ids) > 0 for plan in run.plans)}")
-    event(f"chunked: {any(r.is_context and not r.samples for plan in run.plans for r in plan.requests)}")
+    event(f"paused: {any(len(batch.paused_request_ids) > 0 for batch in run.batches)}")
+    event(f"chunked: {any(r.is_context and not r.samples for batch in run.batches for r in batch.requests)}")
     event(f"reused: {any(scheduler.request_stats(r.request_id).num_reused_blocks > 0 for r in workload.requests)}")
     check_every_request_finished(workload, scheduler, run)
 
@@ -106,6 +106,6 @@ def test_guaranteed_no_evict_and_static_batch_never_pause(workload: Workload):
     scheduler, run = run_workload(workload)
     event(f"reuse: {workload.cache['enable_block_reuse']}, "
           f"reused: {any(scheduler.request_stats(r.request_id).num_reused_blocks > 0 for r in workload.requests)}")
-    assert all(len(plan.paused_request_ids) == 0 for plan in run.plans)
+    assert all(len(batch.paused_request_ids) == 0 for batch in run.batches)
     assert all(scheduler.request_stats(r.request_id).num_pauses == 0 for r in workload.requests)
     check_every_request_finished(workload, scheduler, run)

@@ -70,7 +70,7 @@ def test_finish_request_releases_blocks():
     scheduler, model = make_scheduler()
     add(scheduler, 0, distinct_prompt(0, 10), 50)
     add(scheduler, 1, distinct_prompt(1, 10), 50)
-    run = run_steps(scheduler, model, until=lambda run: len(run.plans) == 3)
+    run = run_steps(scheduler, model, until=lambda run: len(run.batches) == 3)
     used_before = scheduler.cache_manager.stats().primary.num_used_blocks
     scheduler.finish_request(0)  # e.g. EOS, decided by the runtime
     assert scheduler.request_state(0) == State.FINISHED
@@ -92,7 +92,7 @@ def test_finishing_a_queued_request_means_it_never_runs():
     add(scheduler, 1, distinct_prompt(1, 4), 2)
     scheduler.finish_request(1)
     run = run_steps(scheduler, model)
-    assert all(r.request_id == 0 for plan in run.plans for r in plan.requests)
+    assert all(r.request_id == 0 for batch in run.batches for r in batch.requests)
     assert scheduler.request_state(1) == State.FINISHED
 
 
@@ -100,8 +100,8 @@ def test_request_finished_between_schedule_and_complete_step_is_skipped():
     scheduler, model = make_scheduler()
     add(scheduler, 0, distinct_prompt(0, 4), 5)
     add(scheduler, 1, distinct_prompt(1, 4), 5)
-    plan = scheduler.schedule()
-    request_ids, token_ids = model.execute(plan)
+    batch = scheduler.schedule()
+    request_ids, token_ids = model.execute(batch)
     scheduler.finish_request(1)  # cancelled while the step ran
     assert scheduler.complete_step(np.array(request_ids, dtype=np.int64), np.array(token_ids, dtype=np.int32)) == []
     run = run_steps(scheduler, model)
@@ -112,7 +112,7 @@ def test_request_finished_between_schedule_and_complete_step_is_skipped():
 def test_step_protocol_errors_are_reported():
     scheduler, model = make_scheduler()
     add(scheduler, 0, distinct_prompt(0, 4), 2)
-    plan = scheduler.schedule()
+    batch = scheduler.schedule()
     with pytest.raises(RuntimeError, match="complete_step"):
         scheduler.schedule()
     with pytest.raises(ValueError, match="request 5 did not sample"):
@@ -122,7 +122,7 @@ def test_step_protocol_errors_are_reported():
     with pytest.raises(ValueError, match="1 request ids but 2 token ids"):
         scheduler.complete_step(np.array([0], dtype=np.int64), np.array([1, 2], dtype=np.int32))
     # A rejected report changes nothing: the right one is still accepted.
-    request_ids, token_ids = model.execute(plan)
+    request_ids, token_ids = model.execute(batch)
     assert scheduler.complete_step(np.array(request_ids, dtype=np.int64), np.array(token_ids, dtype=np.int32)) == []
 
 
@@ -132,7 +132,7 @@ def test_generation_step_computes_the_last_token_over_all_earlier_ones():
     add(scheduler, 0, prompt, 4)
     run = run_steps(scheduler, model)
     expected = reference_output(prompt, 4)
-    generation = [plan.requests[0] for plan in run.plans[1:]]
+    generation = [batch.requests[0] for batch in run.batches[1:]]
     assert [r.num_cached_tokens for r in generation] == [7, 8, 9]
     assert [r.token_ids.tolist() for r in generation] == [[t] for t in expected[:3]]
     assert [len(r.block_ids) for r in generation] == [2, 3, 3]  # cover 8, 9, 10 tokens

@@ -31,18 +31,6 @@ nb::ndarray<nb::numpy, const T, nb::ndim<1>> field_view(const CopyOpArrays& a, s
 
 const char* pool_name(PoolKind pool) { return pool == PoolKind::kPrimary ? "PRIMARY" : "SECONDARY"; }
 
-// Builds a SequenceSpec from the keyword arguments of the Python methods.
-SequenceSpec make_spec(nb::handle token_ids, nb::handle extra_ids, uint64_t lora_task_id,
-                       uint64_t cache_salt, int32_t priority) {
-  SequenceSpec spec;
-  spec.token_ids = to_vector<TokenId>(token_ids, "token_ids");
-  if (!extra_ids.is_none()) spec.extra_ids = to_vector<ExtraId>(extra_ids, "extra_ids");
-  spec.lora_task_id = lora_task_id;
-  spec.cache_salt = cache_salt;
-  spec.priority = priority;
-  return spec;
-}
-
 }  // namespace
 
 void bind_cache_manager(nb::module_& m) {
@@ -64,6 +52,7 @@ void bind_cache_manager(nb::module_& m) {
       .value("OFFLOADED", KvCacheEventKind::kOffloaded)
       .value("ONBOARDED", KvCacheEventKind::kOnboarded);
 
+  constexpr CacheConfig defaults{};  // the binding's defaults are the C++ ones
   nb::class_<CacheConfig>(m, "CacheConfig",
                           "Sizes (in blocks) and switches of the KV cache. Validated by KVCacheManager.")
       .def(
@@ -77,10 +66,12 @@ void bind_cache_manager(nb::module_& m) {
                                    enable_partial_reuse,  secondary_offload_min_priority,
                                    max_attention_window,  event_buffer_max_size};
           },
-          nb::kw_only(), "tokens_per_block"_a = 32, "num_primary_blocks"_a = 0,
-          "num_secondary_blocks"_a = 0, "enable_block_reuse"_a = true,
-          "enable_partial_reuse"_a = true, "secondary_offload_min_priority"_a = kDefaultPriority,
-          "max_attention_window"_a = 0, "event_buffer_max_size"_a = 0)
+          nb::kw_only(), "tokens_per_block"_a = defaults.tokens_per_block,
+          "num_primary_blocks"_a = defaults.num_primary_blocks, "num_secondary_blocks"_a = defaults.num_secondary_blocks,
+          "enable_block_reuse"_a = defaults.enable_block_reuse, "enable_partial_reuse"_a = defaults.enable_partial_reuse,
+          "secondary_offload_min_priority"_a = defaults.secondary_offload_min_priority,
+          "max_attention_window"_a = defaults.max_attention_window,
+          "event_buffer_max_size"_a = defaults.event_buffer_max_size)
       .def_rw("tokens_per_block", &CacheConfig::tokens_per_block, "Tokens per block, a power of 2.")
       .def_rw("num_primary_blocks", &CacheConfig::num_primary_blocks, "Blocks of the primary pool (> 0).")
       .def_rw("num_secondary_blocks", &CacheConfig::num_secondary_blocks,
@@ -255,61 +246,49 @@ void bind_cache_manager(nb::module_& m) {
       m, "KVCacheManager",
       "Block pools, prefix index, reuse, LRU eviction and host offload. Decides where every block "
       "lives and returns copy operations; never touches KV data.")
-      .def(nb::init<CacheConfig, int32_t>(), "config"_a, nb::kw_only(), "key_hash_bits"_a = 64,
+      .def(nb::init<CacheConfig, int32_t>(), "config"_a, nb::kw_only(), "key_hash_bits"_a = KVCacheManager::kFullKeyHashBits,
            "Raises ValueError for a bad config. key_hash_bits < 64 is a test hook that truncates block "
            "key hashes (0: every key collides) to exercise the collision guard.")
       .def_prop_ro("config", &KVCacheManager::config, "The validated configuration (a copy).")
       .def(
           "match_prefix",
-          [](const KVCacheManager& self, nb::handle token_ids, nb::handle extra_ids, uint64_t lora_task_id,
+          [](const KVCacheManager& self, IntArrayLike token_ids, IntArrayLike extra_ids, uint64_t lora_task_id,
              uint64_t cache_salt) {
-            return self.match_prefix(make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority));
+            return self.match_prefix(to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority));
           },
           "token_ids"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0, "cache_salt"_a = 0,
-          nb::sig("def match_prefix(self, token_ids: numpy.ndarray | list[int], *, "
-                  "extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, "
-                  "cache_salt: int = 0) -> MatchResult"),
           "Longest cached chain for this prompt, without side effects. The last prompt token is never matched.")
       .def(
           "num_blocks_to_add",
-          [](const KVCacheManager& self, nb::handle token_ids, int32_t num_tokens, nb::handle extra_ids,
+          [](const KVCacheManager& self, IntArrayLike token_ids, int32_t num_tokens, IntArrayLike extra_ids,
              uint64_t lora_task_id, uint64_t cache_salt) {
             return self.num_blocks_to_add(
-                make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority), num_tokens);
+                to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority), num_tokens);
           },
           "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0,
           "cache_salt"_a = 0,
-          nb::sig("def num_blocks_to_add(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, "
-                  "extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, "
-                  "cache_salt: int = 0) -> int"),
           "Primary blocks add_sequence would take out of num_available_blocks() for num_tokens tokens.")
       .def("num_available_blocks", &KVCacheManager::num_available_blocks,
            "Primary blocks that can be handed out now: free plus evictable cached ones.")
       .def(
           "can_add_sequence",
-          [](const KVCacheManager& self, nb::handle token_ids, int32_t num_tokens, nb::handle extra_ids,
+          [](const KVCacheManager& self, IntArrayLike token_ids, int32_t num_tokens, IntArrayLike extra_ids,
              uint64_t lora_task_id, uint64_t cache_salt) {
             return self.can_add_sequence(
-                make_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority), num_tokens);
+                to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, kDefaultPriority), num_tokens);
           },
           "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0,
           "cache_salt"_a = 0,
-          nb::sig("def can_add_sequence(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, "
-                  "extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, "
-                  "cache_salt: int = 0) -> bool"),
           "Whether add_sequence(..., num_tokens) would find enough blocks.")
       .def(
           "add_sequence",
-          [](KVCacheManager& self, SequenceId seq_id, nb::handle token_ids, int32_t num_tokens,
-             nb::handle extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority) {
-            return self.add_sequence(seq_id, make_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority),
+          [](KVCacheManager& self, SequenceId seq_id, IntArrayLike token_ids, int32_t num_tokens,
+             IntArrayLike extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority) {
+            return self.add_sequence(seq_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority),
                                      num_tokens);
           },
           "seq_id"_a, "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
           "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
-          nb::sig("def add_sequence(self, seq_id: int, token_ids: numpy.ndarray | list[int], "
-                  "num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, "
-                  "lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> AddSequenceResult"),
           "Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 "
           "per token or None), shares its longest cached prefix (onboarding host blocks, copying a "
           "partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. "
@@ -321,11 +300,10 @@ void bind_cache_manager(nb::module_& m) {
            "Grows the block table to hold num_tokens tokens in total. RuntimeError when blocks lack.")
       .def(
           "append_tokens",
-          [](KVCacheManager& self, SequenceId seq_id, nb::handle token_ids) {
+          [](KVCacheManager& self, SequenceId seq_id, IntArrayLike token_ids) {
             self.append_tokens(seq_id, to_vector<TokenId>(token_ids, "token_ids"));
           },
           "seq_id"_a, "token_ids"_a,
-          nb::sig("def append_tokens(self, seq_id: int, token_ids: numpy.ndarray | list[int]) -> None"),
           "Appends generated tokens (extra id 0), so blocks they fill become reusable once computed.")
       .def("mark_computed", &KVCacheManager::mark_computed, "seq_id"_a, "num_computed_tokens"_a,
            "KV of the first num_computed_tokens tokens is written: full blocks among them become "

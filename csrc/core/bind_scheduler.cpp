@@ -1,4 +1,4 @@
-// Python bindings of the scheduler: token ids in and block tables out as numpy arrays; a step plan's
+// Python bindings of the scheduler: token ids in and block tables out as numpy arrays; a step batch's
 // copy operations as the same CopyOpArrays the cache manager returns. Bad input -> ValueError,
 // unknown request id -> KeyError, calls out of order (schedule twice) -> RuntimeError.
 #include <nanobind/nanobind.h>
@@ -19,8 +19,8 @@ namespace kvtool {
 
 namespace {
 
-// A step plan as Python sees it: converted once, so repeated attribute reads copy nothing.
-struct PyStepPlan {
+// A ScheduledBatch as Python sees it: converted once, so repeated attribute reads copy nothing.
+struct PyScheduledBatch {
   int64_t step_id = 0;
   nb::list requests;                        // ScheduledRequest, context chunks first
   CopyOpArrays copy_ops;                    // run these, in order, before the forward
@@ -28,13 +28,13 @@ struct PyStepPlan {
   int32_t num_tokens = 0;                   // tokens computed in the step
 };
 
-PyStepPlan to_python(StepPlan&& plan) {
-  PyStepPlan out;
-  out.step_id = plan.step_id;
-  for (ScheduledRequest& sr : plan.requests) out.requests.append(nb::cast(std::move(sr)));
-  out.copy_ops = CopyOpArrays{std::move(plan.copy_ops)};
-  out.paused_request_ids = std::move(plan.paused_request_ids);
-  out.num_tokens = plan.num_tokens;
+PyScheduledBatch to_python(ScheduledBatch&& batch) {
+  PyScheduledBatch out;
+  out.step_id = batch.step_id;
+  for (ScheduledRequest& sr : batch.requests) out.requests.append(nb::cast(std::move(sr)));
+  out.copy_ops = CopyOpArrays{std::move(batch.copy_ops)};
+  out.paused_request_ids = std::move(batch.paused_request_ids);
+  out.num_tokens = batch.num_tokens;
   return out;
 }
 
@@ -91,6 +91,7 @@ void bind_scheduler(nb::module_& m) {
       .value("PAUSED", RequestState::kPaused)
       .value("FINISHED", RequestState::kFinished);
 
+  constexpr SchedulerConfig defaults{};  // the binding's defaults are the C++ ones
   nb::class_<SchedulerConfig>(m, "SchedulerConfig", "Capacity policy, context chunking and per-step limits.")
       .def(
           "__init__",
@@ -101,10 +102,11 @@ void bind_scheduler(nb::module_& m) {
                                        max_batch_size,           max_num_tokens,          max_seq_len,
                                        enable_in_batch_prefix_reuse};
           },
-          nb::kw_only(), "capacity_scheduler_policy"_a = CapacitySchedulerPolicy::kGuaranteedNoEvict,
-          "context_chunking_policy"_a = ContextChunkingPolicy::kFirstComeFirstServed,
-          "enable_chunked_context"_a = false, "max_batch_size"_a = 8, "max_num_tokens"_a = 8192,
-          "max_seq_len"_a = 4096, "enable_in_batch_prefix_reuse"_a = true)
+          nb::kw_only(), "capacity_scheduler_policy"_a = defaults.capacity_scheduler_policy,
+          "context_chunking_policy"_a = defaults.context_chunking_policy,
+          "enable_chunked_context"_a = defaults.enable_chunked_context, "max_batch_size"_a = defaults.max_batch_size,
+          "max_num_tokens"_a = defaults.max_num_tokens, "max_seq_len"_a = defaults.max_seq_len,
+          "enable_in_batch_prefix_reuse"_a = defaults.enable_in_batch_prefix_reuse)
       .def_rw("capacity_scheduler_policy", &SchedulerConfig::capacity_scheduler_policy)
       .def_rw("context_chunking_policy", &SchedulerConfig::context_chunking_policy)
       .def_rw("enable_chunked_context", &SchedulerConfig::enable_chunked_context)
@@ -156,17 +158,17 @@ void bind_scheduler(nb::module_& m) {
                ", samples=" + (r.samples ? "True" : "False") + ")";
       });
 
-  nb::class_<PyStepPlan>(m, "StepPlan", "What the runtime executes in one step.")
-      .def_ro("step_id", &PyStepPlan::step_id)
-      .def_ro("requests", &PyStepPlan::requests, "list[ScheduledRequest]: context chunks first, then generation.")
-      .def_ro("copy_ops", &PyStepPlan::copy_ops, nb::rv_policy::reference_internal,
+  nb::class_<PyScheduledBatch>(m, "ScheduledBatch", "What the runtime executes in one step.")
+      .def_ro("step_id", &PyScheduledBatch::step_id)
+      .def_ro("requests", &PyScheduledBatch::requests, "list[ScheduledRequest]: context chunks first, then generation.")
+      .def_ro("copy_ops", &PyScheduledBatch::copy_ops, nb::rv_policy::reference_internal,
               "CopyOpArrays to run, in order, before the forward (even when requests is empty).")
-      .def_ro("paused_request_ids", &PyStepPlan::paused_request_ids,
+      .def_ro("paused_request_ids", &PyScheduledBatch::paused_request_ids,
               "list[int]: requests paused this step (MAX_UTILIZATION).")
-      .def_ro("num_tokens", &PyStepPlan::num_tokens, "Tokens computed in the step.")
-      .def("__len__", [](const PyStepPlan& p) { return nb::len(p.requests); })
-      .def("__repr__", [](const PyStepPlan& p) {
-        return "StepPlan(step_id=" + std::to_string(p.step_id) + ", num_requests=" +
+      .def_ro("num_tokens", &PyScheduledBatch::num_tokens, "Tokens computed in the step.")
+      .def("__len__", [](const PyScheduledBatch& p) { return nb::len(p.requests); })
+      .def("__repr__", [](const PyScheduledBatch& p) {
+        return "ScheduledBatch(step_id=" + std::to_string(p.step_id) + ", num_requests=" +
                std::to_string(nb::len(p.requests)) + ", num_tokens=" + std::to_string(p.num_tokens) +
                ", num_copy_ops=" + std::to_string(p.copy_ops.size()) +
                ", num_paused=" + std::to_string(p.paused_request_ids.size()) + ")";
@@ -196,22 +198,16 @@ void bind_scheduler(nb::module_& m) {
 
   nb::class_<Scheduler>(m, "Scheduler",
                         "Request states, capacity policy, micro-batch limits and chunked context over a "
-                        "KV cache manager it owns. Each step: schedule() -> run the plan -> complete_step().")
+                        "KV cache manager it owns. Each step: schedule() -> run the batch -> complete_step().")
       .def(nb::init<CacheConfig, SchedulerConfig>(), "cache_config"_a, "scheduler_config"_a,
            "Raises ValueError for a bad configuration.")
       .def(
           "add_request",
-          [](Scheduler& self, int64_t request_id, nb::handle token_ids, int32_t max_new_tokens, nb::handle extra_ids,
+          [](Scheduler& self, int64_t request_id, IntArrayLike token_ids, int32_t max_new_tokens,
+             IntArrayLike extra_ids,
              uint64_t lora_task_id, uint64_t cache_salt, int32_t priority) {
-            RequestSpec spec;
-            spec.request_id = request_id;
-            spec.sequence.token_ids = to_vector<TokenId>(token_ids, "token_ids");
-            if (!extra_ids.is_none()) spec.sequence.extra_ids = to_vector<ExtraId>(extra_ids, "extra_ids");
-            spec.sequence.lora_task_id = lora_task_id;
-            spec.sequence.cache_salt = cache_salt;
-            spec.sequence.priority = priority;
-            spec.max_new_tokens = max_new_tokens;
-            self.add_request(spec);
+            self.add_request(request_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority),
+                             max_new_tokens);
           },
           "request_id"_a, "token_ids"_a, "max_new_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
           "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
@@ -225,17 +221,17 @@ void bind_scheduler(nb::module_& m) {
            "already finished. KeyError for an unknown id.")
       .def(
           "schedule", [](Scheduler& self) { return to_python(self.schedule()); },
-          "Plans the next step. Run its copy_ops, then the forward of its requests, then call "
-          "complete_step. RuntimeError if the previous non-empty plan was not completed.")
+          "Schedules the next step. Run its copy_ops, then the forward of its requests, then call "
+          "complete_step. RuntimeError if the previous non-empty batch was not completed.")
       .def(
           "complete_step",
-          [](Scheduler& self, nb::handle request_ids, nb::handle token_ids) {
+          [](Scheduler& self, IntArrayLike request_ids, IntArrayLike token_ids) {
             return self.complete_step(to_request_ids(request_ids), to_vector<TokenId>(token_ids, "token_ids"));
           },
           "request_ids"_a, "token_ids"_a,
-          "Reports the last plan: request_ids (int64) of the requests that sampled and their sampled "
+          "Reports the last batch: request_ids (int64) of the requests that sampled and their sampled "
           "token_ids (int32). Returns the ids of requests that reached max_new_tokens (finished, blocks "
-          "released). ValueError when request_ids are not the plan's sampling requests.")
+          "released). ValueError when request_ids are not the batch's sampling requests.")
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
       .def("num_queued_requests", &Scheduler::num_queued_requests, "Waiting requests, paused ones included.")
       .def("num_running_requests", &Scheduler::num_running_requests, "Requests holding blocks (context or generation).")

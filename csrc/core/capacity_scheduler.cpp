@@ -1,17 +1,7 @@
-// The capacity scheduler: which requests hold KV cache blocks this step.
-//
-// Before each step every generating request gets room for its newest token. Then queued requests
-// are admitted first come, first served (a paused request waits at the front), never skipping
-// one that does not fit, up to max_batch_size running requests:
-//   GUARANTEED_NO_EVICT  admit only if the blocks for the request's whole lifetime fit beside every
-//                        running request's remaining needs, so no started request ever waits for
-//                        a block;
-//   MAX_UTILIZATION      admit while the prompt fits now; when a generating request cannot get a
-//                        block, pause the most recently started request (its computed blocks stay
-//                        cached) until it can;
-//   STATIC_BATCH         admit as GUARANTEED_NO_EVICT does, but only when no request is running.
-// With enable_in_batch_prefix_reuse, a queued request that a running context is still computing
-// shared prompt blocks for waits (others behind it may go first) and reuses them once computed.
+// The capacity scheduler: which requests hold KV cache blocks this step. Generating requests get
+// room for their newest token first; then queued requests are admitted in order (paused ones at
+// the front, never skipping one that does not fit) as the CapacitySchedulerPolicy allows (its
+// values are described where they are bound, in bind_scheduler.cpp).
 #include <algorithm>
 #include <cstddef>
 
@@ -19,15 +9,15 @@
 
 namespace kvtool {
 
-void Scheduler::Impl::schedule_capacity(StepPlan& plan) {
+void Scheduler::Impl::schedule_capacity(ScheduledBatch& batch) {
   // Under GUARANTEED_NO_EVICT and STATIC_BATCH admission reserved every block a running request
   // can need, and the cache manager's available blocks shrink only by the blocks it hands out, so
   // growing never pauses anyone (tests assert it, with and without block reuse). The pause path
   // stays as a safety valve: should that ever break, pausing keeps the run correct and alive.
-  grow_generating_requests_or_pause(plan.paused_request_ids);
+  grow_generating_requests_or_pause(batch.paused_request_ids);
   // Blocks a pause just freed go to the requests still running, not straight back to the paused
   // one or a newcomer (which would be paused again at once). With none left running, admit.
-  if (!plan.paused_request_ids.empty() && !running.empty()) return;
+  if (!batch.paused_request_ids.empty() && !running.empty()) return;
   switch (config.capacity_scheduler_policy) {
     case CapacitySchedulerPolicy::kGuaranteedNoEvict:
       admit_guaranteed();
@@ -44,11 +34,11 @@ void Scheduler::Impl::schedule_capacity(StepPlan& plan) {
 void Scheduler::Impl::grow_generating_requests_or_pause(std::vector<int64_t>& paused_request_ids) {
   // running is in start order, so its back is the most recently started request.
   for (size_t i = 0; i < running.size(); ++i) {
-    RequestRecord& r = record(running[i]);
+    Request& r = record(running[i]);
     if (r.state != RequestState::kGeneration || r.num_allocated_tokens >= r.num_total_tokens()) continue;
     bool paused_itself = false;
     while (!cache_manager.can_allocate(r.request_id, r.num_total_tokens())) {
-      RequestRecord& victim = record(running.back());
+      Request& victim = record(running.back());
       paused_itself = victim.request_id == r.request_id;
       pause(victim);
       paused_request_ids.push_back(victim.request_id);
@@ -60,7 +50,7 @@ void Scheduler::Impl::grow_generating_requests_or_pause(std::vector<int64_t>& pa
   }
 }
 
-void Scheduler::Impl::pause(RequestRecord& r) {
+void Scheduler::Impl::pause(Request& r) {
   // Computed full blocks stay matchable, so the resumed request recomputes only what was evicted.
   cache_manager.release(r.request_id);
   remove_running(r.request_id);
@@ -77,7 +67,7 @@ void Scheduler::Impl::admit_guaranteed() {
   for (int64_t request_id : running) num_reserved_blocks += num_remaining_blocks(record(request_id));
   size_t index = 0;  // requests before it wait for a prefix a running context is computing
   while (index < waiting.size() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
-    RequestRecord& r = record(waiting[index]);
+    Request& r = record(waiting[index]);
     SequenceSpec spec = admission_spec(r);
     if (should_wait_for_in_flight_prefix(spec)) {
       ++index;
@@ -104,7 +94,7 @@ void Scheduler::Impl::admit_guaranteed() {
 void Scheduler::Impl::admit_max_utilization() {
   size_t index = 0;
   while (index < waiting.size() && static_cast<int32_t>(running.size()) < config.max_batch_size) {
-    RequestRecord& r = record(waiting[index]);
+    Request& r = record(waiting[index]);
     SequenceSpec spec = admission_spec(r);
     if (should_wait_for_in_flight_prefix(spec)) {
       ++index;
@@ -124,7 +114,7 @@ bool Scheduler::Impl::should_wait_for_in_flight_prefix(const SequenceSpec& spec)
   const auto num_matchable_blocks = static_cast<int32_t>((spec.token_ids.size() - 1) / tokens_per_block);
   int32_t num_in_flight_blocks = 0;  // leading blocks a running context shares and has yet to compute
   for (int64_t request_id : running) {
-    const RequestRecord& other = record(request_id);
+    const Request& other = record(request_id);
     if (other.state != RequestState::kContext || other.spec.lora_task_id != spec.lora_task_id ||
         other.spec.cache_salt != spec.cache_salt) {
       continue;
@@ -144,7 +134,7 @@ bool Scheduler::Impl::should_wait_for_in_flight_prefix(const SequenceSpec& spec)
 }
 
 void Scheduler::Impl::admit(size_t index, const SequenceSpec& spec) {
-  RequestRecord& r = record(waiting[index]);
+  Request& r = record(waiting[index]);
   const auto num_context_tokens = static_cast<int32_t>(spec.token_ids.size());
   const AddSequenceResult result = cache_manager.add_sequence(r.request_id, spec, num_context_tokens);
   waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(index));

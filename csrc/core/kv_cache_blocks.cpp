@@ -3,33 +3,9 @@
 #include <cstring>
 #include <stdexcept>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include "kv_cache_manager_impl.h"
 
 namespace kvtool {
-
-namespace {
-
-// Copies a block's token ids into the node store. The store is written once per node and read
-// only to confirm a key hit, so whole cache lines are written around the cache (no line fill,
-// no eviction of hot index buckets); the manager's own later reads still see them.
-void store_tokens(TokenId* dst, const TokenId* src, size_t num_tokens) {
-  const size_t num_bytes = num_tokens * sizeof(TokenId);
-#if defined(__SSE2__)
-  if (num_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-    auto* d = reinterpret_cast<__m128i*>(dst);
-    const auto* s = reinterpret_cast<const __m128i*>(src);
-    for (size_t i = 0; i < num_bytes / 16; ++i) _mm_stream_si128(d + i, _mm_loadu_si128(s + i));
-    return;
-  }
-#endif
-  std::memcpy(dst, src, num_bytes);
-}
-
-}  // namespace
 
 KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
     : config(c),
@@ -45,7 +21,6 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
                                ? static_cast<size_t>(config.num_primary_blocks) + config.num_secondary_blocks
                                : 0;
   nodes.assign(max_nodes + 1, Node{});
-  node_info.assign(max_nodes + 1, NodeInfo{});
   root = static_cast<NodeId>(max_nodes);
   nodes[root].live = true;
   free_node_ids.reserve(max_nodes);
@@ -68,7 +43,7 @@ NodeId KVCacheManager::Impl::find_child(NodeId parent, uint64_t hash, const Toke
   return key_index.find(hash, [&](NodeId n) {
     const Node& x = nodes[n];
     if (x.parent != parent || x.hash != hash || x.has_extras != has_extras) return false;
-    if (node_info[n].lora_task_id != lora || node_info[n].cache_salt != salt) return false;
+    if (x.lora_task_id != lora || x.cache_salt != salt) return false;
     if (std::memcmp(node_tokens(n), token_ids, sizeof(TokenId) * tpb) != 0) return false;
     return !has_extras || std::memcmp(node_extras(n), extra_ids, sizeof(ExtraId) * tpb) == 0;
   });
@@ -93,18 +68,13 @@ void KVCacheManager::Impl::on_child_unheld(NodeId p) {
   }
 }
 
-// Children lists serve drop_tree only, which never drops the root: the root's children (a
-// block for nearly every distinct first block) are counted, not linked, so storing or dropping
-// one never touches a random sibling.
 void KVCacheManager::Impl::add_child(NodeId parent, NodeId n) {
   Node& p = nodes[parent];
   Node& x = nodes[n];
   x.parent = parent;
   x.prev_sibling = kNoNode;
-  x.next_sibling = kNoNode;
   ++p.num_children;
   if (x.pool == PoolKind::kPrimary) ++p.num_primary_children;
-  if (parent == root) return;
   x.next_sibling = p.first_child;
   if (p.first_child != kNoNode) nodes[p.first_child].prev_sibling = n;
   p.first_child = n;
@@ -116,27 +86,19 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   const NodeId n = free_node_ids.back();
   free_node_ids.pop_back();
   Node& x = nodes[n];
-  NodeInfo& info = node_info[n];
-  // Every field written one by one (the slot keeps its generation): no wide copy into the line
-  // followed by narrow read-modify-writes of its flag bits.
-  x.hash = hash;
-  x.partial_key = 0;
-  x.first_child = x.next_sibling = x.prev_sibling = kNoNode;
-  x.lru_prev = x.lru_next = kNoNode;
-  x.num_children = x.num_primary_children = x.num_held_children = 0;
-  x.block_id = block;
-  x.priority = static_cast<uint8_t>(seq.priority);
-  x.pool = PoolKind::kPrimary;
-  x.live = true;
-  x.in_lru = false;
-  x.pinned = false;
-  x.has_extras = any_extra(extra_ids, tpb);
-  x.owner_running = true;
-  x.in_partial_index = false;
-  info.lora_task_id = seq.lora_task_id;
-  info.cache_salt = seq.cache_salt;
-  info.owner = seq_id;
-  store_tokens(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, tpb);
+  Node fresh;
+  fresh.hash = hash;
+  fresh.block_id = block;
+  fresh.generation = x.generation;  // the slot keeps counting
+  fresh.priority = static_cast<uint8_t>(seq.priority);
+  fresh.live = true;
+  fresh.has_extras = any_extra(extra_ids, tpb);
+  fresh.owner_running = true;
+  fresh.lora_task_id = seq.lora_task_id;
+  fresh.cache_salt = seq.cache_salt;
+  fresh.owner = seq_id;
+  x = fresh;
+  std::memcpy(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, sizeof(TokenId) * tpb);
   if (x.has_extras) {
     if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
     std::memcpy(&node_extra_ids[static_cast<size_t>(n) * tpb], extra_ids, sizeof(ExtraId) * tpb);
@@ -183,7 +145,7 @@ void KVCacheManager::Impl::ref_block(BlockId b) {
 
 void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
   const NodeId n = primary_node[b];
-  if (n != kNoNode && nodes[n].owner_running && node_info[n].owner == seq_id) nodes[n].owner_running = false;
+  if (n != kNoNode && nodes[n].owner_running && nodes[n].owner == seq_id) nodes[n].owner_running = false;
   if (--primary_refcount[b] == 0) {
     --num_used_primary;
     if (n == kNoNode) {
@@ -193,52 +155,6 @@ void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
       on_unreferenced(n);
     }
   }
-}
-
-// unref_block for block_ids from the last to the first, with the nodes that become unreferenced
-// linked into runs (one per stretch of equal priority) that join their LRU list in one splice.
-void KVCacheManager::Impl::unref_blocks_last_first(const std::vector<BlockId>& block_ids, SequenceId seq_id) {
-  LruLists& l = lru[static_cast<int>(PoolKind::kPrimary)];
-  NodeId first = kNoNode, last = kNoNode;
-  int priority = -1;
-  auto splice = [&] {
-    if (first == kNoNode) return;
-    nodes[first].lru_prev = l.tail[priority];
-    if (l.tail[priority] != kNoNode) {
-      nodes[l.tail[priority]].lru_next = first;
-    } else {
-      l.head[priority] = first;
-    }
-    l.tail[priority] = last;
-    nodes[last].lru_next = kNoNode;
-    l.nonempty[priority >> 6] |= 1ULL << (priority & 63);
-  };
-  for (size_t i = block_ids.size(); i-- > 0;) {
-    const BlockId b = block_ids[i];
-    if (b == kNoBlock) continue;
-    const NodeId n = primary_node[b];
-    if (n != kNoNode && nodes[n].owner_running && node_info[n].owner == seq_id) nodes[n].owner_running = false;
-    if (--primary_refcount[b] != 0) continue;
-    --num_used_primary;
-    if (n == kNoNode) {
-      primary_free.push_back(b);
-      continue;
-    }
-    Node& x = nodes[n];
-    if (x.priority != priority) {
-      splice();
-      priority = x.priority;
-      first = n;
-    } else {
-      nodes[last].lru_next = n;
-      x.lru_prev = last;
-    }
-    last = n;
-    x.in_lru = true;
-    node_info[n].lru_stamp = ++lru_clock;
-    on_unreferenced(n);
-  }
-  splice();
 }
 
 void KVCacheManager::Impl::record_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {

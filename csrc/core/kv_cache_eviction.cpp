@@ -45,8 +45,9 @@ BlockId KVCacheManager::Impl::pop_free_secondary() {
 }
 
 int KVCacheManager::Impl::lowest_priority(const LruLists& l) {
-  if (l.nonempty[0] != 0) return __builtin_ctzll(l.nonempty[0]);
-  if (l.nonempty[1] != 0) return 64 + __builtin_ctzll(l.nonempty[1]);
+  for (int p = 0; p < kNumPriorities; ++p) {
+    if (l.head[p] != kNoNode) return p;
+  }
   return -1;
 }
 
@@ -55,30 +56,19 @@ int KVCacheManager::Impl::lowest_priority(const LruLists& l) {
 // chain is never broken in the middle.
 NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
   const LruLists& l = lru[static_cast<int>(pool)];
-  for (int word = 0; word < 2; ++word) {
-    uint64_t bits = l.nonempty[word];
-    while (bits != 0) {
-      const int p = word * 64 + __builtin_ctzll(bits);
-      bits &= bits - 1;
-      for (NodeId n = l.head[p]; n != kNoNode; n = nodes[n].lru_next) {
-        const Node& x = nodes[n];
-        if (x.pinned) continue;
-        if ((pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) {
-          return n;
-        }
-      }
+  for (int p = 0; p < kNumPriorities; ++p) {
+    for (NodeId n = l.head[p]; n != kNoNode; n = nodes[n].lru_next) {
+      const Node& x = nodes[n];
+      if (!x.pinned && (pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) return n;
     }
   }
   return kNoNode;
 }
 
-// Taking count blocks evicts the primary pool's first LRU leaves; offloading them drops as many
-// of the secondary pool's (without a host tier the primary victims are dropped themselves). A
-// drop erases two index buckets at random places, and the victims' nodes were last touched long
-// ago. A scout walks the list the drops come from a few nodes ahead of the evictions, loading
-// each node a step before it reads it (and, runs of node ids being common, the one a stride
-// further), then the buckets of the node kForecastDistance drops ahead: the cache misses overlap
-// with the evictions instead of being paid one after another.
+// Taking count blocks evicts the primary pool's LRU leaves; offloading them drops as many of the
+// secondary pool's. Each drop erases index buckets at random places, of nodes last touched long
+// ago: a scout walks the list the drops come from ahead of the evictions and starts loading
+// those lines, so the cache misses overlap instead of being paid one after another.
 void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<BlockId>& out) {
   const bool offload = config.num_secondary_blocks > 0;
   const int32_t num_drops =
@@ -91,58 +81,28 @@ void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<Bl
     if (p >= 0) {
       scout_walk = scout_bucket = l.head[p];
       scout_steps_left = num_drops;
-      for (size_t k = 0; k < kForecastDistance + 2 && scout_walk != kNoNode; ++k) advance_scout_walk();
+      for (size_t k = 0; k < kForecastDistance + 2; ++k) advance_scout_walk();
       for (size_t k = 0; k < kForecastDistance; ++k) advance_scout_bucket();
     }
   }
   for (int32_t taken = 0; taken < count;) {
-    scout();
-    if (primary_free.empty()) {
-      const int32_t num_offloaded = offload_run(count - taken, out);
-      if (num_offloaded > 0) {
-        taken += num_offloaded;
-        continue;
-      }
+    advance_scout_walk();
+    advance_scout_bucket();
+    const int32_t num_offloaded = primary_free.empty() ? offload_run(count - taken, out) : 0;
+    if (num_offloaded > 0) {
+      taken += num_offloaded;
+    } else {
+      out.push_back(take_new_primary_block());
+      ++taken;
     }
-    out.push_back(take_new_primary_block());
-    ++taken;
   }
-}
-
-// The walking cursor loads the next node's line (and, runs of node ids being common, the one a
-// stride further); the bucket cursor, two nodes behind, loads the index buckets of its node.
-void KVCacheManager::Impl::advance_scout_walk() {
-  const NodeId next = nodes[scout_walk].lru_next;
-  if (next != kNoNode) {
-    prefetch_line(&nodes[next]);
-    const int64_t guess = 2 * static_cast<int64_t>(next) - scout_walk;
-    if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) prefetch_line(&nodes[guess]);
-  }
-  scout_walk = next;
-}
-
-void KVCacheManager::Impl::advance_scout_bucket() {
-  if (scout_bucket == kNoNode || scout_steps_left <= 0) return;
-  const Node& x = nodes[scout_bucket];
-  key_index.prefetch_for_write(x.hash);
-  if (x.in_partial_index) partial_index.prefetch_for_write(x.partial_key);
-  scout_bucket = x.lru_next;
-  --scout_steps_left;
-}
-
-// One eviction's step of the scout (see take_new_primary_blocks).
-void KVCacheManager::Impl::scout() {
-  if (scout_walk != kNoNode) advance_scout_walk();
-  advance_scout_bucket();
 }
 
 // The steady state of a full cache, in bulk: offloads a run of primary LRU leaves from the head of
-// the lowest-priority list, each into a free secondary block or the block of a secondary LRU leaf
-// dropped for it, and splices the run onto the secondary list once (its LRU links are already in
-// order). Every effect — copy ops, events, stamps, counters, which nodes go — is that of as many
-// take_new_primary_block calls; the run stops (returning the blocks taken so far) wherever a
-// single call could choose differently: a pinned or non-leaf head, a victim that would be
-// dropped, or a secondary victim that would not be the head of the list the run started from.
+// the lowest-priority list and splices it onto the secondary list once. Its effects are those of
+// as many take_new_primary_block calls; the run stops wherever a single call could choose
+// differently (a pinned or non-leaf head, a victim that would be dropped, a secondary victim
+// that is not the head of an older list).
 int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockId>& out) {
   if (config.num_secondary_blocks == 0) return 0;
   LruLists& from = lru[static_cast<int>(PoolKind::kPrimary)];
@@ -159,17 +119,6 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
   while (n < max_blocks && v != kNoNode) {
     Node& x = nodes[v];
     if (x.pinned || x.num_primary_children > 0) break;
-    // The next victim (usually this one's parent) and, runs of node ids being common, the one
-    // after it: their lines load while this one is offloaded.
-    if (x.lru_next != kNoNode) {
-      prefetch_line_for_write(&nodes[x.lru_next]);
-      prefetch_line_for_write(&node_info[x.lru_next]);  // its LRU stamp is written
-      const int64_t guess = 2 * static_cast<int64_t>(x.lru_next) - v;
-      if (guess >= 0 && guess < static_cast<int64_t>(nodes.size())) {
-        prefetch_line_for_write(&nodes[guess]);
-        prefetch_line_for_write(&node_info[guess]);
-      }
-    }
     if (num_free_secondary() == 0) {
       if (!may_drop) break;
       const NodeId victim = to.head[q];
@@ -185,7 +134,7 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
     x.pool = PoolKind::kSecondary;
     x.block_id = dst;
     secondary_node[dst] = v;
-    node_info[v].lru_stamp = ++lru_clock;
+    x.lru_stamp = ++lru_clock;
     ++stats.offloaded_blocks;
     stats.num_offloaded_tokens += tpb;
     emit_event(KvCacheEventKind::kOffloaded, v, false);
@@ -195,7 +144,8 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
     last = v;
     v = x.lru_next;
     ++n;
-    scout();
+    advance_scout_walk();
+    advance_scout_bucket();
   }
   if (n == 0) return 0;
   // Unlink [first, last] from the head of primary list p; append it to secondary list p.
@@ -204,7 +154,6 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
     nodes[v].lru_prev = kNoNode;
   } else {
     from.tail[p] = kNoNode;
-    from.nonempty[p >> 6] &= ~(1ULL << (p & 63));
   }
   nodes[first].lru_prev = to.tail[p];
   if (to.tail[p] != kNoNode) {
@@ -214,8 +163,24 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
   }
   to.tail[p] = last;
   nodes[last].lru_next = kNoNode;
-  to.nonempty[p >> 6] |= 1ULL << (p & 63);
   return n;
+}
+
+// The walking cursor loads the next node's line; the bucket cursor, two nodes behind it, loads
+// the index buckets that its node's drop (kForecastDistance drops ahead) will erase.
+void KVCacheManager::Impl::advance_scout_walk() {
+  if (scout_walk == kNoNode) return;
+  scout_walk = nodes[scout_walk].lru_next;
+  if (scout_walk != kNoNode) prefetch_line(&nodes[scout_walk]);
+}
+
+void KVCacheManager::Impl::advance_scout_bucket() {
+  if (scout_bucket == kNoNode || scout_steps_left <= 0) return;
+  const Node& x = nodes[scout_bucket];
+  key_index.prefetch_for_write(x.hash);
+  if (x.in_partial_index) partial_index.prefetch_for_write(x.partial_key);
+  scout_bucket = x.lru_next;
+  --scout_steps_left;
 }
 
 // Frees the victim's primary block for the caller: the node moves to the secondary pool

@@ -134,11 +134,10 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
       fail(name + " is in the partial index although partial reuse is disabled");
     }
     const uint64_t parent_hash = x.parent == root ? 0 : m.nodes[x.parent].hash;
-    const auto& info = m.node_info[n];
-    const uint64_t h = block_key_hash(parent_hash, m.node_tokens(n), m.node_extras(n), m.tpb, info.lora_task_id,
-                                      info.cache_salt, m.key_hash_bits);
+    const uint64_t h = block_key_hash(parent_hash, m.node_tokens(n), m.node_extras(n), m.tpb, x.lora_task_id,
+                                      x.cache_salt, m.key_hash_bits);
     if (h != x.hash) fail(name + " has a key that does not match its tokens and parent");
-    if (m.find_child(x.parent, x.hash, m.node_tokens(n), m.node_extras(n), info.lora_task_id, info.cache_salt) ==
+    if (m.find_child(x.parent, x.hash, m.node_tokens(n), m.node_extras(n), x.lora_task_id, x.cache_salt) ==
         kNoNode) {
       fail(name + " cannot be found through the key index");
     }
@@ -151,7 +150,7 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
       if (m.nodes[c].parent != n) fail("node " + s(c) + " is listed as a child of node " + s(n) + " but has another parent");
       ++listed;
     }
-    if ((n == root ? x.first_child != kNoNode : listed != children[n]) || x.num_children != children[n] || x.num_primary_children != primary_children[n] ||
+    if (listed != children[n] || x.num_children != children[n] || x.num_primary_children != primary_children[n] ||
         (n != root && x.num_held_children != held_children[n])) {
       fail("node " + s(n) + " has wrong child counts (" + s(x.num_children) + "/" + s(x.num_primary_children) + "/" +
            s(x.num_held_children) + " kept, " + s(children[n]) + "/" + s(primary_children[n]) + "/" +
@@ -168,8 +167,6 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
   for (int pool = 0; pool < 2; ++pool) {
     const auto& l = m.lru[pool];
     for (int p = 0; p < kNumPriorities; ++p) {
-      const bool flagged = (l.nonempty[p >> 6] >> (p & 63)) & 1;
-      if (flagged != (l.head[p] != kNoNode)) fail("LRU list " + s(pool) + "/" + s(p) + " has a wrong non-empty bit");
       NodeId prev = kNoNode;
       for (NodeId n = l.head[p]; n != kNoNode && num_listed <= num_slots; n = m.nodes[n].lru_next) {
         const auto& x = m.nodes[n];

@@ -7,10 +7,6 @@
 #include <stdexcept>
 #include <string>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include "kv_cache_manager_impl.h"
 
 namespace kvtool {
@@ -84,18 +80,14 @@ void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequenc
   x.block_id = block;
   primary_node[block] = n;
   x.priority = static_cast<uint8_t>(seq.priority);
-  node_info[n].owner = seq_id;
+  x.owner = seq_id;
   x.owner_running = true;
   on_referenced(n);
 }
 
-// Block i is about to be stored below the sequence's chain of canonical nodes (parent first).
-// Those above it that nobody references and nothing holds yet — the sequence computed duplicates
-// of them while other sequences held them, and those have let go since — would become held by
-// the new child: pinned although unreferenced, so num_available() would shrink without an
-// allocation. Each of them moves into the sequence's duplicate of it instead (its old block is
-// freed: available blocks stay the same). Returns false, changing nothing, when one of them has
-// no duplicate left (the sliding window released it): the chain stops there.
+// Block i is about to be stored below the sequence's chain: the idle ancestors move into the
+// sequence's duplicates of them, so that the new child pins no unreferenced node (rules:
+// docs/architecture.md#kv-cache-rules). False, changing nothing, when the window released one.
 bool KVCacheManager::Impl::take_over_idle_ancestors(SequenceId seq_id, Sequence& seq, int32_t i) {
   int32_t num_idle = 0;
   for (NodeId c = seq.last_node; c != root && primary_refcount[nodes[c].block_id] == 0 && !is_held(c);
@@ -124,21 +116,17 @@ void KVCacheManager::Impl::prefetch_store(const Sequence& seq, int32_t j) const 
   }
 }
 
-// Gives keys to the sequence's newly computed full blocks (early reuse). A block whose key is
-// already cached takes the node over (the node moves into this block; a primary copy's block is
-// freed) unless another sequence references the cached copy: then this block stays an unkeyed
-// duplicate and the chain continues through the cached node.
+// Gives keys to the sequence's newly computed full blocks (early reuse); a block whose key is
+// cached takes the node over, or stays a duplicate while others reference the cached copy.
 void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
   const int32_t num_full = seq.num_computed_tokens / tpb;
   if (seq.num_stored_blocks >= num_full || seq.chain_broken) return;
-  // The keys chain through the tokens alone: compute the missing ones first and start loading
-  // their index slots, so the cache misses of the lookups below overlap.
   if (seq.block_hashes.size() < static_cast<size_t>(num_full)) {
     extend_hashes(seq.block_hashes, seq.token_ids.data(), seq.extra_ids.empty() ? nullptr : seq.extra_ids.data(),
-                  seq.identity, num_full, /*prefetch=*/false);
+                  seq.identity, num_full);
   }
-  // Index buckets are loaded kPrefetchDistance blocks ahead of their insert: far enough for the
-  // miss to complete, few enough that the CPU keeps every prefetch in flight.
+  // Index buckets are loaded kPrefetchDistance blocks ahead of their insert, so the cache misses
+  // overlap (without it the manager is about 1.3x slower: results/cache_manager.md).
   constexpr int32_t kPrefetchDistance = 12;
   for (int32_t j = seq.num_stored_blocks; j < std::min(num_full, seq.num_stored_blocks + kPrefetchDistance); ++j) {
     prefetch_store(seq, j);
@@ -171,7 +159,7 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     } else if (nodes[n].pool == PoolKind::kSecondary) {
       move_to_primary(n, block);
       nodes[n].priority = static_cast<uint8_t>(seq.priority);
-      node_info[n].owner = seq_id;
+      nodes[n].owner = seq_id;
       nodes[n].owner_running = true;
       emit_event(KvCacheEventKind::kOnboarded, n, false);
     } else if (primary_refcount[nodes[n].block_id] == 0) {
@@ -181,9 +169,6 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     seq.last_node_generation = nodes[n].generation;
     ++seq.num_stored_blocks;
   }
-#if defined(__SSE2__)
-  _mm_sfence();  // token ids went out with streaming stores: order them before anything later
-#endif
 }
 
 // Blocks wholly before (num_computed_tokens - window) leave the sequence's table.
@@ -204,7 +189,7 @@ void KVCacheManager::Impl::release_window(SequenceId seq_id, Sequence& seq) {
 // ---------------------------------------------------------------------------------------------
 // Public interface
 
-KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config, 64)) {}
+KVCacheManager::KVCacheManager(CacheConfig config) : impl_(std::make_unique<Impl>(config, kFullKeyHashBits)) {}
 KVCacheManager::KVCacheManager(CacheConfig config, int32_t key_hash_bits)
     : impl_(std::make_unique<Impl>(config, key_hash_bits)) {}
 KVCacheManager::~KVCacheManager() = default;
@@ -215,19 +200,19 @@ const CacheConfig& KVCacheManager::config() const { return impl_->config; }
 
 MatchResult KVCacheManager::match_prefix(const SequenceSpec& spec) const {
   impl_->validate_spec(spec);
-  const Impl::MatchPlan plan = impl_->plan_match(spec);
+  const Impl::PrefixMatch match = impl_->find_prefix(spec);
   MatchResult r;
-  r.num_matched_blocks = static_cast<int32_t>(plan.nodes.size());
-  r.num_secondary_blocks = plan.num_secondary;
-  r.num_partial_tokens = plan.num_partial_tokens;
+  r.num_matched_blocks = static_cast<int32_t>(match.nodes.size());
+  r.num_secondary_blocks = match.num_secondary;
+  r.num_partial_tokens = match.num_partial_tokens;
   r.num_matched_tokens = r.num_matched_blocks * impl_->tpb + r.num_partial_tokens;
   return r;
 }
 
 int32_t KVCacheManager::num_blocks_to_add(const SequenceSpec& spec, int32_t num_tokens) const {
   impl_->validate_spec(spec);
-  Impl::MatchPlan plan = impl_->plan_match(spec);
-  return impl_->settle_blocks_to_add(plan, num_tokens);
+  Impl::PrefixMatch match = impl_->find_prefix(spec);
+  return impl_->settle_blocks_to_add(match, num_tokens);
 }
 
 int32_t KVCacheManager::num_available_blocks() const { return impl_->num_available(); }
@@ -247,8 +232,8 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   }
   m.validate_spec(spec);
   if (num_tokens < 1) throw std::invalid_argument("num_tokens=" + str(num_tokens) + " must be >= 1");
-  Impl::MatchPlan plan = m.plan_match(spec);
-  const int32_t needed = m.settle_blocks_to_add(plan, num_tokens);
+  Impl::PrefixMatch match = m.find_prefix(spec);
+  const int32_t needed = m.settle_blocks_to_add(match, num_tokens);
   if (needed > m.num_available()) {
     throw OutOfBlocksError("sequence " + str(seq_id) + " needs " + str(needed) + " more KV cache blocks for " +
                            str(num_tokens) + " tokens but only " + str(m.num_available()) + " of " +
@@ -258,7 +243,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   const int64_t num_prompt_blocks = static_cast<int64_t>(spec.token_ids.size()) / m.tpb;
   Impl::Sequence seq;
   seq.token_ids = std::move(spec.token_ids);
-  seq.block_hashes = std::move(plan.hashes);
+  seq.block_hashes = std::move(match.hashes);
   if (any_extra(spec.extra_ids.empty() ? nullptr : spec.extra_ids.data(), spec.extra_ids.size())) {
     seq.extra_ids = spec.extra_ids;
   }
@@ -268,17 +253,17 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   seq.priority = spec.priority;
 
   // Pin what this sequence is about to read so the allocations below cannot evict it.
-  for (NodeId n : plan.nodes) {
+  for (NodeId n : match.nodes) {
     if (m.nodes[n].pool == PoolKind::kSecondary) m.nodes[n].pinned = true;
   }
-  if (plan.partial_source != kNoNode) m.nodes[plan.partial_source].pinned = true;
+  if (match.partial_source != kNoNode) m.nodes[match.partial_source].pinned = true;
   // Share the primary blocks first: referenced, they are out of the eviction candidates.
-  seq.block_ids.reserve(std::max<int32_t>(m.blocks_for(num_tokens), static_cast<int32_t>(plan.nodes.size()) + 1));
-  for (NodeId n : plan.nodes) {
+  seq.block_ids.reserve(std::max<int32_t>(m.blocks_for(num_tokens), static_cast<int32_t>(match.nodes.size()) + 1));
+  for (NodeId n : match.nodes) {
     if (m.nodes[n].pool == PoolKind::kPrimary) m.ref_block(m.nodes[n].block_id);
   }
   // Then onboard host blocks in chain order (a parent is primary before its child arrives).
-  for (NodeId n : plan.nodes) {
+  for (NodeId n : match.nodes) {
     Impl::Node& x = m.nodes[n];
     if (x.pool == PoolKind::kSecondary) {
       const BlockId dst = m.take_new_primary_block();
@@ -290,11 +275,11 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
     }
     seq.block_ids.push_back(x.block_id);
   }
-  if (plan.partial_source != kNoNode) {
+  if (match.partial_source != kNoNode) {
     const BlockId dst = m.take_new_primary_block();
-    Impl::Node& src = m.nodes[plan.partial_source];
-    m.emit_copy(src.pool, src.block_id, PoolKind::kPrimary, dst, plan.num_partial_tokens);
-    if (src.pool == PoolKind::kSecondary) m.stats.num_onboarded_tokens += plan.num_partial_tokens;
+    Impl::Node& src = m.nodes[match.partial_source];
+    m.emit_copy(src.pool, src.block_id, PoolKind::kPrimary, dst, match.num_partial_tokens);
+    if (src.pool == PoolKind::kSecondary) m.stats.num_onboarded_tokens += match.num_partial_tokens;
     src.pinned = false;
     seq.block_ids.push_back(dst);
     ++m.stats.partial_reused_blocks;
@@ -303,11 +288,11 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   m.take_new_primary_blocks(total - static_cast<int32_t>(seq.block_ids.size()), seq.block_ids);
 
   AddSequenceResult r;
-  r.num_reused_blocks = static_cast<int32_t>(plan.nodes.size());
-  r.num_onboarded_blocks = plan.num_secondary;
-  r.num_partial_tokens = plan.num_partial_tokens;
+  r.num_reused_blocks = static_cast<int32_t>(match.nodes.size());
+  r.num_onboarded_blocks = match.num_secondary;
+  r.num_partial_tokens = match.num_partial_tokens;
   r.num_reused_tokens = r.num_reused_blocks * m.tpb + r.num_partial_tokens;
-  r.num_early_reused_blocks = plan.num_early;
+  r.num_early_reused_blocks = match.num_early;
   r.num_new_blocks = total - r.num_reused_blocks;
 
   m.stats.reused_blocks += r.num_reused_blocks;
@@ -318,7 +303,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
 
   seq.num_computed_tokens = r.num_reused_tokens;
   seq.num_stored_blocks = r.num_reused_blocks;
-  seq.last_node = plan.nodes.empty() ? m.root : plan.nodes.back();
+  seq.last_node = match.nodes.empty() ? m.root : match.nodes.back();
   seq.last_node_generation = m.nodes[seq.last_node].generation;
   auto& stored = m.sequences.emplace(seq_id, std::move(seq)).first->second;
   m.release_window(seq_id, stored);
@@ -378,7 +363,9 @@ void KVCacheManager::release(SequenceId seq_id) {
   Impl& m = *impl_;
   auto& seq = m.get(seq_id);
   // Last block first: the chain's leaf becomes the least recently used of the sequence's blocks.
-  m.unref_blocks_last_first(seq.block_ids, seq_id);
+  for (size_t i = seq.block_ids.size(); i-- > 0;) {
+    if (seq.block_ids[i] != kNoBlock) m.unref_block(seq.block_ids[i], seq_id);
+  }
   m.sequences.erase(seq_id);
 }
 

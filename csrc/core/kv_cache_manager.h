@@ -1,26 +1,6 @@
 // The KV cache manager: block pools, the prefix index, reuse, LRU eviction and host offload.
 // It decides where every block lives and returns copy operations; it never touches KV data.
-//
-// Rules beyond DESIGN.md (tests/reference_kv_cache.py restates them in Python):
-// - A computed full block whose key is already cached takes the cached node over: the node moves
-//   into the sequence's block (a primary copy's block is freed; a host copy's block too, with a
-//   KvCacheEvent ONBOARDED), unless other sequences reference the primary copy: then the block
-//   stays an unkeyed duplicate (freed on release) and the chain continues through the cached node.
-//   Should those sequences let the cached nodes go before the next block is stored below them,
-//   the ones nothing holds any more move into the sequence's duplicates then (every such
-//   ancestor, not only the parent). So no unreferenced node becomes pinned by a child, and
-//   num_available_blocks() shrinks only by blocks handed out (the scheduler's
-//   GUARANTEED_NO_EVICT reservations rely on it). If the sliding window released the duplicate
-//   of such an ancestor, the chain stops there.
-// - LRU order is the order in which blocks became unreferenced (a release walks the table from
-//   its last block) or arrived in the host tier; a block takes its computing sequence's priority.
-// - An evicted primary block that is dropped (priority below secondary_offload_min_priority, or
-//   no host block to be had) takes its host-tier descendants with it.
-// - Partial reuse copies from the cached child of the last matched block sharing the longest
-//   prefix with the next prompt block; ties prefer the primary pool, then a referenced block,
-//   then the most recently used. A source that could itself be evicted stays pinned while the
-//   sequence's blocks are taken, so the copy needs one spare available block; without one,
-//   add_sequence computes those tokens instead (num_blocks_to_add is the same either way).
+// Rules: docs/architecture.md#kv-cache-rules
 // Errors: std::invalid_argument (bad input), UnknownSequenceError (unknown id),
 // OutOfBlocksError (too few blocks; nothing changed).
 #pragma once
@@ -36,8 +16,9 @@ class KVCacheManager {
  public:
   explicit KVCacheManager(CacheConfig config);  // validates config
   // Test hook: keep only the low key_hash_bits bits of every block key hash (0..64; 0 makes every
-  // key collide), to show that the collision guard never reuses wrong KV. 64 in production.
+  // key collide), to show that the collision guard never reuses wrong KV.
   KVCacheManager(CacheConfig config, int32_t key_hash_bits);
+  static constexpr int32_t kFullKeyHashBits = 64;  // production
   ~KVCacheManager();
   KVCacheManager(KVCacheManager&&) noexcept;
   KVCacheManager& operator=(KVCacheManager&&) noexcept;

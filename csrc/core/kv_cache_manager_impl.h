@@ -1,12 +1,6 @@
-// Internal state of KVCacheManager (shared by kv_cache_manager.cpp, kv_cache_lookup.cpp,
-// kv_cache_blocks.cpp, kv_cache_eviction.cpp and kv_cache_invariants.cpp; not the interface).
-//
-// Model: every cached block is a node of a prefix tree (one node per full block whose KV is
-// computed). A node lives in exactly one block of the primary or the secondary pool and moves
-// between pools on offload / onboard; sequences hold primary blocks (refcount), not nodes, so a
-// block may also be unkeyed (partially filled, or a duplicate of a node computed elsewhere).
-// Unreferenced nodes sit in per-pool LRU lists, one per retention priority, ordered by the
-// moment they became unreferenced (or arrived in the secondary pool).
+// Internal state of KVCacheManager, shared by its .cpp files (not the interface).
+// Every cached block is a node of a prefix tree; sequences hold blocks, not nodes.
+// Rules: docs/architecture.md#kv-cache-rules
 #pragma once
 
 #include <cstdint>
@@ -16,7 +10,6 @@
 #include <vector>
 
 #include "block_key.h"
-#include "huge_page_allocator.h"
 #include "kv_cache_manager.h"
 #include "node_index.h"
 
@@ -25,10 +18,9 @@ namespace kvtool {
 inline constexpr int32_t kNumPriorities = 101;  // retention priorities 0..100
 
 struct KVCacheManager::Impl {
-  // What eviction, lookups and reference counting touch: one cache line per node.
-  struct alignas(64) Node {
-    uint64_t hash = 0;            // chained block key (truncated with key_hash_bits)
-    uint64_t partial_key = 0;     // its key in partial_index
+  struct Node {
+    uint64_t hash = 0;              // chained block key (truncated with key_hash_bits)
+    uint64_t partial_key = 0;       // its key in partial_index
     NodeId parent = kNoNode;
     NodeId first_child = kNoNode;
     NodeId next_sibling = kNoNode;
@@ -39,33 +31,25 @@ struct KVCacheManager::Impl {
     int32_t num_primary_children = 0;
     int32_t num_held_children = 0;  // primary children that are held (see is_held)
     BlockId block_id = kNoBlock;
-    uint32_t generation = 0;        // bumped when the node slot is freed (kept across reuse)
+    uint32_t generation = 0;        // bumped when the slot is freed, so stale NodeIds are detected
     uint8_t priority = kDefaultPriority;
     PoolKind pool = PoolKind::kPrimary;
-    // Flags (zero in Node{}): live; in an LRU list; pinned = being onboarded / copied, not an
-    // eviction candidate; some extra id of the block is non-zero; the owner (the sequence that
-    // computed it) still references the block (early reuse); indexed in partial_index.
-    bool live : 1;
-    bool in_lru : 1;
-    bool pinned : 1;
-    bool has_extras : 1;
-    bool owner_running : 1;
-    bool in_partial_index : 1;
-  };
-  static_assert(sizeof(Node) == 64, "a node is one cache line");
-
-  // The rest of a node: read on a key hit, a store, an owner's release.
-  struct NodeInfo {
+    bool live = false;
+    bool in_lru = false;
+    bool pinned = false;            // being onboarded / copied: not an eviction candidate
+    bool has_extras = false;        // some extra id of the block is non-zero
+    bool owner_running = false;     // the sequence that computed it still references it (early reuse)
+    bool in_partial_index = false;
     uint64_t lora_task_id = 0;
     uint64_t cache_salt = 0;
     SequenceId owner = 0;           // the sequence that computed it
     uint64_t lru_stamp = 0;         // when it last entered an LRU list (tie-break of partial sources)
   };
 
+  // One list per retention priority, least recently used first.
   struct LruLists {
     NodeId head[kNumPriorities];
     NodeId tail[kNumPriorities];
-    uint64_t nonempty[2] = {0, 0};  // bit p: list of priority p is not empty
     LruLists() {
       for (int p = 0; p < kNumPriorities; ++p) head[p] = tail[p] = kNoNode;
     }
@@ -88,8 +72,8 @@ struct KVCacheManager::Impl {
     int32_t num_window_released = 0;   // blocks [0, n) were released by the sliding window
   };
 
-  // A prefix lookup, computed without side effects and applied by add_sequence.
-  struct MatchPlan {
+  // A prefix lookup, found without side effects and applied by add_sequence.
+  struct PrefixMatch {
     std::vector<NodeId> nodes;       // the matched chain, root first
     std::vector<uint64_t> hashes;    // keys of the prompt's first blocks (at least the matched ones)
     uint64_t identity = 0;           // key_identity(lora_task_id, cache_salt)
@@ -109,20 +93,19 @@ struct KVCacheManager::Impl {
   const ExtraId* node_extras(NodeId n) const {
     return nodes[n].has_extras ? &node_extra_ids[static_cast<size_t>(n) * tpb] : nullptr;
   }
-  // Partial-reuse candidates are found by (parent key hash, first token, LoRA + salt identity);
-  // the parent node itself is compared on lookup.
+  // Partial-reuse candidates are found by (parent key, first token, LoRA + salt identity).
   static uint64_t partial_key(uint64_t parent_hash, TokenId first_token, uint64_t identity) {
     return fold_mul(parent_hash ^ 0x632BE59BD9B4E019ULL,
                     (static_cast<uint64_t>(static_cast<uint32_t>(first_token)) | (1ULL << 40)) ^ identity);
   }
   NodeId find_child(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
                     uint64_t lora, uint64_t salt) const;
+  // Held: a primary node that is referenced or has a held child; it cannot be evicted.
   bool is_held(NodeId n) const {
     const Node& x = nodes[n];
     return x.pool == PoolKind::kPrimary && (primary_refcount[x.block_id] > 0 || x.num_held_children > 0);
   }
-  // Held-state bookkeeping (num_unheld_primary, num_held_children): a primary node's block got
-  // its first reference, or lost its last one; a node got a held child, or lost one.
+  // A primary node's block got its first reference, or lost its last one.
   void on_referenced(NodeId n) {
     if (nodes[n].num_held_children > 0) return;  // held already
     --num_unheld_primary;
@@ -138,18 +121,19 @@ struct KVCacheManager::Impl {
   void lru_push(NodeId n);
   void lru_remove(NodeId n);
   void add_child(NodeId parent, NodeId n);
+  void remove_child(NodeId n);
   void index_partial(NodeId n) {
     partial_index.insert(nodes[n].partial_key, n);
     nodes[n].in_partial_index = true;
   }
-  void remove_child(NodeId n);
   NodeId store_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
                     const Sequence& seq, SequenceId seq_id, BlockId block);
   void move_to_primary(NodeId n, BlockId block);  // onboard / adopt into an already referenced block
   void ref_block(BlockId b);
   void unref_block(BlockId b, SequenceId seq_id);
-  void unref_blocks_last_first(const std::vector<BlockId>& block_ids, SequenceId seq_id);
-  void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens);
+  void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens) {
+    copy_ops.push_back(CopyOp{src_pool, src, dst_pool, dst, num_tokens});
+  }
   void emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
     if (config.event_buffer_max_size > 0) {
       record_event(kind, n, with_tokens);
@@ -170,26 +154,22 @@ struct KVCacheManager::Impl {
   }
   static int lowest_priority(const LruLists& l);  // -1 when every list is empty
   NodeId find_victim(PoolKind pool) const;
-  int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out);
+  int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out);  // blocks taken, 0 if none
   BlockId evict_primary(NodeId victim);
   void drop_tree(NodeId n);
   void drop_node(NodeId n);  // a node without children
-  void scout();
   void advance_scout_walk();
   void advance_scout_bucket();
   static constexpr size_t kForecastDistance = 12;  // drops between a bucket prefetch and its use
 
   // ---- prefix lookups (kv_cache_lookup.cpp) ----
-  MatchPlan plan_match(const SequenceSpec& spec) const;
-  // Appends the keys of blocks [hashes.size(), end); with prefetch, starts loading their index
-  // buckets, so the misses of a run of lookups overlap.
+  PrefixMatch find_prefix(const SequenceSpec& spec) const;
+  // Appends the keys of blocks [hashes.size(), end).
   void extend_hashes(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
-                     uint64_t identity, size_t end, bool prefetch) const;
-  void extend_hashes_avx2(std::vector<uint64_t>& hashes, const TokenId* token_ids, const ExtraId* extra_ids,
-                          uint64_t identity, size_t end, bool prefetch) const;
-  // Blocks add_sequence takes out of num_available() for num_tokens tokens. Drops the plan's
+                     uint64_t identity, size_t end) const;
+  // Blocks add_sequence takes out of num_available() for num_tokens tokens. Drops the match's
   // partial copy when pinning its source would leave too few blocks (those tokens are computed).
-  int32_t settle_blocks_to_add(MatchPlan& plan, int32_t num_tokens) const;
+  int32_t settle_blocks_to_add(PrefixMatch& match, int32_t num_tokens) const;
 
   // ---- sequences (kv_cache_manager.cpp) ----
   int32_t blocks_for(int64_t num_tokens) const {
@@ -207,21 +187,16 @@ struct KVCacheManager::Impl {
 
   CacheConfig config;
   int32_t tpb = 0;
-  int32_t key_hash_bits = 64;
-  bool use_avx2 = cpu_has_avx2();  // block hashes with AVX2 (the same keys as without)
+  int32_t key_hash_bits = kFullKeyHashBits;
   NodeId root = kNoNode;  // sentinel node: parent of every first block, never in a block
 
-  template <typename T>
-  using BigVector = std::vector<T, HugePageAllocator<T>>;
-  BigVector<Node> nodes;                   // [num_primary + num_secondary + 1 (root)]
-  BigVector<NodeInfo> node_info;           // same index
+  std::vector<Node> nodes;                 // [num_primary + num_secondary + 1 (root)]
   std::vector<NodeId> free_node_ids;
-  BigVector<TokenId> node_token_ids;       // [num nodes * tokens_per_block]
-  BigVector<ExtraId> node_extra_ids;       // same shape, allocated at the first non-zero extra id
+  std::vector<TokenId> node_token_ids;     // [num nodes * tokens_per_block]
+  std::vector<ExtraId> node_extra_ids;     // same shape, allocated at the first non-zero extra id
   NodeIndex key_index;                     // block key hash -> nodes
-  // partial_key -> nodes. Holds every child of the root and of any node with two children or
-  // more (an only child is found through its parent's child list, so the chains of a prompt's
-  // own blocks cost no partial-index updates).
+  // partial_key -> nodes, for every child of the root or of a node with two children or more (an
+  // only child is found through its parent, so a prompt's own chain costs no index updates).
   NodeIndex partial_index;
 
   std::vector<int32_t> primary_refcount;   // [num_primary_blocks]
@@ -230,9 +205,7 @@ struct KVCacheManager::Impl {
   std::vector<NodeId> secondary_node;      // [num_secondary_blocks]
   std::vector<BlockId> secondary_free;     // stack
   // Secondary blocks freed by an onboard since the last take_copy_ops: handed out only when
-  // secondary_free is empty, so a step's offloads do not overwrite host blocks its onboards still
-  // read. Otherwise every offload waits for the previous onboard and the runtime cannot batch
-  // the step's copies (a swap through a full host pool still chains, as it must).
+  // secondary_free is empty, so a step's offloads do not overwrite host blocks its onboards read.
   std::vector<BlockId> secondary_onboarded;
   LruLists lru[2];                         // by PoolKind
   int32_t num_unheld_primary = 0;          // primary nodes not held: evictable, part of num_available
@@ -249,7 +222,7 @@ struct KVCacheManager::Impl {
   CacheStats stats;
 };
 
-// Small helpers used by several of the files above, inline in each.
+// Small helpers used by several of the .cpp files, inline in each.
 
 inline void KVCacheManager::Impl::lru_push(NodeId n) {
   Node& x = nodes[n];
@@ -263,10 +236,10 @@ inline void KVCacheManager::Impl::lru_push(NodeId n) {
     l.head[p] = n;
   }
   l.tail[p] = n;
-  l.nonempty[p >> 6] |= 1ULL << (p & 63);
   x.in_lru = true;
-  node_info[n].lru_stamp = ++lru_clock;
+  x.lru_stamp = ++lru_clock;
 }
+
 inline void KVCacheManager::Impl::lru_remove(NodeId n) {
   Node& x = nodes[n];
   if (!x.in_lru) return;
@@ -282,18 +255,13 @@ inline void KVCacheManager::Impl::lru_remove(NodeId n) {
   } else {
     l.tail[p] = x.lru_prev;
   }
-  if (l.head[p] == kNoNode) l.nonempty[p >> 6] &= ~(1ULL << (p & 63));
   x.lru_prev = x.lru_next = kNoNode;
   x.in_lru = false;
 }
+
 inline void KVCacheManager::Impl::remove_child(NodeId n) {
   Node& x = nodes[n];
   Node& p = nodes[x.parent];
-  if (x.parent == root) {
-    --p.num_children;
-    if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
-    return;
-  }
   if (x.prev_sibling != kNoNode) {
     nodes[x.prev_sibling].next_sibling = x.next_sibling;
   } else {
@@ -303,16 +271,6 @@ inline void KVCacheManager::Impl::remove_child(NodeId n) {
   --p.num_children;
   if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
   x.prev_sibling = x.next_sibling = kNoNode;
-}
-inline void KVCacheManager::Impl::emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst,
-                                     int32_t num_tokens) {
-  // Filled in place: a CopyOp built on the stack and copied costs a store-forwarding stall.
-  CopyOp& op = copy_ops.emplace_back();
-  op.src_pool = src_pool;
-  op.src_block_id = src;
-  op.dst_pool = dst_pool;
-  op.dst_block_id = dst;
-  op.num_tokens = num_tokens;
 }
 
 }  // namespace kvtool

@@ -1,12 +1,7 @@
-// The micro-batch scheduler: which running requests compute in this step, and how much.
-//
-// A step holds at most max_batch_size requests and max_num_tokens tokens. Generation requests go
-// first (one token each: cheap and latency-sensitive), oldest first; context chunks fill the rest.
-// Without chunked context a context runs whole or waits (first come, first served). With it, a
-// context that does not fit is cut so that the chunk ends on a block boundary (a multiple of
-// tokens_per_block when it starts on one; the final chunk may be any length):
-//   FIRST_COME_FIRST_SERVED  the oldest context takes as much as fits, then the next one;
-//   EQUAL_PROGRESS           every context advances one block before any advances a second.
+// The micro-batch scheduler: which running requests compute in this step, and how much, within
+// max_batch_size and max_num_tokens. Generation requests go first (one token each: cheap and
+// latency-sensitive); context chunks fill the rest, each ending on a block boundary unless it ends
+// the context (ContextChunkingPolicy decides which context advances first).
 #include <algorithm>
 #include <vector>
 
@@ -26,14 +21,14 @@ int32_t aligned_chunk(int32_t begin, int32_t end, int32_t budget, int32_t tokens
 
 }  // namespace
 
-void Scheduler::Impl::form_micro_batch(StepPlan& plan) const {
+void Scheduler::Impl::form_micro_batch(ScheduledBatch& batch) const {
   int32_t num_free_slots = config.max_batch_size;
   int32_t num_free_tokens = config.max_num_tokens;
 
   std::vector<ScheduledRequest> generation;
-  std::vector<const RequestRecord*> contexts;  // in start order
+  std::vector<const Request*> contexts;  // in start order
   for (int64_t request_id : running) {
-    const RequestRecord& r = record(request_id);
+    const Request& r = record(request_id);
     if (r.state == RequestState::kContext) {
       contexts.push_back(&r);
     } else if (r.state == RequestState::kGeneration && num_free_slots > 0 && num_free_tokens > 0) {
@@ -51,7 +46,7 @@ void Scheduler::Impl::form_micro_batch(StepPlan& plan) const {
     while (advanced && num_free_tokens > 0) {
       advanced = false;
       for (size_t i = 0; i < num_candidates; ++i) {
-        const RequestRecord& r = *contexts[i];
+        const Request& r = *contexts[i];
         const int32_t begin = r.num_computed_tokens + chunk_sizes[i];
         if (begin >= r.num_context_tokens) continue;
         const int32_t next_boundary = (begin / tokens_per_block + 1) * tokens_per_block;
@@ -64,7 +59,7 @@ void Scheduler::Impl::form_micro_batch(StepPlan& plan) const {
     }
   } else {
     for (size_t i = 0; i < num_candidates; ++i) {
-      const RequestRecord& r = *contexts[i];
+      const Request& r = *contexts[i];
       const int32_t num_remaining = r.num_context_tokens - r.num_computed_tokens;
       int32_t chunk = 0;
       if (num_remaining <= num_free_tokens) {
@@ -85,12 +80,12 @@ void Scheduler::Impl::form_micro_batch(StepPlan& plan) const {
   }
 
   for (size_t i = 0; i < contexts.size(); ++i) {
-    if (chunk_sizes[i] > 0) plan.requests.push_back(context_chunk(*contexts[i], chunk_sizes[i]));
+    if (chunk_sizes[i] > 0) batch.requests.push_back(context_chunk(*contexts[i], chunk_sizes[i]));
   }
-  for (ScheduledRequest& sr : generation) plan.requests.push_back(std::move(sr));
+  for (ScheduledRequest& sr : generation) batch.requests.push_back(std::move(sr));
 }
 
-ScheduledRequest Scheduler::Impl::context_chunk(const RequestRecord& r, int32_t num_new_tokens) const {
+ScheduledRequest Scheduler::Impl::context_chunk(const Request& r, int32_t num_new_tokens) const {
   ScheduledRequest sr;
   sr.request_id = r.request_id;
   sr.is_context = true;
@@ -106,7 +101,7 @@ ScheduledRequest Scheduler::Impl::context_chunk(const RequestRecord& r, int32_t 
   return sr;
 }
 
-ScheduledRequest Scheduler::Impl::generation_token(const RequestRecord& r) const {
+ScheduledRequest Scheduler::Impl::generation_token(const Request& r) const {
   ScheduledRequest sr;
   sr.request_id = r.request_id;
   sr.is_context = false;

@@ -1,32 +1,25 @@
-// Hash index of prefix-tree nodes: a multimap from a 64-bit key to node ids, one cache line per
-// bucket so that a lookup, an insert and an erase each touch a single line (the cache manager
-// does one of each per block it stores or drops, at random places: these are its cache misses).
+// Hash index of prefix-tree nodes: a multimap from a 64-bit key to node ids. The cache manager
+// does a lookup, an insert or an erase per block it matches, stores or drops, at random places;
+// std::unordered_multimap made the whole manager 2.5x slower (results/cache_manager.md).
+// One cache line per bucket, so each touches a single line, which can be prefetched.
 //
-// A bucket holds 7 entries (32-bit tag from the key's mixed hash, node id) and an overflow count.
-// An entry lives in its home bucket or, when that is full, in the next bucket with room; the
-// overflow count of a bucket is the number of entries that live past it although their home is
-// at or before it, so a lookup stops at the first bucket with none. No tombstones, no rehashing:
-// the capacity is fixed at about twice the number of nodes (buckets are rarely full).
+// A bucket holds 7 entries (32-bit tag of the key, node id) and an overflow count. An entry lives
+// in its home bucket or, when that is full, in the next bucket with room; the overflow count of a
+// bucket is the number of entries that live past it although their home is at or before it, so a
+// lookup stops at the first bucket with none. No tombstones, no rehashing: the capacity is fixed
+// at about twice the number of nodes.
 #pragma once
 
 #include <cstdint>
 #include <vector>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
-#include "block_key.h"
-#include "huge_page_allocator.h"
 
 namespace kvtool {
 
 using NodeId = int32_t;
 inline constexpr NodeId kNoNode = -1;
 
-// Starts loading the cache line at p. GCC deems __builtin_prefetch free of side effects, so a
-// helper (or lambda) made only of prefetches counts as a pure function, and calls to it whose
-// result is unused are deleted: the empty volatile asm keeps every prefetch in the program.
+// Starts loading the cache line at p. The empty volatile asm keeps GCC from deleting a call to a
+// helper made only of prefetches (it deems them free of side effects).
 inline void prefetch_line(const void* p) {
   __builtin_prefetch(p);
   asm volatile("" : : "r"(p));
@@ -54,7 +47,7 @@ class NodeIndex {
     for (size_t b = home(key);; b = (b + 1) & mask_) {
       const Bucket& bucket = buckets_[b];
       for (uint32_t hits = match_tags(bucket, tag); hits != 0; hits &= hits - 1) {
-        const NodeId n = bucket.entries[__builtin_ctz(hits) / 2].node;
+        const NodeId n = bucket.entries[__builtin_ctz(hits)].node;
         if (n != kNoNode && visit(n)) return n;
       }
       if (bucket.num_overflow == 0) return kNoNode;
@@ -62,7 +55,6 @@ class NodeIndex {
   }
 
   // Starts loading key's home bucket into the cache (many keys in flight overlap their misses).
-  void prefetch(uint64_t key) const { prefetch_line(&buckets_[home(key)]); }
   void prefetch_for_write(uint64_t key) const { prefetch_line_for_write(&buckets_[home(key)]); }
 
   void insert(uint64_t key, NodeId node) {
@@ -70,7 +62,7 @@ class NodeIndex {
       Bucket& bucket = buckets_[b];
       const uint32_t free = match_nodes(bucket, kNoNode);
       if (free != 0) {
-        Entry& e = bucket.entries[__builtin_ctz(free) / 2];
+        Entry& e = bucket.entries[__builtin_ctz(free)];
         e.tag = tag_of(key);
         e.node = node;
         return;
@@ -85,7 +77,7 @@ class NodeIndex {
     for (size_t b = start;; b = (b + 1) & mask_) {
       const uint32_t hit = match_nodes(buckets_[b], node);
       if (hit != 0) {
-        buckets_[b].entries[__builtin_ctz(hit) / 2].node = kNoNode;
+        buckets_[b].entries[__builtin_ctz(hit)].node = kNoNode;
         for (size_t p = start; p != b; p = (p + 1) & mask_) --buckets_[p].num_overflow;
         return;
       }
@@ -111,34 +103,19 @@ class NodeIndex {
   size_t home(uint64_t key) const { return static_cast<size_t>((key * 0x9E3779B97F4A7C15ULL) >> shift_); }
   static uint32_t tag_of(uint64_t key) { return static_cast<uint32_t>(key) ^ static_cast<uint32_t>(key >> 32); }
 
-  // Bit 2k set when entry k's tag equals value (match_tags) or its node does (match_nodes): the
-  // bucket is 16 32-bit words, (tag, node) x 7 then the overflow count and padding.
-  static constexpr uint32_t kEntryWords = 0x1555;  // words 0, 2, ..., 12
-  static uint32_t match_tags(const Bucket& bucket, uint32_t value) { return match_words(bucket, value) & kEntryWords; }
-  static uint32_t match_nodes(const Bucket& bucket, NodeId value) {
-    return (match_words(bucket, static_cast<uint32_t>(value)) >> 1) & kEntryWords;
+  // Bit k set when entry k's tag equals value (match_tags) or its node does (match_nodes).
+  static uint32_t match_tags(const Bucket& bucket, uint32_t value) {
+    uint32_t bits = 0;
+    for (int k = 0; k < kEntriesPerBucket; ++k) bits |= static_cast<uint32_t>(bucket.entries[k].tag == value) << k;
+    return bits;
   }
-  static uint32_t match_words(const Bucket& bucket, uint32_t value) {
-#if defined(__SSE2__)
-    const auto* words = reinterpret_cast<const __m128i*>(&bucket);
-    const __m128i v = _mm_set1_epi32(static_cast<int>(value));
+  static uint32_t match_nodes(const Bucket& bucket, NodeId value) {
     uint32_t bits = 0;
-    for (int i = 0; i < 4; ++i) {
-      const __m128i eq = _mm_cmpeq_epi32(_mm_load_si128(words + i), v);
-      bits |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(eq))) << (4 * i);
-    }
+    for (int k = 0; k < kEntriesPerBucket; ++k) bits |= static_cast<uint32_t>(bucket.entries[k].node == value) << k;
     return bits;
-#else
-    uint32_t bits = 0;
-    for (int k = 0; k < kEntriesPerBucket; ++k) {
-      bits |= static_cast<uint32_t>(bucket.entries[k].tag == value) << (2 * k);
-      bits |= static_cast<uint32_t>(static_cast<uint32_t>(bucket.entries[k].node) == value) << (2 * k + 1);
-    }
-    return bits;
-#endif
   }
 
-  std::vector<Bucket, HugePageAllocator<Bucket>> buckets_;
+  std::vector<Bucket> buckets_;
   size_t mask_ = 0;
   int shift_ = 64;  // 64 - log2(number of buckets)
 };

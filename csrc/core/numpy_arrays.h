@@ -18,6 +18,13 @@ namespace nb = nanobind;
 template <typename T>
 using NumpyArray1D = nb::ndarray<nb::numpy, T, nb::ndim<1>>;
 
+// A parameter type that accepts any object, so that to_vector can name a bad argument in its
+// error; its name is what the stubs show.
+inline bool accept_any(PyObject*) { return true; }
+struct IntArrayLike : nb::object {
+  NB_OBJECT_DEFAULT(IntArrayLike, nb::object, "numpy.ndarray | list[int]", accept_any)
+};
+
 // Moves the vector onto the heap; the numpy array owns it (freed with the array).
 template <typename T>
 NumpyArray1D<T> to_numpy(std::vector<T>&& values) {
@@ -72,7 +79,7 @@ std::vector<T> to_vector(nb::handle obj, const char* name) {
                               nb::cast<std::string>(nb::repr(nb::type_name(obj.type()))));
 }
 
-// take_copy_ops() / a step plan's copy ops as one struct of arrays, so the runtime can run a
+// take_copy_ops() / a ScheduledBatch's copy ops as one struct of arrays, so the runtime can run a
 // batched copy without a Python loop per operation. Index i of every array is operation i, in
 // the order the operations must run. Bound as kvtool._core.CopyOpArrays: its attributes are
 // read-only numpy views (made on access, kept alive by the object) that stride over the
@@ -81,5 +88,17 @@ struct CopyOpArrays {
   std::vector<CopyOp> ops;
   size_t size() const { return ops.size(); }
 };
+
+// A SequenceSpec from the keyword arguments of the Python methods.
+inline SequenceSpec to_sequence_spec(IntArrayLike token_ids, IntArrayLike extra_ids, uint64_t lora_task_id,
+                                     uint64_t cache_salt, int32_t priority) {
+  SequenceSpec spec;
+  spec.token_ids = to_vector<TokenId>(token_ids, "token_ids");
+  if (!extra_ids.is_none()) spec.extra_ids = to_vector<ExtraId>(extra_ids, "extra_ids");
+  spec.lora_task_id = lora_task_id;
+  spec.cache_salt = cache_salt;
+  spec.priority = priority;
+  return spec;
+}
 
 }  // namespace kvtool

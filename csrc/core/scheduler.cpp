@@ -1,4 +1,4 @@
-// The scheduler's request bookkeeping: validation on entry, step planning (delegated to the
+// The scheduler's request bookkeeping: validation on entry, step scheduling (delegated to the
 // capacity and micro-batch schedulers) and applying a completed step.
 #include "scheduler.h"
 
@@ -61,23 +61,23 @@ Scheduler::Impl::Impl(CacheConfig cache_config, SchedulerConfig scheduler_config
   }
 }
 
-RequestRecord& Scheduler::Impl::record(int64_t request_id) {
+Request& Scheduler::Impl::record(int64_t request_id) {
   auto it = requests.find(request_id);
   if (it == requests.end()) throw UnknownRequestError(request_name(request_id) + " is unknown to the scheduler");
   return it->second;
 }
 
-const RequestRecord& Scheduler::Impl::record(int64_t request_id) const {
+const Request& Scheduler::Impl::record(int64_t request_id) const {
   auto it = requests.find(request_id);
   if (it == requests.end()) throw UnknownRequestError(request_name(request_id) + " is unknown to the scheduler");
   return it->second;
 }
 
-int32_t Scheduler::Impl::num_remaining_blocks(const RequestRecord& r) const {
+int32_t Scheduler::Impl::num_remaining_blocks(const Request& r) const {
   return std::max(0, num_blocks_for(r.num_lifetime_tokens()) - num_blocks_for(r.num_allocated_tokens));
 }
 
-SequenceSpec Scheduler::Impl::admission_spec(const RequestRecord& r) const {
+SequenceSpec Scheduler::Impl::admission_spec(const Request& r) const {
   SequenceSpec spec = r.spec;
   if (!r.generated_token_ids.empty()) {
     spec.token_ids.insert(spec.token_ids.end(), r.generated_token_ids.begin(), r.generated_token_ids.end());
@@ -91,7 +91,7 @@ void Scheduler::Impl::remove_running(int64_t request_id) {
   running.erase(std::remove(running.begin(), running.end(), request_id), running.end());
 }
 
-void Scheduler::Impl::finish(RequestRecord& r) {
+void Scheduler::Impl::finish(Request& r) {
   if (is_running(r.state)) {
     cache_manager.release(r.request_id);
     remove_running(r.request_id);
@@ -110,32 +110,32 @@ Scheduler::Scheduler(CacheConfig cache_config, SchedulerConfig scheduler_config)
 
 Scheduler::~Scheduler() = default;
 
-void Scheduler::add_request(const RequestSpec& spec) {
+void Scheduler::add_request(int64_t request_id, SequenceSpec prompt, int32_t max_new_tokens) {
   Impl& s = *impl_;
-  const std::string name = request_name(spec.request_id);
-  const auto num_prompt_tokens = static_cast<int64_t>(spec.sequence.token_ids.size());
-  if (s.requests.count(spec.request_id) != 0) {
+  const std::string name = request_name(request_id);
+  const auto num_prompt_tokens = static_cast<int64_t>(prompt.token_ids.size());
+  if (s.requests.count(request_id) != 0) {
     throw std::invalid_argument(name + " is already known to the scheduler: give every request a new id");
   }
   if (num_prompt_tokens == 0) {
     throw std::invalid_argument(name + " has an empty prompt: give at least one token");
   }
-  if (spec.max_new_tokens < 1) {
-    throw std::invalid_argument(name + ": max_new_tokens must be >= 1, got " + std::to_string(spec.max_new_tokens));
+  if (max_new_tokens < 1) {
+    throw std::invalid_argument(name + ": max_new_tokens must be >= 1, got " + std::to_string(max_new_tokens));
   }
-  if (!spec.sequence.extra_ids.empty() &&
-      static_cast<int64_t>(spec.sequence.extra_ids.size()) != num_prompt_tokens) {
-    throw std::invalid_argument(name + " has " + std::to_string(spec.sequence.extra_ids.size()) +
+  if (!prompt.extra_ids.empty() &&
+      static_cast<int64_t>(prompt.extra_ids.size()) != num_prompt_tokens) {
+    throw std::invalid_argument(name + " has " + std::to_string(prompt.extra_ids.size()) +
                                 " extra_ids for " + std::to_string(num_prompt_tokens) +
                                 " prompt tokens: give one extra id per prompt token (0 for a normal token), or none");
   }
-  if (spec.sequence.priority < 0 || spec.sequence.priority > 100) {
-    throw std::invalid_argument(name + ": priority must be in 0..100, got " + std::to_string(spec.sequence.priority));
+  if (prompt.priority < 0 || prompt.priority > 100) {
+    throw std::invalid_argument(name + ": priority must be in 0..100, got " + std::to_string(prompt.priority));
   }
-  const int64_t num_lifetime_tokens = num_prompt_tokens + spec.max_new_tokens;
+  const int64_t num_lifetime_tokens = num_prompt_tokens + max_new_tokens;
   if (num_lifetime_tokens > s.config.max_seq_len) {
     throw std::invalid_argument(name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens + max_new_tokens " +
-                                std::to_string(spec.max_new_tokens) + " = " + std::to_string(num_lifetime_tokens) +
+                                std::to_string(max_new_tokens) + " = " + std::to_string(num_lifetime_tokens) +
                                 " tokens exceeds max_seq_len " + std::to_string(s.config.max_seq_len) +
                                 ": shorten the prompt, lower max_new_tokens or raise max_seq_len");
   }
@@ -152,43 +152,43 @@ void Scheduler::add_request(const RequestSpec& spec) {
                                 " tokens) cannot hold one request of " + std::to_string(num_lifetime_tokens) +
                                 " tokens: raise max_tokens / free_gpu_memory_fraction");
   }
-  RequestRecord r;
-  r.request_id = spec.request_id;
-  r.spec = spec.sequence;
-  r.max_new_tokens = spec.max_new_tokens;
-  r.stats.request_id = spec.request_id;
+  Request r;
+  r.request_id = request_id;
+  r.spec = std::move(prompt);
+  r.max_new_tokens = max_new_tokens;
+  r.stats.request_id = request_id;
   r.stats.num_prompt_tokens = static_cast<int32_t>(num_prompt_tokens);
-  s.requests.emplace(spec.request_id, std::move(r));
-  s.waiting.push_back(spec.request_id);
+  s.requests.emplace(request_id, std::move(r));
+  s.waiting.push_back(request_id);
 }
 
 void Scheduler::finish_request(int64_t request_id) {
-  RequestRecord& r = impl_->record(request_id);
+  Request& r = impl_->record(request_id);
   if (r.state == RequestState::kFinished) return;
   impl_->finish(r);
 }
 
-StepPlan Scheduler::schedule() {
+ScheduledBatch Scheduler::schedule() {
   Impl& s = *impl_;
-  if (s.has_outstanding_plan) {
+  if (s.has_outstanding_batch) {
     throw std::logic_error("schedule() was called again before complete_step() reported step " +
-                           std::to_string(s.outstanding_step_id) + ": report every step before planning the next");
+                           std::to_string(s.outstanding_step_id) + ": report every step before scheduling the next");
   }
-  StepPlan plan;
-  plan.step_id = s.next_step_id++;
-  s.schedule_capacity(plan);
-  s.form_micro_batch(plan);
-  plan.copy_ops = s.cache_manager.take_copy_ops();
+  ScheduledBatch batch;
+  batch.step_id = s.next_step_id++;
+  s.schedule_capacity(batch);
+  s.form_micro_batch(batch);
+  batch.copy_ops = s.cache_manager.take_copy_ops();
 
   s.outstanding_work.clear();
-  for (const ScheduledRequest& sr : plan.requests) {
-    plan.num_tokens += static_cast<int32_t>(sr.token_ids.size());
+  for (const ScheduledRequest& sr : batch.requests) {
+    batch.num_tokens += static_cast<int32_t>(sr.token_ids.size());
     s.outstanding_work.push_back(
         {sr.request_id, sr.num_cached_tokens + static_cast<int32_t>(sr.token_ids.size()), sr.samples});
   }
-  s.has_outstanding_plan = !plan.requests.empty();
-  s.outstanding_step_id = plan.step_id;
-  return plan;
+  s.has_outstanding_batch = !batch.requests.empty();
+  s.outstanding_step_id = batch.step_id;
+  return batch;
 }
 
 std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& request_ids,
@@ -198,19 +198,19 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
     throw std::invalid_argument("complete_step got " + std::to_string(request_ids.size()) + " request ids but " +
                                 std::to_string(token_ids.size()) + " token ids: give one sampled token per request");
   }
-  if (!s.has_outstanding_plan) {
+  if (!s.has_outstanding_batch) {
     if (request_ids.empty()) return {};
     throw std::logic_error("complete_step() got sampled tokens but no step is outstanding: call schedule() first");
   }
   const std::string step_name = "step " + std::to_string(s.outstanding_step_id);
 
   // Check the whole report before changing anything, so a bad call leaves the scheduler as it was.
-  std::unordered_map<int64_t, bool> samples_in_plan;  // request id -> samples
-  for (const PlannedWork& w : s.outstanding_work) samples_in_plan[w.request_id] = w.samples;
+  std::unordered_map<int64_t, bool> samples_in_batch;  // request id -> samples
+  for (const ScheduledWork& w : s.outstanding_work) samples_in_batch[w.request_id] = w.samples;
   std::unordered_map<int64_t, TokenId> sampled;
   for (size_t i = 0; i < request_ids.size(); ++i) {
-    auto it = samples_in_plan.find(request_ids[i]);
-    if (it == samples_in_plan.end() || !it->second) {
+    auto it = samples_in_batch.find(request_ids[i]);
+    if (it == samples_in_batch.end() || !it->second) {
       throw std::invalid_argument("complete_step: " + request_name(request_ids[i]) + " did not sample in " +
                                   step_name + ": report exactly the requests whose ScheduledRequest.samples is true");
     }
@@ -218,7 +218,7 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
       throw std::invalid_argument("complete_step: " + request_name(request_ids[i]) + " is reported twice");
     }
   }
-  for (const PlannedWork& w : s.outstanding_work) {
+  for (const ScheduledWork& w : s.outstanding_work) {
     if (w.samples && sampled.count(w.request_id) == 0 && is_running(s.record(w.request_id).state)) {
       throw std::invalid_argument("complete_step: " + request_name(w.request_id) + " sampled in " + step_name +
                                   " but no token was reported for it");
@@ -226,8 +226,8 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
   }
 
   std::vector<int64_t> finished_request_ids;
-  for (const PlannedWork& w : s.outstanding_work) {
-    RequestRecord& r = s.record(w.request_id);
+  for (const ScheduledWork& w : s.outstanding_work) {
+    Request& r = s.record(w.request_id);
     if (!is_running(r.state)) continue;  // finished with finish_request after schedule()
     s.cache_manager.mark_computed(r.request_id, w.num_computed_tokens_after);
     r.num_computed_tokens = w.num_computed_tokens_after;
@@ -244,7 +244,7 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
       r.state = RequestState::kGeneration;
     }
   }
-  s.has_outstanding_plan = false;
+  s.has_outstanding_batch = false;
   s.outstanding_work.clear();
   return finished_request_ids;
 }
@@ -258,7 +258,7 @@ int32_t Scheduler::num_running_requests() const { return static_cast<int32_t>(im
 RequestState Scheduler::request_state(int64_t request_id) const { return impl_->record(request_id).state; }
 
 RequestStats Scheduler::request_stats(int64_t request_id) const {
-  const RequestRecord& r = impl_->record(request_id);
+  const Request& r = impl_->record(request_id);
   RequestStats stats = r.stats;
   stats.state = r.state;
   return stats;

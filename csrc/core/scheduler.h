@@ -1,5 +1,5 @@
 // The scheduler: request states, capacity policies, micro-batch limits and chunked context.
-// Each step it returns one StepPlan; the runtime executes it and reports back with complete_step.
+// Each step it returns one ScheduledBatch; the runtime executes it and reports back with complete_step.
 #pragma once
 
 #include <memory>
@@ -36,12 +36,6 @@ struct SchedulerConfig {
   void validate() const;  // throws std::invalid_argument naming the field
 };
 
-struct RequestSpec {
-  int64_t request_id = 0;
-  SequenceSpec sequence;        // prompt tokens and their identity (extra ids, LoRA, salt, priority)
-  int32_t max_new_tokens = 1;   // >= 1
-};
-
 // One request's share of a step.
 struct ScheduledRequest {
   int64_t request_id = 0;
@@ -52,7 +46,7 @@ struct ScheduledRequest {
   bool samples = false;                // produces a token this step (last context chunk, or generation)
 };
 
-struct StepPlan {
+struct ScheduledBatch {
   int64_t step_id = 0;
   std::vector<ScheduledRequest> requests;   // context chunks first, then generation requests
   std::vector<CopyOp> copy_ops;             // run these, in order, before the forward
@@ -82,20 +76,20 @@ class Scheduler {
 
   // Queues a request. Throws std::invalid_argument (naming the request) when the prompt is empty,
   // prompt + max_new_tokens exceeds max_seq_len, extra_ids has the wrong length, or the id is known.
-  void add_request(const RequestSpec& spec);
+  void add_request(int64_t request_id, SequenceSpec prompt, int32_t max_new_tokens);
   // Finishes a request early (EOS / stop string / cancellation): its blocks are released.
   // A request that is already finished is left as it is. Unknown id: UnknownRequestError.
   void finish_request(int64_t request_id);
 
-  // Plans the next step. An empty plan with has_unfinished_requests() means nothing fits.
-  // Run plan.copy_ops even when plan.requests is empty. Throws std::logic_error when the previous
-  // non-empty plan has not been reported with complete_step yet.
-  StepPlan schedule();
-  // Reports the step just executed: the sampled token of each request that sampled, in plan order.
+  // Schedules the next step. An empty batch with has_unfinished_requests() means nothing fits.
+  // Run batch.copy_ops even when batch.requests is empty. Throws std::logic_error when the previous
+  // non-empty batch has not been reported with complete_step yet.
+  ScheduledBatch schedule();
+  // Reports the step just executed: the sampled token of each request that sampled, in batch order.
   // Marks KV computed, appends tokens, finishes requests that reached max_new_tokens.
   // Returns the ids of the requests finished by this call. Requests finished with finish_request
   // after schedule() may be left out (their tokens are ignored). Throws std::invalid_argument when
-  // request_ids is not the set of sampling requests of the last plan.
+  // request_ids is not the set of sampling requests of the last batch.
   std::vector<int64_t> complete_step(const std::vector<int64_t>& request_ids,
                                      const std::vector<TokenId>& token_ids);
 

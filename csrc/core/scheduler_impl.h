@@ -14,7 +14,7 @@
 namespace kvtool {
 
 // Everything the scheduler tracks about one request.
-struct RequestRecord {
+struct Request {
   int64_t request_id = 0;
   SequenceSpec spec;  // the prompt as submitted, with its identity
   int32_t max_new_tokens = 1;
@@ -49,7 +49,7 @@ struct RequestRecord {
 };
 
 // One request's share of the outstanding step, kept until complete_step applies it.
-struct PlannedWork {
+struct ScheduledWork {
   int64_t request_id = 0;
   int32_t num_computed_tokens_after = 0;  // num_cached_tokens + tokens computed in the step
   bool samples = false;
@@ -62,33 +62,33 @@ struct Scheduler::Impl {
   KVCacheManager cache_manager;
   int32_t tokens_per_block = 0;
 
-  std::unordered_map<int64_t, RequestRecord> requests;
+  std::unordered_map<int64_t, Request> requests;
   std::deque<int64_t> waiting;   // QUEUED and PAUSED requests in admission order (paused at the front)
   std::vector<int64_t> running;  // CONTEXT and GENERATION requests in start order (oldest first)
 
   int64_t next_step_id = 0;
-  bool has_outstanding_plan = false;
+  bool has_outstanding_batch = false;
   int64_t outstanding_step_id = 0;
-  std::vector<PlannedWork> outstanding_work;
+  std::vector<ScheduledWork> outstanding_work;
 
-  RequestRecord& record(int64_t request_id);
-  const RequestRecord& record(int64_t request_id) const;
+  Request& record(int64_t request_id);
+  const Request& record(int64_t request_id) const;
   int32_t num_blocks_for(int32_t num_tokens) const {
     return (num_tokens + tokens_per_block - 1) / tokens_per_block;
   }
   // Blocks a running request may still allocate until it finishes.
-  int32_t num_remaining_blocks(const RequestRecord& r) const;
+  int32_t num_remaining_blocks(const Request& r) const;
   // The spec a request is (re-)added to the cache manager with: prompt + generated tokens so far.
-  SequenceSpec admission_spec(const RequestRecord& r) const;
+  SequenceSpec admission_spec(const Request& r) const;
   void remove_running(int64_t request_id);
   // Marks a request finished: releases its blocks if running, takes it off the queue if waiting.
-  void finish(RequestRecord& r);
+  void finish(Request& r);
 
   // capacity_scheduler.cpp: grows generating requests by one token, pausing the most recently
   // started request when blocks lack (MAX_UTILIZATION), and admits queued requests per the policy.
-  void schedule_capacity(StepPlan& plan);
+  void schedule_capacity(ScheduledBatch& batch);
   void grow_generating_requests_or_pause(std::vector<int64_t>& paused_request_ids);
-  void pause(RequestRecord& r);
+  void pause(Request& r);
   void admit_guaranteed();
   void admit_max_utilization();
   // Admits waiting[index].
@@ -99,9 +99,9 @@ struct Scheduler::Impl {
 
   // micro_batch_scheduler.cpp: picks this step's generation requests and context chunks within
   // max_batch_size and max_num_tokens.
-  void form_micro_batch(StepPlan& plan) const;
-  ScheduledRequest context_chunk(const RequestRecord& r, int32_t num_new_tokens) const;
-  ScheduledRequest generation_token(const RequestRecord& r) const;
+  void form_micro_batch(ScheduledBatch& batch) const;
+  ScheduledRequest context_chunk(const Request& r, int32_t num_new_tokens) const;
+  ScheduledRequest generation_token(const Request& r) const;
 };
 
 }  // namespace kvtool

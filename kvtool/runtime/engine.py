@@ -120,11 +120,11 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns the outputs of requests that produced a token this step."""
-        plan = self.scheduler.schedule()
-        copies = plan.copy_ops
+        batch = self.scheduler.schedule()
+        copies = batch.copy_ops
         self.runner.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool,
                                          copies.dst_block_ids, copies.num_tokens)
-        if len(plan.requests) == 0:
+        if len(batch.requests) == 0:
             self.runner.pools.wait_for_all_copies()  # no forward will wait for them layer by layer
             if self.scheduler.has_unfinished_requests():
                 raise KvtoolError(
@@ -132,14 +132,14 @@ class Engine:
                     f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise max_tokens "
                     "(--max_tokens_in_paged_kv_cache) or free_gpu_memory_fraction")
             return []
-        sampling = [r for r in plan.requests if r.samples]
-        logits = self.runner.execute(plan.requests)
+        sampling = [r for r in batch.requests if r.samples]
+        logits = self.runner.execute(batch.requests)
         params = [self._running[r.request_id].params for r in sampling]
         generators = [self._running[r.request_id].generator for r in sampling]
         token_ids = sample(logits, params, generators)  # syncs with the device: tokens are on the host
         now = time.perf_counter()
         request_ids = [r.request_id for r in sampling]
-        for request_id in plan.paused_request_ids:
+        for request_id in batch.paused_request_ids:
             self.records[request_id].num_pauses += 1
         finished_ids = set(self.scheduler.complete_step(np.asarray(request_ids, dtype=np.int64),
                                                         np.asarray(token_ids, dtype=np.int32)))
