@@ -13,15 +13,20 @@ import pytest
 from bench_fakes import FakeClock, FakeEngine, FakeLLM, FakeTokenizer
 
 from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.options import BenchOptions
+from kvtool.bench.config import BenchConfig
 from kvtool.bench.precheck import request_problems
-from kvtool.bench.replay import ReplaySchedule, Replayer, poisson_due_times, prepare_items
+from kvtool.bench.replay import ReplayOptions, Replayer, poisson_due_times, prepare_items
 from kvtool.bench.runner import run_bench
 from kvtool.errors import DatasetError
 
 
 def dataset_of(tmp_path, lines, name="d.jsonl"):
     return load_dataset(write_jsonl(tmp_path / name, lines))
+
+
+def flags(**values):
+    """The configuration `kvtool bench` builds from these flags."""
+    return BenchConfig.from_flags(values)
 
 
 def req(ids, out=2, **extra):
@@ -31,7 +36,7 @@ def req(ids, out=2, **extra):
 class Harness:
     """A fake engine on a fake clock, and a replayer that records what finished."""
 
-    def __init__(self, schedule=ReplaySchedule(), vocab_size=1000, **engine_kwargs):
+    def __init__(self, schedule=ReplayOptions(), vocab_size=1000, **engine_kwargs):
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, advance=self.clock.advance, vocab_size=vocab_size, **engine_kwargs)
         self.tokenizer = FakeTokenizer(vocab_size)
@@ -58,7 +63,7 @@ def test_offline_queues_everything_at_the_start_and_times_are_exact(tmp_path):
 
 
 def test_sequential_hands_over_the_next_request_when_the_previous_finishes(tmp_path):
-    h = Harness(ReplaySchedule(mode="sequential"))
+    h = Harness(ReplayOptions(mode="sequential"))
     h.run(dataset_of(tmp_path, [req(range(10, 20)), req(range(30, 40)), req(range(50, 60))]))
     assert h.engine.max_in_engine == 1
     records = [f.record for f in h.finished]
@@ -69,7 +74,7 @@ def test_sequential_hands_over_the_next_request_when_the_previous_finishes(tmp_p
 
 
 def test_concurrency_keeps_n_requests_in_flight(tmp_path):
-    h = Harness(ReplaySchedule(concurrency=3))
+    h = Harness(ReplayOptions(concurrency=3))
     h.run(dataset_of(tmp_path, [req([10 + i] * 4, out=1 + i % 3) for i in range(10)]))
     assert h.engine.max_in_engine == 3
     assert sorted(f.item.index for f in h.finished) == list(range(10))
@@ -82,7 +87,7 @@ def test_concurrency_keeps_n_requests_in_flight(tmp_path):
 
 
 def test_request_rate_issues_requests_on_a_seeded_poisson_schedule(tmp_path):
-    h = Harness(ReplaySchedule(request_rate=20.0, seed=5))
+    h = Harness(ReplayOptions(request_rate=20.0, seed=5))
     start = h.run(dataset_of(tmp_path, [req([10 + i] * 8) for i in range(6)]))
     due = poisson_due_times(6, 20.0, 5)
     by_index = sorted(h.finished, key=lambda f: f.item.index)
@@ -109,7 +114,7 @@ def test_dataset_arrival_times_are_honoured(tmp_path):
 
 
 def test_untimed_run_ignores_arrival_times(tmp_path):
-    h = Harness(ReplaySchedule(request_rate=1.0))
+    h = Harness(ReplayOptions(request_rate=1.0))
     start = h.run(dataset_of(tmp_path, [req([11] * 4, arrival_time_s=5.0), req([12] * 4)]), timed=False)
     assert [f.record.arrival_time for f in h.finished] == [start, start]
 
@@ -156,7 +161,7 @@ def test_extra_ids_follow_the_tokens_across_turns(tmp_path):
 
 
 def test_later_followups_go_before_new_requests_under_a_concurrency_limit(tmp_path):
-    h = Harness(ReplaySchedule(concurrency=1))
+    h = Harness(ReplayOptions(concurrency=1))
     h.run(dataset_of(tmp_path, [{"session_id": "a", "turn": 0, "input_ids": [11], "output_tokens": 1},
                                 req([20, 21], out=1),
                                 {"session_id": "a", "turn": 1, "input_ids": [12], "output_tokens": 1}]))
@@ -201,7 +206,7 @@ def test_every_request_the_engine_would_refuse_is_listed_before_anything_runs(tm
     dataset = dataset_of(tmp_path, lines, name="long.jsonl")
     llm, clock = fake_llm(max_seq_len=8)
     with pytest.raises(DatasetError) as error:
-        run_bench(llm, dataset, BenchOptions(), label="x", requests_csv=tmp_path / "r.csv", clock=clock,
+        run_bench(llm, dataset, flags(), label="x", requests_csv=tmp_path / "r.csv", clock=clock,
                   sleep=clock.sleep)
     message = str(error.value)
     assert message.startswith(f"8 of the 10 requests in {tmp_path / 'long.jsonl'} cannot run")
@@ -225,7 +230,7 @@ def test_a_request_refused_during_the_run_is_an_error_row_and_the_run_goes_on(tm
     dataset = dataset_of(tmp_path, [req([11]), req([12] * 3), req([13]), req([12] * 2, session_id="s", turn=0),
                                     req([14], session_id="s", turn=1)], name="d.jsonl")
     llm, clock = fake_llm(refuse_when_added=refuse)
-    result = run_bench(llm, dataset, BenchOptions(mode="sequential"), label="x", requests_csv=tmp_path / "r.csv",
+    result = run_bench(llm, dataset, flags(mode="sequential"), label="x", requests_csv=tmp_path / "r.csv",
                        clock=clock, sleep=clock.sleep)
     rows = {row["request_id"]: row for row in read_rows(tmp_path / "r.csv")}
     assert set(rows) == {"0", "1", "2", "3", "4"}
@@ -239,7 +244,7 @@ def test_a_request_refused_during_the_run_is_an_error_row_and_the_run_goes_on(tm
 def test_an_error_that_stops_the_engine_keeps_what_finished(tmp_path):
     dataset = dataset_of(tmp_path, [req([11 + i] * 4, out=2) for i in range(6)])
     llm, clock = fake_llm(fail_at_step=5)
-    result = run_bench(llm, dataset, BenchOptions(mode="sequential"), label="f", requests_csv=tmp_path / "r.csv",
+    result = run_bench(llm, dataset, flags(mode="sequential"), label="f", requests_csv=tmp_path / "r.csv",
                        clock=clock, sleep=clock.sleep)
     assert result.interrupted and "step 5: the engine failed" in str(result.failure)
     assert result.row["run_error"] == "step 5: the engine failed" and result.row["num_requests"] == 2
@@ -248,13 +253,13 @@ def test_an_error_that_stops_the_engine_keeps_what_finished(tmp_path):
 
 def test_schedule_validation():
     with pytest.raises(ValueError, match="mode 'batch' is unknown"):
-        ReplaySchedule(mode="batch")
+        ReplayOptions(mode="batch")
     with pytest.raises(ValueError, match="contradicts concurrency 4"):
-        ReplaySchedule(mode="sequential", concurrency=4)
+        ReplayOptions(mode="sequential", concurrency=4)
     with pytest.raises(ValueError, match="request_rate must be > 0"):
-        ReplaySchedule(request_rate=0)
-    assert ReplaySchedule(mode="SEQUENTIAL").max_in_flight == 1
-    assert ReplaySchedule(concurrency=2, request_rate=1.5).describe() == "concurrency=2,rate=1.5/s"
+        ReplayOptions(request_rate=0)
+    assert ReplayOptions(mode="SEQUENTIAL").max_in_flight == 1
+    assert ReplayOptions(concurrency=2, request_rate=1.5).describe() == "concurrency=2,rate=1.5/s"
 
 
 # -- a whole bench run ------------------------------------------------------------------------
@@ -274,7 +279,7 @@ def test_warmup_requests_run_first_uncounted_and_stats_reset_after_them(tmp_path
     prefix = list(range(100, 116))
     dataset = dataset_of(tmp_path, [req(prefix + [i], out=2, request_id=f"r{i}") for i in range(5)])
     llm, clock = fake_llm()
-    result = run_bench(llm, dataset, BenchOptions(warmup=2), label="w", requests_csv=tmp_path / "r.csv",
+    result = run_bench(llm, dataset, flags(warmup=2), label="w", requests_csv=tmp_path / "r.csv",
                        clock=clock, sleep=clock.sleep)
     rows = read_rows(tmp_path / "r.csv")
     assert [row["request_id"] for row in rows] == ["r2", "r3", "r4"]
@@ -288,7 +293,7 @@ def test_warmup_requests_run_first_uncounted_and_stats_reset_after_them(tmp_path
 def test_warmup_counts_in_stats_keeps_the_counters(tmp_path):
     dataset = dataset_of(tmp_path, [req([11] * 8) for _ in range(3)])
     llm, clock = fake_llm()
-    run_bench(llm, dataset, BenchOptions(warmup=1, warmup_counts_in_stats=True), label="w",
+    run_bench(llm, dataset, flags(warmup=1, warmup_counts_in_stats=True), label="w",
               requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep)
     assert llm.engine.num_resets == 0
 
@@ -296,7 +301,7 @@ def test_warmup_counts_in_stats_keeps_the_counters(tmp_path):
 def test_num_requests_limits_the_measured_requests(tmp_path):
     dataset = dataset_of(tmp_path, [req([11 + i] * 4) for i in range(6)])
     llm, clock = fake_llm()
-    result = run_bench(llm, dataset, BenchOptions(warmup=1, num_requests=2), label="n",
+    result = run_bench(llm, dataset, flags(warmup=1, num_requests=2), label="n",
                        requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep)
     assert [row["request_id"] for row in read_rows(tmp_path / "r.csv")] == ["1", "2"]
     assert result.row["num_requests_limit"] == 2
@@ -305,7 +310,7 @@ def test_num_requests_limits_the_measured_requests(tmp_path):
 def test_summary_row_records_configuration_metrics_stats_device_and_version(tmp_path):
     dataset = dataset_of(tmp_path, [req(range(10, 20)), req(range(30, 40))])
     llm, clock = fake_llm()
-    result = run_bench(llm, dataset, BenchOptions(kv_host_cache_bytes="1GiB", scheduler_policy="MAX_UTILIZATION"),
+    result = run_bench(llm, dataset, flags(kv_host_cache_bytes="1GiB", scheduler_policy="MAX_UTILIZATION"),
                        label="cfg", requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep,
                        config_columns={"model": "preset:fake"})
     row = result.row
@@ -324,7 +329,7 @@ def test_summary_row_records_configuration_metrics_stats_device_and_version(tmp_
 def test_interrupted_run_keeps_finished_rows_and_summarizes_them(tmp_path):
     dataset = dataset_of(tmp_path, [req([11 + i] * 4, out=2) for i in range(6)])
     llm, clock = fake_llm(interrupt_at_step=5)
-    result = run_bench(llm, dataset, BenchOptions(mode="sequential"), label="int", requests_csv=tmp_path / "r.csv",
+    result = run_bench(llm, dataset, flags(mode="sequential"), label="int", requests_csv=tmp_path / "r.csv",
                        clock=clock, sleep=clock.sleep)
     # Two steps per request: requests 0 and 1 finished before the Ctrl-C during step 5.
     assert result.interrupted and result.row["interrupted"] is True
@@ -337,5 +342,5 @@ def test_nothing_to_measure_is_a_clear_error(tmp_path):
     dataset = dataset_of(tmp_path, [req([11])])
     llm, clock = fake_llm()
     with pytest.raises(ValueError, match="nothing to measure"):
-        run_bench(llm, dataset, BenchOptions(warmup=1), label="x", requests_csv=tmp_path / "r.csv",
+        run_bench(llm, dataset, flags(warmup=1), label="x", requests_csv=tmp_path / "r.csv",
                   clock=clock, sleep=clock.sleep)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtool.bench.datasets import Dataset, DatasetRecord
-from kvtool.config import SamplingParams
+from kvtool.config import SamplingParams, check
 from kvtool.errors import DatasetError
 from kvtool.runtime.request import RequestRecord
 
@@ -36,32 +36,45 @@ MODES = ("offline", "sequential")
 
 
 @dataclass(frozen=True)
-class ReplaySchedule:
-    """How requests are handed to the engine (see the module docstring)."""
+class ReplayOptions:
+    """How a run hands its dataset to the engine (see the module docstring), and which lines it
+    measures: the first ``warmup`` run first, uncounted, then at most ``num_requests``."""
 
     mode: str = "offline"
     concurrency: int | None = None
     request_rate: float | None = None
     seed: int = 0
+    warmup: int = 0
+    warmup_counts_in_stats: bool = False  # keep the warm-up's cache counters
+    num_requests: int | None = None
 
     def __post_init__(self) -> None:
         mode = str(self.mode).lower()
-        if mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is unknown: use one of {list(MODES)} "
-                             "(and --concurrency N / --request_rate R for the other replay patterns)")
+        check(mode in MODES, self, "mode", f"{self.mode!r} is unknown: use one of {list(MODES)} "
+              "(and --concurrency N / --request_rate R for the other replay patterns)")
         object.__setattr__(self, "mode", mode)
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if mode == "sequential" and self.concurrency not in (None, 1):
-            raise ValueError(f"mode sequential keeps one request in flight; it contradicts concurrency "
-                             f"{self.concurrency}: drop one of them")
-        if self.request_rate is not None and not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 requests per second, got {self.request_rate}")
+        check(self.concurrency is None or self.concurrency >= 1, self, "concurrency",
+              f"must be >= 1, got {self.concurrency}")
+        check(mode != "sequential" or self.concurrency in (None, 1), self, "mode",
+              f"sequential keeps one request in flight; it contradicts concurrency {self.concurrency}: "
+              "drop one of them")
+        check(self.request_rate is None or self.request_rate > 0, self, "request_rate",
+              f"must be > 0 requests per second, got {self.request_rate}")
+        check(self.warmup >= 0, self, "warmup", f"must be >= 0 requests, got {self.warmup}")
+        check(self.num_requests is None or self.num_requests >= 1, self, "num_requests",
+              f"must be a positive integer, got {self.num_requests}")
 
     @property
     def max_in_flight(self) -> int | None:
         """The in-flight limit (None: unlimited)."""
         return 1 if self.mode == "sequential" else self.concurrency
+
+    def split(self, items: Sequence) -> tuple[list, list]:
+        """(warm-up, measured) items of a run."""
+        measured = list(items[self.warmup:])
+        if self.num_requests is not None:
+            measured = measured[:self.num_requests]
+        return list(items[:self.warmup]), measured
 
     def describe(self) -> str:
         parts = [self.mode] if self.concurrency is None else [f"concurrency={self.concurrency}"]
@@ -150,10 +163,10 @@ class Replayer:
     """Replays items through one engine. Session history and request ids persist across runs,
     so a warm-up run can start a session that the measured run continues."""
 
-    def __init__(self, engine, schedule: ReplaySchedule, *, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, engine, options: ReplayOptions, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.engine = engine
-        self.schedule = schedule
+        self.options = options
         self.clock = clock
         self.sleep = sleep
         self._next_engine_id = 0
@@ -183,7 +196,7 @@ class Replayer:
         queue = deque(sorted(pending, key=lambda p: 0.0 if p.due is None else p.due))  # stable: file order
         ready: deque[ReplayItem] = deque()
         in_flight: dict[int, ReplayItem] = {}
-        limit = self.schedule.max_in_flight
+        limit = self.options.max_in_flight
 
         while queue or ready or in_flight:
             now = self.clock()
@@ -220,8 +233,8 @@ class Replayer:
     def _due_times(self, entries: Sequence[ReplayItem], timed: bool) -> list[float | None]:
         if not timed:
             return [None] * len(entries)
-        if self.schedule.request_rate is not None:
-            return poisson_due_times(len(entries), self.schedule.request_rate, self.schedule.seed)
+        if self.options.request_rate is not None:
+            return poisson_due_times(len(entries), self.options.request_rate, self.options.seed)
         arrivals = [item.record.arrival_time_s for item in entries]
         if all(arrival is None for arrival in arrivals):
             return arrivals

@@ -84,8 +84,9 @@ class KvCachePools:
     """Primary pool tensor on the device plus the optional host pool, and the copies between them."""
 
     def __init__(self, shape: BlockShape, num_primary_blocks: int, num_secondary_blocks: int,
-                 device: torch.device, kernels=None) -> None:
-        """``kernels``: a kvtool.kernels KernelLibrary for batched tier copies on a GPU, or None."""
+                 device: torch.device, kernels=None, *, layered_copy_min_bytes: int | None = None) -> None:
+        """``kernels``: a kvtool.kernels KernelLibrary for batched tier copies on a GPU, or None.
+        ``layered_copy_min_bytes``: see KvCacheConfig (None: LAYERED_COPY_MIN_BYTES with kernels)."""
         self.shape = shape
         self.device = device
         # [num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
@@ -99,7 +100,9 @@ class KvCachePools:
         # followed by an event its attention waits for: the forward starts on the first layers
         # while the later ones still move. Below it, one launch per batch costs less than the
         # per-layer launches save. None: always whole blocks (no copy kernel to launch per layer).
-        self.layered_copy_min_bytes: int | None = LAYERED_COPY_MIN_BYTES if kernels is not None else None
+        if layered_copy_min_bytes is None and kernels is not None:
+            layered_copy_min_bytes = LAYERED_COPY_MIN_BYTES
+        self.layered_copy_min_bytes = layered_copy_min_bytes
         self._layer_events: list | None = None  # this step's per-layer copy events, until the forward
 
     @property
