@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import count
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from kvtool.runtime.engine import Engine
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 from kvtool.runtime.pool_sizes import size_pools
 from kvtool.runtime.model_runner import ModelRunner
+from kvtool.runtime.request import Request
 
 logger = logging.getLogger("kvtool")
 
@@ -137,7 +137,6 @@ class LLM:
             tokenizer=self.tokenizer)
         self.kv_cache_config = kv_cache_config
         self.scheduler_config = scheduler_config
-        self._request_ids = count()
 
     # -- generation -------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -154,8 +153,9 @@ class LLM:
         results = [self._submit(p, sp, e) for p, sp, e in zip(prompt_list, params_list, extra_list)]
         by_id = {r.request_id: r for r in results if r.error is None}
         while self.engine.has_unfinished_requests():
-            for step_output in self.engine.step():
-                self._update(by_id.get(step_output.request_id), step_output, decode=step_output.finished)
+            for request in self.engine.step():
+                if request.request_id in by_id:
+                    _update(by_id[request.request_id], request, self.tokenizer, decode=request.finished)
         return results[0] if single else results
 
     def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *,
@@ -166,19 +166,17 @@ class LLM:
             yield result
             return
         while not result.finished:
-            for step_output in self.engine.step():
-                if step_output.request_id == result.request_id:
-                    self._update(result, step_output, decode=streaming or step_output.finished)
+            for request in self.engine.step():
+                if request.request_id == result.request_id:
+                    _update(result, request, self.tokenizer, decode=streaming or request.finished)
                     if streaming or result.finished:
                         yield result
 
     def _submit(self, prompt, params: SamplingParams, extra_ids) -> GenerationOutput:
-        request_id = next(self._request_ids)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, [int(t) for t in prompt]
-        result = GenerationOutput(request_id, text, token_ids, [CompletionOutput(0, "", [], None)])
         room = self.max_seq_len - len(token_ids)
         if 0 < room < params.max_tokens:
             # As TensorRT-LLM's LLM API: generate up to max_seq_len, with a warning.
@@ -186,22 +184,17 @@ class LLM:
                            "%d-token prompt: generating at most %d", params.max_tokens, room, self.max_seq_len,
                            len(token_ids), room)
             params = replace(params, max_tokens=room)
+        request = Request(token_ids, params, None if extra_ids is None else list(extra_ids))
+        error = None
         try:
-            self.engine.add_request(request_id, token_ids, params, extra_ids=extra_ids)
-        except ValueError as error:
-            result.error, result.finished = str(error), True
+            self.engine.add_request(request)
+        except ValueError as refused:
+            error = str(refused)
+        result = GenerationOutput(request.request_id, text, token_ids, [CompletionOutput(0, "", [], None)],
+                                  error=error, finished=error is not None)
+        if error is not None:
             result.outputs[0].finish_reason = "error"
         return result
-
-    def _update(self, result: GenerationOutput | None, step_output, *, decode: bool) -> None:
-        if result is None:
-            return
-        completion = result.outputs[0]
-        completion.token_ids = step_output.token_ids
-        if decode:  # detokenizing every step would cost O(n^2) over a long output
-            completion.text = self.tokenizer.decode(step_output.token_ids)
-        completion.finish_reason = step_output.finish_reason
-        result.finished = step_output.finished
 
     # -- stats and lifetime -----------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float]:
@@ -219,6 +212,15 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _update(result: GenerationOutput, request: Request, tokenizer, *, decode: bool) -> None:
+    completion = result.outputs[0]
+    completion.token_ids = list(request.output_token_ids)
+    if decode:  # detokenizing every step would cost O(n^2) over a long output
+        completion.text = tokenizer.decode(completion.token_ids)
+    completion.finish_reason = request.finish_reason
+    result.finished = request.finished
 
 
 def _broadcast(params, n: int) -> list[SamplingParams]:

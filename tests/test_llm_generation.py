@@ -91,7 +91,7 @@ def test_a_fully_cached_prompt_batched_with_a_new_prompt_gives_the_same_outputs(
     llm.generate(repeated, GREEDY)
     outputs = llm.generate([repeated, new], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == alone
-    assert llm.engine.records[outputs[0].request_id].num_reused_tokens == 96
+    assert llm.engine.requests[outputs[0].request_id].num_reused_tokens == 96
 
 
 @pytest.mark.parametrize("policy", list(ContextChunkingPolicy))
@@ -118,7 +118,7 @@ def test_max_utilization_pauses_and_still_produces_the_same_outputs(plan_dir):
               kv_cache_config=KvCacheConfig(enable_block_reuse=False, max_tokens=15 * TOKENS_PER_BLOCK),
               scheduler_config=SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION))
     outputs = llm.generate(prompts, params)
-    assert sum(r.num_pauses for r in llm.engine.records.values()) > 0
+    assert sum(r.num_pauses for r in llm.engine.requests.values()) > 0
     unconstrained = LLM(model=plan_dir, max_batch_size=1).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in unconstrained]
 
@@ -129,7 +129,7 @@ def test_second_request_with_same_five_block_prefix_reuses_five_blocks(plan_dir)
     llm = LLM(model=plan_dir, kv_cache_config=KvCacheConfig(enable_partial_reuse=False))
     llm.generate(prefix + [11, 12, 13], GREEDY)
     llm.generate(prefix + [21, 22, 23], GREEDY)
-    record = llm.engine.records[1]
+    record = llm.engine.requests[1]
     assert record.num_reused_blocks == 5
     assert record.num_reused_tokens == 5 * TOKENS_PER_BLOCK
 
@@ -140,8 +140,8 @@ def test_cache_salt_prevents_reuse(plan_dir):
     llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"))
     llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-b"))
     llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"))
-    assert llm.engine.records[1].num_reused_tokens == 0
-    assert llm.engine.records[2].num_reused_tokens > 0
+    assert llm.engine.requests[1].num_reused_tokens == 0
+    assert llm.engine.requests[2].num_reused_tokens > 0
 
 
 def test_extra_ids_prevent_reuse_across_prompt_tables(plan_dir):
@@ -153,8 +153,8 @@ def test_extra_ids_prevent_reuse_across_prompt_tables(plan_dir):
     llm.generate([prompt], params, extra_ids=[table_1])
     llm.generate([prompt], params, extra_ids=[table_2])
     llm.generate([prompt], params, extra_ids=[table_1])
-    assert llm.engine.records[1].num_reused_tokens == 0
-    assert llm.engine.records[2].num_reused_tokens > 0
+    assert llm.engine.requests[1].num_reused_tokens == 0
+    assert llm.engine.requests[2].num_reused_tokens > 0
 
 
 def test_prompt_longer_than_max_seq_len_fails_alone(plan_dir):

@@ -127,6 +127,6 @@ def test_a_fully_cached_prompt_gives_the_same_outputs_as_a_recomputed_one(plan_d
     llm = make_llm(plan_dir)
     first = llm.generate(prompt, GREEDY)
     second = llm.generate(prompt, GREEDY)
-    assert llm.engine.records[second.request_id].num_reused_tokens == 96
+    assert llm.engine.requests[second.request_id].num_reused_tokens == 96
     llm.shutdown()
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == recomputed[0]

@@ -19,9 +19,10 @@ from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.precheck import check_requests
 from kvtool.bench.repeats import as_number, group_by_label, median_row
-from kvtool.bench.replay import FinishedRequest, Replayer, prepare_items
+from kvtool.bench.replay import Replayer, bench_requests
 from kvtool.bench.report import RequestCsvWriter, format_hit_rate
 from kvtool.bench.workload import max_num_blocks
+from kvtool.runtime.request import Request
 from kvtool.version import __version__, git_revision
 
 
@@ -52,7 +53,7 @@ def create_llm(model: str, config: BenchConfig, dataset: Dataset | None = None, 
     plan = resolve_model(model, options=build, cache_dir=cache_dir)
     num_workload_blocks = None
     if dataset is not None and config.kv_cache_config.host_cache_size:
-        warmup, measured = config.replay.split(prepare_items(dataset, tokenizer=plan.tokenizer))
+        warmup, measured = config.replay.split(bench_requests(dataset, tokenizer=plan.tokenizer))
         num_workload_blocks = max_num_blocks(warmup + measured, plan.build_options.tokens_per_block)
     return LLM(model=plan, num_workload_blocks=num_workload_blocks, **config.llm_kwargs())
 
@@ -93,13 +94,6 @@ def plan_columns(llm) -> dict:
     return columns
 
 
-def _vocab_size(llm) -> int:
-    config = getattr(getattr(llm, "plan", None), "model_config", None)
-    if getattr(config, "vocab_size", None):
-        return int(config.vocab_size)
-    return int(llm.tokenizer.vocab_size)
-
-
 def _progress(console: Console) -> Progress:
     # Redrawn only when a request finishes: an auto-refresh thread would compete with the model for
     # the CPU (and the GIL) and show up in the latencies being measured.
@@ -127,13 +121,12 @@ def run_bench(llm, dataset: Dataset, config: BenchConfig, *, label: str, request
     """
     console = console or Console(stderr=True)
     engine = llm.engine
-    items = prepare_items(dataset, tokenizer=llm.tokenizer)
     replay = config.replay
-    warmup_items, measured = replay.split(items)
+    warmup, measured = replay.split(bench_requests(dataset, tokenizer=llm.tokenizer))
     if not measured:
-        raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(items)} requests and --warmup "
+        raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(dataset)} requests and --warmup "
                          f"is {replay.warmup}; lower --warmup or use a bigger dataset")
-    check_requests(warmup_items + measured, engine, _vocab_size(llm), source=str(dataset.path))
+    check_requests(warmup + measured, engine, source=str(dataset.path))
     pool_sizes = getattr(llm, "pool_sizes", None)
     if pool_sizes is not None:
         device = str(getattr(llm, "device_description", "")).split(":")[0]
@@ -146,17 +139,15 @@ def run_bench(llm, dataset: Dataset, config: BenchConfig, *, label: str, request
     started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     with RequestCsvWriter(requests_csv) as writer, _progress(console) as progress:
         try:
-            if warmup_items:
-                task = progress.add_task(f"{label} warm-up", total=len(warmup_items))
-                replayer.run(warmup_items, lambda done: _advance(progress, task), timed=False)
+            if warmup:
+                task = progress.add_task(f"{label} warm-up", total=len(warmup))
+                replayer.run(warmup, lambda request, start: _advance(progress, task), timed=False)
                 if not replay.warmup_counts_in_stats:
                     engine.reset_stats()
             task = progress.add_task(label, total=len(measured))
 
-            def on_finish(done: FinishedRequest) -> None:
-                metrics = request_metrics(done.record, label=label, request_id=done.item.request_id,
-                                          bench_start=done.bench_start, session_id=done.item.record.session_id,
-                                          turn=done.item.record.turn)
+            def on_finish(request: Request, bench_start: float) -> None:
+                metrics = request_metrics(request, label=label, bench_start=bench_start)
                 writer.write(metrics)
                 finished.append(metrics)
                 _advance(progress, task)
