@@ -9,9 +9,12 @@ FakeClock that each step advances, so latencies are exact numbers tests can comp
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
+from pathlib import Path
 
 from kvtool.errors import KvtoolError
+from kvtool.plan.options import BuildOptions
+from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.request import Request
 
 
@@ -159,17 +162,31 @@ class FakeEngine:
         self.stats = {"reused_blocks": 0, "missed_blocks": 0}
 
 
+@dataclass
+class FakeModelConfig:
+    architecture: str
+    vocab_size: int
+
+
+@dataclass
+class FakePlan:
+    path: Path
+    model_config: FakeModelConfig
+    build_options: BuildOptions
+
+
 class FakeLLM:
-    """What kvtool.bench reads from an LLM: tokenizer, plan, device description, engine, shutdown."""
+    """A kvtool.bench.interface.BenchLLM over a FakeEngine."""
 
     def __init__(self, engine: FakeEngine | None = None, *, tokens_per_block: int = 4, **engine_kwargs) -> None:
         self.engine = engine or FakeEngine(tokens_per_block=tokens_per_block, **engine_kwargs)
         self.tokenizer = FakeTokenizer(self.engine.vocab_size)
         self.device_description = "fake: deterministic test engine"
-        self.plan = SimpleNamespace(
-            path="plans/fake",
-            model_config=SimpleNamespace(architecture="FakeForCausalLM", vocab_size=self.engine.vocab_size),
-            build_options=SimpleNamespace(tokens_per_block=self.engine.tokens_per_block, dtype="float32"))
+        tokens_per_block = self.engine.tokens_per_block
+        self.plan = FakePlan(Path("plans/fake"), FakeModelConfig("FakeForCausalLM", self.engine.vocab_size),
+                             BuildOptions(tokens_per_block=tokens_per_block, max_seq_len=self.engine.max_seq_len))
+        self.pool_sizes = PoolSizes(tokens_per_block, block_bytes=1024, num_primary_blocks=1024,
+                                    num_secondary_blocks=0)
         self.shut_down = False
 
     def shutdown(self) -> None:

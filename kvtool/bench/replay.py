@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtool.bench.datasets import Dataset, DatasetRecord
+from kvtool.bench.interface import BenchEngine
 from kvtool.config import SamplingParams, check
 from kvtool.errors import DatasetError
 from kvtool.runtime.request import Request
@@ -127,7 +128,7 @@ class Replayer:
     """Replays requests through one engine. Session history persists across runs, so a warm-up
     run can start a session that the measured run continues."""
 
-    def __init__(self, engine, options: ReplayOptions, *, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, engine: BenchEngine, options: ReplayOptions, *, clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.engine = engine
         self.options = options

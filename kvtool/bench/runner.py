@@ -15,6 +15,7 @@ from rich.table import Table
 
 from kvtool.bench.datasets import Dataset
 from kvtool.bench.device import device_columns
+from kvtool.bench.interface import BenchLLM, BenchPlan
 from kvtool.bench.metrics import RequestMetrics, request_metrics, summarize
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.precheck import check_requests
@@ -64,32 +65,12 @@ def default_output_dir(stem: str, now: datetime.datetime | None = None) -> Path:
     return Path("results") / f"{stem}-{now:%Y%m%d-%H%M%S}"
 
 
-def _as_dict(obj) -> dict:
-    if obj is None:
-        return {}
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.asdict(obj)
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
-
-
-def _scalar(value) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def plan_columns(llm) -> dict:
+def plan_columns(plan: BenchPlan) -> dict:
     """plan path, model architecture/shape fields and build options (tokens_per_block, dtype, ...)."""
-    plan = getattr(llm, "plan", None)
-    if plan is None:
-        return {}
-    columns: dict = {"plan_path": str(getattr(plan, "path", ""))}
-    for prefix, obj in (("model_", getattr(plan, "model_config", None)),
-                        ("plan_", getattr(plan, "build_options", None))):
-        for key, value in _as_dict(obj).items():
-            if hasattr(value, "value"):  # enums
-                value = value.value
-            if _scalar(value):
+    columns: dict = {"plan_path": str(plan.path)}
+    for prefix, obj in (("model_", plan.model_config), ("plan_", plan.build_options)):
+        for key, value in dataclasses.asdict(obj).items():
+            if value is None or isinstance(value, (bool, int, float, str)):
                 columns[f"{prefix}{key}"] = value
     return columns
 
@@ -107,7 +88,7 @@ def _advance(progress: Progress, task) -> None:
     progress.refresh()
 
 
-def run_bench(llm, dataset: Dataset, config: BenchConfig, *, label: str, requests_csv: Path,
+def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: str, requests_csv: Path,
               config_columns: Mapping[str, object] | None = None, console: Console | None = None,
               clock: Callable[[], float] = time.perf_counter,
               sleep: Callable[[float], None] = time.sleep) -> BenchResult:
@@ -127,11 +108,9 @@ def run_bench(llm, dataset: Dataset, config: BenchConfig, *, label: str, request
         raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(dataset)} requests and --warmup "
                          f"is {replay.warmup}; lower --warmup or use a bigger dataset")
     check_requests(warmup + measured, engine, source=str(dataset.path))
-    pool_sizes = getattr(llm, "pool_sizes", None)
-    if pool_sizes is not None:
-        device = str(getattr(llm, "device_description", "")).split(":")[0]
-        for line in (pool_sizes.describe(device), *pool_sizes.notes):
-            console.print(line, highlight=False, soft_wrap=True)
+    pool_sizes = llm.pool_sizes
+    for line in (pool_sizes.describe(llm.device_description.split(":")[0]), *pool_sizes.notes):
+        console.print(line, highlight=False, soft_wrap=True)
 
     replayer = Replayer(engine, replay, clock=clock, sleep=sleep)
     finished: list[RequestMetrics] = []
@@ -161,14 +140,13 @@ def run_bench(llm, dataset: Dataset, config: BenchConfig, *, label: str, request
     row = {"label": label, "interrupted": interrupted, "run_error": None if failure is None else str(failure),
            "started_at": started_at, "dataset": str(dataset.path), "dataset_sha256": dataset.sha256,
            "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
-           **plan_columns(llm), **(config_columns or {}), **config.as_row(), "replay": replay.describe()}
+           **plan_columns(llm.plan), **(config_columns or {}), **config.as_row(), "replay": replay.describe()}
     # The block size in effect: the flag, else the plan's (the LLM refuses a flag that contradicts the plan).
     row["tokens_per_block"] = config.kv_cache_config.tokens_per_block or row.get("plan_tokens_per_block")
-    if pool_sizes is not None:
-        row.update(pool_sizes.as_row())
+    row.update(pool_sizes.as_row())
     row.update(summarize(finished).as_row())
     row.update(engine.get_stats())
-    row.update(device_columns(llm))
+    row.update(device_columns(llm.device_description))
     row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
     return BenchResult(row=row, requests=finished, interrupted=interrupted, failure=failure)
 

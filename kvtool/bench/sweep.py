@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvtool.bench.datasets import Dataset, load_dataset
+from kvtool.bench.interface import BenchLLM
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.report import SUMMARY_FILE, requests_file_name, write_summary_csv
 from kvtool.bench.runner import create_llm, run_bench
@@ -36,7 +37,7 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
 
 
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
-                 llm_factory: Callable[[str, BenchConfig, Dataset], object] = create_llm,
+                 llm_factory: Callable[[str, BenchConfig, Dataset], BenchLLM] = create_llm,
                  plan_resolver: Callable[[Variant], str] = resolve_variant_plan) -> SweepResult:
     """Runs every variant (``scenario.repeat`` times, alternating, after ``scenario.warmup_rounds``
     unrecorded rounds); the summary CSV is rewritten

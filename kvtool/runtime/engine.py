@@ -117,18 +117,14 @@ class Engine:
         """Runs one step; returns the requests that produced a token in it (the token is the last
         of their output_token_ids; those that finished have a finish_reason)."""
         batch = self.scheduler.schedule()
-        copies = batch.copy_ops
-        self.runner.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool,
-                                         copies.dst_block_ids, copies.num_tokens)
-        if len(batch.requests) == 0:
-            self.runner.pools.wait_for_all_copies()  # no forward will wait for them layer by layer
+        logits = self.runner.execute_batch(batch)
+        if logits is None:
             if self.scheduler.has_unfinished_requests():
                 raise KvtoolError(
                     f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
                     f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise max_tokens "
                     "(--max_tokens_in_paged_kv_cache) or free_gpu_memory_fraction")
             return []
-        logits = self.runner.execute(batch.requests)
         sampling = [self._running[r.request_id] for r in batch.requests if r.samples]
         token_ids = sample(logits, [r.sampling_params for r in sampling],
                            [self._generators[r.request_id] for r in sampling])  # syncs: tokens are on the host

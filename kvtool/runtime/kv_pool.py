@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtool._core import PoolKind
 from kvtool.runtime.copy_batches import CopyBatch, copy_batches
 
-PRIMARY = 0
-SECONDARY = 1
 HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
 # Copy layer by layer from this many bytes a step: about 2.4 ms over PCIe 5, well above the host
 # time of issuing two launches per layer (about 1.5 ms for 36 layers). A guess to tune on a GPU.
@@ -215,14 +214,14 @@ class KvCachePools:
 
     def _uses_kernel(self, batch: CopyBatch) -> bool:
         return (self._kernels is not None and batch.num_tokens >= self.shape.tokens_per_block
-                and (batch.src_pool, batch.dst_pool) != (PRIMARY, PRIMARY))
+                and (batch.src_pool, batch.dst_pool) != (PoolKind.PRIMARY, PoolKind.PRIMARY))
 
     def _prepare_kernel_copy(self, batch: CopyBatch):
         if not self._uses_kernel(batch):
             return None
         from kvtool.kernels.block_copy import prepare_block_copy
 
-        pools = {PRIMARY: self.primary, SECONDARY: self.host}
+        pools = {PoolKind.PRIMARY: self.primary, PoolKind.SECONDARY: self.host}
         return prepare_block_copy(pools[batch.src_pool], pools[batch.dst_pool], batch.src_block_ids,
                                   batch.dst_block_ids, library=self._kernels)
 
@@ -248,8 +247,8 @@ class KvCachePools:
                 for kv in (0, 1):
                     dst[copy_layer, kv, :count].copy_(src[copy_layer, kv, :count], non_blocking=non_blocking)
 
-    def _block(self, pool: int, block_id: int) -> torch.Tensor:
-        if pool == PRIMARY:
+    def _block(self, pool: PoolKind, block_id: int) -> torch.Tensor:
+        if pool is PoolKind.PRIMARY:
             return self.primary[block_id]
         return self.host.block(block_id)
 
@@ -257,4 +256,5 @@ class KvCachePools:
 def offloads_then_onboards(batches: list[CopyBatch]) -> bool:
     """True for a step whose copies are one wave of offloads followed by one wave of onboards: the
     two directions can then move on two streams, layer by layer."""
-    return {(b.wave, b.src_pool, b.dst_pool) for b in batches} == {(0, PRIMARY, SECONDARY), (1, SECONDARY, PRIMARY)}
+    primary, secondary = PoolKind.PRIMARY, PoolKind.SECONDARY
+    return {(b.wave, b.src_pool, b.dst_pool) for b in batches} == {(0, primary, secondary), (1, secondary, primary)}
