@@ -108,7 +108,9 @@ class LLM:
         tokens_per_block = opts.tokens_per_block
         shape = BlockShape(config.num_layers, tokens_per_block, config.num_kv_heads, config.head_dim,
                            self.plan.kv_cache_dtype)
-        model_module = self.plan.load_model(self.device, _attention_backend(kernels),
+        # CudaPagedAttention (kvtool's kernels) on a GPU with CuPy, else TorchPagedAttention.
+        self.attention_backend = _attention_backend(kernels)
+        model_module = self.plan.load_model(self.device, self.attention_backend,
                                             attention_window=kv_cache_config.max_attention_window)
         # The model's window is the smaller of its own and max_attention_window; one reaching past
         # max_seq_len never applies, and the cache manager keeps every block then.

@@ -36,11 +36,11 @@ def req(ids, out=2, **extra):
 class Harness:
     """A fake engine on a fake clock, and a replayer that records the requests that finished."""
 
-    def __init__(self, schedule=ReplayOptions(), vocab_size=1000, **engine_kwargs):
+    def __init__(self, options=ReplayOptions(), vocab_size=1000, **engine_kwargs):
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, advance=self.clock.advance, vocab_size=vocab_size, **engine_kwargs)
         self.tokenizer = FakeTokenizer(vocab_size)
-        self.replayer = Replayer(self.engine, schedule, clock=self.clock, sleep=self.clock.sleep)
+        self.replayer = Replayer(self.engine, options, clock=self.clock, sleep=self.clock.sleep)
         self.finished = []
 
     def run(self, dataset, *, timed=True, requests=None):
