@@ -1,30 +1,9 @@
-"""Named benchmark scenarios (bench_configs/*.yaml): a dataset, a plan, bench flags and a sweep.
-
-::
-
-    name: system_prompt                  # default: the file's stem
-    description: reuse on vs off on a shared system prompt
-    model: preset:tiny-llama             # a preset or checkpoint, built into a plan (or `plan: DIR`)
-    build: {tokens_per_block: 32}        # kvtool.plan.BuildOptions for the build
-    dataset:                             # `path: FILE.jsonl`, or a generator and its parameters
-      generator: system-prompt
-      num_groups: 4
-      prompts_per_group: 8
-      system_prompt_len: 512
-      question_len: 32
-      output_len: 16
-    bench: {max_batch_size: 8, warmup: 0}   # any `kvtool bench` flag, underscore spelling
-    sweep:                               # variants: a label + overrides (bench flags, build, dataset, model)
-      - {label: reuse-on, enable_kv_cache_reuse: true}
-      - {label: reuse-off, enable_kv_cache_reuse: false}
-    repeat: 5                            # run the variants 5 times, alternating (default 1)
-    warmup_rounds: 1                     # ... after running each once, unrecorded (default 0)
-
-``tokens_per_block`` in ``bench`` or a variant is a build option when the plan is built from
-``model`` (each value builds its own plan), and a flag checked against the plan for ``plan: DIR``.
-Unknown keys anywhere are an error naming the key, the file and the allowed keys. Overrides
-from the command line (``--set bench.max_batch_size=4``, ``--set model=preset:small-llama``)
-are applied before validation.
+"""Named benchmark scenarios (bench_configs/*.yaml are commented examples): a dataset (a file, or a
+generator and its parameters), a model to build (``build:`` holds BuildOptions) or a built plan, bench
+flags (``bench:``, the flags' underscore names), a sweep of variants (a label and overrides), and
+``repeat`` / ``warmup_rounds``. ``tokens_per_block`` is a build option for a model (one plan per
+value) and a flag checked against a built plan. Unknown keys are errors naming the key, the file and
+the allowed keys; ``--set bench.max_batch_size=4`` overrides apply before validation.
 """
 
 from __future__ import annotations

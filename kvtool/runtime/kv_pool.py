@@ -1,8 +1,8 @@
 """The KV cache tensors: a primary pool on the device and a lazily allocated host (secondary) pool.
 
 The C++ cache manager decides which block lives where and emits copy operations; this module
-only holds the memory and executes those copies. A block is one contiguous slab across all
-layers (block-major layout), so moving a block between tiers is a single copy.
+only holds the memory and executes those copies (docs/architecture.md#layers). A block is one
+contiguous slab across all layers (block-major layout), so moving a block between tiers is a single copy.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Request: one request from where it is made (a dataset line, an LLM.generate prompt) to its report row.
 
 The replay, the engine and the metrics share this object: the caller fills in what to run, the
-engine what happened. The C++ scheduler keeps its own state of the same request, by ``request_id``.
+engine what happened. The C++ scheduler keeps its own state of the same request, by ``request_id``
+(docs/architecture.md#a-requests-path).
 """
 
 from __future__ import annotations
