@@ -10,6 +10,7 @@ the last ``query_lens[i]`` of which are the new ones (causal mask aligned bottom
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 
