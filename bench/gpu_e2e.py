@@ -38,21 +38,21 @@ class E2ERow(NamedTuple):
     target: float | None = None
 
 
-def _record(llm: LLM, prompt: list[int], params: SamplingParams):
+def _request(llm: LLM, prompt: list[int], params: SamplingParams):
     out = llm.generate(prompt, params)
     if out.error is not None:
         raise RuntimeError(out.error)
-    return llm.engine.records[out.request_id]
+    return llm.engine.requests[out.request_id]
 
 
 def ttft_ms(llm: LLM, prompt: list[int]) -> float:
-    record = _record(llm, prompt, ONE_TOKEN)
-    return (record.first_token_time - record.arrival_time) * 1e3
+    request = _request(llm, prompt, ONE_TOKEN)
+    return (request.first_token_time - request.arrival_time) * 1e3
 
 
 def tpot_ms(llm: LLM, prompt: list[int], num_tokens: int) -> float:
-    record = _record(llm, prompt, SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
-    return (record.finish_time - record.first_token_time) / (num_tokens - 1) * 1e3
+    request = _request(llm, prompt, SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
+    return (request.finish_time - request.first_token_time) / (num_tokens - 1) * 1e3
 
 
 def _release(llm: LLM) -> None:

@@ -30,8 +30,8 @@ def measure(plan_dir: str, enable_reuse: bool, prefix: list[int], questions: lis
     ttft_ms = []
     for question in questions:
         out = llm.generate(prefix + question, params)
-        record = llm.engine.records[out.request_id]
-        ttft_ms.append((record.first_token_time - record.arrival_time) * 1e3)
+        request = llm.engine.requests[out.request_id]
+        ttft_ms.append((request.first_token_time - request.arrival_time) * 1e3)
     llm.shutdown()
     return ttft_ms
 

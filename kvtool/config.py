@@ -1,33 +1,60 @@
-"""User-facing configuration, named as in TensorRT-LLM's LLM API. Validated on construction."""
+"""User-facing configuration, named as in TensorRT-LLM's LLM API, validated on construction.
+
+These dataclasses (with kvtool.plan.BuildOptions) are the one definition of every rule and default:
+the CLI maps its flags onto their fields (kvtool.bench.config), and ``to_core`` hands them to the
+C++ runtime, whose own defaults a test checks against them.
+"""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from kvtool import _core
 
-class CapacitySchedulerPolicy(str, enum.Enum):
-    """How many requests the scheduler admits against the KV cache (TensorRT-LLM's names)."""
+# The C++ enums, so that a policy reaches the scheduler as given (TensorRT-LLM's member names).
+CapacitySchedulerPolicy = _core.CapacitySchedulerPolicy
+ContextChunkingPolicy = _core.ContextChunkingPolicy
 
-    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
-    MAX_UTILIZATION = "MAX_UTILIZATION"
-    STATIC_BATCH = "STATIC_BATCH"
+# TensorRT-LLM's default retention priority (0..100); blocks of at least this priority are offloaded.
+DEFAULT_PRIORITY = 35
 
 
-class ContextChunkingPolicy(str, enum.Enum):
-    """Which context advances first when contexts are chunked."""
+class ConfigError(ValueError):
+    """A configuration field with a bad value. ``owner`` and ``field`` name it, so that a caller
+    that set it from a flag can name the flag instead (kvtool.bench.config)."""
 
-    FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"
-    EQUAL_PROGRESS = "EQUAL_PROGRESS"
+    def __init__(self, owner: str, field_name: str, problem: str) -> None:
+        super().__init__(f"{owner}.{field_name} {problem}")
+        self.owner = owner
+        self.field = field_name
+        self.problem = problem
 
 
 def is_power_of_two(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
+    return isinstance(value, int) and value > 0 and value & (value - 1) == 0
 
 
-def _check(condition: bool, message: str) -> None:
+def check(condition: bool, owner: object, field_name: str, problem: str) -> None:
+    """Raises ConfigError(type(owner).__name__, field_name, problem) unless ``condition``."""
     if not condition:
-        raise ValueError(message)
+        raise ConfigError(type(owner).__name__, field_name, problem)
+
+
+def check_tokens_per_block(owner: object, value: int | None) -> None:
+    check(value is None or is_power_of_two(value), owner, "tokens_per_block",
+          f"must be a power of 2 (16, 32, 64, ...), got {value}")
+
+
+def _member(enum_type, value, owner: object, field_name: str):
+    """An enum member from itself or its name in any case ('max_utilization', 'MAX-UTILIZATION')."""
+    if isinstance(value, enum_type):
+        return value
+    name = str(getattr(value, "name", value)).strip().upper().replace("-", "_")
+    try:
+        return enum_type[name]
+    except KeyError:
+        allowed = "|".join(member.name.lower() for member in enum_type)
+        raise ConfigError(type(owner).__name__, field_name, f"{value!r} is unknown: use one of {allowed}") from None
 
 
 @dataclass
@@ -37,6 +64,9 @@ class KvCacheConfig:
     The primary pool holds ``max_tokens`` tokens, else ``free_gpu_memory_fraction`` of the memory
     free after the weights; the smaller of the two when both are set. ``host_cache_size`` bytes of
     host memory form the secondary pool that evicted blocks are offloaded to.
+    ``layered_copy_min_bytes`` (kvtool's): a step moving at least this many bytes between the
+    pools copies layer by layer so the forward overlaps it (None: 128 MiB where the GPU copy kernel
+    runs, whole blocks elsewhere; 0: always layer by layer).
     """
 
     enable_block_reuse: bool = True
@@ -46,55 +76,58 @@ class KvCacheConfig:
     free_gpu_memory_fraction: float = 0.9
     max_attention_window: int | None = None
     enable_partial_reuse: bool = True
-    secondary_offload_min_priority: int = 35
+    secondary_offload_min_priority: int = DEFAULT_PRIORITY
     event_buffer_max_size: int = 0
+    layered_copy_min_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens is None or self.max_tokens > 0,
-               f"KvCacheConfig.max_tokens must be positive, got {self.max_tokens}: "
-               "give the number of tokens the primary pool holds, or None to size it from memory")
-        _check(self.tokens_per_block is None or is_power_of_two(self.tokens_per_block),
-               f"KvCacheConfig.tokens_per_block must be a power of 2 (16, 32, 64, ...), "
-               f"got {self.tokens_per_block}")
-        _check(self.host_cache_size >= 0,
-               f"KvCacheConfig.host_cache_size must be >= 0 bytes, got {self.host_cache_size}")
-        _check(0.0 < self.free_gpu_memory_fraction <= 1.0,
-               f"KvCacheConfig.free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
-        _check(self.max_attention_window is None or self.max_attention_window > 0,
-               f"KvCacheConfig.max_attention_window must be positive, got {self.max_attention_window}")
-        _check(0 <= self.secondary_offload_min_priority <= 100,
-               "KvCacheConfig.secondary_offload_min_priority must be in 0..100, "
-               f"got {self.secondary_offload_min_priority}")
-        _check(self.event_buffer_max_size >= 0,
-               f"KvCacheConfig.event_buffer_max_size must be >= 0, got {self.event_buffer_max_size}")
+        check(self.max_tokens is None or self.max_tokens > 0, self, "max_tokens",
+              f"must be positive, got {self.max_tokens}: give the number of tokens the primary pool holds")
+        check_tokens_per_block(self, self.tokens_per_block)
+        check(self.host_cache_size >= 0, self, "host_cache_size", f"must be >= 0 bytes, got {self.host_cache_size}")
+        check(0.0 < self.free_gpu_memory_fraction <= 1.0, self, "free_gpu_memory_fraction",
+              f"must be in (0, 1], got {self.free_gpu_memory_fraction}")
+        check(self.max_attention_window is None or self.max_attention_window > 0, self, "max_attention_window",
+              f"must be positive, got {self.max_attention_window}")
+        check(0 <= self.secondary_offload_min_priority <= 100, self, "secondary_offload_min_priority",
+              f"must be in 0..100, got {self.secondary_offload_min_priority}")
+        check(self.event_buffer_max_size >= 0, self, "event_buffer_max_size",
+              f"must be >= 0, got {self.event_buffer_max_size}")
+        check(self.layered_copy_min_bytes is None or self.layered_copy_min_bytes >= 0, self,
+              "layered_copy_min_bytes", f"must be >= 0 bytes, got {self.layered_copy_min_bytes}")
+
+    def to_core(self, *, tokens_per_block: int, num_primary_blocks: int, num_secondary_blocks: int,
+                max_attention_window: int | None) -> _core.CacheConfig:
+        """The C++ manager's configuration, with the pool sizes and the window the LLM settled on."""
+        return _core.CacheConfig(
+            tokens_per_block=tokens_per_block, num_primary_blocks=num_primary_blocks,
+            num_secondary_blocks=num_secondary_blocks, enable_block_reuse=self.enable_block_reuse,
+            enable_partial_reuse=self.enable_partial_reuse,
+            secondary_offload_min_priority=self.secondary_offload_min_priority,
+            max_attention_window=max_attention_window or 0, event_buffer_max_size=self.event_buffer_max_size)
 
 
 @dataclass
 class SchedulerConfig:
-    """Capacity policy and context chunking."""
+    """Capacity policy and context chunking. A policy may be given by name, in any case."""
 
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
     context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
     enable_chunked_context: bool = False
 
     def __post_init__(self) -> None:
-        try:
-            self.capacity_scheduler_policy = CapacitySchedulerPolicy(
-                _enum_value(self.capacity_scheduler_policy))
-        except ValueError:
-            raise ValueError(f"SchedulerConfig.capacity_scheduler_policy {self.capacity_scheduler_policy!r} "
-                             f"is unknown: use one of {[p.value for p in CapacitySchedulerPolicy]}") from None
-        try:
-            self.context_chunking_policy = ContextChunkingPolicy(_enum_value(self.context_chunking_policy))
-        except ValueError:
-            raise ValueError(f"SchedulerConfig.context_chunking_policy {self.context_chunking_policy!r} "
-                             f"is unknown: use one of {[p.value for p in ContextChunkingPolicy]}") from None
+        self.capacity_scheduler_policy = _member(CapacitySchedulerPolicy, self.capacity_scheduler_policy, self,
+                                                 "capacity_scheduler_policy")
+        self.context_chunking_policy = _member(ContextChunkingPolicy, self.context_chunking_policy, self,
+                                               "context_chunking_policy")
 
-
-def _enum_value(value) -> str:
-    if isinstance(value, enum.Enum):
-        return value.value
-    return str(value).upper()
+    def to_core(self, *, max_batch_size: int, max_num_tokens: int, max_seq_len: int) -> _core.SchedulerConfig:
+        """The C++ scheduler's configuration, with the runtime limits the LLM settled on."""
+        return _core.SchedulerConfig(
+            capacity_scheduler_policy=self.capacity_scheduler_policy,
+            context_chunking_policy=self.context_chunking_policy,
+            enable_chunked_context=self.enable_chunked_context, max_batch_size=max_batch_size,
+            max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
 
 
 @dataclass
@@ -108,17 +141,17 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: list[str] | str | None = None
-    priority: int = 35  # KV retention priority 0..100 of the blocks this request computes
+    priority: int = DEFAULT_PRIORITY  # KV retention priority 0..100 of the blocks this request computes
     cache_salt: str | None = None
     lora_task_id: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check(self.max_tokens >= 1, f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.temperature >= 0.0, f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        _check(0 <= self.priority <= 100, f"SamplingParams.priority must be in 0..100, got {self.priority}")
+        check(self.max_tokens >= 1, self, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        check(self.temperature >= 0.0, self, "temperature", f"must be >= 0, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, self, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, self, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        check(0 <= self.priority <= 100, self, "priority", f"must be in 0..100, got {self.priority}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import count
 from pathlib import Path
 
 import torch
 
-from kvtool import _core
 from kvtool.config import KvCacheConfig, SamplingParams, SchedulerConfig
 from kvtool.errors import KvtoolError
 from kvtool.plan.kernels import plan_kernel_cache
@@ -21,6 +19,7 @@ from kvtool.runtime.engine import Engine
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 from kvtool.runtime.pool_sizes import size_pools
 from kvtool.runtime.model_runner import ModelRunner
+from kvtool.runtime.request import Request
 
 logger = logging.getLogger("kvtool")
 
@@ -105,46 +104,41 @@ class LLM:
         self.device = torch.device(device) if device else default_device()
         self.device_description = describe_device(self.device)
         config = self.plan.model_config
-        window = _attention_window(config.sliding_window, kv_cache_config.max_attention_window, self.max_seq_len)
         kernels = _kernel_library(self.device, plan_kernel_cache(self.plan.path))
         tokens_per_block = opts.tokens_per_block
         shape = BlockShape(config.num_layers, tokens_per_block, config.num_kv_heads, config.head_dim,
                            self.plan.kv_cache_dtype)
-        on_cpu = self.device.type == "cpu"
-        model_module = self.plan.load_model(self.device, _attention_backend(kernels), attention_window=window)
+        # CudaPagedAttention (kvtool's kernels) on a GPU with CuPy, else TorchPagedAttention.
+        self.attention_backend = _attention_backend(kernels)
+        model_module = self.plan.load_model(self.device, self.attention_backend,
+                                            attention_window=kv_cache_config.max_attention_window)
+        # The model's window is the smaller of its own and max_attention_window; one reaching past
+        # max_seq_len never applies, and the cache manager keeps every block then.
+        window = model_module.sliding_window
+        window = window if window is not None and window < self.max_seq_len else None
         self.pool_sizes = size_pools(
             shape.num_bytes, tokens_per_block, max_tokens=kv_cache_config.max_tokens,
             free_memory_fraction=kv_cache_config.free_gpu_memory_fraction,
             free_memory_bytes=free_device_memory_bytes(self.device), host_cache_size=kv_cache_config.host_cache_size,
-            on_cpu=on_cpu, available_host_bytes=available_host_memory_bytes(), num_workload_blocks=num_workload_blocks)
+            on_cpu=self.device.type == "cpu", available_host_bytes=available_host_memory_bytes(),
+            num_workload_blocks=num_workload_blocks)
         sizes = self.pool_sizes
-        pools = KvCachePools(shape, sizes.num_primary_blocks, sizes.num_secondary_blocks, self.device, kernels)
-        cache_cfg = _core.CacheConfig(
-            tokens_per_block=tokens_per_block,
-            num_primary_blocks=sizes.num_primary_blocks,
-            num_secondary_blocks=sizes.num_secondary_blocks,
-            enable_block_reuse=kv_cache_config.enable_block_reuse,
-            enable_partial_reuse=kv_cache_config.enable_partial_reuse,
-            secondary_offload_min_priority=kv_cache_config.secondary_offload_min_priority,
-            max_attention_window=window or 0,
-            event_buffer_max_size=kv_cache_config.event_buffer_max_size)
-        sched_cfg = _core.SchedulerConfig(
-            capacity_scheduler_policy=getattr(_core.CapacitySchedulerPolicy,
-                                              scheduler_config.capacity_scheduler_policy.value),
-            context_chunking_policy=getattr(_core.ContextChunkingPolicy,
-                                            scheduler_config.context_chunking_policy.value),
-            enable_chunked_context=scheduler_config.enable_chunked_context,
-            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
-            max_seq_len=self.max_seq_len)
+        pools = KvCachePools(shape, sizes.num_primary_blocks, sizes.num_secondary_blocks, self.device, kernels,
+                             layered_copy_min_bytes=kv_cache_config.layered_copy_min_bytes)
         self.tokenizer = self.plan.tokenizer
         runner = ModelRunner(model_module, pools, tokens_per_block, self.device)
         runner.warm_up(min(self.max_num_tokens, self.max_seq_len - 1, 4 * tokens_per_block))
-        self.engine = Engine(runner, cache_cfg,
-                             sched_cfg, vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids,
-                             bytes_per_token=shape.bytes_per_token, tokenizer=self.tokenizer)
+        self.engine = Engine(
+            runner, kv_cache_config.to_core(tokens_per_block=tokens_per_block,
+                                            num_primary_blocks=sizes.num_primary_blocks,
+                                            num_secondary_blocks=sizes.num_secondary_blocks,
+                                            max_attention_window=window),
+            scheduler_config.to_core(max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens,
+                                     max_seq_len=self.max_seq_len),
+            vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids, bytes_per_token=shape.bytes_per_token,
+            tokenizer=self.tokenizer)
         self.kv_cache_config = kv_cache_config
         self.scheduler_config = scheduler_config
-        self._request_ids = count()
 
     # -- generation -------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -161,8 +155,9 @@ class LLM:
         results = [self._submit(p, sp, e) for p, sp, e in zip(prompt_list, params_list, extra_list)]
         by_id = {r.request_id: r for r in results if r.error is None}
         while self.engine.has_unfinished_requests():
-            for step_output in self.engine.step():
-                self._update(by_id.get(step_output.request_id), step_output, decode=step_output.finished)
+            for request in self.engine.step():
+                if request.request_id in by_id:
+                    _update(by_id[request.request_id], request, self.tokenizer, decode=request.finished)
         return results[0] if single else results
 
     def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *,
@@ -173,19 +168,17 @@ class LLM:
             yield result
             return
         while not result.finished:
-            for step_output in self.engine.step():
-                if step_output.request_id == result.request_id:
-                    self._update(result, step_output, decode=streaming or step_output.finished)
+            for request in self.engine.step():
+                if request.request_id == result.request_id:
+                    _update(result, request, self.tokenizer, decode=streaming or request.finished)
                     if streaming or result.finished:
                         yield result
 
     def _submit(self, prompt, params: SamplingParams, extra_ids) -> GenerationOutput:
-        request_id = next(self._request_ids)
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, [int(t) for t in prompt]
-        result = GenerationOutput(request_id, text, token_ids, [CompletionOutput(0, "", [], None)])
         room = self.max_seq_len - len(token_ids)
         if 0 < room < params.max_tokens:
             # As TensorRT-LLM's LLM API: generate up to max_seq_len, with a warning.
@@ -193,22 +186,17 @@ class LLM:
                            "%d-token prompt: generating at most %d", params.max_tokens, room, self.max_seq_len,
                            len(token_ids), room)
             params = replace(params, max_tokens=room)
+        request = Request(token_ids, params, None if extra_ids is None else list(extra_ids))
+        error = None
         try:
-            self.engine.add_request(request_id, token_ids, params, extra_ids=extra_ids)
-        except ValueError as error:
-            result.error, result.finished = str(error), True
+            self.engine.add_request(request)
+        except ValueError as refused:
+            error = str(refused)
+        result = GenerationOutput(request.request_id, text, token_ids, [CompletionOutput(0, "", [], None)],
+                                  error=error, finished=error is not None)
+        if error is not None:
             result.outputs[0].finish_reason = "error"
         return result
-
-    def _update(self, result: GenerationOutput | None, step_output, *, decode: bool) -> None:
-        if result is None:
-            return
-        completion = result.outputs[0]
-        completion.token_ids = step_output.token_ids
-        if decode:  # detokenizing every step would cost O(n^2) over a long output
-            completion.text = self.tokenizer.decode(step_output.token_ids)
-        completion.finish_reason = step_output.finish_reason
-        result.finished = step_output.finished
 
     # -- stats and lifetime -----------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float]:
@@ -228,6 +216,15 @@ class LLM:
         self.shutdown()
 
 
+def _update(result: GenerationOutput, request: Request, tokenizer, *, decode: bool) -> None:
+    completion = result.outputs[0]
+    completion.token_ids = list(request.output_token_ids)
+    if decode:  # detokenizing every step would cost O(n^2) over a long output
+        completion.text = tokenizer.decode(completion.token_ids)
+    completion.finish_reason = request.finish_reason
+    result.finished = request.finished
+
+
 def _broadcast(params, n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
@@ -244,12 +241,6 @@ def _runtime_limit(name: str, value: int | None, plan_value: int) -> int:
         raise ValueError(f"{name}={value} is outside what the plan was built for (1..{plan_value}): "
                          f"rebuild with `kvtool build --{name} {value}` or choose at most {plan_value}")
     return value
-
-
-def _attention_window(model_window: int | None, user_window: int | None, max_seq_len: int) -> int | None:
-    windows = [w for w in (model_window, user_window) if w]
-    window = min(windows) if windows else None
-    return window if window is not None and window < max_seq_len else None
 
 
 def on_the_fly_build_options(build_options: BuildOptions | None, kv_cache_config: KvCacheConfig, *,

@@ -9,10 +9,13 @@ FakeClock that each step advances, so latencies are exact numbers tests can comp
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
+from pathlib import Path
 
 from kvtool.errors import KvtoolError
-from kvtool.runtime.request import RequestOutput, RequestRecord
+from kvtool.plan.options import BuildOptions
+from kvtool.runtime.pool_sizes import PoolSizes
+from kvtool.runtime.request import Request
 
 
 class FakeClock:
@@ -65,11 +68,9 @@ class FakeEngine:
         # step that raises: what can still go wrong during a run.
         self.refuse_when_added = refuse_when_added or (lambda prompt: None)
         self.fail_at_step = fail_at_step
-        self.records: dict[int, RequestRecord] = {}
-        self.prompts: dict[int, list[int]] = {}
-        self.extra_ids: dict[int, list[int] | None] = {}
-        self.params: dict[int, object] = {}
+        self.requests: dict[int, Request] = {}
         self.add_times: dict[int, float] = {}
+        self._next_id = 0
         self._waiting: list[int] = []
         self._running: list[int] = []
         self._cached_blocks: set[tuple] = set()
@@ -78,30 +79,28 @@ class FakeEngine:
         self.num_resets = 0
         self.stats = {"reused_blocks": 0, "missed_blocks": 0}
 
-    def request_problem(self, prompt_token_ids, sampling_params, *, extra_ids=None):
-        prompt = list(prompt_token_ids)
+    def request_problem(self, request: Request):
+        prompt = request.prompt_token_ids
         if not prompt:
             return "the prompt is empty"
         if max(prompt) >= self.vocab_size:
-            return f"token id {max(prompt)} is outside the vocabulary"
-        if len(prompt) + sampling_params.max_tokens > self.max_seq_len:
-            return (f"{len(prompt)} prompt tokens + {sampling_params.max_tokens} output tokens exceed max_seq_len "
-                    f"{self.max_seq_len}")
+            return f"token id {max(prompt)} is outside the model's vocabulary [0, {self.vocab_size})"
+        max_tokens = request.sampling_params.max_tokens
+        if len(prompt) + max_tokens > self.max_seq_len:
+            return f"{len(prompt)} prompt tokens + {max_tokens} output tokens exceed max_seq_len {self.max_seq_len}"
         return None
 
-    def add_request(self, request_id, prompt_token_ids, sampling_params, *, extra_ids=None, arrival_time=None):
-        prompt = list(prompt_token_ids)
-        problem = self.request_problem(prompt, sampling_params) or self.refuse_when_added(prompt)
+    def add_request(self, request: Request):
+        request.request_id = request_id = self._next_id
+        self._next_id += 1
+        problem = self.request_problem(request) or self.refuse_when_added(request.prompt_token_ids)
         if problem is not None:
             raise ValueError(f"request {request_id}: {problem}")
         now = self.clock()
-        self.records[request_id] = RequestRecord(request_id=request_id,
-                                                 arrival_time=now if arrival_time is None else arrival_time,
-                                                 num_prompt_tokens=len(prompt))
-        self.prompts[request_id] = prompt
-        self.extra_ids[request_id] = None if extra_ids is None else list(extra_ids)
-        self.params[request_id] = sampling_params
         self.add_times[request_id] = now
+        if request.arrival_time is None:
+            request.arrival_time = now
+        self.requests[request_id] = request
         self._waiting.append(request_id)
         self.max_in_engine = max(self.max_in_engine, len(self._waiting) + len(self._running))
 
@@ -122,37 +121,35 @@ class FakeEngine:
             self._running.append(self._waiting.pop(0))
         duration = self.step_s
         for request_id in self._running:
-            record = self.records[request_id]
-            if record.first_token_time is None:
-                keys = self._block_keys(self.prompts[request_id])
+            request = self.requests[request_id]
+            if request.first_token_time is None:
+                keys = self._block_keys(request.prompt_token_ids)
                 reused = 0
                 # At least the last prompt token is computed, so a fully cached prompt still yields logits.
-                reusable = keys[:(record.num_prompt_tokens - 1) // self.tokens_per_block]
+                reusable = keys[:(request.num_prompt_tokens - 1) // self.tokens_per_block]
                 while self.enable_block_reuse and reused < len(reusable) and reusable[reused] in self._cached_blocks:
                     reused += 1
-                record.num_reused_blocks = reused
-                record.num_reused_tokens = reused * self.tokens_per_block
+                request.num_reused_blocks = reused
+                request.num_reused_tokens = reused * self.tokens_per_block
                 self.stats["reused_blocks"] += reused
                 self.stats["missed_blocks"] += len(keys) - reused
-                duration += (record.num_prompt_tokens - record.num_reused_tokens) * self.context_s_per_token
+                duration += (request.num_prompt_tokens - request.num_reused_tokens) * self.context_s_per_token
                 self._cached_blocks.update(keys)
         self.advance(duration)
         now = self.clock()
         outputs = []
         for request_id in list(self._running):
-            record = self.records[request_id]
-            if record.first_token_time is None:
-                record.first_token_time = now
-            token = (sum(self.prompts[request_id]) + len(record.output_token_ids)) % self.vocab_size
-            record.output_token_ids.append(token)
-            record.token_times.append(now)
-            finished = record.num_output_tokens >= self.params[request_id].max_tokens
-            if finished:
-                record.finish_time = now
-                record.finish_reason = "length"
+            request = self.requests[request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            token = (sum(request.prompt_token_ids) + request.num_output_tokens) % self.vocab_size
+            request.output_token_ids.append(token)
+            request.token_times.append(now)
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                request.finish_time = now
+                request.finish_reason = "length"
                 self._running.remove(request_id)
-            outputs.append(RequestOutput(request_id, [token], list(record.output_token_ids), finished,
-                                         "length" if finished else None))
+            outputs.append(request)
         return outputs
 
     def get_stats(self):
@@ -165,17 +162,31 @@ class FakeEngine:
         self.stats = {"reused_blocks": 0, "missed_blocks": 0}
 
 
+@dataclass
+class FakeModelConfig:
+    architecture: str
+    vocab_size: int
+
+
+@dataclass
+class FakePlan:
+    path: Path
+    model_config: FakeModelConfig
+    build_options: BuildOptions
+
+
 class FakeLLM:
-    """What kvtool.bench reads from an LLM: tokenizer, plan, device description, engine, shutdown."""
+    """A kvtool.bench.interface.BenchLLM over a FakeEngine."""
 
     def __init__(self, engine: FakeEngine | None = None, *, tokens_per_block: int = 4, **engine_kwargs) -> None:
         self.engine = engine or FakeEngine(tokens_per_block=tokens_per_block, **engine_kwargs)
         self.tokenizer = FakeTokenizer(self.engine.vocab_size)
         self.device_description = "fake: deterministic test engine"
-        self.plan = SimpleNamespace(
-            path="plans/fake",
-            model_config=SimpleNamespace(architecture="FakeForCausalLM", vocab_size=self.engine.vocab_size),
-            build_options=SimpleNamespace(tokens_per_block=self.engine.tokens_per_block, dtype="float32"))
+        tokens_per_block = self.engine.tokens_per_block
+        self.plan = FakePlan(Path("plans/fake"), FakeModelConfig("FakeForCausalLM", self.engine.vocab_size),
+                             BuildOptions(tokens_per_block=tokens_per_block, max_seq_len=self.engine.max_seq_len))
+        self.pool_sizes = PoolSizes(tokens_per_block, block_bytes=1024, num_primary_blocks=1024,
+                                    num_secondary_blocks=0)
         self.shut_down = False
 
     def shutdown(self) -> None:

@@ -29,7 +29,7 @@ HF_CASES: dict[str, tuple[str, dict]] = {
     "qwen3_qk_norm": ("Qwen3Config", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2)),
-    # head_dim 64: the smallest shape kvtool's CUDA kernels serve (tests/test_llm_gpu.py).
+    # head_dim 64: the smallest shape kvtool's CUDA kernels serve (tests/test_llm_generation.py).
     "qwen3_head_dim_64": ("Qwen3Config", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2)),

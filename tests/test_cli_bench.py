@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 
 from kvtool.bench import runner as bench_runner
 from kvtool.bench import sweep
+from kvtool.bench.config import BenchConfig
 from kvtool.bench.datasets import write_jsonl
 from kvtool.cli import app
+from kvtool.config import CapacitySchedulerPolicy, ContextChunkingPolicy
 
 cli = CliRunner()
 
@@ -38,15 +40,15 @@ def dataset(tmp_path):
 
 
 class FakeLlmFactory(list):
-    """Stands in for kvtool.LLM creation: records (model, options, llm); settings go to every FakeLLM."""
+    """Stands in for kvtool.LLM creation: records (model, config, llm); settings go to every FakeLLM."""
 
     def __init__(self):
         super().__init__()
         self.settings = {}
 
-    def __call__(self, model, options, dataset=None, cache_dir=None):
-        llm = FakeLLM(enable_block_reuse=options.enable_kv_cache_reuse, **self.settings)
-        self.append((model, options, llm))
+    def __call__(self, model, config, dataset=None, cache_dir=None):
+        llm = FakeLLM(enable_block_reuse=config.kv_cache_config.enable_block_reuse, **self.settings)
+        self.append((model, config, llm))
         return llm
 
 
@@ -68,15 +70,16 @@ def test_bench_writes_request_and_summary_csvs_with_every_flag(tmp_path, dataset
                     "--tokens-per-block", 32, "--concurrency", 2, "--warmup", 1, "--num_requests", 4,
                     "--label", "variant-a")
     assert result.exit_code == 0, result.output
-    (model, options, llm), = fake_llms
+    (model, config, llm), = fake_llms
     assert model == "preset:tiny-llama" and llm.shut_down
-    kv = options.kv_cache_config()
+    kv = config.kv_cache_config
     assert (kv.enable_block_reuse, kv.host_cache_size, kv.max_tokens, kv.free_gpu_memory_fraction,
             kv.max_attention_window, kv.tokens_per_block) == (False, 512_000_000, 4096, 0.5, 1024, 32)
-    sched = options.scheduler_config()
-    assert (sched.capacity_scheduler_policy.value, sched.context_chunking_policy.value,
-            sched.enable_chunked_context) == ("MAX_UTILIZATION", "EQUAL_PROGRESS", True)
-    assert options.llm_kwargs()["max_batch_size"] == 4 and options.llm_kwargs()["max_num_tokens"] == 256
+    sched = config.scheduler_config
+    assert (sched.capacity_scheduler_policy, sched.context_chunking_policy, sched.enable_chunked_context) == (
+        CapacitySchedulerPolicy.MAX_UTILIZATION, ContextChunkingPolicy.EQUAL_PROGRESS, True)
+    assert (config.max_batch_size, config.max_num_tokens, config.max_seq_len) == (4, 256, 512)
+    assert (config.replay.concurrency, config.replay.warmup, config.replay.num_requests) == (2, 1, 4)
 
     requests = read_rows(out / "requests.csv")
     assert [row["request_id"] for row in requests] == ["1", "2", "3", "4"]  # 1 warm-up, 4 measured
@@ -95,9 +98,9 @@ def test_defaults_and_default_output_directory(tmp_path, dataset, fake_llms, mon
     monkeypatch.chdir(tmp_path)
     result = invoke("bench", "--plan", tmp_path / "myplan", "--dataset", dataset)
     assert result.exit_code == 0, result.output
-    (model, options, _), = fake_llms
+    (model, config, _), = fake_llms
     assert model == str(tmp_path / "myplan")
-    assert options.enable_kv_cache_reuse and options.scheduler_policy == "guaranteed_no_evict"
+    assert config == BenchConfig()  # the API dataclasses' defaults
     run_dir, = (tmp_path / "results").iterdir()
     assert run_dir.name.startswith("shared-")
     summary, = read_rows(run_dir / "summary.csv")
@@ -171,8 +174,8 @@ def test_config_runs_every_variant_into_one_summary(tmp_path, fake_llms):
     result = invoke("bench", "--config", scenario_file(tmp_path), "--output", out, "--set", "bench.warmup=1",
                     "--max_batch_size", 2)
     assert result.exit_code == 0, result.output
-    assert [(model, options.enable_kv_cache_reuse, options.warmup, options.max_batch_size)
-            for model, options, _ in fake_llms] == [("plans/on", True, 1, 2), ("plans/off", False, 1, 2)]
+    assert [(model, config.kv_cache_config.enable_block_reuse, config.replay.warmup, config.max_batch_size)
+            for model, config, _ in fake_llms] == [("plans/on", True, 1, 2), ("plans/off", False, 1, 2)]
     rows = read_rows(out / "summary.csv")
     assert [row["label"] for row in rows] == ["on", "off"]
     assert {row["scenario"] for row in rows} == {"mini"}
@@ -256,7 +259,7 @@ def test_bench_refuses_a_block_size_the_plan_was_not_built_with(tmp_path, tiny_l
 @pytest.mark.parametrize("text, size", [("1073741824", 1 << 30), ("1GiB", 1 << 30), ("512MB", 512_000_000),
                                         ("512MiB", 512 << 20), ("2G", 2 << 30), ("1.5KiB", 1536), ("0", 0)])
 def test_host_cache_sizes_accept_bytes_and_units(text, size):
-    from kvtool.bench.options import parse_bytes
+    from kvtool.bench.config import parse_bytes
 
     assert parse_bytes(text) == size
 

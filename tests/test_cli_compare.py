@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from kvtool.bench.metrics import request_metrics
 from kvtool.bench.report import RequestCsvWriter, write_summary_csv
 from kvtool.cli import app
-from kvtool.runtime.request import RequestRecord
+from kvtool.runtime.request import Request
 
 cli = CliRunner()
 
@@ -21,11 +21,11 @@ def invoke(*args):
 def write_requests(path, label, ttfts_ms):
     with RequestCsvWriter(path) as writer:
         for i, ttft in enumerate(ttfts_ms):
-            rec = RequestRecord(request_id=i, arrival_time=0.0, num_prompt_tokens=64)
+            rec = Request([1] * 64, arrival_time=0.0, name=str(i))
             rec.token_times = [ttft / 1000, ttft / 1000 + 0.005]
             rec.output_token_ids = [1, 2]
             rec.first_token_time, rec.finish_time = rec.token_times[0], rec.token_times[-1]
-            writer.write(request_metrics(rec, label=label, request_id=str(i), bench_start=0.0))
+            writer.write(request_metrics(rec, label=label, bench_start=0.0))
     return path
 
 

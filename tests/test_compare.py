@@ -9,18 +9,18 @@ from kvtool.bench.compare import (compare_rows, format_ratio, load_variants, plo
 from kvtool.bench.metrics import request_metrics
 from kvtool.bench.report import RequestCsvWriter, write_summary_csv
 from kvtool.errors import KvtoolError
-from kvtool.runtime.request import RequestRecord
+from kvtool.runtime.request import Request
 
 
 def write_requests(path, label, ttfts_ms):
     """Requests arriving at 0 with their first token after ttft and a second token 10 ms later."""
     with RequestCsvWriter(path) as writer:
         for i, ttft in enumerate(ttfts_ms):
-            rec = RequestRecord(request_id=i, arrival_time=0.0, num_prompt_tokens=100)
+            rec = Request([1] * 100, arrival_time=0.0, name=str(i))
             rec.token_times = [ttft / 1000, ttft / 1000 + 0.010]
             rec.output_token_ids = [1, 2]
             rec.first_token_time, rec.finish_time = rec.token_times[0], rec.token_times[-1]
-            writer.write(request_metrics(rec, label=label, request_id=str(i), bench_start=0.0))
+            writer.write(request_metrics(rec, label=label, bench_start=0.0))
     return path
 
 

@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtool._core import PoolKind
 from kvtool.runtime.copy_batches import CopyBatch, copy_batches
 
 TOKENS_PER_BLOCK = 4
@@ -35,9 +36,9 @@ def run_batches(batches: list[CopyBatch], *, reverse: bool):
     store = fresh_store()
     for batch in batches:
         pairs = list(zip(batch.src_block_ids, batch.dst_block_ids))
-        values = [store[batch.src_pool, s, :batch.num_tokens].copy() for s, _ in pairs]
+        values = [store[batch.src_pool.value, s, :batch.num_tokens].copy() for s, _ in pairs]
         for (_, dst), value in (reversed if reverse else iter)(list(zip(pairs, values))):
-            store[batch.dst_pool, dst, :batch.num_tokens] = value
+            store[batch.dst_pool.value, dst, :batch.num_tokens] = value
     return store
 
 
@@ -63,10 +64,11 @@ def test_alternating_offloads_and_onboards_become_two_launches():
         ops.append((0, 10 + i, 1, 20 + i, TOKENS_PER_BLOCK))  # offload B's block 10+i to host 20+i
         ops.append((1, 30 + i, 0, 10 + i, TOKENS_PER_BLOCK))  # onboard A's host block 30+i into it
     batches = copy_batches(*as_arrays(ops))
-    assert batches == [CopyBatch(0, 1, TOKENS_PER_BLOCK, [10, 11, 12, 13], [20, 21, 22, 23], wave=0),
-                       CopyBatch(1, 0, TOKENS_PER_BLOCK, [30, 31, 32, 33], [10, 11, 12, 13], wave=1)]
+    primary, host = PoolKind.PRIMARY, PoolKind.SECONDARY
+    assert batches == [CopyBatch(primary, host, TOKENS_PER_BLOCK, [10, 11, 12, 13], [20, 21, 22, 23], wave=0),
+                       CopyBatch(host, primary, TOKENS_PER_BLOCK, [30, 31, 32, 33], [10, 11, 12, 13], wave=1)]
 
 
 def test_an_offload_into_a_host_block_an_onboard_just_read_waits_for_it():
     ops = [(1, 7, 0, 2, TOKENS_PER_BLOCK), (0, 3, 1, 7, TOKENS_PER_BLOCK)]  # onboard 7, then overwrite 7
-    assert [b.src_pool for b in copy_batches(*as_arrays(ops))] == [1, 0]
+    assert [b.src_pool for b in copy_batches(*as_arrays(ops))] == [PoolKind.SECONDARY, PoolKind.PRIMARY]

@@ -10,8 +10,11 @@ from kvtool import LLM, KvCacheConfig, SamplingParams
 from kvtool.errors import KvtoolError
 from kvtool.runtime.device import available_host_memory_bytes
 from kvtool.runtime.copy_batches import copy_batches
-from kvtool.runtime.kv_pool import PRIMARY, SECONDARY, BlockShape, KvCachePools, offloads_then_onboards
+from kvtool._core import PoolKind
+from kvtool.runtime.kv_pool import BlockShape, KvCachePools, offloads_then_onboards
 
+# The values the cache manager's copy-op arrays hold.
+PRIMARY, SECONDARY = PoolKind.PRIMARY.value, PoolKind.SECONDARY.value
 SHAPE = BlockShape(num_layers=2, tokens_per_block=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 

@@ -6,25 +6,28 @@ import numpy as np
 import pytest
 
 from kvtool.bench.metrics import LatencyStats, percentile, request_metrics, summarize
-from kvtool.runtime.request import RequestRecord
+from kvtool.bench.datasets import DatasetRecord
+from kvtool.runtime.request import Request
 
 
-def record(arrival, token_times, *, request_id=0, prompt=10, reused=0, error=None, finish_reason="length"):
-    rec = RequestRecord(request_id=request_id, arrival_time=arrival, num_prompt_tokens=prompt)
-    rec.token_times = list(token_times)
-    rec.output_token_ids = list(range(len(token_times)))
-    rec.first_token_time = token_times[0] if token_times else None
-    rec.finish_time = token_times[-1] if token_times else None
-    rec.num_reused_tokens = reused
-    rec.error = error
-    rec.finish_reason = finish_reason
-    return rec
+def record(arrival, token_times, *, name="0", prompt=10, reused=0, error=None, finish_reason="length", line=None):
+    """A request as the engine leaves it: token i reached the host at token_times[i]."""
+    request = Request(list(range(prompt)), arrival_time=arrival, name=name, line=line)
+    request.token_times = list(token_times)
+    request.output_token_ids = list(range(len(token_times)))
+    request.first_token_time = token_times[0] if token_times else None
+    request.finish_time = token_times[-1] if token_times else None
+    request.num_reused_tokens = reused
+    request.error = error
+    request.finish_reason = finish_reason
+    return request
 
 
 def test_request_metrics_by_hand():
     # Arrives 1 s after the bench start; tokens at +100 ms, +150 ms, +300 ms.
-    m = request_metrics(record(10.0, [10.1, 10.15, 10.3], reused=32), label="on", request_id="r1",
-                        bench_start=9.0, session_id="s", turn=2)
+    line = DatasetRecord(line_number=3, output_tokens=3, input_ids=tuple(range(10)), session_id="s", turn=2)
+    m = request_metrics(record(10.0, [10.1, 10.15, 10.3], reused=32, name="r1", line=line), label="on",
+                        bench_start=9.0)
     assert (m.label, m.request_id, m.session_id, m.turn) == ("on", "r1", "s", 2)
     assert m.arrival_s == pytest.approx(1.0)
     assert m.first_token_s == pytest.approx(1.1)
@@ -39,17 +42,17 @@ def test_request_metrics_by_hand():
 
 
 def test_single_token_output_has_no_tpot_or_itl():
-    m = request_metrics(record(0.0, [0.25]), label="x", request_id="0", bench_start=0.0)
+    m = request_metrics(record(0.0, [0.25], name="0"), label="x", bench_start=0.0)
     assert m.ttft_ms == pytest.approx(250.0)
     assert m.e2e_ms == pytest.approx(250.0)
     assert m.tpot_ms is None and m.itl_ms is None
 
 
 def test_engine_error_is_reported_and_request_not_ok():
-    m = request_metrics(record(0.0, [], error="out of memory", finish_reason="error"), label="x", request_id="0",
+    m = request_metrics(record(0.0, [], error="out of memory", finish_reason="error", name="0"), label="x",
                         bench_start=0.0)
     assert m.error == "out of memory" and not m.ok
-    aborted = request_metrics(record(0.0, [0.1], finish_reason="abort"), label="x", request_id="1", bench_start=0.0)
+    aborted = request_metrics(record(0.0, [0.1], finish_reason="abort", name="1"), label="x", bench_start=0.0)
     assert aborted.error == "abort"
 
 
@@ -72,12 +75,12 @@ def test_summary_by_hand():
     start = 0.0
     requests = [
         # arrival, token times
-        request_metrics(record(0.0, [0.1, 0.2, 0.3], prompt=100, reused=64), label="v", request_id="a",
+        request_metrics(record(0.0, [0.1, 0.2, 0.3], prompt=100, reused=64, name="a"), label="v",
                         bench_start=start),
-        request_metrics(record(0.5, [0.8, 1.0], prompt=50), label="v", request_id="b", bench_start=start),
-        request_metrics(record(1.0, [1.5], prompt=20), label="v", request_id="c", bench_start=start),
-        request_metrics(record(0.2, [], prompt=7, error="refused", finish_reason="error"), label="v",
-                        request_id="d", bench_start=start),
+        request_metrics(record(0.5, [0.8, 1.0], prompt=50, name="b"), label="v", bench_start=start),
+        request_metrics(record(1.0, [1.5], prompt=20, name="c"), label="v", bench_start=start),
+        request_metrics(record(0.2, [], prompt=7, error="refused", finish_reason="error", name="d"), label="v",
+                        bench_start=start),
     ]
     summary = summarize(requests)
     assert summary.num_requests == 3 and summary.num_errors == 1
@@ -106,8 +109,8 @@ def test_summary_by_hand():
 
 
 def test_summary_of_rows_without_token_gaps_has_the_exact_pooled_itl_mean():
-    full = [request_metrics(record(0.0, [0.1, 0.2, 0.3]), label="v", request_id="a", bench_start=0.0),
-            request_metrics(record(0.0, [0.1, 0.5]), label="v", request_id="b", bench_start=0.0)]
+    full = [request_metrics(record(0.0, [0.1, 0.2, 0.3], name="a"), label="v", bench_start=0.0),
+            request_metrics(record(0.0, [0.1, 0.5], name="b"), label="v", bench_start=0.0)]
     stripped = [m.__class__(**{**m.__dict__, "token_gaps_ms": ()}) for m in full]
     assert summarize(stripped).itl_ms.mean == pytest.approx(summarize(full).itl_ms.mean)
     assert summarize(stripped).itl_ms.p50 is None   # percentiles need the individual gaps

@@ -65,3 +65,33 @@ def test_the_decode_grid_is_sized_by_decode_rows_only(runner):
     assert (meta.max_seq_len, meta.max_decode_seq_len) == (40, 7)
     _, meta, _ = runner.prepare([scheduled(9, 0, 0, is_context=True)])
     assert meta.max_decode_seq_len == 0
+
+
+class LayeredCopies:
+    """Pools whose step copies land layer by layer (as a large step's do on a GPU): records each wait."""
+
+    copies_pending_per_layer = True
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def wait_for_layer(self, layer: int) -> None:
+        self.events.append(("wait", layer))
+
+    def wait_for_all_copies(self) -> None:
+        self.events.append(("wait all", None))
+
+
+def test_each_decoder_layer_waits_for_its_own_copies_before_it_runs(runner, monkeypatch):
+    events = []
+    monkeypatch.setattr(runner, "pools", LayeredCopies(events))
+    layers = runner.model.layers
+    recorders = [layer.register_forward_hook(lambda *_, index=index: events.append(("ran", index)))
+                 for index, layer in enumerate(layers)]
+    try:
+        runner.execute([scheduled(5, 0, 0, is_context=True)])
+    finally:
+        for recorder in recorders:
+            recorder.remove()
+    assert events == [event for index in range(len(layers)) for event in (("wait", index), ("ran", index))]
+    assert not any(layer._forward_pre_hooks for layer in layers)  # the waits leave with the step

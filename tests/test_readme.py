@@ -46,3 +46,18 @@ def test_every_kvtool_command_in_the_readme_exists_with_its_flags():
         for word in rest:
             if word.startswith("--"):
                 assert word.replace("-", "_").replace("__", "--", 1) in options, f"{' '.join(argv)}: {word}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor a Markdown heading gets (GitHub's rule: lower case, punctuation dropped, spaces to -)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_pointer_into_the_architecture_doc_names_a_section():
+    sections = {_slug(h) for h in re.findall(r"^#+ (.+)$", (ROOT / "docs" / "architecture.md").read_text(), re.M)}
+    pointers = {(path.relative_to(ROOT), anchor)
+                for folder in ("kvtool", "csrc", "bench", "tests", "examples", "scripts")
+                for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".h", ".cpp", ".cu", ".cuh", ".md")
+                for anchor in re.findall(r"docs/architecture\.md#([\w-]+)", path.read_text(errors="replace"))}
+    assert pointers, "the code points into docs/architecture.md"
+    assert {p for p in pointers if p[1] not in sections} == set()

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from kvtool.bench.datasets import DatasetRecord
 from kvtool.bench.metrics import CSV_COLUMNS, request_metrics
 from kvtool.bench.report import (
     RequestCsvWriter,
@@ -17,7 +18,7 @@ from kvtool.bench.report import (
     write_summary_csv,
 )
 from kvtool.errors import KvtoolError
-from kvtool.runtime.request import RequestRecord
+from kvtool.runtime.request import Request
 
 EXPECTED_COLUMNS = ["label", "engine", "request_id", "session_id", "turn", "input_tokens", "output_tokens", "reused_tokens",
                     "onboarded_blocks", "arrival_s", "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "itl_ms",
@@ -25,12 +26,13 @@ EXPECTED_COLUMNS = ["label", "engine", "request_id", "session_id", "turn", "inpu
 
 
 def metrics(request_id="r", times=(1.1, 1.2), arrival=1.0):
-    rec = RequestRecord(request_id=0, arrival_time=arrival, num_prompt_tokens=12)
+    line = DatasetRecord(line_number=2, output_tokens=len(times), input_ids=(1,) * 12, session_id="s", turn=1)
+    rec = Request([1] * 12, arrival_time=arrival, line=line, name=request_id)
     rec.token_times = list(times)
     rec.output_token_ids = [1] * len(times)
     rec.first_token_time, rec.finish_time = times[0], times[-1]
     rec.num_reused_tokens, rec.num_onboarded_blocks = 8, 2
-    return request_metrics(rec, label="v1", request_id=request_id, bench_start=0.5, session_id="s", turn=1)
+    return request_metrics(rec, label="v1", bench_start=0.5)
 
 
 def test_per_request_columns_are_the_documented_ones():

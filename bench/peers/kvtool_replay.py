@@ -13,7 +13,7 @@ from common import replay_arguments, write_outputs
 
 from kvtool import LLM
 from kvtool.bench.datasets import load_dataset
-from kvtool.bench.options import BenchOptions
+from kvtool.bench.config import BenchConfig
 from kvtool.bench.report import write_summary_csv
 from kvtool.bench.runner import run_bench
 
@@ -25,13 +25,13 @@ def main() -> None:
                         help="KvCacheConfig.enable_partial_reuse: copy a partially matching block (default on)")
     args = parser.parse_args()
 
-    options = BenchOptions(enable_kv_cache_reuse=args.reuse == "on", mode="sequential", warmup=args.warmup)
-    kwargs = options.llm_kwargs()
-    kwargs["kv_cache_config"] = dataclasses.replace(kwargs["kv_cache_config"],
-                                                    enable_partial_reuse=args.partial_reuse == "on")
+    config = BenchConfig.from_flags({"enable_kv_cache_reuse": args.reuse == "on", "mode": "sequential",
+                                     "warmup": args.warmup})
+    config = dataclasses.replace(config, kv_cache_config=dataclasses.replace(
+        config.kv_cache_config, enable_partial_reuse=args.partial_reuse == "on"))
     args.output.mkdir(parents=True, exist_ok=True)
-    with LLM(model=args.model, **kwargs) as llm:
-        result = run_bench(llm, load_dataset(args.dataset), options, label=args.label,
+    with LLM(model=args.model, **config.llm_kwargs()) as llm:
+        result = run_bench(llm, load_dataset(args.dataset), config, label=args.label,
                            requests_csv=args.output / "requests.csv",
                            config_columns={"model": args.model, "enable_partial_reuse": args.partial_reuse == "on"})
     write_summary_csv(args.output / "summary.csv", [result.row])

@@ -1,25 +1,8 @@
-"""Dataset files: JSON Lines of requests, read and validated line by line.
+"""Dataset files: JSON Lines of requests (the README's "Dataset format"), read and validated line by
+line, so that a malformed line is a DatasetError naming the file and the line before anything runs.
 
-Accepted lines (one JSON object each; blank lines are skipped)::
-
-    {"input_ids": [1, 2, 3], "output_tokens": 8}          # trtllm-bench's prepared format ("task_id" accepted)
-    {"prompt": "Hello there", "max_tokens": 8}            # text, tokenized with the model's tokenizer at replay
-    {"session_id": "s0", "turn": 0, "prompt": "Hi", "max_tokens": 8}   # multi-turn sessions
-
-Exactly one of ``input_ids`` / ``prompt`` gives the (new) prompt and exactly one of
-``output_tokens`` / ``max_tokens`` the number of tokens to generate. Optional per line:
-``arrival_time_s`` (seconds after the bench starts), ``extra_ids`` (one non-negative id per
-input id, p-tuning style), ``priority`` (KV retention priority 0..100), ``cache_salt`` (string),
-``request_id`` (string or integer, unique) and ``task_id`` (used as the request id when
-``request_id`` is absent).
-
-Multi-turn sessions: lines with the same ``session_id`` are the turns of one conversation,
-numbered consecutively from 0 (or 1) in file order. A turn's prompt is the previous turn's full
-prompt + the answer generated for it + this line's new tokens/text, and it is issued only
-after the previous turn has finished.
-
-A malformed line raises :class:`kvtool.errors.DatasetError` naming the file, the line and
-what is wrong.
+For a multi-turn session, a line holds only its turn's new tokens or text: the replay prepends the
+conversation so far when it issues the turn.
 """
 
 from __future__ import annotations

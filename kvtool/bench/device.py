@@ -7,11 +7,7 @@ import torch
 from kvtool.runtime.device import host_description
 
 
-def device_columns(llm=None) -> dict[str, str]:
-    """Columns naming the device: 'device' (the engine's own description when an LLM is given), 'host'
-    (CPU model and cores, which matter for the CPU path and for host offloading) and 'torch'."""
-    if llm is not None and getattr(llm, "device_description", None):
-        device = str(llm.device_description)
-    else:
-        device = f"cpu: {host_description()}"
-    return {"device": device, "host": host_description(), "torch": torch.__version__}
+def device_columns(device_description: str) -> dict[str, str]:
+    """Columns naming the device: 'device' (the LLM's description of it), 'host' (CPU model and cores,
+    which matter for the CPU path and for host offloading) and 'torch'."""
+    return {"device": device_description, "host": host_description(), "torch": torch.__version__}

@@ -1,29 +1,9 @@
-"""Per-request and summary metrics of a bench run (definitions as trtllm-bench's).
+"""Per-request and summary metrics of a bench run, as trtllm-bench defines them.
 
-Times come from the engine's RequestRecord (time.perf_counter seconds); reports give them in
-seconds relative to the bench start (``arrival_s``, ``first_token_s``, ``finish_s``) and
-latencies in milliseconds.
-
-- **arrival**: when the request was due (request-rate mode, and dataset ``arrival_time_s``),
-  else when it was handed to the engine. A later session turn arrives when it is handed to
-  the engine, right after the previous turn finishes.
-- **TTFT** (time to first token) = first token time - arrival.
-- **E2E** (end-to-end latency) = finish time - arrival.
-- **TPOT** (time per output token) = (E2E - TTFT) / (output_tokens - 1); undefined (empty) for a
-  request with a single output token.
-- **ITL** (inter-token latency) = gap between consecutive output tokens of a request. A
-  request's ``itl_ms`` is the mean of its gaps; the summary's ITL mean/percentiles pool every
-  gap of every request, so a p99 ITL shows decode steps stalled behind long context steps.
-  (Computed from a per-request CSV, which holds only per-request means, the pooled mean is
-  exact and the percentiles are left empty.)
-- **output tokens/s** = total output tokens / (last finish - first arrival).
-- **requests/s** = finished requests / (last finish - first arrival).
-- Latency statistics: mean, p50, p90, p99 (linear interpolation between the closest ranks,
-  as numpy.percentile's default) over the requests that finished without error.
-
-The cache figures (reused/missed blocks, cache hit rate = reused / (reused + missed),
-offloaded/onboarded/evicted blocks, bytes moved each way) are the engine's counters, reset
-after warm-up unless asked otherwise.
+Times come from the Request (time.perf_counter seconds); reports give them in seconds since the
+bench start (``arrival_s``, ``first_token_s``, ``finish_s``) and latencies in milliseconds. The
+definitions (arrival, TTFT, TPOT, ITL, E2E, throughput, percentiles) are in
+docs/architecture.md#how-bench-measures and the README.
 """
 
 from __future__ import annotations
@@ -32,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvtool.runtime.request import RequestRecord
+from kvtool.runtime.request import Request
 
 MS_PER_S = 1000.0
 PERCENTILES = (50, 90, 99)
@@ -76,37 +56,37 @@ CSV_COLUMNS = tuple(name for name in RequestMetrics.__dataclass_fields__
 ENGINE = "kvtool"
 
 
-def request_metrics(record: RequestRecord, *, label: str, request_id: str, bench_start: float,
-                    session_id: str | None = None, turn: int | None = None) -> RequestMetrics:
-    """Computes one request's metrics from its engine record (see the module docstring)."""
+def request_metrics(request: Request, *, label: str, bench_start: float) -> RequestMetrics:
+    """One request's row (see the module docstring)."""
 
     def since_start(t: float | None) -> float | None:
         return None if t is None else t - bench_start
 
-    arrival = record.arrival_time
+    arrival = request.arrival_time
     ttft = e2e = tpot = itl = None
     gaps: tuple[float, ...] = ()
-    if record.first_token_time is not None:
-        ttft = (record.first_token_time - arrival) * MS_PER_S
-    if record.finish_time is not None:
-        e2e = (record.finish_time - arrival) * MS_PER_S
-    num_output = record.num_output_tokens
+    if request.first_token_time is not None:
+        ttft = (request.first_token_time - arrival) * MS_PER_S
+    if request.finish_time is not None:
+        e2e = (request.finish_time - arrival) * MS_PER_S
+    num_output = request.num_output_tokens
     if ttft is not None and e2e is not None and num_output > 1:
         tpot = (e2e - ttft) / (num_output - 1)
-    if len(record.token_times) > 1:
-        times = record.token_times
+    if len(request.token_times) > 1:
+        times = request.token_times
         gaps = tuple((b - a) * MS_PER_S for a, b in zip(times, times[1:]))
         itl = sum(gaps) / len(gaps)
-    error = record.error
-    if error is None and record.finish_reason in ("error", "abort"):
-        error = record.finish_reason
+    error = request.error
+    if error is None and request.finish_reason in ("error", "abort"):
+        error = request.finish_reason
+    line = request.line
     return RequestMetrics(
-        label=label, engine=ENGINE, request_id=request_id, session_id=session_id, turn=turn,
-        input_tokens=record.num_prompt_tokens, output_tokens=num_output,
-        reused_tokens=record.num_reused_tokens, onboarded_blocks=record.num_onboarded_blocks,
-        arrival_s=arrival - bench_start, first_token_s=since_start(record.first_token_time),
-        finish_s=since_start(record.finish_time), ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
-        error=error, token_gaps_ms=gaps, output_token_ids=tuple(record.output_token_ids))
+        label=label, engine=ENGINE, request_id=request.name, session_id=None if line is None else line.session_id,
+        turn=None if line is None else line.turn, input_tokens=request.num_prompt_tokens, output_tokens=num_output,
+        reused_tokens=request.num_reused_tokens, onboarded_blocks=request.num_onboarded_blocks,
+        arrival_s=arrival - bench_start, first_token_s=since_start(request.first_token_time),
+        finish_s=since_start(request.finish_time), ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
+        error=error, token_gaps_ms=gaps, output_token_ids=tuple(request.output_token_ids))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

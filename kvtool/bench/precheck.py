@@ -9,40 +9,37 @@ bench requests generate exactly their output length.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from kvtool.bench.replay import ReplayItem, sampling_params_for
+from kvtool.bench.interface import BenchEngine
 from kvtool.errors import DatasetError
+from kvtool.runtime.request import Request
 
 MAX_LISTED = 5  # problems listed in the error; the rest are counted
 
 
-def request_problems(items: Sequence[ReplayItem], engine, vocab_size: int) -> list[str]:
-    """'<file> line N: why' for every item the engine would refuse, in dataset order."""
+def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[str]:
+    """'<file> line N: why' for every request the engine would refuse, in dataset order."""
     problems = []
     history: dict[str, int] = {}  # session_id -> tokens of its last turn's prompt and answer
-    for item in items:
-        record = item.record
-        bad = [t for t in item.new_token_ids if t >= vocab_size]
-        if bad:
-            problems.append(f"{item.where}: token id {max(bad)} is outside the model's vocabulary [0, {vocab_size}): "
-                            f"regenerate the dataset with --max_token_id {vocab_size} or less")
-            continue
+    for request in requests:
+        session_id = request.line.session_id if request.line is not None else None
         # The answers' token values are unknown before the run; their number is not.
-        prompt = [0] * history.get(record.session_id, 0) + list(item.new_token_ids)
-        problem = engine.request_problem(prompt, sampling_params_for(record))
+        prompt = [0] * history.get(session_id, 0) + list(request.prompt_token_ids)
+        problem = engine.request_problem(replace(request, prompt_token_ids=prompt, extra_ids=None))
         if problem is not None:
-            problems.append(f"{item.where}: {problem}")
-        if record.session_id is not None:
-            history[record.session_id] = len(prompt) + record.output_tokens
+            problems.append(f"{request.where}: {problem}")
+        if session_id is not None:
+            history[session_id] = len(prompt) + request.sampling_params.max_tokens
     return problems
 
 
-def check_requests(items: Sequence[ReplayItem], engine, vocab_size: int, *, source: str) -> None:
+def check_requests(requests: Sequence[Request], engine: BenchEngine, *, source: str) -> None:
     """Raises a DatasetError listing the first few requests that cannot run (nothing has run yet)."""
-    problems = request_problems(items, engine, vocab_size)
+    problems = request_problems(requests, engine)
     if not problems:
         return
     listed = "\n  ".join(problems[:MAX_LISTED])
     more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-    raise DatasetError(f"{len(problems)} of the {len(items)} requests in {source} cannot run with this plan and these "
+    raise DatasetError(f"{len(problems)} of the {len(requests)} requests in {source} cannot run with this plan and these "
                        f"limits (nothing was run; fix or remove them, or raise the limits):\n  {listed}{more}")

@@ -15,13 +15,15 @@ from rich.table import Table
 
 from kvtool.bench.datasets import Dataset
 from kvtool.bench.device import device_columns
+from kvtool.bench.interface import BenchLLM, BenchPlan
 from kvtool.bench.metrics import ENGINE, RequestMetrics, request_metrics, summarize
-from kvtool.bench.options import BenchOptions
+from kvtool.bench.config import BenchConfig
 from kvtool.bench.precheck import check_requests
 from kvtool.bench.repeats import as_number, group_by_label, median_row
-from kvtool.bench.replay import FinishedRequest, Replayer, ReplayItem, prepare_items
+from kvtool.bench.replay import Replayer, bench_requests
 from kvtool.bench.report import RequestCsvWriter, format_hit_rate
 from kvtool.bench.workload import max_num_blocks
+from kvtool.runtime.request import Request
 from kvtool.version import __version__, git_revision
 
 
@@ -35,15 +37,7 @@ class BenchResult:
     failure: Exception | None = None  # what stopped the run early (the summary covers what finished)
 
 
-def split_items(items: list[ReplayItem], options: BenchOptions) -> tuple[list[ReplayItem], list[ReplayItem]]:
-    """(warm-up items, measured items) of a run, as --warmup and --num_requests ask."""
-    measured = items[options.warmup:]
-    if options.num_requests is not None:
-        measured = measured[:options.num_requests]
-    return items[:options.warmup], measured
-
-
-def create_llm(model: str, options: BenchOptions, dataset: Dataset | None = None, *,
+def create_llm(model: str, config: BenchConfig, dataset: Dataset | None = None, *,
                cache_dir: Path | None = None):
     """kvtool.LLM for a plan directory (used as built), or a checkpoint/preset (built on the fly into
     cache_dir with the block size and limits the flags ask for), configured from the bench flags.
@@ -55,14 +49,14 @@ def create_llm(model: str, options: BenchOptions, dataset: Dataset | None = None
 
     build = None
     if not is_built_plan(model):
-        build = on_the_fly_build_options(None, options.kv_cache_config(), max_batch_size=options.max_batch_size,
-                                         max_seq_len=options.max_seq_len, max_num_tokens=options.max_num_tokens)
+        build = on_the_fly_build_options(None, config.kv_cache_config, max_batch_size=config.max_batch_size,
+                                         max_seq_len=config.max_seq_len, max_num_tokens=config.max_num_tokens)
     plan = resolve_model(model, options=build, cache_dir=cache_dir)
     num_workload_blocks = None
-    if dataset is not None and options.kv_host_cache_bytes:
-        warmup, measured = split_items(prepare_items(dataset, tokenizer=plan.tokenizer), options)
+    if dataset is not None and config.kv_cache_config.host_cache_size:
+        warmup, measured = config.replay.split(bench_requests(dataset, tokenizer=plan.tokenizer))
         num_workload_blocks = max_num_blocks(warmup + measured, plan.build_options.tokens_per_block)
-    return LLM(model=plan, num_workload_blocks=num_workload_blocks, **options.llm_kwargs())
+    return LLM(model=plan, num_workload_blocks=num_workload_blocks, **config.llm_kwargs())
 
 
 def default_output_dir(stem: str, now: datetime.datetime | None = None) -> Path:
@@ -71,41 +65,14 @@ def default_output_dir(stem: str, now: datetime.datetime | None = None) -> Path:
     return Path("results") / f"{stem}-{now:%Y%m%d-%H%M%S}"
 
 
-def _as_dict(obj) -> dict:
-    if obj is None:
-        return {}
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.asdict(obj)
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
-
-
-def _scalar(value) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def plan_columns(llm) -> dict:
+def plan_columns(plan: BenchPlan) -> dict:
     """plan path, model architecture/shape fields and build options (tokens_per_block, dtype, ...)."""
-    plan = getattr(llm, "plan", None)
-    if plan is None:
-        return {}
-    columns: dict = {"plan_path": str(getattr(plan, "path", ""))}
-    for prefix, obj in (("model_", getattr(plan, "model_config", None)),
-                        ("plan_", getattr(plan, "build_options", None))):
-        for key, value in _as_dict(obj).items():
-            if hasattr(value, "value"):  # enums
-                value = value.value
-            if _scalar(value):
+    columns: dict = {"plan_path": str(plan.path)}
+    for prefix, obj in (("model_", plan.model_config), ("plan_", plan.build_options)):
+        for key, value in dataclasses.asdict(obj).items():
+            if value is None or isinstance(value, (bool, int, float, str)):
                 columns[f"{prefix}{key}"] = value
     return columns
-
-
-def _vocab_size(llm) -> int:
-    config = getattr(getattr(llm, "plan", None), "model_config", None)
-    if getattr(config, "vocab_size", None):
-        return int(config.vocab_size)
-    return int(llm.tokenizer.vocab_size)
 
 
 def _progress(console: Console) -> Progress:
@@ -121,7 +88,7 @@ def _advance(progress: Progress, task) -> None:
     progress.refresh()
 
 
-def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, requests_csv: Path,
+def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: str, requests_csv: Path,
               config_columns: Mapping[str, object] | None = None, console: Console | None = None,
               clock: Callable[[], float] = time.perf_counter,
               sleep: Callable[[float], None] = time.sleep) -> BenchResult:
@@ -135,35 +102,31 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
     """
     console = console or Console(stderr=True)
     engine = llm.engine
-    items = prepare_items(dataset, tokenizer=llm.tokenizer)
-    warmup_items, measured = split_items(items, options)
+    replay = config.replay
+    warmup, measured = replay.split(bench_requests(dataset, tokenizer=llm.tokenizer))
     if not measured:
-        raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(items)} requests and --warmup "
-                         f"is {options.warmup}; lower --warmup or use a bigger dataset")
-    check_requests(warmup_items + measured, engine, _vocab_size(llm), source=str(dataset.path))
-    pool_sizes = getattr(llm, "pool_sizes", None)
-    if pool_sizes is not None:
-        device = str(getattr(llm, "device_description", "")).split(":")[0]
-        for line in (pool_sizes.describe(device), *pool_sizes.notes):
-            console.print(line, highlight=False, soft_wrap=True)
+        raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(dataset)} requests and --warmup "
+                         f"is {replay.warmup}; lower --warmup or use a bigger dataset")
+    check_requests(warmup + measured, engine, source=str(dataset.path))
+    pool_sizes = llm.pool_sizes
+    for line in (pool_sizes.describe(llm.device_description.split(":")[0]), *pool_sizes.notes):
+        console.print(line, highlight=False, soft_wrap=True)
 
-    replayer = Replayer(engine, options.schedule(), clock=clock, sleep=sleep)
+    replayer = Replayer(engine, replay, clock=clock, sleep=sleep)
     finished: list[RequestMetrics] = []
     interrupted, failure = False, None
     started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     with RequestCsvWriter(requests_csv) as writer, _progress(console) as progress:
         try:
-            if warmup_items:
-                task = progress.add_task(f"{label} warm-up", total=len(warmup_items))
-                replayer.run(warmup_items, lambda done: _advance(progress, task), timed=False)
-                if not options.warmup_counts_in_stats:
+            if warmup:
+                task = progress.add_task(f"{label} warm-up", total=len(warmup))
+                replayer.run(warmup, lambda request, start: _advance(progress, task), timed=False)
+                if not replay.warmup_counts_in_stats:
                     engine.reset_stats()
             task = progress.add_task(label, total=len(measured))
 
-            def on_finish(done: FinishedRequest) -> None:
-                metrics = request_metrics(done.record, label=label, request_id=done.item.request_id,
-                                          bench_start=done.bench_start, session_id=done.item.record.session_id,
-                                          turn=done.item.record.turn)
+            def on_finish(request: Request, bench_start: float) -> None:
+                metrics = request_metrics(request, label=label, bench_start=bench_start)
                 writer.write(metrics)
                 finished.append(metrics)
                 _advance(progress, task)
@@ -177,15 +140,13 @@ def run_bench(llm, dataset: Dataset, options: BenchOptions, *, label: str, reque
     row = {"label": label, "engine": ENGINE, "interrupted": interrupted, "run_error": None if failure is None else str(failure),
            "started_at": started_at, "dataset": str(dataset.path), "dataset_sha256": dataset.sha256,
            "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
-           **plan_columns(llm), **(config_columns or {}), **options.as_row(),
-           "replay": options.schedule().describe()}
+           **plan_columns(llm.plan), **(config_columns or {}), **config.as_row(), "replay": replay.describe()}
     # The block size in effect: the flag, else the plan's (the LLM refuses a flag that contradicts the plan).
-    row["tokens_per_block"] = options.tokens_per_block or row.get("plan_tokens_per_block")
-    if pool_sizes is not None:
-        row.update(pool_sizes.as_row())
+    row["tokens_per_block"] = config.kv_cache_config.tokens_per_block or row.get("plan_tokens_per_block")
+    row.update(pool_sizes.as_row())
     row.update(summarize(finished).as_row())
     row.update(engine.get_stats())
-    row.update(device_columns(llm))
+    row.update(device_columns(llm.device_description))
     row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
     return BenchResult(row=row, requests=finished, interrupted=interrupted, failure=failure)
 

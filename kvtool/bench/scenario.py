@@ -1,30 +1,9 @@
-"""Named benchmark scenarios (bench_configs/*.yaml): a dataset, a plan, bench flags and a sweep.
-
-::
-
-    name: system_prompt                  # default: the file's stem
-    description: reuse on vs off on a shared system prompt
-    model: preset:tiny-llama             # a preset or checkpoint, built into a plan (or `plan: DIR`)
-    build: {tokens_per_block: 32}        # kvtool.plan.BuildOptions for the build
-    dataset:                             # `path: FILE.jsonl`, or a generator and its parameters
-      generator: system-prompt
-      num_groups: 4
-      prompts_per_group: 8
-      system_prompt_len: 512
-      question_len: 32
-      output_len: 16
-    bench: {max_batch_size: 8, warmup: 0}   # any `kvtool bench` flag, underscore spelling
-    sweep:                               # variants: a label + overrides (bench flags, build, dataset, model)
-      - {label: reuse-on, enable_kv_cache_reuse: true}
-      - {label: reuse-off, enable_kv_cache_reuse: false}
-    repeat: 5                            # run the variants 5 times, alternating (default 1)
-    warmup_rounds: 1                     # ... after running each once, unrecorded (default 0)
-
-``tokens_per_block`` in ``bench`` or a variant is a build option when the plan is built from
-``model`` (each value builds its own plan), and a flag checked against the plan for ``plan: DIR``.
-Unknown keys anywhere are an error naming the key, the file and the allowed keys. Overrides
-from the command line (``--set bench.max_batch_size=4``, ``--set model=preset:small-llama``)
-are applied before validation.
+"""Named benchmark scenarios (bench_configs/*.yaml are commented examples): a dataset (a file, or a
+generator and its parameters), a model to build (``build:`` holds BuildOptions) or a built plan, bench
+flags (``bench:``, the flags' underscore names), a sweep of variants (a label and overrides), and
+``repeat`` / ``warmup_rounds``. ``tokens_per_block`` is a build option for a model (one plan per
+value) and a flag checked against a built plan. Unknown keys are errors naming the key, the file and
+the allowed keys; ``--set bench.max_batch_size=4`` overrides apply before validation.
 """
 
 from __future__ import annotations
@@ -38,23 +17,17 @@ import yaml
 
 from kvtool.bench import generators
 from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.options import BenchOptions
+from kvtool.bench.config import FLAG_NAMES, BenchConfig
 from kvtool.errors import KvtoolError
 
 DEFAULT_MODEL = "preset:tiny-llama"
 TOP_LEVEL_KEYS = ("name", "description", "model", "plan", "build", "dataset", "bench", "sweep", "repeat",
                   "warmup_rounds")
-BUILD_KEYS = ("tokens_per_block", "use_paged_context_fmha", "max_batch_size", "max_seq_len", "max_num_tokens",
-              "dtype", "kv_cache_dtype", "seed")  # kvtool.plan.BuildOptions (checked against it when building)
 VARIANT_KEYS = ("label", "model", "plan", "build", "dataset")
 
 
 class ScenarioError(KvtoolError):
     """A scenario file that cannot be run (unknown key, bad value); the message names the file."""
-
-
-def bench_flag_names() -> list[str]:
-    return [f.name for f in fields(BenchOptions)]
 
 
 @dataclass(frozen=True)
@@ -87,7 +60,7 @@ class Variant:
     plan: Path | None
     build: Mapping[str, object]      # BuildOptions fields for `model`
     dataset: DatasetSpec
-    options: BenchOptions
+    config: BenchConfig
 
     @property
     def plan_source(self) -> str:
@@ -242,9 +215,12 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
     if dataset is not None:
         document["dataset"] = {"path": str(dataset)}
 
-    flag_names = bench_flag_names()
+    from kvtool.plan.options import BuildOptions  # torch loads only when a scenario is used
+
+    flag_names = FLAG_NAMES
+    build_keys = tuple(f.name for f in fields(BuildOptions))
     base_bench = check.keys(document.get("bench"), "bench", flag_names)
-    base_build = check.keys(document.get("build"), "build", BUILD_KEYS)
+    base_build = check.keys(document.get("build"), "build", build_keys)
     if "dataset" not in document:
         raise check.fail("top level", "no `dataset:` (a `path:` or a `generator:`); or pass --dataset FILE")
     sweep = document.get("sweep") or [{}]
@@ -264,7 +240,7 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
         labels.add(label)
         where = f"sweep[{position}] ({label})"
         variant_model, variant_plan = _plan_source(check, where, document, raw_variant, model, plan)
-        build = check.keys(_merged(base_build, raw_variant.get("build")), f"{where} build", BUILD_KEYS)
+        build = check.keys(_merged(base_build, raw_variant.get("build")), f"{where} build", build_keys)
         flags = {**base_bench, **{k: v for k, v in raw_variant.items() if k in flag_names}, **(bench_overrides or {})}
         if variant_plan is None:
             _bake_into_build(flags, build)
@@ -281,17 +257,15 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
             dataset_raw = override if replaces else _merged(dataset_raw, override)
         spec = _dataset_spec(check, dataset_raw, f"{where} dataset", path.parent)
         try:
-            options = BenchOptions(**flags)
+            config = BenchConfig.from_flags(flags)
             if variant_plan is None:
-                from kvtool.plan.options import BuildOptions  # torch loads only when a scenario is used
-
                 BuildOptions(**build)
             if spec.generator is not None:
                 generators.check_parameters(spec.generator, spec.parameters)
         except (TypeError, ValueError) as error:
             raise check.fail(where, str(error)) from None
         variants.append(Variant(label=label, model=variant_model, plan=Path(variant_plan) if variant_plan else None,
-                                build=build, dataset=spec, options=options))
+                                build=build, dataset=spec, config=config))
     counts = {}
     for key, default, minimum in (("repeat", 1, 1), ("warmup_rounds", 0, 0)):
         value = document.get(key, default)

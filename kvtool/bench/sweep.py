@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.console import Console
 
 from kvtool.bench.datasets import Dataset, load_dataset
-from kvtool.bench.options import BenchOptions
+from kvtool.bench.interface import BenchLLM
+from kvtool.bench.config import BenchConfig
 from kvtool.bench.report import SUMMARY_FILE, requests_file_name, write_summary_csv
 from kvtool.bench.runner import create_llm, run_bench
 from kvtool.bench.scenario import Scenario, Variant
@@ -36,7 +37,7 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
 
 
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
-                 llm_factory: Callable[[str, BenchOptions, Dataset], object] = create_llm,
+                 llm_factory: Callable[[str, BenchConfig, Dataset], BenchLLM] = create_llm,
                  plan_resolver: Callable[[Variant], str] = resolve_variant_plan) -> SweepResult:
     """Runs every variant (``scenario.repeat`` times, alternating, after ``scenario.warmup_rounds``
     unrecorded rounds); the summary CSV is rewritten
@@ -67,7 +68,7 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
         try:
             if variant.label not in plan_dirs:
                 plan_dirs[variant.label] = plan_resolver(variant)
-            llm = llm_factory(plan_dirs[variant.label], variant.options, dataset)
+            llm = llm_factory(plan_dirs[variant.label], variant.config, dataset)
         except KeyboardInterrupt:
             return SweepResult(rows, True, summary_csv)
         try:
@@ -78,7 +79,7 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
                 config_columns["repeat"] = repeat
             name = variant.label if scenario.repeat == 1 else f"{variant.label}-{repeat}"
             requests_csv = output_dir / (requests_file_name(name) if repeat else f".warmup-{variant.label}.csv")
-            result = run_bench(llm, dataset, variant.options, label=variant.label, requests_csv=requests_csv,
+            result = run_bench(llm, dataset, variant.config, label=variant.label, requests_csv=requests_csv,
                                config_columns=config_columns, console=console)
         finally:
             llm.shutdown()

@@ -11,34 +11,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtool.bench.replay import ReplayItem
+from kvtool.runtime.request import Request
 
 
-def max_num_blocks(items: Sequence[ReplayItem], tokens_per_block: int) -> int:
-    """The most distinct KV blocks replaying ``items`` (with every output length generated) creates."""
+def max_num_blocks(requests: Sequence[Request], tokens_per_block: int) -> int:
+    """The most distinct KV blocks replaying ``requests`` (before they are issued: a later turn holds
+    its new tokens), with every output length generated, creates."""
     block_index: dict[tuple, int] = {}     # (parent, tokens, extra ids) -> index of a distinct full block
     num_unknown = 0                        # blocks holding generated tokens: one per request
     session_lengths: dict[str, int] = {}   # tokens of a session so far (prompts + answers)
-    for item in items:
-        record = item.record
-        num_new = len(item.new_token_ids)
-        if record.session_id is not None and record.session_id in session_lengths:
+    for request in requests:
+        session_id = request.line.session_id if request.line is not None else None
+        new_ids, new_extra = request.prompt_token_ids, request.extra_ids
+        num_output = request.sampling_params.max_tokens
+        if session_id is not None and session_id in session_lengths:
             # A later turn: history (with answers) + new tokens + this answer. The blocks it shares with
             # the previous turn are counted; the rest depends on the answers.
-            before = session_lengths[record.session_id]
-            after = before + num_new + record.output_tokens
+            before = session_lengths[session_id]
+            after = before + len(new_ids) + num_output
             num_unknown += -(-after // tokens_per_block) - before // tokens_per_block
-            session_lengths[record.session_id] = after
+            session_lengths[session_id] = after
             continue
-        parent = ("salt", record.cache_salt)
-        num_full = num_new // tokens_per_block
+        parent = ("salt", request.sampling_params.cache_salt)
+        num_full = len(new_ids) // tokens_per_block
         for block in range(num_full):
             span = slice(block * tokens_per_block, (block + 1) * tokens_per_block)
-            extra = item.new_extra_ids[span] if item.new_extra_ids else ()
-            key = (parent, item.new_token_ids[span], extra if any(extra) else None)  # extra id 0: a normal token
+            extra = tuple(new_extra[span]) if new_extra else ()
+            key = (parent, tuple(new_ids[span]), extra if any(extra) else None)  # extra id 0: a normal token
             parent = block_index.setdefault(key, len(block_index))
-        total = num_new + record.output_tokens
+        total = len(new_ids) + num_output
         num_unknown += -(-total // tokens_per_block) - num_full
-        if record.session_id is not None:
-            session_lengths[record.session_id] = total
+        if session_id is not None:
+            session_lengths[session_id] = total
     return len(block_index) + num_unknown

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvtool.bench import runner, sweep
 from kvtool.bench.datasets import load_dataset
-from kvtool.bench.options import BenchOptions
+from kvtool.bench.config import FLAG_NAMES, BenchConfig
 from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
@@ -33,6 +33,7 @@ MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT = "Model and plan", "KV cache", "Sc
 
 @app.command(cls=KvtoolCommand)
 def bench(
+    ctx: typer.Context,
     plan: Annotated[Path | None, flag("plan", "A plan directory built by `kvtool build`.", MODEL)] = None,
     model: Annotated[str | None, flag("model", "preset:NAME, a Hugging Face checkpoint directory, a .gguf "
                                       "file or gguf:NAME, built on the fly (with --config: replaces the "
@@ -93,13 +94,8 @@ def bench(
                                       OUTPUT)] = None,
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
-    given = dict(kv_host_cache_bytes=kv_host_cache_bytes, max_tokens_in_paged_kv_cache=max_tokens_in_paged_kv_cache,
-                 kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
-                 max_attention_window_size=max_attention_window_size, scheduler_policy=scheduler_policy,
-                 context_chunking_policy=context_chunking_policy, max_batch_size=max_batch_size,
-                 max_num_tokens=max_num_tokens, max_seq_len=max_seq_len, tokens_per_block=tokens_per_block,
-                 mode=mode, concurrency=concurrency, request_rate=request_rate, seed=seed, warmup=warmup,
-                 warmup_counts_in_stats=warmup_counts_in_stats, num_requests=num_requests)
+    # The parameters named as bench flags are the flags (kvtool.bench.config.FLAGS maps them).
+    given = {name: ctx.params[name] for name in FLAG_NAMES}
     console = Console(stderr=True)
     try:
         with user_errors():
@@ -147,13 +143,13 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
     if plan is None and model is None:
         raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
-    options = BenchOptions(**flags)
+    config = BenchConfig.from_flags(flags)
     _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
     data = load_dataset(dataset)
     summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
-    llm = runner.create_llm(str(plan if plan is not None else model), options, data, cache_dir=plan_cache_dir)
+    llm = runner.create_llm(str(plan if plan is not None else model), config, data, cache_dir=plan_cache_dir)
     try:
-        result = runner.run_bench(llm, data, options, label=label or _default_label(plan, model),
+        result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
                                   requests_csv=requests_csv, console=console,
                                   config_columns={"model": str(plan if plan is not None else model)})
     finally:

@@ -16,6 +16,9 @@ from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.options import either, flag, toggle
 from kvtool.cli.paths import check_replaceable_dir
+from kvtool.plan.options import BuildOptions
+
+DEFAULTS = BuildOptions()  # the flags' defaults are BuildOptions'
 
 
 class Toggle(str, enum.Enum):
@@ -39,19 +42,21 @@ def build(
                                        rich_help_panel=MODEL)],
     output: Annotated[Path, typer.Option("--output", "--output_dir", "-o", help="The plan directory to write.",
                                          rich_help_panel=OUTPUT)],
-    dtype: Annotated[DType, flag("dtype", "Weight and activation dtype.", MODEL)] = DType.float32,
-    seed: Annotated[int, flag("seed", "Seed of a preset's random weights.", MODEL)] = 0,
+    dtype: Annotated[DType, flag("dtype", "Weight and activation dtype.", MODEL)] = DType(DEFAULTS.dtype),
+    seed: Annotated[int, flag("seed", "Seed of a preset's random weights.", MODEL)] = DEFAULTS.seed,
     tokens_per_block: Annotated[int, flag("tokens_per_block", "KV cache block size in tokens (a power of 2).",
-                                          KV_CACHE)] = 32,
+                                          KV_CACHE)] = DEFAULTS.tokens_per_block,
     kv_cache_dtype: Annotated[DType | None, flag("kv_cache_dtype", "KV cache dtype (default: --dtype).",
                                                  KV_CACHE)] = None,
     use_paged_context_fmha: Annotated[Toggle, flag(
         "use_paged_context_fmha", "Context attention over the paged cache; 'disable' forbids KV reuse.",
-        KV_CACHE)] = Toggle.enable,
-    max_batch_size: Annotated[int, flag("max_batch_size", "Requests per step.", LIMITS)] = 8,
+        KV_CACHE)] = Toggle.enable if DEFAULTS.use_paged_context_fmha else Toggle.disable,
+    max_batch_size: Annotated[int, flag("max_batch_size", "Requests per step.",
+                                        LIMITS)] = DEFAULTS.max_batch_size,
     max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output (default: "
                                             "min(max_position_embeddings, 4096)).", LIMITS)] = None,
-    max_num_tokens: Annotated[int, flag("max_num_tokens", "Tokens per step.", LIMITS)] = 8192,
+    max_num_tokens: Annotated[int, flag("max_num_tokens", "Tokens per step.",
+                                        LIMITS)] = DEFAULTS.max_num_tokens,
     compile_kernels: Annotated[bool | None, toggle(
         "compile_kernels", "Compile the plan's CUDA kernels (sm_90) into it (default: when this machine has a "
         "GPU).", OUTPUT)] = None,
@@ -60,7 +65,7 @@ def build(
 ) -> None:
     """Build a model (HF checkpoint directory, .gguf file, gguf:NAME or preset:NAME) into a plan directory."""
     with user_errors():
-        from kvtool.plan import BuildOptions, build_plan, load_plan
+        from kvtool.plan import build_plan, load_plan
 
         compile_kernels = either(compile_kernels, no_compile_kernels, "compile_kernels", "no_compile_kernels")
         options = BuildOptions(tokens_per_block=tokens_per_block,

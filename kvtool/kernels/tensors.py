@@ -12,8 +12,15 @@ from typing import NamedTuple
 
 import torch
 
+from kvtool.config import is_power_of_two
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def kernels_apply(head_dim: int, dtype: torch.dtype) -> bool:
+    """True when kvtool's CUDA kernels cover a model (else the torch attention serves it)."""
+    return dtype in SUPPORTED_DTYPES and head_dim in SUPPORTED_HEAD_DIMS
 
 
 def dtype_is_bf16(dtype: torch.dtype) -> int:
@@ -51,7 +58,7 @@ def cache_strides(kv_cache: torch.Tensor) -> CacheStrides:
                          f"got shape {tuple(kv_cache.shape)}")
     dtype_is_bf16(kv_cache.dtype)
     tokens_per_block, head_dim = kv_cache.shape[2], kv_cache.shape[4]
-    if tokens_per_block & (tokens_per_block - 1):
+    if not is_power_of_two(tokens_per_block):
         raise ValueError(f"kv_cache tokens_per_block must be a power of two, got {tokens_per_block}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"kvtool's CUDA attention supports head_dim {SUPPORTED_HEAD_DIMS}, got {head_dim}")

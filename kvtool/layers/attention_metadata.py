@@ -10,7 +10,6 @@ the last ``query_lens[i]`` of which are the new ones (causal mask aligned bottom
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,9 +27,6 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     max_decode_seq_len: int | None = None  # longest one-token row's seq_len (decode grid); None: max_seq_len
-    # Called with a layer's index before that layer touches its KV cache: waits for the step's
-    # host copies of that layer when they land layer by layer (None: everything has landed).
-    layer_ready: Callable[[int], None] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -174,9 +174,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"LlamaModel.forward got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.rope_inv_freq, meta.positions, x.dtype)
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            if meta.layer_ready is not None:
-                meta.layer_ready(index)  # this layer's onboarded / offloaded blocks have landed
+        for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 

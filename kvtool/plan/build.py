@@ -26,7 +26,8 @@ from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import write_tokenizer
 from kvtool.plan.format import (CHECKSUM_ALGORITHM, FORMAT_VERSION, TOKENIZER_DIR, WEIGHTS_FILE,
                                 write_manifest, write_safetensors_streaming)
-from kvtool.plan.kernels import compile_plan_kernels, kernels_apply
+from kvtool.kernels.tensors import kernels_apply
+from kvtool.plan.kernels import compile_plan_kernels
 from kvtool.plan.options import BuildOptions
 from kvtool.version import __version__
 
@@ -91,7 +92,7 @@ def _write_plan(output_dir: Path, config: ModelConfig, options: BuildOptions,
         kernel_artifacts, kernel_target = [], None
         kv_cache_dtype = torch_dtype(options.resolved_kv_cache_dtype)
         if compile_kernels is None:
-            compile_kernels = torch.cuda.is_available() and kernels_apply(config, kv_cache_dtype)
+            compile_kernels = torch.cuda.is_available() and kernels_apply(config.head_dim, kv_cache_dtype)
         if compile_kernels:
             kernel_artifacts, kernel_target = compile_plan_kernels(staging, config, options.tokens_per_block,
                                                                    kv_cache_dtype)

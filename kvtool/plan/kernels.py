@@ -16,13 +16,6 @@ from kvtool.models.config import ModelConfig
 from kvtool.plan.format import file_checksum
 
 KERNELS_DIR = "kernels"
-CUDA_DTYPES = (torch.float16, torch.bfloat16)
-CUDA_HEAD_DIMS = (64, 128)
-
-
-def kernels_apply(config: ModelConfig, kv_cache_dtype: torch.dtype) -> bool:
-    """True when kvtool's CUDA kernels cover this model (else the torch backend serves it)."""
-    return kv_cache_dtype in CUDA_DTYPES and config.head_dim in CUDA_HEAD_DIMS
 
 
 def compile_plan_kernels(plan_dir: Path, config: ModelConfig, tokens_per_block: int,

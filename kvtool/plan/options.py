@@ -5,15 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvtool.config import is_power_of_two
+from kvtool.config import check, check_tokens_per_block
 from kvtool.models.config import torch_dtype
 
-DEFAULT_MAX_SEQ_LEN_CAP = 4096
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+DEFAULT_MAX_SEQ_LEN_CAP = 4096  # max_seq_len of a model with longer position embeddings
 
 
 @dataclass
@@ -31,14 +26,14 @@ class BuildOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.tokens_per_block, int) and is_power_of_two(self.tokens_per_block),
-               f"tokens_per_block must be a power of 2 (16, 32, 64, ...), got {self.tokens_per_block}")
-        _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        _check(self.max_seq_len is None or self.max_seq_len >= 1,
-               f"max_seq_len must be >= 1 (or unset for the model's limit), got {self.max_seq_len}")
-        _check(self.max_num_tokens >= 1, f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
-        _check(isinstance(self.use_paged_context_fmha, bool),
-               f"use_paged_context_fmha must be a bool, got {self.use_paged_context_fmha!r}")
+        check(self.tokens_per_block is not None, self, "tokens_per_block", "must be given (a power of 2)")
+        check_tokens_per_block(self, self.tokens_per_block)
+        check(self.max_batch_size >= 1, self, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+        check(self.max_seq_len is None or self.max_seq_len >= 1, self, "max_seq_len",
+              f"must be >= 1 (or unset for the model's limit), got {self.max_seq_len}")
+        check(self.max_num_tokens >= 1, self, "max_num_tokens", f"must be >= 1, got {self.max_num_tokens}")
+        check(isinstance(self.use_paged_context_fmha, bool), self, "use_paged_context_fmha",
+              f"must be a bool, got {self.use_paged_context_fmha!r}")
         torch_dtype(self.dtype)
         if self.kv_cache_dtype is not None:
             torch_dtype(self.kv_cache_dtype)
@@ -52,9 +47,9 @@ class BuildOptions:
         max_seq_len = self.max_seq_len
         if max_seq_len is None:
             max_seq_len = min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN_CAP)
-        _check(max_seq_len <= max_position_embeddings,
-               f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
-               f"{max_position_embeddings}: pass --max_seq_len {max_position_embeddings} or less")
+        check(max_seq_len <= max_position_embeddings, self, "max_seq_len",
+              f"{max_seq_len} exceeds the model's max_position_embeddings {max_position_embeddings}: "
+              f"pass --max_seq_len {max_position_embeddings} or less")
         return BuildOptions(**{**asdict(self), "max_seq_len": max_seq_len,
                                "kv_cache_dtype": self.resolved_kv_cache_dtype})
 
@@ -80,5 +75,6 @@ class BuildOptions:
     def from_dict(cls, data: dict[str, Any]) -> BuildOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
-        _check(not unknown, f"BuildOptions: unknown keys {unknown}; known keys are {sorted(known)}")
+        if unknown:
+            raise ValueError(f"BuildOptions: unknown keys {unknown}; known keys are {sorted(known)}")
         return cls(**data)

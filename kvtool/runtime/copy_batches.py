@@ -15,14 +15,16 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtool._core import PoolKind
+
 
 class CopyBatch(NamedTuple):
     """Copies of ``num_tokens`` leading token slots of block ``src_block_ids[i]`` of pool
     ``src_pool`` into block ``dst_block_ids[i]`` of pool ``dst_pool``; independent of each other.
     ``wave``: batches of a wave run after every batch of the waves before it."""
 
-    src_pool: int
-    dst_pool: int
+    src_pool: PoolKind
+    dst_pool: PoolKind
     num_tokens: int
     src_block_ids: list[int]
     dst_block_ids: list[int]
@@ -31,7 +33,8 @@ class CopyBatch(NamedTuple):
 
 def copy_batches(src_pool: np.ndarray, src_block_ids: np.ndarray, dst_pool: np.ndarray,
                  dst_block_ids: np.ndarray, num_tokens: np.ndarray) -> list[CopyBatch]:
-    """Batches of the copy ops (the manager's arrays, one entry per op), in an order to run them."""
+    """Batches of the copy ops (the manager's arrays, one entry per op; pools as PoolKind values), in an
+    order to run them."""
     last_write: dict[tuple[int, int], int] = {}  # (pool, block) -> latest wave writing it
     last_read: dict[tuple[int, int], int] = {}   # (pool, block) -> latest wave reading it
     batches: dict[tuple[int, int, int, int], CopyBatch] = {}  # (wave, src pool, dst pool, tokens)
@@ -45,7 +48,7 @@ def copy_batches(src_pool: np.ndarray, src_block_ids: np.ndarray, dst_pool: np.n
         key = (wave, src_p, dst_p, count)
         batch = batches.get(key)
         if batch is None:
-            batch = batches[key] = CopyBatch(src_p, dst_p, count, [], [], wave)
+            batch = batches[key] = CopyBatch(PoolKind(src_p), PoolKind(dst_p), count, [], [], wave)
         batch.src_block_ids.append(src_b)
         batch.dst_block_ids.append(dst_b)
     return [batches[key] for key in sorted(batches, key=lambda k: k[0])]

@@ -1,7 +1,7 @@
-"""The executor loop: schedule (C++) -> copies -> forward -> sample -> report back to C++.
+"""The executor loop: schedule (C++) -> copies and forward (the runner) -> sample -> report back to C++.
 
 One Engine serves one plan on one device. It owns the scheduler (which owns the KV cache
-manager), the KV pools and the model runner, and records per-request timestamps for metrics.
+manager) and the model runner, and fills in each Request as it runs.
 """
 
 from __future__ import annotations
@@ -10,26 +10,15 @@ import hashlib
 import itertools
 import re
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtool import _core
-from kvtool.config import SamplingParams
 from kvtool.errors import KvtoolError
 from kvtool.layers.sampler import make_generator, sample
 from kvtool.runtime.model_runner import ModelRunner
-from kvtool.runtime.request import RequestOutput, RequestRecord
-
-
-@dataclass
-class _Request:
-    """What the engine keeps about a running request beyond what C++ tracks."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    record: RequestRecord
+from kvtool.runtime.request import Request
 
 
 def cache_salt_id(cache_salt: str | None) -> int:
@@ -50,47 +39,39 @@ class Engine:
         self._cache_config = cache_config
         self._scheduler_config = scheduler_config
         self._probe: _core.Scheduler | None = None  # checks requests without queuing them
+        self._request_ids = itertools.count()
         self._probe_ids = itertools.count()
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.bytes_per_token = bytes_per_token
         self.tokenizer = tokenizer
         self.max_seq_len = scheduler_config.max_seq_len
-        self.records: dict[int, RequestRecord] = {}
-        self._running: dict[int, _Request] = {}
+        self.requests: dict[int, Request] = {}  # every request added, by request_id
+        self._running: dict[int, Request] = {}
+        self._generators: dict[int, torch.Generator | None] = {}
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: int, prompt_token_ids, sampling_params: SamplingParams, *,
-                    extra_ids=None, arrival_time: float | None = None) -> None:
-        """Queues a request. Raises ValueError naming the request when it cannot be served."""
-        if request_id in self.records:
-            raise ValueError(f"request {request_id}: the id is already used; give each request its own id")
-        token_ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        if token_ids.ndim != 1 or token_ids.size == 0:
-            raise ValueError(f"request {request_id}: the prompt is empty; give at least one token")
-        if token_ids.min() < 0 or token_ids.max() >= self.vocab_size:
-            raise ValueError(f"request {request_id}: token id {int(token_ids.max() if token_ids.max() >= self.vocab_size else token_ids.min())} "
-                             f"is outside the model's vocabulary [0, {self.vocab_size}): "
-                             "use token ids the model knows")
-        extra = None if extra_ids is None else np.asarray(extra_ids, dtype=np.uint64)
-        params = sampling_params
-        self.scheduler.add_request(request_id, token_ids.astype(np.int32), params.max_tokens,
-                                   extra_ids=extra, lora_task_id=params.lora_task_id,
-                                   cache_salt=cache_salt_id(params.cache_salt), priority=params.priority)
-        record = RequestRecord(request_id=request_id,
-                               arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
-                               num_prompt_tokens=int(token_ids.size))
-        self.records[request_id] = record
-        self._running[request_id] = _Request(params, make_generator(params, request_id, self.runner.device),
-                                             record)
+    def add_request(self, request: Request) -> None:
+        """Queues a request under a new ``request_id``. Raises ValueError naming the request when it
+        cannot be served."""
+        request.request_id = request_id = next(self._request_ids)
+        token_ids = self._checked_prompt(request, f"request {request_id}")
+        params = request.sampling_params
+        self.scheduler.add_request(request_id, token_ids, params.max_tokens, extra_ids=self._extra_ids(request),
+                                   lora_task_id=params.lora_task_id, cache_salt=cache_salt_id(params.cache_salt),
+                                   priority=params.priority)
+        if request.arrival_time is None:
+            request.arrival_time = time.perf_counter()
+        self.requests[request_id] = self._running[request_id] = request
+        self._generators[request_id] = make_generator(params, request_id, self.runner.device)
 
-    def request_problem(self, prompt_token_ids, sampling_params: SamplingParams, *, extra_ids=None) -> str | None:
+    def request_problem(self, request: Request) -> str | None:
         """Why add_request would refuse this request (None: it would be queued), without queuing it:
         a scratch scheduler with this engine's configuration (and no host pool) is asked."""
-        token_ids = np.asarray(prompt_token_ids, dtype=np.int64)
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.vocab_size):
-            return (f"token id {int(token_ids.max() if token_ids.max() >= self.vocab_size else token_ids.min())} is "
-                    f"outside the model's vocabulary [0, {self.vocab_size})")
+        try:
+            token_ids = self._checked_prompt(request, "the request")
+        except ValueError as error:
+            return str(error).removeprefix("the request: ")
         if self._probe is None:
             config = self._cache_config
             self._probe = _core.Scheduler(_core.CacheConfig(
@@ -100,93 +81,98 @@ class Engine:
                 self._scheduler_config)
         probe_id = next(self._probe_ids)
         try:
-            self._probe.add_request(probe_id, token_ids.astype(np.int32), sampling_params.max_tokens,
-                                    extra_ids=None if extra_ids is None else np.asarray(extra_ids, dtype=np.uint64),
-                                    priority=sampling_params.priority)
+            self._probe.add_request(probe_id, token_ids, request.sampling_params.max_tokens,
+                                    extra_ids=self._extra_ids(request), priority=request.sampling_params.priority)
         except ValueError as error:
             # The scheduler names the request by the probe's id: say "the request" instead.
             return re.sub(r"^request \d+(: )?", lambda m: "" if m.group(1) else "the request", str(error))
         self._probe.finish_request(probe_id)
         return None
 
+    def _checked_prompt(self, request: Request, name: str) -> np.ndarray:
+        """The prompt as int32 [num_prompt_tokens]; ValueError for one the model cannot read."""
+        token_ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        if token_ids.ndim != 1 or token_ids.size == 0:
+            raise ValueError(f"{name}: the prompt is empty; give at least one token")
+        outside = token_ids[(token_ids < 0) | (token_ids >= self.vocab_size)]
+        if outside.size:
+            raise ValueError(f"{name}: token id {int(outside[0])} is outside the model's vocabulary "
+                             f"[0, {self.vocab_size}): use token ids below {self.vocab_size}")
+        return token_ids.astype(np.int32)
+
+    @staticmethod
+    def _extra_ids(request: Request) -> np.ndarray | None:
+        return None if request.extra_ids is None else np.asarray(request.extra_ids, dtype=np.uint64)
+
     def abort_request(self, request_id: int) -> None:
         if request_id in self._running:
             self.scheduler.finish_request(request_id)
-            self._finish(request_id, "abort", time.perf_counter())
+            self._finish(self._running[request_id], "abort", time.perf_counter())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # -- the loop ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Runs one step; returns the outputs of requests that produced a token this step."""
+    def step(self) -> list[Request]:
+        """Runs one step; returns the requests that produced a token in it (the token is the last
+        of their output_token_ids; those that finished have a finish_reason)."""
         batch = self.scheduler.schedule()
-        copies = batch.copy_ops
-        self.runner.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool,
-                                         copies.dst_block_ids, copies.num_tokens)
-        if len(batch.requests) == 0:
-            self.runner.pools.wait_for_all_copies()  # no forward will wait for them layer by layer
+        logits = self.runner.execute_batch(batch)
+        if logits is None:
             if self.scheduler.has_unfinished_requests():
                 raise KvtoolError(
                     f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
                     f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise max_tokens "
                     "(--max_tokens_in_paged_kv_cache) or free_gpu_memory_fraction")
             return []
-        sampling = [r for r in batch.requests if r.samples]
-        logits = self.runner.execute(batch.requests)
-        params = [self._running[r.request_id].params for r in sampling]
-        generators = [self._running[r.request_id].generator for r in sampling]
-        token_ids = sample(logits, params, generators)  # syncs with the device: tokens are on the host
+        sampling = [self._running[r.request_id] for r in batch.requests if r.samples]
+        token_ids = sample(logits, [r.sampling_params for r in sampling],
+                           [self._generators[r.request_id] for r in sampling])  # syncs: tokens are on the host
         now = time.perf_counter()
-        request_ids = [r.request_id for r in sampling]
         for request_id in batch.paused_request_ids:
-            self.records[request_id].num_pauses += 1
-        finished_ids = set(self.scheduler.complete_step(np.asarray(request_ids, dtype=np.int64),
-                                                        np.asarray(token_ids, dtype=np.int32)))
-        outputs = []
-        for request_id, token_id in zip(request_ids, token_ids):
-            outputs.append(self._on_token(request_id, token_id, now, request_id in finished_ids))
-        return outputs
+            self.requests[request_id].num_pauses += 1
+        request_ids = np.asarray([r.request_id for r in sampling], dtype=np.int64)
+        finished_ids = set(self.scheduler.complete_step(request_ids, np.asarray(token_ids, dtype=np.int32)))
+        for request, token_id in zip(sampling, token_ids):
+            self._on_token(request, token_id, now, request.request_id in finished_ids)
+        return sampling
 
-    def _on_token(self, request_id: int, token_id: int, now: float, reached_length: bool) -> RequestOutput:
-        request = self._running[request_id]
-        record = request.record
-        if record.first_token_time is None:
-            record.first_token_time = now
-            stats = self.scheduler.request_stats(request_id)
-            record.num_reused_tokens = stats.num_reused_tokens
-            record.num_reused_blocks = stats.num_reused_blocks
-            record.num_onboarded_blocks = stats.num_onboarded_blocks
-            record.num_early_reused_blocks = stats.num_early_reused_blocks
-        record.output_token_ids.append(token_id)
-        record.token_times.append(now)
+    def _on_token(self, request: Request, token_id: int, now: float, reached_length: bool) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+            stats = self.scheduler.request_stats(request.request_id)
+            request.num_reused_tokens = stats.num_reused_tokens
+            request.num_reused_blocks = stats.num_reused_blocks
+            request.num_onboarded_blocks = stats.num_onboarded_blocks
+            request.num_early_reused_blocks = stats.num_early_reused_blocks
+        request.output_token_ids.append(token_id)
+        request.token_times.append(now)
         reason = "length" if reached_length else self._stop_reason(request, token_id)
         if reason is not None and not reached_length:
-            self.scheduler.finish_request(request_id)
+            self.scheduler.finish_request(request.request_id)
         if reason is not None:
-            self._finish(request_id, reason, now)
-        return RequestOutput(request_id, [token_id], list(record.output_token_ids), reason is not None, reason)
+            self._finish(request, reason, now)
 
-    def _stop_reason(self, request: _Request, token_id: int) -> str | None:
-        params = request.params
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.sampling_params
         if params.ignore_eos:
             return None
         if token_id in self.eos_token_ids or token_id in params.stop_token_ids:
             return "stop"
         if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.record.output_token_ids)
+            text = self.tokenizer.decode(request.output_token_ids)
             if any(stop in text for stop in params.stop):
                 return "stop"
         return None
 
-    def _finish(self, request_id: int, reason: str, now: float) -> None:
-        record = self._running.pop(request_id).record
-        record.finish_time = now
-        record.finish_reason = reason
+    def _finish(self, request: Request, reason: str, now: float) -> None:
+        del self._running[request.request_id], self._generators[request.request_id]
+        request.finish_time = now
+        request.finish_reason = reason
 
     # -- stats ------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float]:
-        """Cache statistics (DESIGN.md list), bytes moved each way included."""
+        """Cache statistics (docs/architecture.md#how-bench-measures), bytes moved each way included."""
         s = self.scheduler.cache_manager.stats()
         return {
             "reused_blocks": s.reused_blocks,

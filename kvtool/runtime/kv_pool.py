@@ -1,8 +1,8 @@
 """The KV cache tensors: a primary pool on the device and a lazily allocated host (secondary) pool.
 
 The C++ cache manager decides which block lives where and emits copy operations; this module
-only holds the memory and executes those copies. A block is one contiguous slab across all
-layers (block-major layout), so moving a block between tiers is a single copy.
+only holds the memory and executes those copies (docs/architecture.md#layers). A block is one
+contiguous slab across all layers (block-major layout), so moving a block between tiers is a single copy.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtool._core import PoolKind
 from kvtool.runtime.copy_batches import CopyBatch, copy_batches
 
-PRIMARY = 0
-SECONDARY = 1
 HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
 # Copy layer by layer from this many bytes a step: about 2.4 ms over PCIe 5, well above the host
 # time of issuing two launches per layer (about 1.5 ms for 36 layers). A guess to tune on a GPU.
@@ -84,8 +83,9 @@ class KvCachePools:
     """Primary pool tensor on the device plus the optional host pool, and the copies between them."""
 
     def __init__(self, shape: BlockShape, num_primary_blocks: int, num_secondary_blocks: int,
-                 device: torch.device, kernels=None) -> None:
-        """``kernels``: a kvtool.kernels KernelLibrary for batched tier copies on a GPU, or None."""
+                 device: torch.device, kernels=None, *, layered_copy_min_bytes: int | None = None) -> None:
+        """``kernels``: a kvtool.kernels KernelLibrary for batched tier copies on a GPU, or None.
+        ``layered_copy_min_bytes``: see KvCacheConfig (None: LAYERED_COPY_MIN_BYTES with kernels)."""
         self.shape = shape
         self.device = device
         # [num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
@@ -99,7 +99,9 @@ class KvCachePools:
         # followed by an event its attention waits for: the forward starts on the first layers
         # while the later ones still move. Below it, one launch per batch costs less than the
         # per-layer launches save. None: always whole blocks (no copy kernel to launch per layer).
-        self.layered_copy_min_bytes: int | None = LAYERED_COPY_MIN_BYTES if kernels is not None else None
+        if layered_copy_min_bytes is None and kernels is not None:
+            layered_copy_min_bytes = LAYERED_COPY_MIN_BYTES
+        self.layered_copy_min_bytes = layered_copy_min_bytes
         self._layer_events: list | None = None  # this step's per-layer copy events, until the forward
 
     @property
@@ -212,14 +214,14 @@ class KvCachePools:
 
     def _uses_kernel(self, batch: CopyBatch) -> bool:
         return (self._kernels is not None and batch.num_tokens >= self.shape.tokens_per_block
-                and (batch.src_pool, batch.dst_pool) != (PRIMARY, PRIMARY))
+                and (batch.src_pool, batch.dst_pool) != (PoolKind.PRIMARY, PoolKind.PRIMARY))
 
     def _prepare_kernel_copy(self, batch: CopyBatch):
         if not self._uses_kernel(batch):
             return None
         from kvtool.kernels.block_copy import prepare_block_copy
 
-        pools = {PRIMARY: self.primary, SECONDARY: self.host}
+        pools = {PoolKind.PRIMARY: self.primary, PoolKind.SECONDARY: self.host}
         return prepare_block_copy(pools[batch.src_pool], pools[batch.dst_pool], batch.src_block_ids,
                                   batch.dst_block_ids, library=self._kernels)
 
@@ -245,8 +247,8 @@ class KvCachePools:
                 for kv in (0, 1):
                     dst[copy_layer, kv, :count].copy_(src[copy_layer, kv, :count], non_blocking=non_blocking)
 
-    def _block(self, pool: int, block_id: int) -> torch.Tensor:
-        if pool == PRIMARY:
+    def _block(self, pool: PoolKind, block_id: int) -> torch.Tensor:
+        if pool is PoolKind.PRIMARY:
             return self.primary[block_id]
         return self.host.block(block_id)
 
@@ -254,4 +256,5 @@ class KvCachePools:
 def offloads_then_onboards(batches: list[CopyBatch]) -> bool:
     """True for a step whose copies are one wave of offloads followed by one wave of onboards: the
     two directions can then move on two streams, layer by layer."""
-    return {(b.wave, b.src_pool, b.dst_pool) for b in batches} == {(0, PRIMARY, SECONDARY), (1, SECONDARY, PRIMARY)}
+    primary, secondary = PoolKind.PRIMARY, PoolKind.SECONDARY
+    return {(b.wave, b.src_pool, b.dst_pool) for b in batches} == {(0, primary, secondary), (1, secondary, primary)}

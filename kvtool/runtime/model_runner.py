@@ -1,7 +1,8 @@
-"""Turns one step plan from the scheduler into tensors, runs the model forward, returns logits."""
+"""Runs a scheduled batch: its block copies, then the forward of its requests; returns logits."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -12,7 +13,7 @@ from kvtool.runtime.kv_pool import KvCachePools
 
 
 class StepRequest(NamedTuple):
-    """The fields of a scheduled request that prepare() reads (the scheduler's plan entries have
+    """The fields of a scheduled request that prepare() reads (the scheduler's ScheduledRequest has
     them too); for driving a runner directly: warm-up, tests."""
 
     token_ids: np.ndarray
@@ -23,7 +24,7 @@ class StepRequest(NamedTuple):
 
 
 class ModelRunner:
-    """Owns the model and the KV pools of one engine; executes step plans."""
+    """Owns the model and the KV pools of one engine; executes scheduled batches."""
 
     def __init__(self, model: torch.nn.Module, pools: KvCachePools, tokens_per_block: int,
                  device: torch.device) -> None:
@@ -102,15 +103,39 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def execute_batch(self, batch) -> torch.Tensor | None:
+        """Runs a kvtool._core.ScheduledBatch: its block copies, then the forward of its requests;
+        returns what execute does, or None when no request was scheduled."""
+        copies = batch.copy_ops
+        self.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool, copies.dst_block_ids,
+                                  copies.num_tokens)
+        if len(batch.requests) == 0:
+            self.pools.wait_for_all_copies()  # no forward will wait for them layer by layer
+            return None
+        return self.execute(batch.requests)
+
     @torch.inference_mode()
     def execute(self, requests) -> torch.Tensor:
         """Runs the forward for the step; returns logits [num_sampling_requests, vocab] float32."""
         try:
             input_ids, meta, sample_rows = self.prepare(requests)
-            if self.pools.copies_pending_per_layer:
-                meta.layer_ready = self.pools.wait_for_layer
-            hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
+            with self._layers_wait_for_their_copies():
+                hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
         except BaseException:
             self.pools.wait_for_all_copies()  # no copy may outlive a forward that stopped early
             raise
         return self.model.compute_logits(hidden[sample_rows])
+
+    @contextlib.contextmanager
+    def _layers_wait_for_their_copies(self):
+        """While a step's copies land layer by layer, each decoder layer first waits for its own."""
+        if not self.pools.copies_pending_per_layer:
+            yield
+            return
+        handles = [layer.register_forward_pre_hook(lambda *_, index=index: self.pools.wait_for_layer(index))
+                   for index, layer in enumerate(self.model.layers)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()

@@ -1,43 +1,55 @@
-"""What the engine reports about each request: outputs as they are produced, and a timing record."""
+"""Request: one request from where it is made (a dataset line, an LLM.generate prompt) to its report row.
+
+The replay, the engine and the metrics share this object: the caller fills in what to run, the
+engine what happened. The C++ scheduler keeps its own state of the same request, by ``request_id``
+(docs/architecture.md#a-requests-path).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtool.config import SamplingParams
+
+if TYPE_CHECKING:
+    from kvtool.bench.datasets import DatasetRecord
 
 
-@dataclass
-class RequestOutput:
-    """Tokens a request produced in one engine step (streaming), and whether it is done."""
+@dataclass(eq=False)
+class Request:
+    """What to run, where it came from, and what happened.
 
-    request_id: int
-    new_token_ids: list[int]
-    token_ids: list[int]            # every output token so far
-    finished: bool
-    finish_reason: str | None = None  # "length" | "stop" | "error"
-    error: str | None = None
-
-
-@dataclass
-class RequestRecord:
-    """Timestamps (time.perf_counter seconds) and cache figures of one request, for metrics.
-
-    TTFT = first_token_time - arrival_time; token_times[i] is when output token i reached the host.
+    Times are time.perf_counter seconds: TTFT = first_token_time - arrival_time; token_times[i] is
+    when output token i reached the host.
     """
 
-    request_id: int
-    arrival_time: float
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    extra_ids: list[int] | None = None  # one per prompt token (p-tuning style; 0 for a normal token)
+    arrival_time: float | None = None   # None: when the engine is given it
+    # A bench request: its dataset line (a later session turn's prompt_token_ids are its new
+    # tokens until the replay prepends the conversation), its id in reports, where errors point.
+    line: DatasetRecord | None = None
+    name: str = ""
+    where: str = ""
+    # Filled in by the engine.
+    request_id: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    num_reused_tokens: int = 0
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    error: str | None = None
+    num_reused_tokens: int = 0        # reuse figures at first admission (kvtool._core.RequestStats)
     num_reused_blocks: int = 0
     num_onboarded_blocks: int = 0
     num_early_reused_blocks: int = 0
     num_pauses: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -45,4 +57,4 @@ class RequestRecord:
 
     @property
     def finished(self) -> bool:
-        return self.finish_time is not None
+        return self.finish_reason is not None

@@ -1,0 +1,98 @@
+"""Configuration: the API dataclasses hold every default and rule; the C++ runtime and the bench flags agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtool import _core
+from kvtool.bench.config import FLAGS, BenchConfig
+from kvtool.bench.replay import ReplayOptions
+from kvtool.config import (CapacitySchedulerPolicy, ContextChunkingPolicy, KvCacheConfig, SamplingParams,
+                           SchedulerConfig)
+from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
+
+
+def test_the_cpp_cache_config_defaults_are_the_python_ones():
+    core, kv, build = _core.CacheConfig(), KvCacheConfig(), BuildOptions()
+    assert (core.enable_block_reuse, core.enable_partial_reuse, core.secondary_offload_min_priority,
+            core.event_buffer_max_size, core.max_attention_window or None, core.tokens_per_block) == (
+        kv.enable_block_reuse, kv.enable_partial_reuse, kv.secondary_offload_min_priority,
+        kv.event_buffer_max_size, kv.max_attention_window, build.tokens_per_block)
+    assert SamplingParams().priority == kv.secondary_offload_min_priority  # default blocks are offloaded
+
+
+def test_the_cpp_scheduler_config_defaults_are_the_python_ones():
+    core, scheduler, build = _core.SchedulerConfig(), SchedulerConfig(), BuildOptions()
+    assert (core.capacity_scheduler_policy, core.context_chunking_policy, core.enable_chunked_context) == (
+        scheduler.capacity_scheduler_policy, scheduler.context_chunking_policy, scheduler.enable_chunked_context)
+    assert (core.max_batch_size, core.max_num_tokens, core.max_seq_len) == (
+        build.max_batch_size, build.max_num_tokens, DEFAULT_MAX_SEQ_LEN_CAP)
+
+
+def test_to_core_hands_every_field_and_the_enums_as_they_are():
+    kv = KvCacheConfig(enable_block_reuse=False, enable_partial_reuse=False, secondary_offload_min_priority=60,
+                       event_buffer_max_size=7)
+    core = kv.to_core(tokens_per_block=16, num_primary_blocks=10, num_secondary_blocks=3, max_attention_window=None)
+    assert (core.tokens_per_block, core.num_primary_blocks, core.num_secondary_blocks, core.enable_block_reuse,
+            core.enable_partial_reuse, core.secondary_offload_min_priority, core.max_attention_window,
+            core.event_buffer_max_size) == (16, 10, 3, False, False, 60, 0, 7)
+    scheduler = SchedulerConfig("max_utilization", "Equal-Progress", enable_chunked_context=True)
+    core = scheduler.to_core(max_batch_size=2, max_num_tokens=64, max_seq_len=128)
+    assert core.capacity_scheduler_policy is _core.CapacitySchedulerPolicy.MAX_UTILIZATION
+    assert core.context_chunking_policy is _core.ContextChunkingPolicy.EQUAL_PROGRESS
+    assert (core.enable_chunked_context, core.max_batch_size, core.max_num_tokens, core.max_seq_len) == (
+        True, 2, 64, 128)
+
+
+@pytest.mark.parametrize("make", [lambda: KvCacheConfig(tokens_per_block=48), lambda: BuildOptions(tokens_per_block=48),
+                                  lambda: BenchConfig.from_flags({"tokens_per_block": 48})])
+def test_one_power_of_two_rule_for_every_block_size(make):
+    with pytest.raises(ValueError, match="tokens_per_block must be a power of 2 .* got 48"):
+        make()
+
+
+def test_every_flag_sets_its_field():
+    values = {"enable_kv_cache_reuse": False, "kv_host_cache_bytes": "2KiB", "max_tokens_in_paged_kv_cache": 512,
+              "kv_cache_free_gpu_mem_fraction": 0.5, "max_attention_window_size": 64,
+              "scheduler_policy": "static_batch", "context_chunking_policy": "equal_progress",
+              "enable_chunked_context": True, "max_batch_size": 3, "max_num_tokens": 100, "max_seq_len": 200,
+              "tokens_per_block": 8, "mode": "offline", "concurrency": 2, "request_rate": 4.0, "seed": 9,
+              "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5}
+    assert set(values) == {flag.name for flag in FLAGS}
+    config = BenchConfig.from_flags(values)
+    assert config == BenchConfig(
+        kv_cache_config=KvCacheConfig(enable_block_reuse=False, host_cache_size=2048, max_tokens=512,
+                                      free_gpu_memory_fraction=0.5, max_attention_window=64, tokens_per_block=8),
+        scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.STATIC_BATCH, ContextChunkingPolicy.EQUAL_PROGRESS,
+                                         enable_chunked_context=True),
+        max_batch_size=3, max_num_tokens=100, max_seq_len=200,
+        replay=ReplayOptions(concurrency=2, request_rate=4.0, seed=9, warmup=1, warmup_counts_in_stats=True,
+                             num_requests=5))
+    # The summary columns keep the flags' names (and spellings), so older reports still compare.
+    row = config.as_row()
+    assert row == {**{name: value for name, value in values.items() if name not in ("kv_host_cache_bytes",
+                                                                                      "num_requests")},
+                   "kv_host_cache_bytes": 2048, "num_requests_limit": 5}
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"max_tokens_in_paged_kv_cache": 0}, "--max_tokens_in_paged_kv_cache must be positive, got 0"),
+    ({"kv_cache_free_gpu_mem_fraction": 1.5}, "--kv_cache_free_gpu_mem_fraction must be in (0, 1], got 1.5"),
+    ({"scheduler_policy": "fast"}, "--scheduler_policy 'fast' is unknown: use one of guaranteed_no_evict|"
+                                   "max_utilization|static_batch"),
+    ({"max_batch_size": 0}, "--max_batch_size must be a positive integer, got 0"),
+    ({"warmup": -1}, "--warmup must be >= 0 requests, got -1"),
+    ({"kv_host_cache_bytes": "lots"}, "--kv_host_cache_bytes: byte size 'lots' is not understood"),
+    ({"concurency": 2}, "--concurency is not a bench flag"),
+])
+def test_a_bad_flag_value_names_the_flag(flags, message):
+    with pytest.raises(ValueError) as error:
+        BenchConfig.from_flags(flags)
+    assert str(error.value).startswith(message)
+
+
+def test_the_api_names_the_field():
+    with pytest.raises(ValueError, match=r"^KvCacheConfig\.max_tokens must be positive, got 0"):
+        KvCacheConfig(max_tokens=0)
+    with pytest.raises(ValueError, match=r"^SchedulerConfig\.capacity_scheduler_policy 'fast' is unknown"):
+        SchedulerConfig(capacity_scheduler_policy="fast")
