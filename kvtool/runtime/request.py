@@ -10,10 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtool.config import SamplingParams
-
 if TYPE_CHECKING:
     from kvtool.bench.datasets import DatasetRecord
+    from kvtool.config import SamplingParams
+
+
+def _default_sampling_params() -> SamplingParams:
+    # Imported here: the report code (metrics -> Request) also runs in the peers' venvs, where
+    # kvtool's C++ extension, which kvtool.config needs, is not built (bench/peers/common.py).
+    from kvtool.config import SamplingParams  # noqa: PLC0415
+
+    return SamplingParams()
 
 
 @dataclass(eq=False)
@@ -25,7 +32,7 @@ class Request:
     """
 
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    sampling_params: SamplingParams = field(default_factory=_default_sampling_params)
     extra_ids: list[int] | None = None  # one per prompt token (p-tuning style; 0 for a normal token)
     arrival_time: float | None = None   # None: when the engine is given it
     # A bench request: its dataset line (a later session turn's prompt_token_ids are its new
