@@ -10,13 +10,15 @@ A model given as a checkpoint or preset is built on the fly with ``build_options
 (trtllm-build's flags) and KvCacheConfig's tokens_per_block.
 """
 
-from kvtool.config import (
-    CapacitySchedulerPolicy,
-    ContextChunkingPolicy,
-    KvCacheConfig,
-    SamplingParams,
-    SchedulerConfig,
-)
+import os
+
+# torch's CPU kernels run on libgomp, whose idle threads spin-wait between parallel regions. On
+# shared or busy cores the spinning thread takes the time the working one needs: 30 layers of
+# 32-row projections with one core busy took 336 ms by default and 236 ms with a short spin, the
+# same 102-110 ms on a quiet machine (results/cpu_profile.md). libgomp reads this when torch loads,
+# so it has effect when kvtool is imported first (the CLI always is); a user's own value wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
 from kvtool.version import __version__
 
 __all__ = [
@@ -31,8 +33,18 @@ __all__ = [
 ]
 
 
+_CONFIG_NAMES = ("SamplingParams", "KvCacheConfig", "SchedulerConfig", "CapacitySchedulerPolicy",
+                 "ContextChunkingPolicy")
+
+
 def __getattr__(name: str):
-    # LLM and BuildOptions pull in torch (LLM the C++ extension too): import them only when asked for.
+    # Every name is imported when first asked for: the configuration needs the C++ extension, LLM
+    # and BuildOptions torch too, and the report code must import without either (the peers'
+    # venvs run it; bench/peers/common.py).
+    if name in _CONFIG_NAMES:
+        from kvtool import config
+
+        return getattr(config, name)
     if name == "LLM":
         from kvtool.llm import LLM
 
