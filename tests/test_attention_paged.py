@@ -83,9 +83,11 @@ def run_case(cases: list[SeqCase], *, num_heads: int, num_kv_heads: int, tokens_
     return out, reference, kv_cache, full_kv
 
 
-# Context chunks first (some after cached tokens, some partial blocks), then decode tokens of
-# sequences with very different lengths (the decode batch is padded to the longest).
-MIXED = [SeqCase(0, 13), SeqCase(8, 16), SeqCase(21, 3), SeqCase(0, 1), SeqCase(30, 1), SeqCase(5, 1), SeqCase(63, 1)]
+# Context chunks first (no prefix; a long prefix, attended through a mask; a short prefix,
+# attended by padding the queries; partial blocks), then decode tokens of sequences with very
+# different lengths (the decode batch is padded to the longest).
+MIXED = [SeqCase(0, 13), SeqCase(8, 16), SeqCase(21, 3), SeqCase(2, 19), SeqCase(0, 1), SeqCase(30, 1),
+         SeqCase(5, 1), SeqCase(63, 1)]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
@@ -135,3 +137,25 @@ def test_half_precision_cache_with_float32_queries():
     reference = dense_attention(q, k.bfloat16().float(), v.bfloat16().float(), list(range(7)), HEAD_DIM ** -0.5, None)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_cached", [0, 3, 40], ids=["no-prefix", "short-prefix", "long-prefix"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_chunks_after_a_cached_prefix(num_cached, dtype):
+    gen = torch.Generator().manual_seed(num_cached)
+    T, num_new = 8, 21
+    seq_len = num_cached + num_new
+    k_all = torch.randn(seq_len, 2, HEAD_DIM, generator=gen).to(dtype)
+    v_all = torch.randn(seq_len, 2, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(num_new, 4, HEAD_DIM, generator=gen).to(dtype)
+    block_ids = list(range(math.ceil(seq_len / T)))
+    kv_cache = torch.full((len(block_ids) + 1, 2, T, 2, HEAD_DIM), float("nan"), dtype=dtype)
+    for p in range(num_cached):
+        kv_cache[p // T, 0, p % T], kv_cache[p // T, 1, p % T] = k_all[p], v_all[p]
+    meta = build_metadata([StepEntry(block_ids, num_cached, num_new)], num_context_seqs=1, tokens_per_block=T)
+    out = TorchPagedAttention().forward(q, k_all[num_cached:], v_all[num_cached:], kv_cache, meta,
+                                        scale=HEAD_DIM ** -0.5, sliding_window=None)
+    reference = dense_attention(q.float(), k_all.float(), v_all.float(), list(range(num_cached, seq_len)),
+                                HEAD_DIM ** -0.5, None)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
