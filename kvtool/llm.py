@@ -11,6 +11,7 @@ import torch
 
 from kvtool.config import KvCacheConfig, SamplingParams, SchedulerConfig
 from kvtool.errors import KvtoolError
+from kvtool.layers.cpu_linear import pack_linears
 from kvtool.plan.kernels import plan_kernel_cache
 from kvtool.plan import BuildOptions, Plan, is_built_plan, resolve_model
 from kvtool.runtime.device import (available_host_memory_bytes, default_device, describe_device,
@@ -112,6 +113,7 @@ class LLM:
         self.attention_backend = _attention_backend(kernels)
         model_module = self.plan.load_model(self.device, self.attention_backend,
                                             attention_window=kv_cache_config.max_attention_window)
+        pack_linears(model_module)  # CPU float32: decode and short chunks run ~1.5x faster (cpu_linear.py)
         # The model's window is the smaller of its own and max_attention_window; one reaching past
         # max_seq_len never applies, and the cache manager keeps every block then.
         window = model_module.sliding_window
