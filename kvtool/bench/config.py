@@ -132,5 +132,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num_requests", REPLAY, "num_requests", column="num_requests_limit"),
 )
 FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in FLAGS)
+# The flags that configure the engine (not how a dataset is replayed): what `kvtool serve` takes too.
+ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in FLAGS if flag.section != REPLAY)
 _FLAG_BY_NAME = MappingProxyType({flag.name: flag for flag in FLAGS})
 _FLAG_BY_FIELD = MappingProxyType({(_OWNERS[flag.section], flag.field): flag for flag in FLAGS})

@@ -10,13 +10,14 @@ from rich.console import Console
 
 from kvtool.bench import runner, sweep
 from kvtool.bench.datasets import load_dataset
-from kvtool.bench.config import FLAG_NAMES, BenchConfig
+from kvtool.bench.config import BenchConfig
 from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import either, flag, toggle
+from kvtool.cli import engine_flags
+from kvtool.cli.options import flag, toggle
 from kvtool.cli.paths import check_writable_dir, check_writable_file
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -28,49 +29,29 @@ def _default_label(plan: Path | None, model: str | None) -> str:
     return str(model).removeprefix("preset:")
 
 
-MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT = "Model and plan", "KV cache", "Scheduler", "Workload", "Output"
+WORKLOAD, OUTPUT = "Workload", "Output"
 
 
 @app.command(cls=KvtoolCommand)
 def bench(
     ctx: typer.Context,
-    plan: Annotated[Path | None, flag("plan", "A plan directory built by `kvtool build`.", MODEL)] = None,
-    model: Annotated[str | None, flag("model", "preset:NAME, a Hugging Face checkpoint directory, a .gguf "
-                                      "file or gguf:NAME, built on the fly (with --config: replaces the "
-                                      "scenario's model).", MODEL)] = None,
-    tokens_per_block: Annotated[int | None, flag("tokens_per_block", "Block size: a build option for --model "
-                                                 "(one plan per value), checked against --plan.", MODEL)] = None,
-    plan_cache_dir: Annotated[Path | None, flag("plan_cache_dir", "Where plans built on the fly go (default "
-                                                "$KVTOOL_CACHE_DIR or ~/.cache/kvtool/plans; see `kvtool plans`).",
-                                                MODEL)] = None,
-    enable_kv_cache_reuse: Annotated[bool | None, toggle("enable_kv_cache_reuse", "Reuse cached KV blocks of "
-                                                         "shared prefixes (the default).", KV_CACHE)] = None,
-    disable_kv_cache_reuse: Annotated[bool | None, toggle("disable_kv_cache_reuse", "Compute every prompt in full.",
-                                                          KV_CACHE)] = None,
-    max_tokens_in_paged_kv_cache: Annotated[int | None, flag(
-        "max_tokens_in_paged_kv_cache", "Primary pool size in tokens (the smaller of this and the memory "
-        "fraction's budget).", KV_CACHE)] = None,
-    kv_cache_free_gpu_mem_fraction: Annotated[float | None, flag(
-        "kv_cache_free_gpu_mem_fraction", "Fraction of the free memory (a CPU: available host memory) for the "
-        "primary pool (default 0.9; a CPU pool without max_tokens: 256 MiB at most).", KV_CACHE)] = None,
-    kv_host_cache_bytes: Annotated[str | None, flag("kv_host_cache_bytes", "Host memory for offloaded blocks: bytes "
-                                                    "or 512MB / 1GiB (default 0: no offloading).", KV_CACHE)] = None,
-    max_attention_window_size: Annotated[int | None, flag("max_attention_window_size",
-                                                          "Sliding attention window (tokens).", KV_CACHE)] = None,
-    scheduler_policy: Annotated[str | None, flag("scheduler_policy", "guaranteed_no_evict (default) | "
-                                                 "max_utilization | static_batch.", SCHEDULER)] = None,
-    enable_chunked_context: Annotated[bool | None, toggle("enable_chunked_context", "Split long contexts into "
-                                                          "chunks.", SCHEDULER)] = None,
-    disable_chunked_context: Annotated[bool | None, toggle("disable_chunked_context", "Each context in one step "
-                                                           "(the default).", SCHEDULER)] = None,
-    context_chunking_policy: Annotated[str | None, flag("context_chunking_policy", "first_come_first_served "
-                                                        "(default) | equal_progress.", SCHEDULER)] = None,
-    max_batch_size: Annotated[int | None, flag("max_batch_size", "Requests per step (default: the plan's).",
-                                               SCHEDULER)] = None,
-    max_num_tokens: Annotated[int | None, flag("max_num_tokens", "Tokens per step (default: the plan's).",
-                                               SCHEDULER)] = None,
-    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output (default: the plan's).",
-                                            SCHEDULER)] = None,
+    plan: engine_flags.Plan = None,
+    model: engine_flags.Model = None,
+    tokens_per_block: engine_flags.TokensPerBlock = None,
+    plan_cache_dir: engine_flags.PlanCacheDir = None,
+    enable_kv_cache_reuse: engine_flags.EnableKvCacheReuse = None,
+    disable_kv_cache_reuse: engine_flags.DisableKvCacheReuse = None,
+    max_tokens_in_paged_kv_cache: engine_flags.MaxTokensInPagedKvCache = None,
+    kv_cache_free_gpu_mem_fraction: engine_flags.KvCacheFreeGpuMemFraction = None,
+    kv_host_cache_bytes: engine_flags.KvHostCacheBytes = None,
+    max_attention_window_size: engine_flags.MaxAttentionWindowSize = None,
+    scheduler_policy: engine_flags.SchedulerPolicy = None,
+    enable_chunked_context: engine_flags.EnableChunkedContext = None,
+    disable_chunked_context: engine_flags.DisableChunkedContext = None,
+    context_chunking_policy: engine_flags.ContextChunkingPolicy = None,
+    max_batch_size: engine_flags.MaxBatchSize = None,
+    max_num_tokens: engine_flags.MaxNumTokens = None,
+    max_seq_len: engine_flags.MaxSeqLen = None,
     dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD)] = None,
     config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.",
                                         WORKLOAD)] = None,
@@ -95,15 +76,10 @@ def bench(
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
     # The parameters named as bench flags are the flags (kvtool.bench.config.FLAGS maps them).
-    given = {name: ctx.params[name] for name in FLAG_NAMES}
     console = Console(stderr=True)
     try:
         with user_errors():
-            given["enable_kv_cache_reuse"] = either(enable_kv_cache_reuse, disable_kv_cache_reuse,
-                                                    "enable_kv_cache_reuse", "disable_kv_cache_reuse")
-            given["enable_chunked_context"] = either(enable_chunked_context, disable_chunked_context,
-                                                     "enable_chunked_context", "disable_chunked_context")
-            flags = {name: value for name, value in given.items() if value is not None}
+            flags = engine_flags.engine_flag_values(ctx.params)
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
             if config is not None:

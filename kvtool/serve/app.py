@@ -1,0 +1,231 @@
+"""The HTTP routes of kvtool serve: OpenAI's completions and chat completions, models, health, metrics.
+
+A handler turns the body into an engine Request (kvtool.serve.prompts), submits it to the engine
+thread (kvtool.serve.engine_loop) and answers from the Stream it gets back: server-sent events, one
+per engine step that gave the request a token, ``data: [DONE]`` last; or one JSON body at the end.
+A client that goes away aborts its request, which frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvtool.serve import protocol
+from kvtool.serve.detokenize import TextAssembler
+from kvtool.serve.engine_loop import EngineLoop, Stream
+from kvtool.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvtool.serve.prompts import ApiError, PromptBuilder
+
+OWNED_BY = "kvtool"  # /v1/models' owned_by: how `kvtool bench --endpoint` knows it talks to kvtool serve
+
+
+@dataclass
+class ServeState:
+    """What the routes share: one per app."""
+
+    engine_loop: EngineLoop
+    prompts: PromptBuilder
+    tokenizer: object
+    served_model_name: str
+    max_seq_len: int
+    metrics: ServerMetrics
+
+
+def create_app(llm, *, served_model_name: str) -> FastAPI:
+    """The app serving ``llm`` (a kvtool.LLM); its engine thread runs while the app does (lifespan)."""
+    state = ServeState(EngineLoop(llm.engine),
+                       PromptBuilder(llm.tokenizer, vocab_size=llm.plan.model_config.vocab_size,
+                                     max_seq_len=llm.max_seq_len),
+                       llm.tokenizer, served_model_name, llm.max_seq_len, ServerMetrics())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine_loop.start()
+        try:
+            yield
+        finally:
+            state.engine_loop.stop()
+
+    app = FastAPI(title="kvtool serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: HttpRequest, error: ApiError) -> JSONResponse:
+        return JSONResponse(protocol.error_body(error.message, status=error.status, param=error.param),
+                            status_code=error.status)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine_loop.alive:
+            return JSONResponse(protocol.error_body("the engine is not running", status=503), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.served_model_name, "object": "model", "created": protocol.now_s(), "owned_by": OWNED_BY,
+             "max_model_len": state.max_seq_len}]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        counts = await state.engine_loop.counts()
+        return Response(state.metrics.render(counts), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(raw: HttpRequest) -> Response:
+        body = await _parse(raw, protocol.CompletionRequest)
+        _check_model(state, body.model)
+        return await _answer(state, raw, body, state.prompts.completion(body), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: HttpRequest) -> Response:
+        body = await _parse(raw, protocol.ChatCompletionRequest)
+        _check_model(state, body.model)
+        return await _answer(state, raw, body, state.prompts.chat(body), chat=True)
+
+    return app
+
+
+async def _parse(raw: HttpRequest, model: type[protocol.SamplingFields]):
+    try:
+        data = json.loads(await raw.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(f"the request body is not JSON ({error}): send a JSON object") from None
+    if not isinstance(data, dict):
+        raise ApiError("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"] if not isinstance(part, int)) or None
+        # Types in a union are tried in turn: the first error names the field and what it got.
+        got = json.dumps(first.get("input"))[:80] if "input" in first and first["type"] != "missing" else None
+        message = f"{field}: {first['msg'].lower()}" + (f" (got {got})" if got is not None else "")
+        raise ApiError(message, param=field) from None
+
+
+def _check_model(state: ServeState, model: str | None) -> None:
+    if model is not None and model != state.served_model_name:
+        raise ApiError(f"the model {model!r} does not exist: this server serves {state.served_model_name!r}",
+                       param="model", status=404)
+
+
+async def _answer(state: ServeState, raw: HttpRequest, body, request, *, chat: bool) -> Response:
+    try:
+        stream = await state.engine_loop.submit(request)
+    except ValueError as refused:  # the engine's own check (e.g. a request larger than the KV pool)
+        raise ApiError(str(refused), param="prompt") from None
+    except RuntimeError as stopped:
+        raise ApiError(str(stopped), status=503) from None
+    response = _Response(state, body, stream, chat=chat)
+    if body.stream:
+        return StreamingResponse(response.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.ensure_future(_abort_on_disconnect(raw, state.engine_loop, stream))
+    try:
+        while not stream.finished:
+            await stream.wait()
+    finally:
+        watcher.cancel()
+    return response.whole()
+
+
+async def _abort_on_disconnect(raw: HttpRequest, engine_loop: EngineLoop, stream: Stream) -> None:
+    # Once the body is read, the server's next message is the client's disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    engine_loop.abort(stream)
+
+
+class _Response:
+    """One request's answer: the stream of chunks, or the whole body."""
+
+    def __init__(self, state: ServeState, body, stream: Stream, *, chat: bool) -> None:
+        self.state, self.body, self.stream, self.chat = state, body, stream, chat
+        self.response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        self.created = protocol.now_s()
+        self.text = TextAssembler(state.tokenizer, stream.request.sampling_params.stop)
+
+    def _usage(self) -> dict:
+        request = self.stream.request
+        return protocol.usage(request.num_prompt_tokens, request.num_output_tokens, request.num_reused_tokens)
+
+    def _observe(self) -> None:
+        request = self.stream.request
+        arrival = request.arrival_time
+        self.state.metrics.observe(
+            ttft_s=None if request.first_token_time is None else request.first_token_time - arrival,
+            e2e_s=None if request.finish_time is None else request.finish_time - arrival)
+
+    def _finish_reason(self) -> str:
+        return self.stream.request.finish_reason or "error"
+
+    def whole(self) -> Response:
+        request = self.stream.request
+        if self.stream.error is not None:
+            raise ApiError(self.stream.error, status=500)
+        self._observe()
+        output_ids = list(request.output_token_ids)
+        text = self.text.full_text(output_ids)
+        ids = {"token_ids": output_ids, "prompt_token_ids": list(request.prompt_token_ids)} \
+            if self.body.return_token_ids else {}
+        if self.chat:
+            choice = protocol.chat_choice(text, self._finish_reason(), streaming=False, **ids)
+        else:
+            choice = protocol.completion_choice(text, self._finish_reason(), **ids)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return JSONResponse(protocol.envelope(kind, self.response_id, self.created, self.state.served_model_name,
+                                              [choice], self._usage()))
+
+    async def events(self) -> AsyncIterator[str]:
+        request, stream = self.stream.request, self.stream
+        options = self.body.stream_options
+        include_usage = options is not None and options.include_usage
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        model = self.state.served_model_name
+        num_sent, first = 0, True
+        try:
+            while True:
+                await stream.wait()
+                finished = stream.finished  # before the token count: see Stream
+                if stream.error is not None:
+                    yield _event(protocol.error_body(stream.error, status=500))
+                    break
+                num_tokens = len(request.output_token_ids)
+                output_ids = request.output_token_ids[:num_tokens]
+                piece = self.text.delta(output_ids, finished=finished)
+                reason = self._finish_reason() if finished else None
+                ids = {}
+                if self.body.return_token_ids:
+                    ids["token_ids"] = output_ids[num_sent:]
+                    if first:
+                        ids["prompt_token_ids"] = list(request.prompt_token_ids)
+                if self.chat:
+                    choice = protocol.chat_choice(piece, reason, streaming=True, first=first, **ids)
+                else:
+                    choice = protocol.completion_choice(piece, reason, **ids)
+                num_sent, first = num_tokens, False
+                yield _event(protocol.envelope(kind, self.response_id, self.created, model, [choice],
+                                               with_usage_key=include_usage))
+                if finished:
+                    break
+            if include_usage and stream.error is None:
+                yield _event(protocol.envelope(kind, self.response_id, self.created, model, [], self._usage()))
+            yield "data: [DONE]\n\n"
+            self._observe()
+        finally:
+            # The client went away (the task is cancelled mid-stream): its blocks are freed now.
+            if not stream.finished:
+                self.state.engine_loop.abort(stream)
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
