@@ -83,10 +83,13 @@ class BenchConfig:
                   if getattr(self, name) is not None}
         return {**limits, "kv_cache_config": self.kv_cache_config, "scheduler_config": self.scheduler_config}
 
-    def as_row(self) -> dict[str, Any]:
-        """Every flag's value as its summary column (policies as the flags spell them)."""
+    def as_row(self, *, engine: bool = True) -> dict[str, Any]:
+        """Every flag's value as its summary column (policies as the flags spell them); ``engine=False``:
+        the replay's flags only (a server's engine is configured where it runs)."""
         row = {}
         for flag in FLAGS:
+            if not engine and flag.section != REPLAY:
+                continue
             owner = self if flag.section == LIMITS else getattr(self, flag.section)
             value = getattr(owner, flag.field)
             row[flag.column or flag.name] = value.name.lower() if isinstance(value, enum.Enum) else value

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvtool.bench import runner, sweep
 from kvtool.bench.datasets import load_dataset
-from kvtool.bench.config import BenchConfig
+from kvtool.bench.config import ENGINE_FLAG_NAMES, BenchConfig
 from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
@@ -29,7 +29,7 @@ def _default_label(plan: Path | None, model: str | None) -> str:
     return str(model).removeprefix("preset:")
 
 
-WORKLOAD, OUTPUT = "Workload", "Output"
+ENDPOINT, WORKLOAD, OUTPUT = "Endpoint", "Workload", "Output"
 
 
 @app.command(cls=KvtoolCommand)
@@ -52,6 +52,13 @@ def bench(
     max_batch_size: engine_flags.MaxBatchSize = None,
     max_num_tokens: engine_flags.MaxNumTokens = None,
     max_seq_len: engine_flags.MaxSeqLen = None,
+    endpoint: Annotated[str | None, flag("endpoint", "Replay against this OpenAI-compatible server instead "
+                                         "(http://HOST:PORT: kvtool serve, trtllm-serve, vLLM, SGLang).",
+                                         ENDPOINT)] = None,
+    api: Annotated[str, flag("api", "completions | chat: the route an --endpoint bench sends to.",
+                             ENDPOINT)] = "completions",
+    served_model: Annotated[str | None, flag("served_model", "The model name sent to --endpoint (default: the "
+                                             "first the server lists).", ENDPOINT)] = None,
     dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD)] = None,
     config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.",
                                         WORKLOAD)] = None,
@@ -82,7 +89,10 @@ def bench(
             flags = engine_flags.engine_flag_values(ctx.params)
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
-            if config is not None:
+            if endpoint is not None:
+                rows, interrupted, written, failure = _run_endpoint(
+                    endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console)
+            elif config is not None:
                 if label is not None:
                     raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
                 rows, interrupted, written, failure = _run_scenario(config, set_ or [], plan, model, dataset,
@@ -128,6 +138,37 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
         result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
                                   requests_csv=requests_csv, console=console,
                                   config_columns={"model": str(plan if plan is not None else model)})
+    finally:
+        llm.shutdown()
+    write_summary_csv(summary_csv, [result.row])
+    return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
+
+
+def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console):
+    from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
+
+    if plan is not None or model is not None or config is not None:
+        raise ValueError("--endpoint replays against a running server: leave out --plan, --model and --config "
+                         "(the server serves its own model)")
+    engine_flags_given = [name for name in flags if name in ENGINE_FLAG_NAMES]
+    if engine_flags_given:
+        raise ValueError(f"--{engine_flags_given[0]} configures kvtool's engine, but with --endpoint the server's own "
+                         "configuration applies: give it to the server (e.g. kvtool serve) instead")
+    if dataset is None:
+        raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) to replay against --endpoint")
+    bench_config = BenchConfig.from_flags(flags)
+    options = EndpointOptions(url=endpoint, api=api, served_model=served_model)
+    _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
+    data = load_dataset(dataset)
+    summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
+    # Timed arrivals need the replay to wake while requests run; otherwise it waits for the server.
+    timed = bench_config.replay.request_rate is not None or any(r.arrival_time_s is not None for r in data.records)
+    llm = EndpointLLM(options, timed=timed)
+    try:
+        result = runner.run_bench(llm, data, bench_config, label=label or f"{llm.served_model}@endpoint",
+                                  requests_csv=requests_csv, console=console, engine_name=llm.engine_name,
+                                  endpoint=options.base_url,
+                                  config_columns={"model": llm.served_model, "api": api})
     finally:
         llm.shutdown()
     write_summary_csv(summary_csv, [result.row])
