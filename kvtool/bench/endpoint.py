@@ -31,8 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx  # the untimed requests: /v1/models, /metrics
 
+from kvtool.bench.http_stream import HttpError, StreamingClient, StreamResponse
 from kvtool.config import check
 from kvtool.errors import KvtoolError
 from kvtool.models.tokenizer import ByteLevelTokenizer
@@ -136,12 +137,8 @@ class EndpointEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtool-endpoint", daemon=True)
         self._thread.start()
-        self._client: httpx.AsyncClient = self._on_loop(self._make_client())
-
-    async def _make_client(self) -> httpx.AsyncClient:
         # No connection limit: the replay's own in-flight limit is the only one.
-        return httpx.AsyncClient(base_url=self.options.base_url, timeout=self.options.timeout_s,
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self._client = StreamingClient(options.base_url)
 
     def _on_loop(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -229,33 +226,40 @@ class EndpointEngine:
         return _Call(request, body, session_id, "ids")
 
     async def _send(self, call: _Call) -> None:
-        request = call.request
         path = "/chat/completions" if self.options.api == "chat" else "/completions"
         try:
-            async with self._client.stream("POST", path, json=call.body) as response:
-                if response.status_code != 200:
-                    request.error = server_message(response.status_code, await response.aread())
-                    return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    now = time.perf_counter()
-                    chunk = json.loads(data)
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        error = chunk["error"]
-                        request.error = f"stream error: {error.get('message', error) if isinstance(error, dict) else error}"
-                        return
-                    self._on_chunk(call, chunk, now)
-        except httpx.HTTPError as error:
-            request.error = f"{type(error).__name__} from {self.options.base_url}{path}: {error}"
+            await asyncio.wait_for(self._client.post(path, json.dumps(call.body).encode(),
+                                                     lambda response: self._read(call, response)),
+                                   self.options.timeout_s)
+        except asyncio.TimeoutError:
+            call.request.error = f"no answer from {self.options.base_url}{path} within {self.options.timeout_s:g} s"
+        except (HttpError, OSError, asyncio.IncompleteReadError) as error:
+            call.request.error = f"{self.options.base_url}{path}: {error}"
         except Exception as error:  # noqa: BLE001 - any failure is this request's error row; the replay waits for it
-            request.error = f"{type(error).__name__}: {error}"
+            call.request.error = f"{type(error).__name__}: {error}"
         finally:
             self._finish(call)
             self._done.put(call)
+
+    async def _read(self, call: _Call, response: StreamResponse) -> None:
+        request = call.request
+        if response.status != 200:
+            request.error = server_message(response.status, await response.read())
+            return
+        # Read to the body's end (just after [DONE]), so that the connection can be reused.
+        async for line in response.lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(data)
+            if isinstance(chunk, dict) and "error" in chunk:
+                error = chunk["error"]
+                request.error = f"stream error: {error.get('message', error) if isinstance(error, dict) else error}"
+                return
+            self._on_chunk(call, chunk, now)
 
     def _on_chunk(self, call: _Call, chunk: dict[str, Any], now: float) -> None:
         request = call.request

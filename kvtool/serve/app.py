@@ -119,16 +119,17 @@ def _check_model(state: ServeState, model: str | None) -> None:
 
 
 async def _answer(state: ServeState, raw: HttpRequest, body, request, *, chat: bool) -> Response:
-    try:
-        stream = await state.engine_loop.submit(request)
-    except ValueError as refused:  # the engine's own check (e.g. a request larger than the KV pool)
-        raise ApiError(str(refused), param="prompt") from None
-    except RuntimeError as stopped:
-        raise ApiError(str(stopped), status=503) from None
-    response = _Response(state, body, stream, chat=chat)
+    problem = state.engine_loop.problem(request)  # the engine's own checks (e.g. larger than the KV pool)
+    if problem is not None:
+        raise ApiError(problem, param="prompt")
+    if not state.engine_loop.alive:
+        raise ApiError("the server is shutting down", status=503)
+    response = _Response(state, body, request, chat=chat)
     if body.stream:
+        # Submitted once the headers are out (see EngineLoop.submit).
         return StreamingResponse(response.events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+    stream = response.submit()
     watcher = asyncio.ensure_future(_abort_on_disconnect(raw, state.engine_loop, stream))
     try:
         while not stream.finished:
@@ -148,11 +149,16 @@ async def _abort_on_disconnect(raw: HttpRequest, engine_loop: EngineLoop, stream
 class _Response:
     """One request's answer: the stream of chunks, or the whole body."""
 
-    def __init__(self, state: ServeState, body, stream: Stream, *, chat: bool) -> None:
-        self.state, self.body, self.stream, self.chat = state, body, stream, chat
+    def __init__(self, state: ServeState, body, request, *, chat: bool) -> None:
+        self.state, self.body, self.request, self.chat = state, body, request, chat
+        self.stream: Stream | None = None
         self.response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.now_s()
-        self.text = TextAssembler(state.tokenizer, stream.request.sampling_params.stop)
+        self.text = TextAssembler(state.tokenizer, request.sampling_params.stop)
+
+    def submit(self) -> Stream:
+        self.stream = self.state.engine_loop.submit(self.request)
+        return self.stream
 
     def _usage(self) -> dict:
         request = self.stream.request
@@ -171,7 +177,7 @@ class _Response:
     def whole(self) -> Response:
         request = self.stream.request
         if self.stream.error is not None:
-            raise ApiError(self.stream.error, status=500)
+            raise ApiError(self.stream.error, status=self.stream.error_status)
         self._observe()
         output_ids = list(request.output_token_ids)
         text = self.text.full_text(output_ids)
@@ -186,7 +192,8 @@ class _Response:
                                               [choice], self._usage()))
 
     async def events(self) -> AsyncIterator[str]:
-        request, stream = self.stream.request, self.stream
+        stream = self.submit()
+        request = stream.request
         options = self.body.stream_options
         include_usage = options is not None and options.include_usage
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -197,7 +204,7 @@ class _Response:
                 await stream.wait()
                 finished = stream.finished  # before the token count: see Stream
                 if stream.error is not None:
-                    yield _event(protocol.error_body(stream.error, status=500))
+                    yield _event(protocol.error_body(stream.error, status=stream.error_status))
                     break
                 num_tokens = len(request.output_token_ids)
                 output_ids = request.output_token_ids[:num_tokens]

@@ -35,7 +35,8 @@ class Stream:
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
         self.request = request
-        self.error: str | None = None  # the engine failed while running it
+        self.error: str | None = None  # the engine refused it (error_status 400) or failed while running it
+        self.error_status = 500
         self._loop = loop
         self._progress = asyncio.Event()
 
@@ -109,22 +110,37 @@ class EngineLoop:
         self._inbox.put(command)
         return await future
 
-    async def submit(self, request: Request) -> Stream:
-        """Queues the request in the scheduler; ValueError (the engine's message) when it cannot be served."""
+    def problem(self, request: Request) -> str | None:
+        """Why the engine would refuse the request (a prompt too long, larger than the KV pool), None if
+        it would not. Safe off the engine thread: Engine.request_problem asks a scratch scheduler that
+        only this (the asyncio) thread uses, never the engine's own."""
+        return self.engine.request_problem(request)
+
+    def submit(self, request: Request) -> Stream:
+        """Queues the request in the scheduler without waiting for the engine thread: the handler goes on
+        (sends its headers) while the engine computes the prompt, instead of the two taking turns with
+        the GIL. Should the engine still refuse it, the stream finishes with the engine's message."""
+        if not self.alive:
+            raise RuntimeError("the server is shutting down")
         stream = Stream(request, asyncio.get_running_loop())
 
-        def add() -> Stream:
-            self.engine.add_request(request)
+        def add() -> None:
+            try:
+                self.engine.add_request(request)
+            except ValueError as refused:
+                stream.error, stream.error_status = str(refused), 400
+                stream.notify()
+                return
             self._streams[request.request_id] = stream
-            return stream
 
-        return await self.call(add)
+        self._inbox.put(add)
+        return stream
 
     def abort(self, stream: Stream) -> None:
         """Frees the request's blocks (its client went away); nothing when it already finished."""
         request = stream.request
 
-        def abort() -> None:
+        def abort() -> None:  # queued after the add: the request is in the engine or was refused
             if request.request_id in self._streams and not request.finished:
                 self.engine.abort_request(request.request_id)
             self._forget(request.request_id)
