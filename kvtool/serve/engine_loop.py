@@ -93,17 +93,21 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
-        def settle(outcome: Callable[[], None]) -> None:
-            if not future.cancelled():
-                outcome()
+        def settle(result: object, error: Exception | None) -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
         def command() -> None:
             try:
                 result = function()
             except Exception as error:  # noqa: BLE001 - handed to the awaiting handler
-                loop.call_soon_threadsafe(settle, lambda: future.set_exception(error))
+                loop.call_soon_threadsafe(settle, None, error)
             else:
-                loop.call_soon_threadsafe(settle, lambda: future.set_result(result))
+                loop.call_soon_threadsafe(settle, result, None)
 
         if not self.alive:
             raise RuntimeError("the server is shutting down")
