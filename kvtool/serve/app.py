@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -104,12 +105,26 @@ async def _parse(raw: HttpRequest, model: type[protocol.SamplingFields]):
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"] if not isinstance(part, int)) or None
-        # Types in a union are tried in turn: the first error names the field and what it got.
-        got = json.dumps(first.get("input"))[:80] if "input" in first and first["type"] != "missing" else None
-        message = f"{field}: {first['msg'].lower()}" + (f" (got {got})" if got is not None else "")
-        raise ApiError(message, param=field) from None
+        raise _validation_error(error) from None
+
+
+# Pydantic names the member of a union it tried in an error's location ('prompt', 'list[int]'): not a field.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none)$|[\[\]]|^[A-Z]")
+
+
+def _validation_error(error: ValidationError) -> ApiError:
+    """The first field in error, what it should be (each type of a union) and what it got."""
+    def field_of(details) -> str:
+        parts = [str(p) for p in details["loc"] if not isinstance(p, int) and not _UNION_MEMBER.search(str(p))]
+        return ".".join(parts)
+
+    errors = error.errors()
+    field = field_of(errors[0])
+    expected = list(dict.fromkeys(e["msg"].lower() for e in errors if field_of(e) == field))
+    first = errors[0]
+    got = json.dumps(first.get("input"))[:80] if first["type"] != "missing" else None
+    message = f"{field}: {' or '.join(expected)}" + (f" (got {got})" if got is not None else "")
+    return ApiError(message, param=field or None)
 
 
 def _check_model(state: ServeState, model: str | None) -> None:

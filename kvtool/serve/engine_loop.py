@@ -60,6 +60,7 @@ class EngineCounts:
     stats: dict[str, int | float]
     num_running_requests: int
     num_queued_requests: int
+    num_aborted_requests: int  # since the start: their clients went away, or the server stopped
 
 
 class EngineLoop:
@@ -69,6 +70,7 @@ class EngineLoop:
         self.engine = engine
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[int, Stream] = {}
+        self._num_aborted = 0  # read and written on the engine thread only
         self._stopping = threading.Event()
         self._idle_poll_s = idle_poll_s  # how often an idle thread looks at _stopping
         self._thread = threading.Thread(target=self._run, name="kvtool-engine", daemon=True)
@@ -147,6 +149,7 @@ class EngineLoop:
         def abort() -> None:  # queued after the add: the request is in the engine or was refused
             if request.request_id in self._streams and not request.finished:
                 self.engine.abort_request(request.request_id)
+                self._num_aborted += 1
             self._forget(request.request_id)
             stream.notify()  # a handler waiting for the end (not streaming) sees finish_reason "abort"
 
@@ -155,7 +158,7 @@ class EngineLoop:
     async def counts(self) -> EngineCounts:
         scheduler = self.engine.scheduler
         return await self.call(lambda: EngineCounts(self.engine.get_stats(), scheduler.num_running_requests(),
-                                                    scheduler.num_queued_requests()))
+                                                    scheduler.num_queued_requests(), self._num_aborted))
 
     # -- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -211,5 +214,6 @@ class EngineLoop:
         for request_id, stream in list(self._streams.items()):
             if not stream.request.finished:
                 self.engine.abort_request(request_id)
+                self._num_aborted += 1
             self._forget(request_id)
             stream.notify()

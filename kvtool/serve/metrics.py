@@ -64,6 +64,8 @@ class _EngineCollector:
                                 value=counts.num_running_requests)
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_waiting", "Requests queued in the scheduler",
                                 value=counts.num_queued_requests)
+        yield CounterMetricFamily(f"{PREFIX}_aborted_requests", "Requests aborted: the client went away, or the "
+                                  "server stopped", value=counts.num_aborted_requests)
 
 
 class ServerMetrics:
