@@ -45,16 +45,13 @@ class RunningServer:
         return self.app.state.serve.engine_loop
 
     def call(self, function):
-        """``function(engine)`` on the engine thread, from the test's thread."""
-        engine = self.engine_loop.engine
-
-        async def run():
-            return await self.engine_loop.call(lambda: function(engine))
-
-        return asyncio.run(run())
+        """``function(engine)`` on the server's event loop between two steps, from the test's thread."""
+        engine_loop = self.engine_loop
+        done = asyncio.run_coroutine_threadsafe(engine_loop.call(lambda: function(engine_loop.engine)), engine_loop.loop)
+        return done.result(TIMEOUT_S)
 
     def wait_idle(self, timeout_s: float = 10.0) -> None:
-        """Until the scheduler holds no request (an aborted one is freed by the engine thread)."""
+        """Until the scheduler holds no request (an aborted one is freed once the server notices)."""
         deadline = time.monotonic() + timeout_s
         while self.call(lambda engine: engine.scheduler.has_unfinished_requests()):
             if time.monotonic() > deadline:

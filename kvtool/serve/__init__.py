@@ -1,5 +1,5 @@
 """kvtool serve: an OpenAI-compatible HTTP server over kvtool's engine (routes in app.py, the engine
-thread in engine_loop.py, request and answer bodies in protocol.py, /metrics in metrics.py)."""
+task in engine_loop.py, request and answer bodies in protocol.py, /metrics in metrics.py)."""
 
 from kvtool.serve.server import ServeConfig
 

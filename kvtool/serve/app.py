@@ -1,7 +1,7 @@
 """The HTTP routes of kvtool serve: OpenAI's completions and chat completions, models, health, metrics.
 
 A handler turns the body into an engine Request (kvtool.serve.prompts), submits it to the engine
-thread (kvtool.serve.engine_loop) and answers from the Stream it gets back: server-sent events, one
+task (kvtool.serve.engine_loop) and answers from the Stream it gets back: server-sent events, one
 per engine step that gave the request a token, ``data: [DONE]`` last; or one JSON body at the end.
 A client that goes away aborts its request, which frees its blocks at once.
 """
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from kvtool.serve import protocol
@@ -41,7 +41,7 @@ class ServeState:
 
 
 def create_app(llm, *, served_model_name: str) -> FastAPI:
-    """The app serving ``llm`` (a kvtool.LLM); its engine thread runs while the app does (lifespan)."""
+    """The app serving ``llm`` (a kvtool.LLM); its engine task runs while the app does (lifespan)."""
     state = ServeState(EngineLoop(llm.engine),
                        PromptBuilder(llm.tokenizer, vocab_size=llm.plan.model_config.vocab_size,
                                      max_seq_len=llm.max_seq_len),
@@ -53,7 +53,7 @@ def create_app(llm, *, served_model_name: str) -> FastAPI:
         try:
             yield
         finally:
-            state.engine_loop.stop()
+            await state.engine_loop.stop()
 
     app = FastAPI(title="kvtool serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
@@ -141,11 +141,9 @@ async def _answer(state: ServeState, raw: HttpRequest, body, request, *, chat: b
         raise ApiError("the server is shutting down", status=503)
     response = _Response(state, body, request, chat=chat)
     if body.stream:
-        # Submitted once the headers are out (see EngineLoop.submit).
-        return StreamingResponse(response.events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EventStream(response)
     stream = response.submit()
-    watcher = asyncio.ensure_future(_abort_on_disconnect(raw, state.engine_loop, stream))
+    watcher = asyncio.ensure_future(_abort_on_disconnect(raw.receive, state.engine_loop, stream))
     try:
         while not stream.finished:
             await stream.wait()
@@ -154,11 +152,42 @@ async def _answer(state: ServeState, raw: HttpRequest, body, request, *, chat: b
     return response.whole()
 
 
-async def _abort_on_disconnect(raw: HttpRequest, engine_loop: EngineLoop, stream: Stream) -> None:
+async def _abort_on_disconnect(receive, engine_loop: EngineLoop, stream: Stream) -> None:
     # Once the body is read, the server's next message is the client's disconnect.
-    while (await raw.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
+    stream.client_gone = True
     engine_loop.abort(stream)
+
+
+class _EventStream(Response):
+    """Server-sent events of one request, aborted as soon as the client disconnects.
+
+    Starlette's StreamingResponse learns of a disconnect by cancelling the task that writes, and a
+    cancellation reaches a task only while it waits for something not yet done: the engine task wakes
+    this stream at every step, so with a step always just done the cancellation never landed and an
+    abandoned request ran to its end. Here a watcher aborts the request itself, which ends the events.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, response: _Response) -> None:  # not super().__init__: no body, so no Content-Length
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        self.answer = response
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        # Submitted once the headers are out: the first step starts after the handler's own work.
+        stream = self.answer.submit()
+        watcher = asyncio.ensure_future(_abort_on_disconnect(receive, self.answer.state.engine_loop, stream))
+        try:
+            async for event in self.answer.events():
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
 
 
 class _Response:
@@ -207,7 +236,8 @@ class _Response:
                                               [choice], self._usage()))
 
     async def events(self) -> AsyncIterator[str]:
-        stream = self.submit()
+        """The answer's events, after ``submit``."""
+        stream = self.stream
         request = stream.request
         options = self.body.stream_options
         include_usage = options is not None and options.include_usage
@@ -221,6 +251,8 @@ class _Response:
                 if stream.error is not None:
                     yield _event(protocol.error_body(stream.error, status=stream.error_status))
                     break
+                if stream.client_gone:
+                    return  # nobody reads the rest
                 num_tokens = len(request.output_token_ids)
                 output_ids = request.output_token_ids[:num_tokens]
                 piece = self.text.delta(output_ids, finished=finished)
@@ -244,7 +276,7 @@ class _Response:
             yield "data: [DONE]\n\n"
             self._observe()
         finally:
-            # The client went away (the task is cancelled mid-stream): its blocks are freed now.
+            # The answer ended early (writing failed, the task was cancelled): its blocks are freed now.
             if not stream.finished:
                 self.state.engine_loop.abort(stream)
 

@@ -1,7 +1,7 @@
 """GET /metrics: the engine's counters and the server's latencies in Prometheus' text format.
 
 Each server has its own registry (two servers in one process, as in the tests, never share a
-counter). The cache counters are read from the engine when scraped, through the engine thread, so
+counter). The cache counters are read from the engine when scraped, between two steps, so
 they are exactly the counters `kvtool bench` writes in its summary; TTFT and end-to-end latency
 are histograms the handlers observe as requests finish (TTFT counted from when the server read
 the request, so it includes queueing).

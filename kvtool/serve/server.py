@@ -2,13 +2,12 @@
 
 uvicorn serves the app. On Ctrl-C or SIGTERM it stops accepting connections and lets running
 requests finish for ``drain_timeout_s`` seconds; then it closes the connections left, which aborts
-their requests, and the engine thread stops (the app's lifespan). A second Ctrl-C stops at once.
+their requests, and the engine task stops (the app's lifespan). A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
 
 import signal
-import sys
 from dataclasses import dataclass
 
 from kvtool.config import check
@@ -41,16 +40,9 @@ def uvicorn_server(app, config: ServeConfig):
                                          timeout_graceful_shutdown=config.drain_timeout_s, access_log=False))
 
 
-# Two threads share the GIL: the engine's, which steps, and the event loop's, which answers. A thread
-# waiting for the GIL gets it after at most this long (CPython's default is 5 ms, which a streamed token
-# or a new request would wait whenever the engine thread runs Python between its torch calls).
-SWITCH_INTERVAL_S = 0.0005
-
-
 def run_server(app, config: ServeConfig) -> None:
     """Serves until Ctrl-C or SIGTERM, then drains and returns."""
     server = uvicorn_server(app, config)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     # uvicorn raises the signal it caught again once it has shut down; by then there is nothing left to do.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
