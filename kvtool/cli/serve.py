@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -13,8 +16,22 @@ from kvtool.cli import app, engine_flags
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.options import flag
+from kvtool.config import ConfigError
 
 SERVER = "Server"
+_FLAG_OF_FIELD = {"drain_timeout_s": "drain_timeout"}  # ServeConfig fields named otherwise than their flags
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A ValueError naming the address when something already listens there."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        reason = os.strerror(error.errno).lower() if error.errno else str(error)
+        fix = ("stop what listens there, or choose another --port" if error.errno == errno.EADDRINUSE else
+               "give an address of this machine (127.0.0.1, 0.0.0.0) and a port you may open")
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({reason}): {fix}") from None
 
 
 @app.command(cls=KvtoolCommand)
@@ -56,7 +73,11 @@ def serve(
             raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
         config = BenchConfig.from_flags(flags)
         name = served_model_name or (Path(plan).name if plan is not None else str(model).removeprefix("preset:"))
-        serve_config = ServeConfig(host=host, port=port, served_model_name=name, drain_timeout_s=drain_timeout)
+        try:
+            serve_config = ServeConfig(host=host, port=port, served_model_name=name, drain_timeout_s=drain_timeout)
+        except ConfigError as error:
+            raise ValueError(f"--{_FLAG_OF_FIELD.get(error.field, error.field)} {error.problem}") from None
+        check_port_free(host, port)  # now, not after the model is loaded
         from kvtool.bench.runner import create_llm
         from kvtool.serve import create_app
         from kvtool.serve.server import run_server

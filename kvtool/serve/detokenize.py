@@ -36,9 +36,10 @@ class TextAssembler:
                 text = text.rstrip(REPLACEMENT_CHARACTER)
             if self._hold:
                 text = text[:max(len(self.sent), len(text) - self._hold)]
-        if not text.startswith(self.sent):
-            # A decode that changed earlier text (rare: a tokenizer's cleanup of spaces); send only what grew.
-            return text[len(self.sent):] if len(text) > len(self.sent) else ""
+        if len(text) <= len(self.sent):
+            return ""
+        # A decode may change earlier text (rarely: a tokenizer's cleanup of spaces); what was sent stays
+        # sent, and only what the text grew by follows.
         piece = text[len(self.sent):]
-        self.sent = text
+        self.sent += piece
         return piece
