@@ -158,3 +158,21 @@ def test_a_stop_string_ends_the_text_before_it(server, llm):
                                            "stop": stop}).json()["choices"][0]
     assert cut["finish_reason"] == "stop"
     assert cut["text"] == full[:full.find(stop)]
+
+
+def test_chat_uses_the_plans_chat_template(tmp_path_factory):
+    pytest.importorskip("gguf", reason="the GGUF fixture needs the optional extra kvtool[gguf]")
+    pytest.importorskip("accelerate", reason="the GGUF fixture needs the optional extra kvtool[gguf]")
+    from gguf_files import write_tiny_llama_gguf
+
+    from kvtool.plan import BuildOptions, build_plan
+
+    gguf = write_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "chat.gguf")
+    plan = build_plan(str(gguf.path), tmp_path_factory.mktemp("plan") / "chat", BuildOptions(tokens_per_block=8,
+                                                                                               max_seq_len=256))
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where is it?"}]
+    llm = tiny_llm(plan)
+    with running_server(llm, name="chat") as server:
+        answer = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "temperature": 0,
+                                                       "return_token_ids": True}).json()
+    assert answer["choices"][0]["prompt_token_ids"] == llm.tokenizer.apply_chat_template(messages)
