@@ -110,7 +110,8 @@ def list_models(options: EndpointOptions) -> list[dict[str, Any]]:
         raise KvtoolError(f"--endpoint {options.url}: cannot reach {url} ({error or type(error).__name__}): start the "
                           "server first (e.g. `kvtool serve --plan DIR --port 8000`) or fix the URL") from None
     if response.status_code != 200:
-        raise KvtoolError(f"--endpoint {options.url}: GET {url} answered {server_message(response.status_code, response.content)}"
+        answer = server_message(response.status_code, response.content)
+        raise KvtoolError(f"--endpoint {options.url}: GET {url} answered {answer}"
                           ": is this an OpenAI-compatible server?")
     data = response.json().get("data") if isinstance(response.json(), dict) else None
     if not data:
