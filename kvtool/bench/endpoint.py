@@ -113,10 +113,17 @@ def list_models(options: EndpointOptions) -> list[dict[str, Any]]:
         answer = server_message(response.status_code, response.content)
         raise KvtoolError(f"--endpoint {options.url}: GET {url} answered {answer}"
                           ": is this an OpenAI-compatible server?")
-    data = response.json().get("data") if isinstance(response.json(), dict) else None
+    try:
+        body = response.json()
+    except ValueError:
+        raise KvtoolError(f"--endpoint {options.url}: GET {url} did not answer JSON: is this an OpenAI-compatible "
+                          "server?") from None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not data and options.served_model is not None:
+        return [{"id": options.served_model}]  # a server that does not list its models: take the name given
     if not data:
         raise KvtoolError(f"--endpoint {options.url}: GET {url} lists no model: give --served_model NAME")
-    return data
+    return [m for m in data if isinstance(m, dict)]
 
 
 class EndpointEngine:
