@@ -5,6 +5,7 @@ same reuse, per request and in the summary; errors the server answers become err
 from __future__ import annotations
 
 import csv
+import time
 
 import pytest
 from serve_helpers import running_server, tiny_llm
@@ -14,9 +15,11 @@ from kvtool import KvCacheConfig
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.datasets import load_dataset, write_jsonl
 from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
-from kvtool.bench.replay import ReplayOptions
+from kvtool.bench.replay import ReplayOptions, poisson_due_times
 from kvtool.bench.runner import run_bench
 from kvtool.cli import app
+from kvtool.config import SamplingParams
+from kvtool.runtime.request import Request
 
 POOL = KvCacheConfig(max_tokens=1024)
 SYSTEM = list(range(300, 348))  # 3 blocks of 16 shared by every request of the first group
@@ -172,3 +175,32 @@ def test_token_ids_cannot_go_to_chat(tiny_llama_plan, shared_prefix_dataset, tmp
                         "--output", tmp_path / "o")
     assert result.exit_code == 2
     assert "which /v1/chat/completions cannot take: use --api completions" in " ".join(result.output.split())
+
+
+def test_poisson_arrivals_are_sent_when_due(tiny_llama_plan, tmp_path):
+    lines = [{"input_ids": [5 + i] * 20, "output_tokens": 2} for i in range(6)]
+    data = write_jsonl(tmp_path / "rate.jsonl", lines)
+    with running_server(tiny_llm(tiny_llama_plan, kv_cache_config=POOL)) as server:
+        result = invoke("bench", "--endpoint", server.url, "--dataset", data, "--request_rate", 20, "--seed", 3,
+                        "--output", tmp_path / "rate")
+    assert result.exit_code == 0, result.output
+    rows = sorted(read_rows(tmp_path / "rate" / "requests.csv"), key=lambda r: int(r["request_id"]))
+    due = poisson_due_times(6, 20.0, 3)
+    # Arrival is the due time of a seeded Poisson process (TTFT counts from it), as in-process.
+    assert [float(r["arrival_s"]) for r in rows] == pytest.approx(due, abs=1e-3)
+    assert all(not r["error"] and float(r["ttft_ms"]) > 0 for r in rows)
+
+
+def test_an_interrupted_replay_closes_its_streams_and_the_server_frees_their_blocks(tiny_llama_plan):
+    with running_server(tiny_llm(tiny_llama_plan, kv_cache_config=POOL)) as server:
+        llm = EndpointLLM(EndpointOptions(url=server.url), timed=False)
+        request = Request(list(range(1, 60)), SamplingParams(max_tokens=900, ignore_eos=True))
+        llm.engine.add_request(request)
+        deadline = time.monotonic() + 10
+        while not server.call(lambda engine: engine.scheduler.num_running_requests()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        llm.shutdown()  # what run_bench's caller does after Ctrl-C
+        server.wait_idle()
+        assert server.call(lambda engine: engine.get_stats()["primary_used_blocks"]) == 0
+        assert server.call(lambda engine: engine.scheduler.cache_manager.check_invariants()) == []

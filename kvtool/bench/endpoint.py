@@ -201,9 +201,18 @@ class EndpointEngine:
         self._baseline = self._counters()
 
     def shutdown(self) -> None:
-        self._on_loop(self._client.aclose())
+        """Closes every connection; requests still in flight (an interrupted run) are cancelled, which
+        the server sees as disconnects, so it frees their blocks."""
+        self._on_loop(self._close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
+
+    async def _close(self) -> None:
+        running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await self._client.aclose()
 
     # -- requests on the wire -------------------------------------------------------------------
     def _call(self, request: Request) -> _Call:
