@@ -3,7 +3,8 @@
 EndpointEngine is a BenchEngine (kvtool.bench.interface) whose requests run on a server: the
 Replayer hands it requests exactly as it hands them to kvtool's engine (sequential, concurrency,
 Poisson arrivals, session turns), and each is sent as a streamed completion. A client thread runs
-the HTTP streams (httpx on an asyncio loop); ``step`` returns the requests that finished meanwhile.
+the HTTP streams on an asyncio loop (kvtool.bench.http_stream); ``step`` returns the requests that
+finished meanwhile.
 
 What is measured, as `vllm bench serve` and genai-perf define it, on this machine's clock: TTFT from
 the request's arrival to the first streamed chunk that carries a token, each token's time when its
@@ -127,8 +128,9 @@ def list_models(options: EndpointOptions) -> list[dict[str, Any]]:
 
 
 class EndpointEngine:
-    """A BenchEngine over HTTP (see the module docstring). ``blocking_s``: how long ``step`` waits for a
-    finished request when no request can fall due meanwhile (untimed replays)."""
+    """A BenchEngine over HTTP (see the module docstring). ``timed``: requests fall due while others run
+    (Poisson arrivals, arrival times), so ``step`` returns every ``poll_s`` for the replay to issue them;
+    otherwise it waits for a request to finish."""
 
     def __init__(self, options: EndpointOptions, *, served_model: str, owned_by: str, timed: bool) -> None:
         self.options = options
@@ -335,7 +337,10 @@ class EndpointEngine:
     def _counters(self) -> dict[str, float]:
         if self.owned_by != "kvtool":
             return {}
-        response = httpx.get(f"{self.options.base_url.removesuffix('/v1')}/metrics", timeout=30.0)
+        try:
+            response = httpx.get(f"{self.options.base_url.removesuffix('/v1')}/metrics", timeout=30.0)
+        except httpx.HTTPError:
+            return {}  # the server went away: the summary has no cache counters, the rows are written
         values = {}
         for line in response.text.splitlines():
             match = re.match(r"^kvtool_(\w+?)(?:_total)? ([0-9.eE+-]+)$", line)

@@ -136,7 +136,7 @@ def _check_model(state: ServeState, model: str | None) -> None:
 async def _answer(state: ServeState, raw: HttpRequest, body, request, *, chat: bool) -> Response:
     problem = state.engine_loop.problem(request)  # the engine's own checks (e.g. larger than the KV pool)
     if problem is not None:
-        raise ApiError(problem, param="prompt")
+        raise ApiError(problem, param="messages" if chat else "prompt")
     if not state.engine_loop.alive:
         raise ApiError("the server is shutting down", status=503)
     response = _Response(state, body, request, chat=chat)
