@@ -195,8 +195,8 @@ class EndpointEngine:
         if not now:
             return {}
         stats: dict[str, int | float] = {name: int(now[name] - self._baseline.get(name, 0.0)) for name in now}
-        looked_up = stats["reused_blocks"] + stats["missed_blocks"]
-        stats["cache_hit_rate"] = stats["reused_blocks"] / looked_up if looked_up else 0.0
+        looked_up = stats.get("reused_blocks", 0) + stats.get("missed_blocks", 0)
+        stats["cache_hit_rate"] = stats.get("reused_blocks", 0) / looked_up if looked_up else 0.0
         return stats
 
     def reset_stats(self) -> None:
