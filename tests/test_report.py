@@ -22,7 +22,7 @@ from kvtool.runtime.request import Request
 
 EXPECTED_COLUMNS = ["label", "engine", "request_id", "session_id", "turn", "input_tokens", "output_tokens", "reused_tokens",
                     "onboarded_blocks", "arrival_s", "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "itl_ms",
-                    "e2e_ms", "error"]
+                    "e2e_ms", "error", "endpoint"]
 
 
 def metrics(request_id="r", times=(1.1, 1.2), arrival=1.0):

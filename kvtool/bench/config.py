@@ -83,10 +83,13 @@ class BenchConfig:
                   if getattr(self, name) is not None}
         return {**limits, "kv_cache_config": self.kv_cache_config, "scheduler_config": self.scheduler_config}
 
-    def as_row(self) -> dict[str, Any]:
-        """Every flag's value as its summary column (policies as the flags spell them)."""
+    def as_row(self, *, engine: bool = True) -> dict[str, Any]:
+        """Every flag's value as its summary column (policies as the flags spell them); ``engine=False``:
+        the replay's flags only (a server's engine is configured where it runs)."""
         row = {}
         for flag in FLAGS:
+            if not engine and flag.section != REPLAY:
+                continue
             owner = self if flag.section == LIMITS else getattr(self, flag.section)
             value = getattr(owner, flag.field)
             row[flag.column or flag.name] = value.name.lower() if isinstance(value, enum.Enum) else value
@@ -132,5 +135,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("num_requests", REPLAY, "num_requests", column="num_requests_limit"),
 )
 FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in FLAGS)
+# The flags that configure the engine (not how a dataset is replayed): what `kvtool serve` takes too.
+ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in FLAGS if flag.section != REPLAY)
 _FLAG_BY_NAME = MappingProxyType({flag.name: flag for flag in FLAGS})
 _FLAG_BY_FIELD = MappingProxyType({(_OWNERS[flag.section], flag.field): flag for flag in FLAGS})

@@ -38,8 +38,8 @@ class BenchPlan(Protocol):
 class BenchLLM(Protocol):
     engine: BenchEngine
     tokenizer: Tokenizer
-    plan: BenchPlan
-    pool_sizes: PoolSizes
+    plan: BenchPlan | None              # None: a server's, unknown here (kvtool.bench.endpoint)
+    pool_sizes: PoolSizes | None
     device_description: str  # '<device>: <what it is>'
 
     def shutdown(self) -> None: ...

@@ -41,6 +41,7 @@ class RequestMetrics:
     itl_ms: float | None
     e2e_ms: float | None
     error: str | None = None
+    endpoint: str | None = None  # the server's URL when replayed through `kvtool bench --endpoint`
     # Every gap between consecutive tokens (ms); kept in memory for the pooled ITL, not written to CSV.
     token_gaps_ms: tuple[float, ...] = ()
     # The generated token ids; kept in memory (bench/peers/ compares them across engines), not written to CSV.
@@ -56,7 +57,8 @@ CSV_COLUMNS = tuple(name for name in RequestMetrics.__dataclass_fields__
 ENGINE = "kvtool"
 
 
-def request_metrics(request: Request, *, label: str, bench_start: float) -> RequestMetrics:
+def request_metrics(request: Request, *, label: str, bench_start: float, engine: str = ENGINE,
+                    endpoint: str | None = None) -> RequestMetrics:
     """One request's row (see the module docstring)."""
 
     def since_start(t: float | None) -> float | None:
@@ -81,12 +83,12 @@ def request_metrics(request: Request, *, label: str, bench_start: float) -> Requ
         error = request.finish_reason
     line = request.line
     return RequestMetrics(
-        label=label, engine=ENGINE, request_id=request.name, session_id=None if line is None else line.session_id,
+        label=label, engine=engine, request_id=request.name, session_id=None if line is None else line.session_id,
         turn=None if line is None else line.turn, input_tokens=request.num_prompt_tokens, output_tokens=num_output,
         reused_tokens=request.num_reused_tokens, onboarded_blocks=request.num_onboarded_blocks,
         arrival_s=arrival - bench_start, first_token_s=since_start(request.first_token_time),
         finish_s=since_start(request.finish_time), ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
-        error=error, token_gaps_ms=gaps, output_token_ids=tuple(request.output_token_ids))
+        error=error, endpoint=endpoint, token_gaps_ms=gaps, output_token_ids=tuple(request.output_token_ids))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -130,7 +130,8 @@ def request_metrics_from_row(row: Mapping[str, str]) -> RequestMetrics:
         arrival_s=float(row["arrival_s"]), first_token_s=_optional_float(row.get("first_token_s")),
         finish_s=_optional_float(row.get("finish_s")), ttft_ms=_optional_float(row.get("ttft_ms")),
         tpot_ms=_optional_float(row.get("tpot_ms")), itl_ms=_optional_float(row.get("itl_ms")),
-        e2e_ms=_optional_float(row.get("e2e_ms")), error=row.get("error") or None)
+        e2e_ms=_optional_float(row.get("e2e_ms")), error=row.get("error") or None,
+        endpoint=row.get("endpoint") or None)
 
 
 def rows_by_label(rows: Iterable[Mapping[str, str]]) -> dict[str, list[Mapping[str, str]]]:

@@ -91,7 +91,8 @@ def _advance(progress: Progress, task) -> None:
 def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: str, requests_csv: Path,
               config_columns: Mapping[str, object] | None = None, console: Console | None = None,
               clock: Callable[[], float] = time.perf_counter,
-              sleep: Callable[[float], None] = time.sleep) -> BenchResult:
+              sleep: Callable[[float], None] = time.sleep, engine_name: str = ENGINE,
+              endpoint: str | None = None) -> BenchResult:
     """Replays the dataset (warm-up first), appending a row to requests_csv as each request finishes.
 
     Every request is checked first (kvtool.bench.precheck: a DatasetError lists those that cannot
@@ -99,6 +100,9 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
     KeyboardInterrupt, or an error that stops the engine, ends the replay early: the result holds
     what finished, interrupted=True and the error (``failure``, for the caller to raise once the
     summary is written).
+
+    ``engine_name`` and ``endpoint`` name what served the requests in every row (an endpoint's LLM,
+    kvtool.bench.endpoint, has no plan or pools of its own to report).
     """
     console = console or Console(stderr=True)
     engine = llm.engine
@@ -109,8 +113,9 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
                          f"is {replay.warmup}; lower --warmup or use a bigger dataset")
     check_requests(warmup + measured, engine, source=str(dataset.path))
     pool_sizes = llm.pool_sizes
-    for line in (pool_sizes.describe(llm.device_description.split(":")[0]), *pool_sizes.notes):
-        console.print(line, highlight=False, soft_wrap=True)
+    if pool_sizes is not None:
+        for line in (pool_sizes.describe(llm.device_description.split(":")[0]), *pool_sizes.notes):
+            console.print(line, highlight=False, soft_wrap=True)
 
     replayer = Replayer(engine, replay, clock=clock, sleep=sleep)
     finished: list[RequestMetrics] = []
@@ -126,7 +131,8 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
             task = progress.add_task(label, total=len(measured))
 
             def on_finish(request: Request, bench_start: float) -> None:
-                metrics = request_metrics(request, label=label, bench_start=bench_start)
+                metrics = request_metrics(request, label=label, bench_start=bench_start, engine=engine_name,
+                                          endpoint=endpoint)
                 writer.write(metrics)
                 finished.append(metrics)
                 _advance(progress, task)
@@ -137,13 +143,18 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
         except Exception as error:  # noqa: BLE001 - the summary of what finished is written, then it is raised
             interrupted, failure = True, error
 
-    row = {"label": label, "engine": ENGINE, "interrupted": interrupted, "run_error": None if failure is None else str(failure),
+    row = {"label": label, "engine": engine_name, "endpoint": endpoint, "interrupted": interrupted,
+           "run_error": None if failure is None else str(failure),
            "started_at": started_at, "dataset": str(dataset.path), "dataset_sha256": dataset.sha256,
            "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
-           **plan_columns(llm.plan), **(config_columns or {}), **config.as_row(), "replay": replay.describe()}
+           **(plan_columns(llm.plan) if llm.plan is not None else {}), **(config_columns or {}),
+           **config.as_row(engine=llm.plan is not None),
+           "replay": replay.describe()}
     # The block size in effect: the flag, else the plan's (the LLM refuses a flag that contradicts the plan).
-    row["tokens_per_block"] = config.kv_cache_config.tokens_per_block or row.get("plan_tokens_per_block")
-    row.update(pool_sizes.as_row())
+    if llm.plan is not None:
+        row["tokens_per_block"] = config.kv_cache_config.tokens_per_block or row.get("plan_tokens_per_block")
+    if pool_sizes is not None:
+        row.update(pool_sizes.as_row())
     row.update(summarize(finished).as_row())
     row.update(engine.get_stats())
     row.update(device_columns(llm.device_description))

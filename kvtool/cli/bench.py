@@ -10,13 +10,14 @@ from rich.console import Console
 
 from kvtool.bench import runner, sweep
 from kvtool.bench.datasets import load_dataset
-from kvtool.bench.config import FLAG_NAMES, BenchConfig
+from kvtool.bench.config import ENGINE_FLAG_NAMES, BenchConfig
 from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import either, flag, toggle
+from kvtool.cli import engine_flags
+from kvtool.cli.options import flag, toggle
 from kvtool.cli.paths import check_writable_dir, check_writable_file
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -28,49 +29,36 @@ def _default_label(plan: Path | None, model: str | None) -> str:
     return str(model).removeprefix("preset:")
 
 
-MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT = "Model and plan", "KV cache", "Scheduler", "Workload", "Output"
+ENDPOINT, WORKLOAD, OUTPUT = "Endpoint", "Workload", "Output"
 
 
 @app.command(cls=KvtoolCommand)
 def bench(
     ctx: typer.Context,
-    plan: Annotated[Path | None, flag("plan", "A plan directory built by `kvtool build`.", MODEL)] = None,
-    model: Annotated[str | None, flag("model", "preset:NAME, a Hugging Face checkpoint directory, a .gguf "
-                                      "file or gguf:NAME, built on the fly (with --config: replaces the "
-                                      "scenario's model).", MODEL)] = None,
-    tokens_per_block: Annotated[int | None, flag("tokens_per_block", "Block size: a build option for --model "
-                                                 "(one plan per value), checked against --plan.", MODEL)] = None,
-    plan_cache_dir: Annotated[Path | None, flag("plan_cache_dir", "Where plans built on the fly go (default "
-                                                "$KVTOOL_CACHE_DIR or ~/.cache/kvtool/plans; see `kvtool plans`).",
-                                                MODEL)] = None,
-    enable_kv_cache_reuse: Annotated[bool | None, toggle("enable_kv_cache_reuse", "Reuse cached KV blocks of "
-                                                         "shared prefixes (the default).", KV_CACHE)] = None,
-    disable_kv_cache_reuse: Annotated[bool | None, toggle("disable_kv_cache_reuse", "Compute every prompt in full.",
-                                                          KV_CACHE)] = None,
-    max_tokens_in_paged_kv_cache: Annotated[int | None, flag(
-        "max_tokens_in_paged_kv_cache", "Primary pool size in tokens (the smaller of this and the memory "
-        "fraction's budget).", KV_CACHE)] = None,
-    kv_cache_free_gpu_mem_fraction: Annotated[float | None, flag(
-        "kv_cache_free_gpu_mem_fraction", "Fraction of the free memory (a CPU: available host memory) for the "
-        "primary pool (default 0.9; a CPU pool without max_tokens: 256 MiB at most).", KV_CACHE)] = None,
-    kv_host_cache_bytes: Annotated[str | None, flag("kv_host_cache_bytes", "Host memory for offloaded blocks: bytes "
-                                                    "or 512MB / 1GiB (default 0: no offloading).", KV_CACHE)] = None,
-    max_attention_window_size: Annotated[int | None, flag("max_attention_window_size",
-                                                          "Sliding attention window (tokens).", KV_CACHE)] = None,
-    scheduler_policy: Annotated[str | None, flag("scheduler_policy", "guaranteed_no_evict (default) | "
-                                                 "max_utilization | static_batch.", SCHEDULER)] = None,
-    enable_chunked_context: Annotated[bool | None, toggle("enable_chunked_context", "Split long contexts into "
-                                                          "chunks.", SCHEDULER)] = None,
-    disable_chunked_context: Annotated[bool | None, toggle("disable_chunked_context", "Each context in one step "
-                                                           "(the default).", SCHEDULER)] = None,
-    context_chunking_policy: Annotated[str | None, flag("context_chunking_policy", "first_come_first_served "
-                                                        "(default) | equal_progress.", SCHEDULER)] = None,
-    max_batch_size: Annotated[int | None, flag("max_batch_size", "Requests per step (default: the plan's).",
-                                               SCHEDULER)] = None,
-    max_num_tokens: Annotated[int | None, flag("max_num_tokens", "Tokens per step (default: the plan's).",
-                                               SCHEDULER)] = None,
-    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output (default: the plan's).",
-                                            SCHEDULER)] = None,
+    plan: engine_flags.Plan = None,
+    model: engine_flags.Model = None,
+    tokens_per_block: engine_flags.TokensPerBlock = None,
+    plan_cache_dir: engine_flags.PlanCacheDir = None,
+    enable_kv_cache_reuse: engine_flags.EnableKvCacheReuse = None,
+    disable_kv_cache_reuse: engine_flags.DisableKvCacheReuse = None,
+    max_tokens_in_paged_kv_cache: engine_flags.MaxTokensInPagedKvCache = None,
+    kv_cache_free_gpu_mem_fraction: engine_flags.KvCacheFreeGpuMemFraction = None,
+    kv_host_cache_bytes: engine_flags.KvHostCacheBytes = None,
+    max_attention_window_size: engine_flags.MaxAttentionWindowSize = None,
+    scheduler_policy: engine_flags.SchedulerPolicy = None,
+    enable_chunked_context: engine_flags.EnableChunkedContext = None,
+    disable_chunked_context: engine_flags.DisableChunkedContext = None,
+    context_chunking_policy: engine_flags.ContextChunkingPolicy = None,
+    max_batch_size: engine_flags.MaxBatchSize = None,
+    max_num_tokens: engine_flags.MaxNumTokens = None,
+    max_seq_len: engine_flags.MaxSeqLen = None,
+    endpoint: Annotated[str | None, flag("endpoint", "Replay against this OpenAI-compatible server instead "
+                                         "(http://HOST:PORT: kvtool serve, trtllm-serve, vLLM, SGLang).",
+                                         ENDPOINT)] = None,
+    api: Annotated[str, flag("api", "completions | chat: the route an --endpoint bench sends to.",
+                             ENDPOINT)] = "completions",
+    served_model: Annotated[str | None, flag("served_model", "The model name sent to --endpoint (default: the "
+                                             "first the server lists).", ENDPOINT)] = None,
     dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD)] = None,
     config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.",
                                         WORKLOAD)] = None,
@@ -95,18 +83,16 @@ def bench(
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
     # The parameters named as bench flags are the flags (kvtool.bench.config.FLAGS maps them).
-    given = {name: ctx.params[name] for name in FLAG_NAMES}
     console = Console(stderr=True)
     try:
         with user_errors():
-            given["enable_kv_cache_reuse"] = either(enable_kv_cache_reuse, disable_kv_cache_reuse,
-                                                    "enable_kv_cache_reuse", "disable_kv_cache_reuse")
-            given["enable_chunked_context"] = either(enable_chunked_context, disable_chunked_context,
-                                                     "enable_chunked_context", "disable_chunked_context")
-            flags = {name: value for name, value in given.items() if value is not None}
+            flags = engine_flags.engine_flag_values(ctx.params)
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
-            if config is not None:
+            if endpoint is not None:
+                rows, interrupted, written, failure = _run_endpoint(
+                    endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console)
+            elif config is not None:
                 if label is not None:
                     raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
                 rows, interrupted, written, failure = _run_scenario(config, set_ or [], plan, model, dataset,
@@ -152,6 +138,37 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
         result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
                                   requests_csv=requests_csv, console=console,
                                   config_columns={"model": str(plan if plan is not None else model)})
+    finally:
+        llm.shutdown()
+    write_summary_csv(summary_csv, [result.row])
+    return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
+
+
+def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console):
+    from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
+
+    if plan is not None or model is not None or config is not None:
+        raise ValueError("--endpoint replays against a running server: leave out --plan, --model and --config "
+                         "(the server serves its own model)")
+    engine_flags_given = [name for name in flags if name in ENGINE_FLAG_NAMES]
+    if engine_flags_given:
+        raise ValueError(f"--{engine_flags_given[0]} configures kvtool's engine, but with --endpoint the server's own "
+                         "configuration applies: give it to the server (e.g. kvtool serve) instead")
+    if dataset is None:
+        raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) to replay against --endpoint")
+    bench_config = BenchConfig.from_flags(flags)
+    options = EndpointOptions(url=endpoint, api=api, served_model=served_model)
+    _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
+    data = load_dataset(dataset)
+    summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
+    # Timed arrivals need the replay to wake while requests run; otherwise it waits for the server.
+    timed = bench_config.replay.request_rate is not None or any(r.arrival_time_s is not None for r in data.records)
+    llm = EndpointLLM(options, timed=timed)
+    try:
+        result = runner.run_bench(llm, data, bench_config, label=label or f"{llm.served_model}@endpoint",
+                                  requests_csv=requests_csv, console=console, engine_name=llm.engine_name,
+                                  endpoint=options.base_url,
+                                  config_columns={"model": llm.served_model, "api": api})
     finally:
         llm.shutdown()
     write_summary_csv(summary_csv, [result.row])

@@ -1,0 +1,13 @@
+"""kvtool serve: an OpenAI-compatible HTTP server over kvtool's engine (routes in app.py, the engine
+task in engine_loop.py, request and answer bodies in protocol.py, /metrics in metrics.py)."""
+
+from kvtool.serve.server import ServeConfig
+
+__all__ = ["ServeConfig", "create_app"]
+
+
+def create_app(llm, *, served_model_name: str):
+    """The FastAPI app serving ``llm`` (imported here on use: FastAPI loads only when serving)."""
+    from kvtool.serve.app import create_app as create
+
+    return create(llm, served_model_name=served_model_name)
