@@ -34,7 +34,7 @@ $(VENV)/.installed: $(VENV)/bin/python $(CORE_SOURCES)
 test: setup
 	$(VENV)/bin/pytest -q -x --durations=10
 
-demo: setup
+demo: smollm2
 	bash examples/demo.sh
 
 # Regenerate the committed type stubs of the C++ extension.
