@@ -159,3 +159,13 @@ def test_half_precision_chunks_after_a_cached_prefix(num_cached, dtype):
                                 HEAD_DIM ** -0.5, None)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("cases", [[SeqCase(29, 1)], [SeqCase(0, 13), SeqCase(29, 1)], [SeqCase(31, 1)]],
+                         ids=["alone", "beside-a-chunk", "block-boundary"])
+@pytest.mark.parametrize("tokens_per_block", [4, 16])
+def test_a_lone_decode_token_attends_exactly_its_keys(cases, tokens_per_block):
+    # The pool is NaN past each sequence's end: a lone decode token gathers only its own keys.
+    out, reference, _, _ = run_case(cases, num_heads=4, num_kv_heads=2, tokens_per_block=tokens_per_block,
+                                    window=None, release_outside_window=False, seed=len(cases))
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)

@@ -135,6 +135,11 @@ def _attend_context(ctx: _ContextLayout, query: torch.Tensor, key: torch.Tensor,
         out = F.scaled_dot_product_attention(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=ctx.mask,
                                              scale=scale, enable_gqa=enable_gqa)
         return out[0].transpose(0, 1)
+    if ctx.query_len == 1:  # a lone decode token sees every gathered key: no mask, no padding
+        kv = _gather_keys(ctx, kv_cache, query.dtype)
+        out = F.scaled_dot_product_attention(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), scale=scale,
+                                             enable_gqa=enable_gqa)
+        return out[0].transpose(0, 1)
     if ctx.num_cached == 0:
         # The chunk's own keys, rounded as the cache stores them, need no gather.
         k, v = (x.to(kv_cache.dtype).to(query.dtype).transpose(0, 1).unsqueeze(0) for x in (key, value))
@@ -185,8 +190,12 @@ def build_step_layout(meta: AttentionMetadata, sliding_window: int | None, devic
     block_tables = meta.block_tables.tolist()
     contexts: list[_ContextLayout] = []
     decode_seqs: list[int] = []
+    num_decode = sum(1 for i, q in enumerate(query_lens) if q == 1 and i >= meta.num_context_seqs)
     for i, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        if query_len == 1 and i >= meta.num_context_seqs:
+        windowed = sliding_window is not None and sliding_window < seq_len  # else the window hides nothing
+        # A lone decode token attends exactly its keys, like a chunk: the padded decode batch would
+        # mask and zero the slots past its end (on SmolLM2 a tenth of a decode step).
+        if query_len == 1 and i >= meta.num_context_seqs and (num_decode > 1 or windowed):
             decode_seqs.append(i)
             continue
         first_block = first_visible_position(seq_len, query_len, sliding_window) // T
@@ -196,9 +205,7 @@ def build_step_layout(meta: AttentionMetadata, sliding_window: int | None, devic
         first_position = first_block * T
         num_hidden_keys = first_visible_position(seq_len, query_len, sliding_window) - first_position
         mask = None
-        # A window hides keys only when it is shorter than the sequence.
-        windowed = sliding_window is not None and sliding_window < seq_len
-        if windowed or seq_len - query_len > _PAD_PREFIX_FRACTION * query_len:
+        if windowed or (query_len > 1 and seq_len - query_len > _PAD_PREFIX_FRACTION * query_len):
             query_positions = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
             key_positions = torch.arange(first_position, seq_len).unsqueeze(0)
             mask = _visible(query_positions, key_positions, sliding_window).to(device)
