@@ -203,7 +203,8 @@ def test_the_demo_scenarios_load_with_the_plan_and_dataset_the_demo_gives(tmp_pa
     assert len(demos) == 2
     for path in demos:
         scenario = load_scenario(path, plan=tmp_path / "plan", dataset=dataset)
-        assert scenario.repeat == 5 and len(scenario.variants) == 2, path
+        # 4 runs per variant is the fewest for which compare's Mann-Whitney test can give a verdict.
+        assert scenario.repeat >= 4 and len(scenario.variants) == 2, path
         assert all(v.plan == tmp_path / "plan" and v.dataset.path == dataset for v in scenario.variants), path
         assert all(v.config.replay.warmup == 2 for v in scenario.variants) and scenario.warmup_rounds == 1, path
 
