@@ -43,7 +43,7 @@ class _ContextLayout:
     first_position: int        # position of the first token of block_ids[0]
     num_hidden_keys: int       # leading keys of block_ids[0] before the window: never attended
     seq_len: int
-    mask: torch.Tensor | None  # [query_len, num_keys] bool; only under a sliding window
+    mask: torch.Tensor | None  # [query_len, num_keys] bool; for a window or a long cached prefix
 
     @property
     def num_cached(self) -> int:
@@ -68,7 +68,7 @@ class _StepLayout:
 
 class TorchPagedAttention:
     """Paged attention in plain torch (CPU or GPU): gathers each sequence's visible blocks with
-    ``index_select`` and runs torch's fused attention; decode tokens run as one batch.
+    ``index_select`` and runs torch's fused attention; several decode tokens run as one batch.
 
     A long chunk avoids the masked kernel, which computes every score where the causal one skips
     half (a 1,000-token prompt after a 17-token partial block took 1.3x the time of the same
@@ -130,15 +130,10 @@ def _attend_context(ctx: _ContextLayout, query: torch.Tensor, key: torch.Tensor,
     """query [q, H, D] and the chunk's own key/value [q, Hkv, D] -> [q, H, D]."""
     enable_gqa = query.shape[1] != kv_cache.shape[3]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]; 3-D inputs fall back to the slow math kernel
-    if ctx.mask is not None:
+    if ctx.mask is not None or ctx.query_len == 1:  # one token sees every gathered key: no mask needed
         kv = _gather_keys(ctx, kv_cache, query.dtype)  # [2, Hkv, keys, D]
         out = F.scaled_dot_product_attention(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=ctx.mask,
                                              scale=scale, enable_gqa=enable_gqa)
-        return out[0].transpose(0, 1)
-    if ctx.query_len == 1:  # a lone decode token sees every gathered key: no mask, no padding
-        kv = _gather_keys(ctx, kv_cache, query.dtype)
-        out = F.scaled_dot_product_attention(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), scale=scale,
-                                             enable_gqa=enable_gqa)
         return out[0].transpose(0, 1)
     if ctx.num_cached == 0:
         # The chunk's own keys, rounded as the cache stores them, need no gather.
@@ -217,7 +212,7 @@ def build_step_layout(meta: AttentionMetadata, sliding_window: int | None, devic
 
 
 def _decode_layout(seqs: list[int], starts: list[int], seq_lens: list[int], block_tables: list[list[int]], T: int,
-                 sliding_window: int | None, device: torch.device) -> _DecodeLayout:
+                   sliding_window: int | None, device: torch.device) -> _DecodeLayout:
     rows, block_rows, first_positions = [], [], []
     for i in seqs:
         first_block = first_visible_position(seq_lens[i], 1, sliding_window) // T
