@@ -39,14 +39,14 @@ from kvtool.config import check
 from kvtool.errors import KvtoolError
 from kvtool.models.tokenizer import ByteLevelTokenizer
 from kvtool.runtime.request import Request
+from kvtool.serve.metrics import COUNTERS
 
 API_KINDS = ("completions", "chat")
 # /v1/models' owned_by of servers that accept return_token_ids (and kvtool's priority / cache counters).
 RETURNS_TOKEN_IDS = ("kvtool", "vllm")
 UNKNOWN_ID = -1  # a token the server counted (usage) but did not send the id of
 # /metrics counters of kvtool serve -> the summary's cache columns.
-KVTOOL_COUNTERS = ("reused_blocks", "missed_blocks", "early_reused_blocks", "partial_reused_blocks",
-                   "offloaded_blocks", "onboarded_blocks", "evicted_blocks", "offloaded_bytes", "onboarded_bytes")
+KVTOOL_COUNTERS = frozenset(key for key, _ in COUNTERS)
 
 
 @dataclass(frozen=True)

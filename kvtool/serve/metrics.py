@@ -10,36 +10,38 @@ the request, so it includes queueing).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtool.serve.engine_loop import EngineCounts
+if TYPE_CHECKING:  # the engine (and torch) stay out of `bench --endpoint`, which reads COUNTERS
+    from kvtool.serve.engine_loop import EngineCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "kvtool"
 # Seconds: from a fully cached prompt on a GPU to long prompts on a busy CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-# engine.get_stats() key -> (Prometheus name, help). Counters only grow while the server runs.
+# (engine.get_stats() key, help); the metric is kvtool_<key>. Counters only grow while the server runs.
 COUNTERS = (
-    ("reused_blocks", "reused_blocks", "Full prompt blocks found in the cache"),
-    ("missed_blocks", "missed_blocks", "Full prompt blocks computed"),
-    ("early_reused_blocks", "early_reused_blocks", "Blocks reused while the request computing them still ran"),
-    ("partial_reused_blocks", "partial_reused_blocks", "Blocks whose first tokens were copied from a cached block"),
-    ("offloaded_blocks", "offloaded_blocks", "Blocks moved from the primary pool to host memory"),
-    ("onboarded_blocks", "onboarded_blocks", "Blocks moved from host memory back to the primary pool"),
-    ("evicted_blocks", "evicted_blocks", "Cached blocks evicted"),
-    ("offloaded_bytes", "offloaded_bytes", "KV bytes offloaded to host memory"),
-    ("onboarded_bytes", "onboarded_bytes", "KV bytes onboarded from host memory"),
+    ("reused_blocks", "Full prompt blocks found in the cache"),
+    ("missed_blocks", "Full prompt blocks computed"),
+    ("early_reused_blocks", "Blocks reused while the request computing them still ran"),
+    ("partial_reused_blocks", "Blocks whose first tokens were copied from a cached block"),
+    ("offloaded_blocks", "Blocks moved from the primary pool to host memory"),
+    ("onboarded_blocks", "Blocks moved from host memory back to the primary pool"),
+    ("evicted_blocks", "Cached blocks evicted"),
+    ("offloaded_bytes", "KV bytes offloaded to host memory"),
+    ("onboarded_bytes", "KV bytes onboarded from host memory"),
 )
 GAUGES = (
-    ("primary_blocks", "primary_blocks", "Blocks of the primary pool"),
-    ("primary_free_blocks", "primary_free_blocks", "Primary blocks holding nothing"),
-    ("primary_cached_blocks", "primary_cached_blocks", "Primary blocks holding reusable KV"),
-    ("primary_used_blocks", "primary_used_blocks", "Primary blocks held by running requests"),
-    ("secondary_blocks", "secondary_blocks", "Blocks of the host pool"),
-    ("secondary_cached_blocks", "secondary_cached_blocks", "Host blocks holding offloaded KV"),
+    ("primary_blocks", "Blocks of the primary pool"),
+    ("primary_free_blocks", "Primary blocks holding nothing"),
+    ("primary_cached_blocks", "Primary blocks holding reusable KV"),
+    ("primary_used_blocks", "Primary blocks held by running requests"),
+    ("secondary_blocks", "Blocks of the host pool"),
+    ("secondary_cached_blocks", "Host blocks holding offloaded KV"),
 )
 
 
@@ -54,12 +56,12 @@ class _EngineCollector:
         if counts is None:
             return
         stats = counts.stats
-        for key, name, text in COUNTERS:
-            yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=stats[key])
+        for key, text in COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{key}", text, value=stats[key])
         yield GaugeMetricFamily(f"{PREFIX}_cache_hit_rate", "Reused / (reused + missed) full prompt blocks",
                                 value=stats["cache_hit_rate"])
-        for key, name, text in GAUGES:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=stats[key])
+        for key, text in GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{key}", text, value=stats[key])
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_running", "Requests the scheduler runs",
                                 value=counts.num_running_requests)
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_waiting", "Requests queued in the scheduler",
