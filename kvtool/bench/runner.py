@@ -37,13 +37,11 @@ class BenchResult:
     failure: Exception | None = None  # what stopped the run early (the summary covers what finished)
 
 
-def create_llm(model: str, config: BenchConfig, dataset: Dataset | None = None, *,
-               cache_dir: Path | None = None):
-    """kvtool.LLM for a plan directory (used as built), or a checkpoint/preset (built on the fly into
-    cache_dir with the block size and limits the flags ask for), configured from the bench flags.
-    With the dataset, a host cache larger than the available memory is accepted when the dataset
-    cannot fill more than that (kvtool.bench.workload)."""
-    from kvtool import LLM  # torch and the C++ extension load only when a bench really runs
+def bench_plan(model: str, config: BenchConfig, dataset: Dataset | None = None, *, cache_dir: Path | None = None):
+    """(plan, num_workload_blocks) of a run: a plan directory as built, or a checkpoint/preset built on
+    the fly into cache_dir with the block size and limits the flags ask for; with the dataset and a
+    host cache, the most KV blocks the dataset can create (kvtool.bench.workload), so that a host cache
+    larger than the available memory is accepted when the dataset cannot fill more than that."""
     from kvtool.llm import on_the_fly_build_options
     from kvtool.plan import is_built_plan, resolve_model
 
@@ -56,6 +54,15 @@ def create_llm(model: str, config: BenchConfig, dataset: Dataset | None = None, 
     if dataset is not None and config.kv_cache_config.host_cache_size:
         warmup, measured = config.replay.split(bench_requests(dataset, tokenizer=plan.tokenizer))
         num_workload_blocks = max_num_blocks(warmup + measured, plan.build_options.tokens_per_block)
+    return plan, num_workload_blocks
+
+
+def create_llm(model: str, config: BenchConfig, dataset: Dataset | None = None, *,
+               cache_dir: Path | None = None):
+    """kvtool.LLM for a plan (see bench_plan), configured from the bench flags."""
+    from kvtool import LLM  # torch and the C++ extension load only when a bench really runs
+
+    plan, num_workload_blocks = bench_plan(model, config, dataset, cache_dir=cache_dir)
     return LLM(model=plan, num_workload_blocks=num_workload_blocks, **config.llm_kwargs())
 
 
@@ -75,17 +82,35 @@ def plan_columns(plan: BenchPlan) -> dict:
     return columns
 
 
-def _progress(console: Console) -> Progress:
-    # Redrawn only when a request finishes: an auto-refresh thread would compete with the model for
-    # the CPU (and the GIL) and show up in the latencies being measured.
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False,
-                    auto_refresh=False)
+class _ProgressBar:
+    """Requests done per task. Redrawn when a request finishes, at most 10 times a second: an
+    auto-refresh thread would compete with the model for the CPU (and the GIL) and show up in the
+    latencies being measured, and a simulation finishes thousands of requests a second (a redraw
+    costs about 0.2 ms)."""
 
+    def __init__(self, console: Console) -> None:
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False,
+                                 auto_refresh=False)
+        self._last_refresh = 0.0
 
-def _advance(progress: Progress, task) -> None:
-    progress.advance(task)
-    progress.refresh()
+    def __enter__(self) -> _ProgressBar:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.refresh()
+        self.progress.__exit__(*exc)
+
+    def add_task(self, description: str, total: int):
+        return self.progress.add_task(description, total=total)
+
+    def advance(self, task) -> None:
+        self.progress.advance(task)
+        now = time.monotonic()
+        if now - self._last_refresh >= 0.1:
+            self._last_refresh = now
+            self.progress.refresh()
 
 
 def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: str, requests_csv: Path,
@@ -105,6 +130,9 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
     kvtool.bench.endpoint, has no plan or pools of its own to report).
     """
     console = console or Console(stderr=True)
+    simulation = getattr(llm, "clock", None)  # kvtool.simulate.SimulatedLLM: the run is timed on its clock
+    if simulation is not None:
+        clock, sleep, engine_name = simulation.now, simulation.sleep, llm.engine_name
     engine = llm.engine
     replay = config.replay
     warmup, measured = replay.split(bench_requests(dataset, tokenizer=llm.tokenizer))
@@ -121,21 +149,21 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
     finished: list[RequestMetrics] = []
     interrupted, failure = False, None
     started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    with RequestCsvWriter(requests_csv) as writer, _progress(console) as progress:
+    with RequestCsvWriter(requests_csv) as writer, _ProgressBar(console) as progress:
         try:
             if warmup:
-                task = progress.add_task(f"{label} warm-up", total=len(warmup))
-                replayer.run(warmup, lambda request, start: _advance(progress, task), timed=False)
+                task = progress.add_task(f"{label} warm-up", len(warmup))
+                replayer.run(warmup, lambda request, start: progress.advance(task), timed=False)
                 if not replay.warmup_counts_in_stats:
                     engine.reset_stats()
-            task = progress.add_task(label, total=len(measured))
+            task = progress.add_task(label, len(measured))
 
             def on_finish(request: Request, bench_start: float) -> None:
                 metrics = request_metrics(request, label=label, bench_start=bench_start, engine=engine_name,
                                           endpoint=endpoint)
                 writer.write(metrics)
                 finished.append(metrics)
-                _advance(progress, task)
+                progress.advance(task)
 
             replayer.run(measured, on_finish)
         except KeyboardInterrupt:
@@ -149,7 +177,7 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
            "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
            **(plan_columns(llm.plan) if llm.plan is not None else {}), **(config_columns or {}),
            **config.as_row(engine=llm.plan is not None),
-           "replay": replay.describe()}
+           "replay": replay.describe(), **(llm.report_columns if simulation is not None else {})}
     # The block size in effect: the flag, else the plan's (the LLM refuses a flag that contradicts the plan).
     if llm.plan is not None:
         row["tokens_per_block"] = config.kv_cache_config.tokens_per_block or row.get("plan_tokens_per_block")

@@ -190,8 +190,10 @@ def _bake_into_build(flags: dict, build: dict) -> None:
 
 
 def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | None = None, plan: str | Path | None = None,
-                  dataset: str | Path | None = None, bench_overrides: Mapping[str, object] | None = None) -> Scenario:
+                  dataset: str | Path | None = None, bench_overrides: Mapping[str, object] | None = None,
+                  sweep: Sequence[Mapping] | None = None) -> Scenario:
     """Reads, overrides and validates a scenario; every variant's flags are checked before anything runs.
+    ``sweep`` replaces the file's variants (`kvtool simulate --sweep`).
 
     ``model``/``plan``/``dataset``/``bench_overrides`` come from `kvtool bench` flags given beside
     --config: they replace the scenario's values in every variant (the command line wins over a
@@ -207,6 +209,39 @@ def load_scenario(path: str | Path, *, sets: Sequence[str] = (), model: str | No
     except UnicodeDecodeError as error:
         raise ScenarioError(f"scenario {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): "
                             "give a YAML file such as bench_configs/system_prompt.yaml") from None
+    if sweep is not None and isinstance(document, dict):
+        document["sweep"] = [dict(variant) for variant in sweep]
+    return scenario_from_document(document, path, sets=sets, model=model, plan=plan, dataset=dataset,
+                                  bench_overrides=bench_overrides)
+
+
+def sweep_variants(assignments: Sequence[str]) -> list[dict]:
+    """--sweep NAME=V1,V2,... (repeatable): one variant per value (each read as YAML), labelled
+    NAME=VALUE; several --sweep flags give every combination."""
+    variants = [{}]
+    for assignment in assignments:
+        variants = [{**variant, **value, "label": ",".join(filter(None, (variant.get("label"), value["label"])))}
+                    for variant in variants for value in _sweep_values(assignment)]
+    return variants
+
+
+def _sweep_values(assignment: str) -> list[dict]:
+    name, _, values = assignment.partition("=")
+    name = name.strip()
+    if not name or not values.strip():
+        raise ScenarioError(f"--sweep {assignment!r} is not NAME=V1,V2,... (e.g. --sweep kv_host_cache_bytes=0,1GiB,4GiB)")
+    if name not in FLAG_NAMES:
+        raise ScenarioError(f"--sweep {assignment!r}: {name!r} is not a bench flag; sweepable flags: "
+                            + ", ".join(FLAG_NAMES))
+    parts = [part.strip() for part in values.split(",") if part.strip()]
+    return [{"label": f"{name}={part}", name: yaml.safe_load(part)} for part in parts]
+
+
+def scenario_from_document(document, path: Path, *, sets: Sequence[str] = (), model: str | None = None,
+                           plan: str | Path | None = None, dataset: str | Path | None = None,
+                           bench_overrides: Mapping[str, object] | None = None) -> Scenario:
+    """A scenario from its raw document (a scenario file's YAML, or one made from command-line flags);
+    ``path`` names it in errors. See load_scenario."""
     check = _Checker(path)
     document = copy.deepcopy(check.keys(document, "top level", TOP_LEVEL_KEYS))
     for assignment in sets:

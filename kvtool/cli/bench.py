@@ -124,7 +124,7 @@ def bench(
         raise typer.Exit(EXIT_INTERRUPTED)
 
 
-def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, console):
+def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, console, llm_factory=None):
     if dataset is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
     if plan is None and model is None:
@@ -133,7 +133,8 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
     _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
     data = load_dataset(dataset)
     summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
-    llm = runner.create_llm(str(plan if plan is not None else model), config, data, cache_dir=plan_cache_dir)
+    llm_factory = llm_factory or runner.create_llm  # looked up now: tests swap it
+    llm = llm_factory(str(plan if plan is not None else model), config, data, cache_dir=plan_cache_dir)
     try:
         result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
                                   requests_csv=requests_csv, console=console,
@@ -185,13 +186,16 @@ def _check_output(output: Path | None, default: Path, *, single_run: bool) -> No
         check_writable_dir(path, flag)
 
 
-def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_dir, console):
-    scenario = load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags)
+def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_dir, console,
+                  llm_factory=None, scenario=None):
+    """A scenario file's variants (or ``scenario``, made from the command line) into one output directory."""
+    if scenario is None:
+        scenario = load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags)
     output_dir = Path(output) if output is not None else runner.default_output_dir(scenario.name)
     if output_dir.suffix.lower() == ".csv":
         raise ValueError(f"--output {output_dir}: a scenario writes several files; give a directory")
     _check_output(output, output_dir, single_run=False)
-    result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=runner.create_llm,
+    result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=llm_factory or runner.create_llm,
                                 plan_resolver=lambda variant: sweep.resolve_variant_plan(variant, plan_cache_dir))
     written = [output_dir / row["requests_csv"] for row in result.rows] + [result.summary_csv]
     return result.rows, result.interrupted, written, result.failure
