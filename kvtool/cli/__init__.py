@@ -31,7 +31,7 @@ def version() -> None:
 
 def _register_commands() -> None:
     # Each command lives in its own module; importing it registers it on `app`.
-    from kvtool.cli import bench, build, compare, dataset, generate, plans, serve  # noqa: F401
+    from kvtool.cli import bench, build, compare, dataset, generate, plans, serve, simulate  # noqa: F401
 
 
 _register_commands()

@@ -1,0 +1,181 @@
+"""`kvtool simulate` (a bench run with the forward replaced by a step cost model) and `kvtool calibrate`
+(measure that cost model for a plan on this machine, or estimate it for a device not at hand)."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvtool.bench.scenario import scenario_from_document, load_scenario, sweep_variants
+from kvtool.cli import app
+from kvtool.cli import bench as bench_command
+from kvtool.cli import engine_flags
+from kvtool.cli.errors import user_errors
+from kvtool.cli.help import KvtoolCommand
+from kvtool.cli.options import flag
+from kvtool.simulate.published import DEVICES
+
+SIMULATION = "Simulation"
+_NOT_SIMULATED = ("endpoint", "api", "served_model")  # a simulation runs kvtool's own scheduler
+
+Profile = Annotated[str | None, flag(
+    "profile", f"The step cost model: {' | '.join(DEVICES)} (estimated from published figures), a file from "
+    "`kvtool calibrate`, or by default the plan's calibration on this machine.", SIMULATION)]
+Sweep = Annotated[list[str] | None, flag(
+    "sweep", "Run one variant per value: --sweep kv_host_cache_bytes=0,1GiB,4GiB (repeatable: every combination). "
+    "Replaces a --config scenario's own sweep.", SIMULATION)]
+
+
+def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, **params) -> None:
+    """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
+    the same reports as `kvtool bench`, marked simulated, in seconds."""
+    from kvtool.simulate.profiles import create_simulated_llm
+    from kvtool.simulate.sweep_report import print_sweep, plot_sweep
+
+    console = Console(stderr=True)
+
+    def factory(model, config, dataset=None, *, cache_dir=None):
+        return create_simulated_llm(model, config, dataset, profile=profile, cache_dir=cache_dir)
+
+    plan, model, dataset, config = params["plan"], params["model"], params["dataset"], params["config"]
+    try:
+        with user_errors():
+            flags = engine_flags.engine_flag_values(ctx.params)
+            if plan is not None and model is not None:
+                raise ValueError("give --plan DIR or --model preset:NAME, not both")
+            scenario = None
+            if sweep:
+                variants = sweep_variants(sweep)
+                swept = {key for variant in variants for key in variant if key != "label"}
+                clash = sorted(swept & set(flags))
+                if clash:
+                    raise ValueError(f"--{clash[0]} is given and swept: drop --{clash[0]} or its --sweep")
+                if config is not None:
+                    scenario = load_scenario(config, sets=params["set_"] or [], model=model, plan=plan,
+                                             dataset=dataset, bench_overrides=flags, sweep=variants)
+                else:
+                    if dataset is None:
+                        raise ValueError("give --dataset FILE.jsonl (or --config) to sweep over")
+                    if plan is None and model is None:
+                        raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
+                    document = {"name": Path(dataset).stem, "dataset": {"path": str(dataset)}, "sweep": variants}
+                    scenario = scenario_from_document(document, Path(" ".join(f"--sweep {s}" for s in sweep)),
+                                                      model=model, plan=plan, bench_overrides=flags)
+            if scenario is not None or config is not None:
+                if params["label"] is not None:
+                    raise ValueError("--label names a single run; a sweep's variants are labelled by their values")
+                rows, interrupted, written, failure = bench_command._run_scenario(
+                    config, params["set_"] or [], plan, model, dataset, params["output"], flags,
+                    params["plan_cache_dir"], console, llm_factory=factory, scenario=scenario)
+            else:
+                if params["set_"]:
+                    raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
+                rows, interrupted, written, failure = bench_command._run_single(
+                    plan, model, dataset, params["output"], params["label"], flags, params["plan_cache_dir"],
+                    console, llm_factory=factory)
+    except KeyboardInterrupt:
+        console.print("[bold yellow]interrupted[/]: nothing written")
+        raise typer.Exit(bench_command.EXIT_INTERRUPTED) from None
+    from kvtool.bench.runner import summary_table
+
+    Console().print(summary_table(rows))
+    if len(rows) > 1:
+        print_sweep(rows, Console())
+        written.append(plot_sweep(rows, Path(written[-1]).parent / "sweep.png"))
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+    if failure is not None:
+        with user_errors():
+            raise failure
+
+
+def _simulate_signature() -> None:
+    """simulate takes every `kvtool bench` option but the --endpoint ones, declared once (in bench)."""
+    hints = typing.get_type_hints(bench_command.bench, include_extras=True)
+    own = inspect.signature(simulate).parameters
+    own_hints = typing.get_type_hints(simulate, include_extras=True)
+    parameters = [own["ctx"].replace(annotation=hints["ctx"])]
+    for name, parameter in inspect.signature(bench_command.bench).parameters.items():
+        if name != "ctx" and name not in _NOT_SIMULATED:
+            parameters.append(parameter.replace(annotation=hints[name]))
+    parameters += [own[name].replace(annotation=own_hints[name]) for name in ("profile", "sweep")]
+    simulate.__signature__ = inspect.Signature(parameters)
+    simulate.__annotations__ = {p.name: p.annotation for p in parameters}
+
+
+_simulate_signature()
+app.command(cls=KvtoolCommand)(simulate)
+
+
+@app.command(cls=KvtoolCommand)
+def calibrate(
+    plan: engine_flags.Plan = None,
+    model: engine_flags.Model = None,
+    device: Annotated[str | None, flag("device", f"Estimate for {' | '.join(DEVICES)} from published figures "
+                                       "instead of measuring here (labelled estimated).")] = None,
+    quick: Annotated[bool, flag("quick", "A small grid (seconds, rougher): for tests and a first look.")] = False,
+    output: Annotated[Path | None, flag("output", "Where to write the cost model (default: beside the plan, "
+                                        "PLAN/cost_models/<device>.json).")] = None,
+) -> None:
+    """Measure what an engine step of the plan costs on this machine over a grid of step shapes, fit the
+    step cost model `kvtool simulate` uses, and save it beside the plan (or estimate it with --device)."""
+    from kvtool.plan import resolve_model
+    from kvtool.simulate.cost_model import save_profile
+
+    console = Console(stderr=True)
+    with user_errors():
+        if (plan is None) == (model is None):
+            raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
+        if device is not None and device.lower() not in DEVICES:
+            raise ValueError(f"--device {device}: published figures are known for {', '.join(DEVICES)}")
+        built = resolve_model(str(plan if plan is not None else model))
+        if device is not None:
+            from kvtool.simulate.published import estimate
+
+            cost_model = estimate(built, device.lower())
+        else:
+            cost_model = _measure(built, quick, console)
+        if output is not None:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(cost_model.to_json(), encoding="utf-8")
+            path = output
+        else:
+            path = save_profile(cost_model, built.path)
+    table = Table(title=f"step cost model: {cost_model.name}")
+    table.add_column("term")
+    table.add_column("cost", justify="right")
+    for term, value in cost_model.describe_terms():
+        table.add_row(term, value)
+    Console().print(table)
+    print(cost_model.source)
+    if cost_model.fit is not None:
+        print(cost_model.fit.describe())
+    console.print(f"wrote {path}", highlight=False)
+
+
+def _measure(plan, quick: bool, console: Console):
+    from kvtool import LLM
+    from kvtool.config import KvCacheConfig
+    from kvtool.runtime.device import free_device_memory_bytes
+    from kvtool.simulate.calibrate import QUICK_GRID, CalibrationGrid, fit, measure
+
+    grid = QUICK_GRID if quick else CalibrationGrid()
+    # A host pool for the copies; block reuse on for the cached-prefix points.
+    llm = LLM(model=plan, kv_cache_config=KvCacheConfig(host_cache_size=64 * 2**20))
+    try:
+        # What a simulated run on this device sizes its pools from: the memory free after the weights.
+        free_bytes = free_device_memory_bytes(llm.device) + llm.pool_sizes.num_primary_blocks * llm.pool_sizes.block_bytes
+        with console.status("calibrating") as status:
+            calibration = measure(llm, grid, on_point=lambda what: status.update(f"calibrating: {what}"))
+    finally:
+        llm.shutdown()
+    source = (f"calibrated on {llm.device_description}: {len(calibration.steps)} engine steps and "
+              f"{len(calibration.copies)} copy batches ({'quick' if quick else 'full'} grid)")
+    return fit(calibration, device=llm.device_description, plan_digest=plan.manifest.get("plan_digest"),
+               source=source, details={"grid": "quick" if quick else "full", "free_memory_bytes": free_bytes})

@@ -1,0 +1,255 @@
+"""`kvtool simulate` and `kvtool calibrate`: the step cost model, the simulated clock, the commands.
+
+Simulated times are checked against hand-computed ones (a cost model with one or two terms gives
+times a reader can add up); the counters of a simulated run against a real one are in
+tests/test_simulate_counters.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.bench.config import BenchConfig
+from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.bench.runner import run_bench
+from kvtool.cli import app
+from kvtool.plan import load_plan
+from kvtool.simulate.cost_model import (TERMS, CostModel, StepShape, fit_coefficients, load_profile,
+                                        profile_path, save_profile, step_shape)
+from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.profiles import this_device
+from kvtool.simulate.published import estimate
+
+cli = CliRunner()
+
+
+def invoke(*args):
+    return cli.invoke(app, [str(a) for a in args])
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+class Row:
+    def __init__(self, num_tokens, num_cached_tokens):
+        self.num_tokens, self.num_cached_tokens = num_tokens, num_cached_tokens
+
+
+# -- the cost model -------------------------------------------------------------------------------
+
+def test_step_shape_counts_one_token_rows_as_decode_rows_and_copies_as_bytes():
+    shape = step_shape([Row(100, 28), Row(1, 50), Row(1, 99)], np.array([16, 16, 4]), bytes_per_token=1024)
+    assert shape == StepShape(num_context_rows=1, num_context_tokens=100, num_context_pairs=100 * (28 + 101 / 2),
+                              num_decode_rows=2, num_decode_kv_tokens=51 + 100, num_copied_bytes=36 * 1024)
+
+
+def test_fit_recovers_the_coefficients_that_generated_the_steps():
+    rng = np.random.default_rng(0)
+    truth = {"step": 2e-3, "context_row": 5e-4, "context_token": 3e-6, "context_pair": 2e-9, "decode_row": 1e-4,
+             "decode_kv_token": 4e-8, "copied_byte": 0.0}
+    model = CostModel(device="cpu: test", coefficients=truth)
+    shapes = [StepShape(int(c), int(c * n), float(c * n * (k + n / 2)), int(d), int(d * k), 0)
+              for c, n, d, k in zip(rng.integers(0, 4, 60), rng.integers(16, 2048, 60), rng.integers(0, 16, 60),
+                                    rng.integers(1, 2048, 60))]
+    seconds = [model.predict(s) for s in shapes]
+    fitted, dropped = fit_coefficients(shapes, seconds)
+    assert dropped == ()
+    for term in TERMS:
+        assert fitted[term] == pytest.approx(truth[term], rel=1e-6, abs=1e-15)
+
+
+def test_a_term_fitted_negative_is_left_out_and_the_rest_refitted():
+    # Steps whose time does not grow with the KV read, plus noise that pulls that term below 0.
+    shapes = [StepShape(0, 0, 0.0, d, k, 0) for d in (1, 2, 4, 8) for k in (100, 1000, 4000)]
+    seconds = [1e-3 + 2e-4 * s.num_decode_rows - 1e-9 * s.num_decode_kv_tokens for s in shapes]
+    fitted, dropped = fit_coefficients(shapes, seconds)
+    assert dropped == ("decode_kv_token",)
+    assert fitted["decode_kv_token"] == 0.0
+    assert all(value >= 0 for value in fitted.values())
+
+
+def test_cost_model_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path, tiny_llama_plan):
+    model = CostModel(device="cpu: Test CPU (2 cores)", coefficients={"step": 1e-3, "context_token": 2e-6})
+    path = save_profile(model, tiny_llama_plan)
+    try:
+        assert path == profile_path(tiny_llama_plan, "cpu: Test CPU (2 cores)")
+        assert path.name == "cpu-test-cpu-2-cores.json"
+        assert load_profile(path) == model
+        load_plan(tiny_llama_plan)  # the plan is still valid with its cost models beside it
+    finally:
+        path.unlink()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"device": "cpu", "coefficients": {"warp_speed": 1.0}}))
+    with pytest.raises(Exception, match=r"bad.json is not a kvtool cost model .*warp_speed.*kvtool calibrate"):
+        load_profile(bad)
+
+
+def test_published_estimate_of_an_8b_model_on_h100_is_memory_bound_and_labelled_estimated():
+    from types import SimpleNamespace
+
+    from kvtool.models.presets import preset_config
+    from kvtool.plan import BuildOptions
+
+    # The shapes of preset:qwen3-8b in bfloat16, without building 16 GB of weights.
+    plan = SimpleNamespace(model_config=preset_config("qwen3-8b"), build_options=BuildOptions(dtype="bfloat16"),
+                           manifest={})
+    model = estimate(plan, "h100")
+    assert model.estimated and model.name.endswith("(estimated)")
+    decode_step = model.predict(StepShape(num_decode_rows=1, num_decode_kv_tokens=1000))
+    # 16.4 GB of bf16 weights read at 80% of 3.35 TB/s: about 6 ms, plus launches.
+    assert 6e-3 < decode_step < 9e-3
+    # A 4k-token prompt is compute bound: 2 x 7.6e9 FLOPs per token at 60% of 989 TFLOP/s, about 0.1 s.
+    context = model.predict(StepShape(1, 4096, 4096 * 4096 / 2, 0, 0, 0))
+    assert 0.08 < context < 0.2
+    assert model.details["free_memory_bytes"] > 50 * 10**9
+
+
+# -- the simulated clock --------------------------------------------------------------------------
+
+def _simulate(plan_dir, lines, tmp_path, coefficients, **flags):
+    dataset = load_dataset(write_jsonl(tmp_path / "data.jsonl", lines))
+    config = BenchConfig.from_flags(flags)
+    llm = SimulatedLLM(load_plan(plan_dir), CostModel(device="cpu: test", coefficients=coefficients),
+                       **config.llm_kwargs())
+    result = run_bench(llm, dataset, config, label="sim", requests_csv=tmp_path / "requests.csv")
+    return result, {r.request_id: r for r in result.requests}
+
+
+def test_sequential_requests_take_one_predicted_step_per_token(tiny_llama_plan, tmp_path):
+    lines = [{"input_ids": list(range(1, 65)), "output_tokens": 3, "request_id": "a"},
+             {"input_ids": list(range(101, 201)), "output_tokens": 2, "request_id": "b"}]
+    # 10 ms per step, 0.1 ms per context token: a's first step takes 10 + 6.4 ms, b's 10 + 10 ms.
+    result, by_id = _simulate(tiny_llama_plan, lines, tmp_path, {"step": 0.010, "context_token": 1e-4},
+                              mode="sequential")
+    assert by_id["a"].ttft_ms == pytest.approx(16.4)
+    assert by_id["a"].tpot_ms == pytest.approx(10.0)
+    assert by_id["a"].e2e_ms == pytest.approx(36.4)
+    assert by_id["b"].arrival_s == pytest.approx(0.0364)  # sent when a finished
+    assert by_id["b"].ttft_ms == pytest.approx(20.0)
+    assert result.row["simulated"] is True and result.row["cost_profile"] == "cpu-test (calibrated)"
+    assert result.row["engine"] == by_id["a"].engine == "kvtool simulate (cpu-test (calibrated))"
+
+
+def test_requests_arriving_together_share_steps_and_a_later_arrival_waits_for_its_time(tiny_llama_plan, tmp_path):
+    lines = [{"input_ids": [7] * 40, "output_tokens": 2, "request_id": "a", "arrival_time_s": 0.0},
+             {"input_ids": [8] * 40, "output_tokens": 2, "request_id": "b", "arrival_time_s": 0.0},
+             {"input_ids": [9] * 40, "output_tokens": 1, "request_id": "late", "arrival_time_s": 5.0}]
+    _, by_id = _simulate(tiny_llama_plan, lines, tmp_path, {"step": 0.050})
+    assert by_id["a"].ttft_ms == pytest.approx(50.0) and by_id["b"].ttft_ms == pytest.approx(50.0)
+    assert by_id["a"].e2e_ms == pytest.approx(100.0)
+    # Nothing runs between 0.1 s and 5 s: the clock jumps to the arrival.
+    assert by_id["late"].arrival_s == pytest.approx(5.0)
+    assert by_id["late"].ttft_ms == pytest.approx(50.0)
+
+
+def test_reused_prefix_shortens_the_predicted_first_step(tiny_llama_plan, tmp_path):
+    prefix = list(range(1, 97))  # 6 blocks of 16
+    lines = [{"input_ids": prefix + [200 + i] * 8, "output_tokens": 1, "request_id": str(i)} for i in range(2)]
+    _, by_id = _simulate(tiny_llama_plan, lines, tmp_path, {"step": 0.001, "context_token": 1e-4}, mode="sequential")
+    assert by_id["0"].ttft_ms == pytest.approx(1 + 10.4)
+    assert by_id["1"].reused_tokens == 96
+    assert by_id["1"].ttft_ms == pytest.approx(1 + 0.8)
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def calibrated_plan(tiny_llama_plan):
+    """tiny-llama with a quick calibration of this machine beside it (removed afterwards)."""
+    result = invoke("calibrate", "--plan", tiny_llama_plan, "--quick")
+    assert result.exit_code == 0, result.output
+    path = profile_path(tiny_llama_plan, this_device())
+    yield tiny_llama_plan, result.output
+    path.unlink(missing_ok=True)
+
+
+def test_calibrate_measures_the_plan_and_saves_the_fit_beside_it(calibrated_plan):
+    plan_dir, output = calibrated_plan
+    model = load_profile(profile_path(plan_dir, this_device()))
+    assert not model.estimated and model.device == this_device()
+    assert model.fit.num_held_out_points >= 2 and model.fit.median_abs_error < 1.0
+    assert model.coefficients["step"] > 0 and model.coefficients["context_token"] > 0
+    assert model.coefficients["copied_byte"] > 0
+    assert "held-out error on" in output and "ms per 1k context tokens" in output
+
+
+@pytest.fixture
+def shared_prefix_dataset(tmp_path):
+    prefix = list(range(100, 164))
+    return write_jsonl(tmp_path / "shared.jsonl", [{"input_ids": prefix + [10 + i] * 8, "output_tokens": 3}
+                                                   for i in range(6)])
+
+
+def test_simulate_writes_bench_reports_marked_simulated(calibrated_plan, shared_prefix_dataset, tmp_path):
+    plan_dir, _ = calibrated_plan
+    result = invoke("simulate", "--plan", plan_dir, "--dataset", shared_prefix_dataset, "--concurrency", 2,
+                    "--output", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    summary = read_rows(tmp_path / "out" / "summary.csv")[0]
+    assert summary["simulated"] == "True" and summary["cost_profile_estimated"] == "False"
+    assert summary["cost_profile"] == f"{summary['cost_profile'].split(' ')[0]} (calibrated)"
+    assert "simulated" in summary["device"]
+    assert int(summary["reused_blocks"]) == 5 * 4 and float(summary["ttft_ms_p50"]) > 0
+    requests = read_rows(tmp_path / "out" / "requests.csv")
+    assert len(requests) == 6 and all(r["engine"].startswith("kvtool simulate (") for r in requests)
+
+
+def test_simulate_sweeps_a_flag_and_plots_hit_rate_and_ttft(calibrated_plan, shared_prefix_dataset, tmp_path):
+    plan_dir, _ = calibrated_plan
+    result = invoke("simulate", "--plan", plan_dir, "--dataset", shared_prefix_dataset, "--mode", "sequential",
+                    "--sweep", "enable_kv_cache_reuse=false,true", "--output", tmp_path / "sweep")
+    assert result.exit_code == 0, result.output
+    rows = read_rows(tmp_path / "sweep" / "summary.csv")
+    assert [r["label"] for r in rows] == ["enable_kv_cache_reuse=false", "enable_kv_cache_reuse=true"]
+    assert float(rows[0]["cache_hit_rate"]) == 0 and float(rows[1]["cache_hit_rate"]) > 0.5
+    assert float(rows[1]["ttft_ms_p50"]) < float(rows[0]["ttft_ms_p50"])
+    assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
+    assert "predicted TTFT" in result.output
+
+
+def test_simulated_and_measured_variants_compare_side_by_side(calibrated_plan, shared_prefix_dataset, tmp_path):
+    plan_dir, _ = calibrated_plan
+    for command in ("bench", "simulate"):
+        result = invoke(command, "--plan", plan_dir, "--dataset", shared_prefix_dataset, "--mode", "sequential",
+                        "--label", command, "--output", tmp_path / command)
+        assert result.exit_code == 0, result.output
+    result = invoke("compare", tmp_path / "bench" / "summary.csv", tmp_path / "simulate" / "summary.csv")
+    assert result.exit_code == 0, result.output
+    assert "bench" in result.output and "simulate" in result.output
+
+
+def test_estimated_profile_is_named_estimated_in_every_report(tiny_llama_plan, shared_prefix_dataset, tmp_path):
+    result = invoke("simulate", "--plan", tiny_llama_plan, "--dataset", shared_prefix_dataset, "--profile", "h100",
+                    "--output", tmp_path / "est")
+    assert result.exit_code == 0, result.output
+    summary = read_rows(tmp_path / "est" / "summary.csv")[0]
+    assert summary["cost_profile"].endswith("(estimated)") and summary["cost_profile_estimated"] == "True"
+    assert all(r["engine"].endswith("(estimated))") for r in read_rows(tmp_path / "est" / "requests.csv"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "tpu9"], "--profile tpu9: neither a device"),
+    (["--sweep", "warp=1,2"], "'warp' is not a bench flag"),
+    (["--sweep", "max_batch_size"], "is not NAME=V1,V2"),
+    (["--max_batch_size", "2", "--sweep", "max_batch_size=1,2"], "--max_batch_size is given and swept"),
+])
+def test_simulate_bad_input_is_one_clear_line(tiny_llama_plan, shared_prefix_dataset, args, message):
+    result = invoke("simulate", "--plan", tiny_llama_plan, "--dataset", shared_prefix_dataset, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_simulate_without_a_calibration_says_how_to_get_one(tmp_path, shared_prefix_dataset):
+    from kvtool.plan import BuildOptions, build_plan
+
+    plan_dir = build_plan("preset:tiny-llama", tmp_path / "plan", BuildOptions(tokens_per_block=16, max_seq_len=512))
+    result = invoke("simulate", "--plan", plan_dir, "--dataset", shared_prefix_dataset)
+    assert result.exit_code == 2, result.output
+    assert f"kvtool calibrate --plan {plan_dir}" in result.output and "--profile h100" in result.output

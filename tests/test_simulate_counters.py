@@ -1,0 +1,61 @@
+"""A simulated run schedules and caches exactly as a real one: on every bench_configs/ scenario with
+the tiny preset, every cache counter of `kvtool simulate` equals `kvtool bench`'s, and so do each
+request's reuse figures. (None of the scenarios times its arrivals, so the order of events does not
+depend on how long a step takes.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvtool.bench.runner import create_llm
+from kvtool.bench.scenario import load_scenario
+from kvtool.bench.sweep import resolve_variant_plan, run_scenario
+from kvtool.simulate.cost_model import CostModel
+from kvtool.simulate.profiles import create_simulated_llm
+
+SCENARIOS = sorted(Path(__file__).resolve().parent.parent.glob("bench_configs/*.yaml"))
+COUNTERS = ("reused_blocks", "missed_blocks", "cache_hit_rate", "early_reused_blocks", "partial_reused_blocks",
+            "alloc_total_blocks", "alloc_new_blocks", "offloaded_blocks", "onboarded_blocks", "evicted_blocks",
+            "offloaded_bytes", "onboarded_bytes", "primary_blocks", "primary_free_blocks", "primary_cached_blocks",
+            "secondary_blocks", "secondary_free_blocks", "secondary_cached_blocks", "num_requests", "num_errors")
+REQUEST_FIELDS = ("input_tokens", "output_tokens", "reused_tokens", "onboarded_blocks", "error")
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "cost.json"
+    path.write_text(CostModel(device="cpu: test", coefficients={"step": 1e-3, "context_token": 1e-5,
+                                                                 "decode_row": 1e-4}).to_json())
+    return str(path)
+
+
+@pytest.mark.parametrize("scenario_file", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_simulated_counters_equal_the_real_run(scenario_file, profile, tmp_path):
+    scenario = load_scenario(scenario_file, model="preset:tiny-llama")
+    quiet = Console(quiet=True)
+    real = run_scenario(scenario, tmp_path / "real", console=quiet, llm_factory=create_llm,
+                        plan_resolver=resolve_variant_plan)
+    simulated = run_scenario(scenario, tmp_path / "simulated", console=quiet,
+                             llm_factory=lambda model, config, dataset: create_simulated_llm(
+                                 model, config, dataset, profile=profile),
+                             plan_resolver=resolve_variant_plan)
+    assert real.failure is None and simulated.failure is None
+    assert [r["label"] for r in real.rows] == [r["label"] for r in simulated.rows]
+    for real_row, simulated_row in zip(real.rows, simulated.rows):
+        assert simulated_row["simulated"] is True and "simulated" not in real_row
+        for counter in COUNTERS:
+            assert simulated_row[counter] == real_row[counter], (real_row["label"], counter)
+    for real_row, simulated_row in zip(real.rows, simulated.rows):
+        real_requests = _requests(tmp_path / "real" / real_row["requests_csv"])
+        simulated_requests = _requests(tmp_path / "simulated" / simulated_row["requests_csv"])
+        assert simulated_requests == real_requests, real_row["label"]
+
+
+def _requests(path: Path) -> dict[str, tuple]:
+    import csv
+
+    with open(path, newline="") as f:
+        return {row["request_id"]: tuple(row[k] for k in REQUEST_FIELDS) for row in csv.DictReader(f)}
