@@ -435,7 +435,7 @@ class RequestState(enum.Enum):
 class SchedulerConfig:
     """Capacity policy, context chunking and per-step limits."""
 
-    def __init__(self, *, capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, enable_chunked_context: bool = False, max_batch_size: int = 8, max_num_tokens: int = 8192, max_seq_len: int = 4096, enable_in_batch_prefix_reuse: bool = True) -> None: ...
+    def __init__(self, *, capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, enable_chunked_context: bool = False, max_batch_size: int = 8, max_num_tokens: int = 8192, max_seq_len: int = 4096, enable_in_batch_prefix_reuse: bool = True, vocab_size: int = 0) -> None: ...
 
     @property
     def capacity_scheduler_policy(self) -> CapacitySchedulerPolicy: ...
@@ -484,6 +484,15 @@ class SchedulerConfig:
 
     @enable_in_batch_prefix_reuse.setter
     def enable_in_batch_prefix_reuse(self, arg: bool, /) -> None: ...
+
+    @property
+    def vocab_size(self) -> int:
+        """
+        > 0: add_request refuses a prompt token id outside [0, vocab_size); 0: ids are not checked.
+        """
+
+    @vocab_size.setter
+    def vocab_size(self, arg: int, /) -> None: ...
 
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
@@ -601,7 +610,7 @@ class Scheduler:
 
     def add_request(self, request_id: int, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> None:
         """
-        Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the request for an empty prompt, prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
+        Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
         """
 
     def finish_request(self, request_id: int) -> None:

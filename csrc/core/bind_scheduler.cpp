@@ -97,16 +97,16 @@ void bind_scheduler(nb::module_& m) {
           "__init__",
           [](SchedulerConfig* self, CapacitySchedulerPolicy capacity_scheduler_policy,
              ContextChunkingPolicy context_chunking_policy, bool enable_chunked_context, int32_t max_batch_size,
-             int32_t max_num_tokens, int32_t max_seq_len, bool enable_in_batch_prefix_reuse) {
+             int32_t max_num_tokens, int32_t max_seq_len, bool enable_in_batch_prefix_reuse, int32_t vocab_size) {
             new (self) SchedulerConfig{capacity_scheduler_policy, context_chunking_policy, enable_chunked_context,
                                        max_batch_size,           max_num_tokens,          max_seq_len,
-                                       enable_in_batch_prefix_reuse};
+                                       enable_in_batch_prefix_reuse, vocab_size};
           },
           nb::kw_only(), "capacity_scheduler_policy"_a = defaults.capacity_scheduler_policy,
           "context_chunking_policy"_a = defaults.context_chunking_policy,
           "enable_chunked_context"_a = defaults.enable_chunked_context, "max_batch_size"_a = defaults.max_batch_size,
           "max_num_tokens"_a = defaults.max_num_tokens, "max_seq_len"_a = defaults.max_seq_len,
-          "enable_in_batch_prefix_reuse"_a = defaults.enable_in_batch_prefix_reuse)
+          "enable_in_batch_prefix_reuse"_a = defaults.enable_in_batch_prefix_reuse, "vocab_size"_a = defaults.vocab_size)
       .def_rw("capacity_scheduler_policy", &SchedulerConfig::capacity_scheduler_policy)
       .def_rw("context_chunking_policy", &SchedulerConfig::context_chunking_policy)
       .def_rw("enable_chunked_context", &SchedulerConfig::enable_chunked_context)
@@ -116,6 +116,8 @@ void bind_scheduler(nb::module_& m) {
       .def_rw("max_seq_len", &SchedulerConfig::max_seq_len, "Prompt + generated tokens of one request.")
       .def_rw("enable_in_batch_prefix_reuse", &SchedulerConfig::enable_in_batch_prefix_reuse,
               "Hold a queued request back while a running context computes prompt blocks it could reuse.")
+      .def_rw("vocab_size", &SchedulerConfig::vocab_size,
+              "> 0: add_request refuses a prompt token id outside [0, vocab_size); 0: ids are not checked.")
       .def("validate", &SchedulerConfig::validate, "Raises ValueError naming a bad field.")
       .def("__repr__", [](const SchedulerConfig& c) {
         static const char* policies[] = {"GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"};
@@ -127,7 +129,8 @@ void bind_scheduler(nb::module_& m) {
                ", max_batch_size=" + std::to_string(c.max_batch_size) +
                ", max_num_tokens=" + std::to_string(c.max_num_tokens) +
                ", max_seq_len=" + std::to_string(c.max_seq_len) +
-               ", enable_in_batch_prefix_reuse=" + (c.enable_in_batch_prefix_reuse ? "True" : "False") + ")";
+               ", enable_in_batch_prefix_reuse=" + (c.enable_in_batch_prefix_reuse ? "True" : "False") +
+               ", vocab_size=" + std::to_string(c.vocab_size) + ")";
       });
 
   nb::class_<ScheduledRequest>(m, "ScheduledRequest", "One request's share of a step.")
@@ -213,7 +216,7 @@ void bind_scheduler(nb::module_& m) {
           "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
           "Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt "
           "token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the "
-          "request for an empty prompt, prompt + max_new_tokens > max_seq_len, a prompt longer than "
+          "request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than "
           "max_num_tokens without chunked context, a request larger than the primary pool, wrong "
           "extra_ids length or a known id.")
       .def("finish_request", &Scheduler::finish_request, "request_id"_a,

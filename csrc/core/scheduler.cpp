@@ -46,6 +46,10 @@ void SchedulerConfig::validate() const {
     throw std::invalid_argument("SchedulerConfig.max_seq_len must be >= 1 token, got " +
                                 std::to_string(max_seq_len));
   }
+  if (vocab_size < 0) {
+    throw std::invalid_argument("SchedulerConfig.vocab_size must be >= 0 (0: token ids not checked), got " +
+                                std::to_string(vocab_size));
+  }
 }
 
 Scheduler::Impl::Impl(CacheConfig cache_config, SchedulerConfig scheduler_config)
@@ -119,6 +123,15 @@ void Scheduler::add_request(int64_t request_id, SequenceSpec prompt, int32_t max
   }
   if (num_prompt_tokens == 0) {
     throw std::invalid_argument(name + " has an empty prompt: give at least one token");
+  }
+  if (s.config.vocab_size > 0) {
+    const int32_t vocab = s.config.vocab_size;
+    for (const TokenId t : prompt.token_ids) {
+      if (t < 0 || t >= vocab) {
+        throw std::invalid_argument(name + ": token id " + std::to_string(t) + " is outside the model's vocabulary [0, " +
+                                    std::to_string(vocab) + "): use token ids below " + std::to_string(vocab));
+      }
+    }
   }
   if (max_new_tokens < 1) {
     throw std::invalid_argument(name + ": max_new_tokens must be >= 1, got " + std::to_string(max_new_tokens));

@@ -32,6 +32,9 @@ struct SchedulerConfig {
   // could reuse, so requests sharing a prefix that arrive together compute it once (as
   // SGLang's in-batch prefix caching). Not under STATIC_BATCH, which admits a batch at once.
   bool enable_in_batch_prefix_reuse = true;
+  // > 0: every prompt token id must be in [0, vocab_size) (checked where the prompt is converted
+  // anyway, so a caller need not copy a long prompt to check it); 0: not checked.
+  int32_t vocab_size = 0;
 
   void validate() const;  // throws std::invalid_argument naming the field
 };

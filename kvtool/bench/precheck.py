@@ -27,8 +27,7 @@ def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[s
         if session_id in history:
             # The answers' token values are unknown before the run; their number is not.
             prompt = [0] * history[session_id] + list(request.prompt_token_ids)
-            problem = engine.request_problem(replace(request, prompt_token_ids=prompt, extra_ids=None,
-                                                     checked_prompt=None))
+            problem = engine.request_problem(replace(request, prompt_token_ids=prompt, extra_ids=None))
         else:
             prompt = request.prompt_token_ids
             problem = engine.request_problem(request)

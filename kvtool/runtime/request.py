@@ -8,7 +8,7 @@ engine what happened. The C++ scheduler keeps its own state of the same request,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvtool.bench.datasets import DatasetRecord
@@ -53,9 +53,6 @@ class Request:
     num_onboarded_blocks: int = 0
     num_early_reused_blocks: int = 0
     num_pauses: int = 0
-    # (prompt_token_ids, its int32 array): the engine's checked copy, valid while prompt_token_ids is
-    # that same list object (assign a new list to change a prompt, never edit it in place).
-    checked_prompt: tuple[list[int], Any] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
