@@ -180,8 +180,9 @@ def fit(calibration: Calibration, *, device: str, plan_digest: str | None, sourc
     held_out = points[3::4]
     fitted = [p for i, p in enumerate(points) if i % 4 != 3]
 
-    def without_copies(pairs):
-        return [s for s, _ in pairs], [t - copy_rate * s.num_copied_bytes for s, t in pairs]
+    def without_copies(pairs):  # the copies' share of each step is known: fit the rest on what remains
+        return ([s._replace(num_copied_bytes=0) for s, _ in pairs],
+                [t - copy_rate * s.num_copied_bytes for s, t in pairs])
 
     coefficients, dropped = fit_coefficients(*without_copies(fitted))
     coefficients["copied_byte"] = copy_rate
