@@ -1,5 +1,5 @@
 """Why a full prompt block was missed (docs/architecture.md#kv-cache-rules): one reason per missed
-block, in hand-built scenarios where the reason is known, then through the scheduler.
+block, in hand-built scenarios where the reason is known, then through the scheduler and a bench run.
 
 Every add_sequence here goes through `add`, which checks what holds for every request: the
 reasons sum to the missed blocks (full prompt blocks less the shared ones), and the totals in
@@ -8,10 +8,19 @@ stats() are the sums of the requests'.
 
 from __future__ import annotations
 
+import csv
+
 import numpy as np
-from reference_kv_cache import MISS_REASONS
+from reference_kv_cache import MISS_REASONS as REFERENCE_REASONS
+from rich.console import Console
+from typer.testing import CliRunner
 
 from kvtool._core import CacheConfig, KVCacheManager, MissReasons, Scheduler, SchedulerConfig
+from kvtool.bench.datasets import write_jsonl
+from kvtool.bench.metrics import CSV_COLUMNS, MISS_COLUMNS
+from kvtool.bench.runner import _MISS_NAMES, summary_table
+from kvtool.cli import app
+from kvtool.runtime.request import MISS_REASONS
 
 T = 4  # tokens per block
 
@@ -216,7 +225,7 @@ def test_stats_dict_has_every_reason_as_missed_reason_blocks():
     assert list(MissReasons().to_dict()) == list(MISS_REASONS)
 
 
-# ---- the scheduler ----------------------------------------------------------------------------
+# ---- the scheduler, and a bench run -----------------------------------------------------------
 
 def test_request_stats_keep_the_reasons_of_the_first_admission():
     scheduler = Scheduler(CacheConfig(tokens_per_block=T, num_primary_blocks=32),
@@ -236,3 +245,41 @@ def test_request_stats_keep_the_reasons_of_the_first_admission():
     assert run(3, cache_salt=9)["identity"] == 3
     assert scheduler.cache_manager.stats().missed.to_dict() == {**dict.fromkeys(MISS_REASONS, 0), "never_seen": 3,
                                                                "last_token": 1, "identity": 3}
+
+
+def test_python_and_report_names_follow_the_cores_reasons():
+    assert list(MissReasons().to_dict()) == list(MISS_REASONS) == list(REFERENCE_REASONS) == list(_MISS_NAMES)
+    assert MISS_COLUMNS == ("missed_blocks", *(f"missed_{reason}_blocks" for reason in MISS_REASONS))
+    assert set(MISS_COLUMNS) <= set(CSV_COLUMNS)
+
+
+def test_a_bench_run_reports_the_reasons_per_request_and_in_the_summary(tmp_path, tiny_llama_plan):
+    prefix = list(range(300, 348))  # 3 blocks of 16
+    data = write_jsonl(tmp_path / "reasons.jsonl", [
+        {"input_ids": prefix + [20] * 5, "output_tokens": 2},                        # 3 never seen
+        {"input_ids": prefix + [21] * 5, "output_tokens": 2},                        # 3 shared
+        {"input_ids": prefix + [22] * 5, "output_tokens": 2, "cache_salt": "user-b"},  # 3 other identity
+        {"input_ids": prefix, "output_tokens": 2},                                   # 2 shared, 1 last token
+    ])
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["bench", "--plan", str(tiny_llama_plan), "--dataset", str(data), "--output",
+                                      str(out), "--mode", "sequential", "--max_tokens_in_paged_kv_cache", "1024",
+                                      "--tokens_per_block", "16"])
+    assert result.exit_code == 0, result.output
+    with open(out / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    columns = ["missed_blocks", "missed_never_seen_blocks", "missed_identity_blocks", "missed_last_token_blocks"]
+    assert [[int(row[c]) for c in columns] for row in rows] == [[3, 3, 0, 0], [0, 0, 0, 0], [3, 0, 3, 0],
+                                                                 [1, 0, 0, 1]]
+    for row in rows:
+        assert int(row["missed_blocks"]) == sum(int(row[c]) for c in MISS_COLUMNS[1:])
+    with open(out / "summary.csv", newline="") as f:
+        summary, = csv.DictReader(f)
+    assert {c: int(summary[c]) for c in MISS_COLUMNS} == {
+        "missed_blocks": 7, "missed_never_seen_blocks": 3, "missed_evicted_primary_blocks": 0,
+        "missed_evicted_host_blocks": 0, "missed_identity_blocks": 3, "missed_partial_blocks": 0,
+        "missed_last_token_blocks": 1, "missed_reuse_off_blocks": 0}
+    console = Console(width=200, record=True)
+    console.print(summary_table([{c: int(summary[c]) for c in MISS_COLUMNS}]))
+    text = console.export_text()
+    assert "missed blocks by reason" in text and "3 new, 3 other identity, 1 last token" in text
