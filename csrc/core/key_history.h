@@ -7,6 +7,11 @@
 // keys. Writing a key that the newer generation lacks while it is full first forgets the older
 // generation and makes the newer one the older, so a key is remembered for at least `capacity`
 // writes of other keys after its own.
+//
+// Every drop writes one line at a random place of a table of megabytes, and the manager's other
+// work is bound by such misses too: once the pools are full this costs about 17% per 2,048-token
+// request on bench/cache_manager.py (8% on its median over the whole trace), of which classifying
+// is about 2%. results/cache_manager.md has the variants measured (slot size, batching, capacity).
 #pragma once
 
 #include <algorithm>
@@ -25,88 +30,88 @@ class KeyHistory {
   static constexpr uint8_t kStoredPlain = 4;         // the plain key of a node stored with another identity
 
   // capacity 0 remembers nothing (block reuse off: no node is ever stored).
-  explicit KeyHistory(size_t capacity)
-      : capacity_(capacity), num_slots_(capacity == 0 ? 0 : capacity + capacity / 3 + 1) {
-    recent_.assign(num_slots_, 0);
-    older_.assign(num_slots_, 0);
-    pending_.reserve(kMaxPending);
+  explicit KeyHistory(size_t capacity) : capacity_(capacity) {
+    if (capacity_ == 0) return;
+    size_t num_slots = 2;
+    while (num_slots < 2 * capacity_) num_slots *= 2;
+    mask_ = num_slots - 1;
+    shift_ = 64 - __builtin_ctzll(num_slots);
+    recent_.assign(num_slots, 0);
+    older_.assign(num_slots, 0);
   }
 
   // The key's flags, 0 when nothing is remembered: the drop bits of the newer generation that has
   // any (the last drop), kStoredPlain of either. Reads applied updates only: flush() first.
   uint8_t flags(uint64_t key) const {
     if (capacity_ == 0) return 0;
-    const uint8_t newer = recent_[slot_of(recent_, key)] & kFlagMask;
-    const uint8_t older = older_[slot_of(older_, key)] & kFlagMask;
+    const uint64_t tag = key << kFlagBits;
+    const uint8_t newer = recent_[slot_of(recent_, tag)] & kFlagMask;
+    const uint8_t older = older_[slot_of(older_, tag)] & kFlagMask;
     const uint8_t dropped = (newer & kDropped) != 0 ? newer & kDropped : older & kDropped;
     return static_cast<uint8_t>(dropped | ((newer | older) & kStoredPlain));
   }
 
-  // The key's flags lose the `clear` bits and gain the `set` bits (set != 0), in the newer
-  // generation. Queued: flush() applies the queue in order.
-  void update(uint64_t key, uint8_t clear, uint8_t set) {
+  // The key gains flag `set` in the newer generation; a drop bit replaces the other one. Queued:
+  // flush() applies the queue in order.
+  void update(uint64_t key, uint8_t set) {
     if (capacity_ == 0) return;
-    pending_.push_back(Update{key, clear, set});
-    if (pending_.size() == kMaxPending) flush();
+    pending_[num_pending_++] = (key << kFlagBits) | set;
+    if (num_pending_ == kMaxPending) flush();
   }
 
-  // Drops write at random places of a table of megabytes, one cache miss each. Queued, their lines
-  // are requested all at once and then written, so the misses overlap: written one at a time, with
-  // or without a prefetch from the eviction scout, they cost the manager 9-12% more per request
-  // instead of 3-5% (results/cache_manager.md).
+  // The queued updates' lines are requested all at once and then written, so the misses overlap:
+  // written one at a time (prefetched by the eviction scout) they cost more over the whole trace.
   void flush() {
-    for (const Update& u : pending_) prefetch_line_for_write(&recent_[home(u.key)]);
-    for (const Update& u : pending_) apply(u);
-    pending_.clear();
+    for (size_t i = 0; i < num_pending_; ++i) prefetch_line_for_write(&recent_[home(pending_[i])]);
+    for (size_t i = 0; i < num_pending_; ++i) apply(pending_[i]);
+    num_pending_ = 0;
   }
 
  private:
-  struct Update {
-    uint64_t key;
-    uint8_t clear;
-    uint8_t set;
-  };
-  static constexpr size_t kMaxPending = 64;  // 32 or 256 were slower
-
-  // A slot is (key << 3) | flags, 0 when empty: 8 bytes, so the tables stay small. A key loses its
+  // A slot, and a queued update, is (key << 3) | flags; a slot is 0 when empty. A key loses its
   // top 3 bits, so two full 64-bit keys share a slot with a chance of 2^-61.
   static constexpr int kFlagBits = 3;
   static constexpr uint64_t kFlagMask = (1u << kFlagBits) - 1;
+  static constexpr size_t kMaxPending = 64;  // 16 or 256 were slower
 
-  // A table has a third more slots than it takes keys (at most 3/4 full); any number of slots:
-  // the home is the high word of the mixed key times their number.
-  size_t home(uint64_t key) const {
-    return static_cast<size_t>((static_cast<__uint128_t>(key * 0x9E3779B97F4A7C15ULL) * num_slots_) >> 64);
+  // The bits of a tagged key above its flags, spread by one multiply (its high bits are the home).
+  size_t home(uint64_t tagged) const {
+    return static_cast<size_t>(((tagged & ~kFlagMask) * 0x9E3779B97F4A7C15ULL) >> shift_);
   }
 
-  // The key's slot, or the empty slot where it would go (linear probing; a table is never full).
-  size_t slot_of(const std::vector<uint64_t>& table, uint64_t key) const {
-    const uint64_t tagged = key << kFlagBits;
-    for (size_t s = home(key);; s = s + 1 == num_slots_ ? 0 : s + 1) {
-      if (table[s] == 0 || (table[s] & ~kFlagMask) == tagged) return s;
-    }
+  // The slot of the tagged key, or the empty slot where it would go (linear probing; a table is
+  // at most half full).
+  size_t slot_of(const std::vector<uint64_t>& table, uint64_t tag) const {
+    size_t s = home(tag);
+    while (table[s] != 0 && (table[s] & ~kFlagMask) != tag) s = (s + 1) & mask_;
+    return s;
   }
 
-  void apply(const Update& u) {
-    size_t s = slot_of(recent_, u.key);
+  void apply(uint64_t update) {
+    const uint64_t tag = update & ~kFlagMask;
+    const auto set = static_cast<uint8_t>(update & kFlagMask);
+    size_t s = slot_of(recent_, tag);
     if (recent_[s] == 0) {
       if (recent_size_ == capacity_) {  // full: the older generation is forgotten
         std::swap(recent_, older_);
         std::fill(recent_.begin(), recent_.end(), 0);
         recent_size_ = 0;
-        s = slot_of(recent_, u.key);
+        s = slot_of(recent_, tag);
       }
       ++recent_size_;
     }
-    recent_[s] = (u.key << kFlagBits) | (((recent_[s] & kFlagMask) & ~u.clear) | u.set);
+    const uint64_t kept = recent_[s] & ((set & kDropped) != 0 ? kStoredPlain : kFlagMask);
+    recent_[s] = tag | kept | set;
   }
 
-  size_t capacity_ = 0;   // keys per generation
-  size_t num_slots_ = 0;  // per table
+  size_t capacity_ = 0;  // keys per generation
+  size_t mask_ = 0;      // slots per table - 1
+  int shift_ = 64;       // 64 - log2(slots per table)
   size_t recent_size_ = 0;
   std::vector<uint64_t> recent_;
   std::vector<uint64_t> older_;
-  std::vector<Update> pending_;
+  uint64_t pending_[kMaxPending] = {};
+  size_t num_pending_ = 0;
 };
 
 }  // namespace kvtool

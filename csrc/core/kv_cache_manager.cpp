@@ -162,7 +162,7 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
       n = store_node(parent, h, t, e, seq, seq_id, block);
       // These tokens under another identity: remembered by their plain key (classify_misses).
       if (plain_differs && seq.plain_hashes[i] != h) {
-        key_history.update(seq.plain_hashes[i], 0, KeyHistory::kStoredPlain);
+        key_history.update(seq.plain_hashes[i], KeyHistory::kStoredPlain);
       }
     } else if (nodes[n].pool == PoolKind::kSecondary) {
       move_to_primary(n, block);
