@@ -55,8 +55,9 @@ def make_trace(num_requests, num_tokens, num_prefixes, prefix_len, vocab_size, s
     return trace
 
 
-def run_manager(manager, trace):
-    """Per-request wall times (ns) and reused token counts."""
+def run_manager(manager, trace, misses=None):
+    """Per-request wall times (ns) and reused token counts; each request's miss reasons appended to
+    misses ({reason: blocks}) when given."""
     times, reused = np.empty(len(trace), dtype=np.int64), []
     clock = time.perf_counter_ns
     for seq_id, tokens in enumerate(trace):
@@ -69,10 +70,12 @@ def run_manager(manager, trace):
         manager.release(seq_id)
         times[seq_id] = clock() - start
         reused.append(result.num_reused_tokens)
+        if misses is not None:
+            misses.append(result.missed.to_dict())
     return times, reused
 
 
-def run_reference(reference, trace):
+def run_reference(reference, trace, misses):
     times, reused = np.empty(len(trace), dtype=np.int64), []
     clock = time.perf_counter_ns
     for seq_id, tokens in enumerate(trace):
@@ -85,17 +88,20 @@ def run_reference(reference, trace):
         reference.release(seq_id)
         times[seq_id] = clock() - start
         reused.append(result["num_reused_tokens"])
+        misses.append(result["missed"])
     return times, reused
 
 
 def cpu_model():
+    """'AMD EPYC (VM, AVX2)': the model, and whether it runs under a hypervisor and has AVX2."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        return platform.processor() or "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    notes = [name for flag, name in (("hypervisor", "VM"), ("avx2", "AVX2")) if flag in flags]
+    return f"{model} ({', '.join(notes)})" if notes else model
 
 
 def us(ns):
@@ -141,10 +147,13 @@ def main(argv=None):
 
     sample = trace[: args.reference_requests]
     sample_manager = KVCacheManager(CacheConfig(**config))
-    sample_times, sample_reused = run_manager(sample_manager, sample)
-    ref_times, ref_reused = run_reference(load_reference()(**config), sample)
+    sample_misses, ref_misses = [], []
+    sample_times, sample_reused = run_manager(sample_manager, sample, sample_misses)
+    ref_times, ref_reused = run_reference(load_reference()(**config), sample, ref_misses)
     if ref_reused != sample_reused or sample_reused != reused[: len(sample)]:
         raise SystemExit("the reference model and the C++ manager disagree on reused tokens")
+    if ref_misses != sample_misses:
+        raise SystemExit("the reference model and the C++ manager disagree on why blocks were missed")
 
     median, p90 = np.median(times), np.percentile(times, 90)
     sample_median, ref_median = np.median(sample_times), np.median(ref_times)
@@ -177,12 +186,13 @@ def main(argv=None):
         " µs (runs differ by the load other work puts on the shared cores and memory).",
         "",
         f"Speed-up over the pure-Python reference on the same requests: **{ref_median / sample_median:.0f}x** "
-        "(both give the same reused-token counts).",
+        "(both give the same reused-token counts and miss reasons).",
         "",
         f"Cache hit rate: {stats.cache_hit_rate:.3f} ({stats.reused_blocks} reused / {stats.missed_blocks} missed "
         f"blocks); offloaded {stats.offloaded_blocks}, onboarded {stats.onboarded_blocks}, evicted "
         f"{stats.evicted_blocks} blocks; early reuse {stats.early_reused_blocks}, partial reuse "
-        f"{stats.partial_reused_blocks}.",
+        f"{stats.partial_reused_blocks}. Missed blocks by reason: "
+        + ", ".join(f"{reason} {count}" for reason, count in stats.missed.to_dict().items()) + ".",
         "",
     ]
     text = "\n".join(lines)

@@ -169,6 +169,63 @@ class MatchResult:
 
     def __repr__(self) -> str: ...
 
+class MissReasons:
+    """
+    Missed full prompt blocks by reason. Each missed block counts under exactly one reason, so the fields sum to total (rules: docs/architecture.md#kv-cache-rules).
+    """
+
+    def __init__(self) -> None:
+        """Every count 0."""
+
+    @property
+    def never_seen(self) -> int:
+        """
+        No block with its key, nor its tokens under another identity, was ever stored (as far as the manager remembers: at least the last 2 x (primary + secondary blocks) keys dropped or stored).
+        """
+
+    @property
+    def evicted_primary(self) -> int:
+        """
+        Cached, then dropped from the primary pool without an offload (no host tier, host tier full with nothing evictable, or priority below secondary_offload_min_priority).
+        """
+
+    @property
+    def evicted_host(self) -> int:
+        """Offloaded, then dropped from the host (secondary) tier."""
+
+    @property
+    def identity(self) -> int:
+        """
+        The same tokens (from the prompt's start) were stored under another cache salt, LoRA task id or extra ids.
+        """
+
+    @property
+    def partial(self) -> int:
+        """
+        The block after the shared chain, which got a partial-reuse copy of its first tokens.
+        """
+
+    @property
+    def last_token(self) -> int:
+        """
+        Cached, but it holds the prompt's last token, which is always computed (a prompt of whole blocks).
+        """
+
+    @property
+    def reuse_off(self) -> int:
+        """Block reuse is disabled: every full prompt block."""
+
+    @property
+    def total(self) -> int:
+        """Missed blocks, every reason."""
+
+    def to_dict(self) -> dict:
+        """{reason: blocks}, every reason in declaration order."""
+
+    def __eq__(self, arg: MissReasons, /) -> bool: ...
+
+    def __repr__(self) -> str: ...
+
 class AddSequenceResult:
     """What add_sequence did for one sequence."""
 
@@ -195,6 +252,12 @@ class AddSequenceResult:
     @property
     def num_new_blocks(self) -> int:
         """Blocks allocated fresh (including the partial copy target)."""
+
+    @property
+    def missed(self) -> MissReasons:
+        """
+        MissReasons of the prompt's full blocks not shared (decided before this call evicted anything).
+        """
 
     def __repr__(self) -> str: ...
 
@@ -227,6 +290,10 @@ class CacheStats:
     @property
     def missed_blocks(self) -> int:
         """Prompt full blocks that had to be computed."""
+
+    @property
+    def missed(self) -> MissReasons:
+        """The missed blocks by reason (MissReasons; total == missed_blocks)."""
 
     @property
     def cache_hit_rate(self) -> float:
@@ -276,7 +343,7 @@ class CacheStats:
 
     def to_dict(self) -> dict:
         """
-        Flat dict of every counter (pool fields prefixed primary_/secondary_), for reports.
+        Flat dict of every counter (miss reasons as missed_<reason>_blocks, pool fields prefixed primary_/secondary_), for reports.
         """
 
 class KvCacheEvent:
@@ -593,6 +660,10 @@ class RequestStats:
     @property
     def num_early_reused_blocks(self) -> int:
         """Of those, computed by a request that was still running."""
+
+    @property
+    def missed(self) -> MissReasons:
+        """MissReasons of the full prompt blocks not reused."""
 
     @property
     def num_pauses(self) -> int:

@@ -2,8 +2,9 @@
 
 The fake engine is a small independent model of the real one: it admits requests in order up
 to max_batch_size, computes a whole context in one step (cost proportional to the tokens not
-found in its prefix cache of full blocks), then emits one token per step. Time comes from a
-FakeClock that each step advances, so latencies are exact numbers tests can compute by hand.
+found in its prefix cache of full blocks, which never evicts), then emits one token per step.
+Time comes from a FakeClock that each step advances, so latencies are exact numbers tests can
+compute by hand.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from kvtool.errors import KvtoolError
 from kvtool.plan.options import BuildOptions
 from kvtool.runtime.pool_sizes import PoolSizes
-from kvtool.runtime.request import Request
+from kvtool.runtime.request import MISS_REASONS, Request
 
 
 class FakeClock:
@@ -77,7 +78,7 @@ class FakeEngine:
         self.num_steps = 0
         self.max_in_engine = 0
         self.num_resets = 0
-        self.stats = {"reused_blocks": 0, "missed_blocks": 0}
+        self.stats = self._zero_stats()
 
     def request_problem(self, request: Request):
         prompt = request.prompt_token_ids
@@ -131,8 +132,19 @@ class FakeEngine:
                     reused += 1
                 request.num_reused_blocks = reused
                 request.num_reused_tokens = reused * self.tokens_per_block
+                # Nothing is evicted: a missed block is new, or cached but holding the last token.
+                missed = keys[reused:]
+                reasons = dict.fromkeys(MISS_REASONS, 0)
+                if not self.enable_block_reuse:
+                    reasons["reuse_off"] = len(missed)
+                else:
+                    reasons["last_token"] = sum(key in self._cached_blocks for key in missed)
+                    reasons["never_seen"] = len(missed) - reasons["last_token"]
+                request.miss_reasons = reasons
                 self.stats["reused_blocks"] += reused
-                self.stats["missed_blocks"] += len(keys) - reused
+                self.stats["missed_blocks"] += len(missed)
+                for reason, count in reasons.items():
+                    self.stats[f"missed_{reason}_blocks"] += count
                 duration += (request.num_prompt_tokens - request.num_reused_tokens) * self.context_s_per_token
                 self._cached_blocks.update(keys)
         self.advance(duration)
@@ -157,9 +169,13 @@ class FakeEngine:
         return {**self.stats, "cache_hit_rate": self.stats["reused_blocks"] / total if total else 0.0,
                 "offloaded_blocks": 0, "onboarded_blocks": 0, "offloaded_bytes": 0, "onboarded_bytes": 0}
 
+    @staticmethod
+    def _zero_stats():
+        return {"reused_blocks": 0, "missed_blocks": 0, **{f"missed_{reason}_blocks": 0 for reason in MISS_REASONS}}
+
     def reset_stats(self):
         self.num_resets += 1
-        self.stats = {"reused_blocks": 0, "missed_blocks": 0}
+        self.stats = self._zero_stats()
 
 
 @dataclass

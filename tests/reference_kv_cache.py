@@ -30,7 +30,16 @@ Rules (the specification the C++ manager is checked against):
 - Eviction victim: unreferenced, unpinned nodes without primary children (secondary pool: without
   children), lowest (priority, stamp). An evicted primary node of priority >=
   secondary_offload_min_priority moves to the secondary pool when a secondary block is free or
-  can be evicted, else it is dropped with its (secondary) descendants.
+  can be evicted, else it is dropped with its (secondary) descendants, leaves first (the reverse
+  of a breadth-first walk that takes each node's children newest first).
+- Why a block was missed: add_sequence gives each full prompt block after the shared chain one
+  reason, judged before its own allocations evict anything: reuse off -> reuse_off; cached (only
+  possible for the last block of a prompt of whole blocks, which holds the last token) ->
+  last_token; the block that got the partial copy -> partial; its key last dropped from the primary
+  / host pool -> evicted_primary / evicted_host; its plain key (the same tokens' chain with LoRA 0,
+  salt 0, no extra ids) cached, dropped, or stored by a node whose key is not its plain key ->
+  identity; else never_seen, and so are all later blocks (keys chain). What was dropped or stored
+  is remembered in a KeyHistory: two generations of at most 2 x (primary + secondary blocks) keys.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class Node:
     owner: int | None = None  # sequence that computed it, while it still holds the block
     stamp: int = 0
     pinned: bool = False
+    plain: tuple | None = None  # the plain key of its chain (== key for a plain node)
 
 
 @dataclass
@@ -70,11 +80,37 @@ class Seq:
     window_released: int = 0
 
 
+MISS_REASONS = ("never_seen", "evicted_primary", "evicted_host", "identity", "partial", "last_token", "reuse_off")
 STAT_NAMES = (
     "reused_blocks missed_blocks early_reused_blocks partial_reused_blocks alloc_total_blocks "
     "alloc_new_blocks offloaded_blocks onboarded_blocks evicted_blocks num_offloaded_tokens "
     "num_onboarded_tokens"
-).split()
+).split() + [f"missed_{reason}_blocks" for reason in MISS_REASONS]
+
+DROPPED_PRIMARY, DROPPED_HOST, STORED_PLAIN = 1, 2, 4
+DROPPED = DROPPED_PRIMARY | DROPPED_HOST
+
+
+class KeyHistory:
+    """Flags of keys: from which pool a node was last dropped, whether a non-plain node with this
+    plain key was stored. Two generations of at most `capacity` keys: writing a key the newer one
+    lacks while it is full first forgets the older one, and the newer one becomes the older."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.newer: dict = {}
+        self.older: dict = {}
+        self.num_forgotten = 0  # generations forgotten (tests report it)
+
+    def flags(self, key):
+        newer, older = self.newer.get(key, 0), self.older.get(key, 0)
+        return (newer & DROPPED or older & DROPPED) | ((newer | older) & STORED_PLAIN)
+
+    def update(self, key, clear, set_):
+        if key not in self.newer and len(self.newer) == self.capacity:
+            self.older, self.newer = self.newer, {}
+            self.num_forgotten += 1
+        self.newer[key] = (self.newer.get(key, 0) & ~clear) | set_
 
 
 class ReferenceKVCache:
@@ -94,6 +130,7 @@ class ReferenceKVCache:
         self.seqs: dict[int, Seq] = {}
         self.clock = itertools.count(1)
         self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self.history = KeyHistory(2 * (num_primary_blocks + num_secondary_blocks))
 
     # ---- keys and lookups -------------------------------------------------------------------
     def _block(self, tokens, extras, i):
@@ -186,13 +223,16 @@ class ReferenceKVCache:
                  and not any(c.tier == "P" or tier == "S" for c in self._children(n.key))]
         return min(cands, key=lambda n: (n.priority, n.stamp), default=None)
 
-    def _drop_tree(self, node):
-        for child in self._children(node.key):
-            self._drop_tree(child)
-        del self.nodes[node.key]
-        del self.children[node.parent][node.key]
-        self.num_in[node.tier] -= 1
-        self.stats["evicted_blocks"] += 1
+    def _drop_tree(self, top):
+        order = [top]
+        for node in order:
+            order.extend(reversed(self._children(node.key)))  # newest child first
+        for node in reversed(order):
+            del self.nodes[node.key]
+            del self.children[node.parent][node.key]
+            self.num_in[node.tier] -= 1
+            self.stats["evicted_blocks"] += 1
+            self.history.update(node.key, DROPPED, DROPPED_PRIMARY if node.tier == "P" else DROPPED_HOST)
 
     def _take_secondary(self):
         """Makes one secondary block free; False when none can be."""
@@ -233,6 +273,34 @@ class ReferenceKVCache:
         if entry.refcount == 0:
             entry.stamp = next(self.clock)
 
+    def miss_reasons(self, tokens, extras, lora, salt, num_shared, partial_copy):
+        """{reason: blocks} of the full prompt blocks after the num_shared shared ones."""
+        reasons = dict.fromkeys(MISS_REASONS, 0)
+        num_blocks = len(tokens) // self.tpb
+        if not self.reuse:
+            reasons["reuse_off"] = max(num_blocks - num_shared, 0)
+            return reasons
+        key = plain = None
+        for i in range(num_blocks):
+            t, e = self._block(tokens, extras, i)
+            key, plain = self._key(key, t, e, lora, salt), self._key(plain, t, None, 0, 0)
+            if i < num_shared:
+                continue
+            flags = self.history.flags(key)
+            if key in self.nodes:
+                reason = "last_token"
+            elif i == num_shared and partial_copy:
+                reason = "partial"
+            elif flags & DROPPED:
+                reason = "evicted_primary" if flags & DROPPED_PRIMARY else "evicted_host"
+            elif plain in self.nodes or self.history.flags(plain):
+                reason = "identity"
+            else:
+                reasons["never_seen"] += num_blocks - i
+                break
+            reasons[reason] += 1
+        return reasons
+
     # ---- sequences --------------------------------------------------------------------------
     def can_add_sequence(self, tokens, num_tokens, extras=None, lora=0, salt=0):
         return self.num_blocks_to_add(tokens, num_tokens, extras, lora, salt) <= self.num_available_blocks()
@@ -241,6 +309,7 @@ class ReferenceKVCache:
         """The caller checks can_add_sequence first."""
         assert seq_id not in self.seqs
         chain, source, k, _ = self.match_to_add(tokens, num_tokens, extras, lora, salt)
+        missed = self.miss_reasons(tokens, extras, lora, salt, len(chain), source is not None)
         seq = Seq(list(tokens), list(extras) if extras is not None and any(extras) else None, lora, salt, priority)
         early = sum(1 for n in chain if n.tier == "P" and n.owner is not None)
         onboarded = sum(1 for n in chain if n.tier == "S")
@@ -270,6 +339,8 @@ class ReferenceKVCache:
             seq.table.append(self._new_block())
         self.stats["reused_blocks"] += len(chain)
         self.stats["missed_blocks"] += len(tokens) // self.tpb - len(chain)
+        for reason, count in missed.items():
+            self.stats[f"missed_{reason}_blocks"] += count
         self.stats["early_reused_blocks"] += early
         self.stats["alloc_total_blocks"] += total
         self.stats["alloc_new_blocks"] += total - len(chain)
@@ -279,7 +350,8 @@ class ReferenceKVCache:
         self.seqs[seq_id] = seq
         self._release_window(seq_id, seq)
         return dict(num_reused_tokens=seq.computed, num_reused_blocks=len(chain), num_onboarded_blocks=onboarded,
-                    num_partial_tokens=k, num_early_reused_blocks=early, num_new_blocks=total - len(chain))
+                    num_partial_tokens=k, num_early_reused_blocks=early, num_new_blocks=total - len(chain),
+                    missed=missed)
 
     def can_allocate(self, seq_id, num_tokens):
         return -(-num_tokens // self.tpb) - len(self.seqs[seq_id].table) <= self.num_available_blocks()
@@ -327,7 +399,12 @@ class ReferenceKVCache:
             key = self._key(parent.key if parent else None, t, e, seq.lora, seq.salt)
             node = self.nodes.get(key)
             if node is None:
-                node = Node(key, parent.key if parent else None, t, e, seq.lora, seq.salt, "P", seq.priority)
+                plain = self._key(parent.plain if parent else None, t, None, 0, 0)
+                plain = key if plain == key else plain
+                node = Node(key, parent.key if parent else None, t, e, seq.lora, seq.salt, "P", seq.priority,
+                            plain=plain)
+                if plain is not key:  # these tokens under another identity
+                    self.history.update(plain, 0, STORED_PLAIN)
                 self.nodes[key] = node
                 self.children.setdefault(node.parent, {})[key] = node
                 self.num_in["P"] += 1

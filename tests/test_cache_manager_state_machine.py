@@ -69,10 +69,17 @@ class CacheManagerMachine(RuleBasedStateMachine):
         want = self.ref.add_sequence(seq_id, tokens, num_tokens, priority=priority, **kw)
         # What num_blocks_to_add promised is exactly what the sequence took.
         assert self.manager.num_available_blocks() == available - needed
+        want_missed = want.pop("missed")
         assert {k: getattr(got, k) for k in want} == want
+        # Why each missed block was missed: one reason per block, as the reference judges it.
+        assert got.missed.to_dict() == want_missed
+        assert got.missed.total == len(tokens) // TOKENS_PER_BLOCK - got.num_reused_blocks
         for name in ("num_reused_blocks", "num_onboarded_blocks", "num_partial_tokens", "num_early_reused_blocks"):
             if want[name]:
                 event(f"add_sequence with {name} > 0")
+        for reason, count in want_missed.items():
+            if count:
+                event(f"missed: {reason}")
         self._sync_copies()
         self.seqs[seq_id] = dict(tokens=list(tokens), extras=None if extras is None else list(extras), lora=lora,
                                  salt=salt, priority=priority)
@@ -101,6 +108,23 @@ class CacheManagerMachine(RuleBasedStateMachine):
         if not self.released:
             return
         tokens, extras, lora, salt, priority = data.draw(st.sampled_from(self.released[-3:]))
+        seq_id = self._add(tokens, extras, lora, salt, priority, len(tokens))
+        if seq_id is not None:
+            self._compute(seq_id, len(tokens))
+
+    @rule(data=st.data(), num_flood=st.integers(1, 8), flood_priority=st.sampled_from([10, 35, 60]))
+    def flood_and_return(self, data, num_flood, flood_priority):
+        """An earlier request returns after requests of new tokens pushed its blocks out of the
+        primary pool and the host tier: its misses are evicted_primary / evicted_host."""
+        if not self.released:
+            return
+        tokens, extras, lora, salt, priority = data.draw(st.sampled_from(self.released[-3:]))
+        for k in range(num_flood):
+            flood = [3 + (self.next_id + k + j) % 5 for j in range(12)]  # token ids no other rule uses
+            seq_id = self._add(flood, None, 0, 0, flood_priority, len(flood))
+            if seq_id is not None:
+                self._compute(seq_id, len(flood))
+                self._release(seq_id)
         seq_id = self._add(tokens, extras, lora, salt, priority, len(tokens))
         if seq_id is not None:
             self._compute(seq_id, len(tokens))
@@ -235,6 +259,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
                 event(f"{name} > 0")
         want = self.ref.stats_dict()
         assert {k: got[k] for k in want} == want
+        if self.ref.history.num_forgotten:
+            event("the key history forgot a generation")
         assert self.manager.num_available_blocks() == self.ref.num_available_blocks()
 
     @invariant()

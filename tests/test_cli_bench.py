@@ -90,8 +90,12 @@ def test_bench_writes_request_and_summary_csvs_with_every_flag(tmp_path, dataset
     assert summary["kv_host_cache_bytes"] == "512000000" and summary["enable_kv_cache_reuse"] == "False"
     assert summary["model"] == "preset:tiny-llama" and summary["device"].startswith("fake")
     assert float(summary["ttft_ms_p99"]) >= float(summary["ttft_ms_p50"]) > 0
+    # Reuse off: every missed block is missed for that reason, per request and in the summary.
+    assert all(row["missed_blocks"] == row["missed_reuse_off_blocks"] == "10" for row in requests)
+    assert summary["missed_blocks"] == summary["missed_reuse_off_blocks"] == "40"
     # The rich summary table is printed.
     assert "TTFT p99 (ms)" in result.output and "cache hit rate" in result.output
+    assert "missed blocks by reason" in result.output and "40 reuse off" in result.output
 
 
 def test_defaults_and_default_output_directory(tmp_path, dataset, fake_llms, monkeypatch):

@@ -160,3 +160,15 @@ def test_plot_titles_name_the_workload_and_unit_and_the_legend_stays_off_the_cur
     box_axes, cdf_axes = figure.axes
     assert "lower is better" in box_axes.get_ylabel() and "lower is better" in cdf_axes.get_xlabel()
     assert not saved["legend"].overlaps(saved["curves"])
+
+
+def test_miss_reasons_are_metric_rows_and_summaries_written_before_them_still_compare(tmp_path):
+    old = write_summary_csv(tmp_path / "old.csv", [summary_row("old", 100.0, True)])
+    new = write_summary_csv(tmp_path / "new.csv", [{**summary_row("new", 80.0, True), "missed_blocks": 4,
+                                                    "missed_never_seen_blocks": 3, "missed_evicted_host_blocks": 0,
+                                                    "missed_last_token_blocks": 1}])
+    rows = compare_rows(load_variants([old, new]))
+    never_seen = row_named(rows, "missed_never_seen_blocks")
+    assert never_seen.name == "missed: never seen" and never_seen.values == (None, 3.0)
+    assert row_named(rows, "missed_last_token_blocks").values == (None, 1.0)
+    assert all(row.column != "missed_partial_blocks" for row in rows)  # neither report has it

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvtool.bench.datasets import DatasetRecord
-from kvtool.bench.metrics import CSV_COLUMNS, request_metrics
+from kvtool.bench.metrics import CSV_COLUMNS, MISS_COLUMNS, request_metrics
 from kvtool.bench.report import (
     RequestCsvWriter,
     format_cell,
@@ -22,7 +22,9 @@ from kvtool.runtime.request import Request
 
 EXPECTED_COLUMNS = ["label", "engine", "request_id", "session_id", "turn", "input_tokens", "output_tokens", "reused_tokens",
                     "onboarded_blocks", "arrival_s", "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "itl_ms",
-                    "e2e_ms", "error", "endpoint"]
+                    "e2e_ms", "error", "endpoint", "missed_blocks", "missed_never_seen_blocks",
+                    "missed_evicted_primary_blocks", "missed_evicted_host_blocks", "missed_identity_blocks",
+                    "missed_partial_blocks", "missed_last_token_blocks", "missed_reuse_off_blocks"]
 
 
 def metrics(request_id="r", times=(1.1, 1.2), arrival=1.0):
@@ -106,3 +108,28 @@ def test_reading_a_missing_or_empty_report_is_a_clear_error(tmp_path):
     (tmp_path / "empty.csv").write_text("")
     with pytest.raises(KvtoolError, match="is empty"):
         read_csv(tmp_path / "empty.csv")
+
+
+def test_the_miss_reasons_round_trip_and_older_reports_without_them_still_read(tmp_path):
+    rec = metrics("x")
+    reasons = {"never_seen": 1, "evicted_primary": 0, "evicted_host": 2, "identity": 0, "partial": 0,
+               "last_token": 1, "reuse_off": 0}
+    line = DatasetRecord(line_number=2, output_tokens=2, input_ids=(1,) * 12)
+    request = Request([1] * 12, arrival_time=1.0, line=line, name="y", miss_reasons=reasons)
+    request.token_times, request.output_token_ids = [1.1, 1.2], [1, 1]
+    request.first_token_time, request.finish_time = 1.1, 1.2
+    with_reasons = request_metrics(request, label="v1", bench_start=0.5)
+    assert (with_reasons.missed_blocks, with_reasons.missed_evicted_host_blocks) == (4, 2)
+    assert rec.missed_blocks is None and rec.missed_never_seen_blocks is None  # the engine did not say
+    with RequestCsvWriter(tmp_path / "r.csv") as writer:
+        writer.write(with_reasons)
+        writer.write(rec)
+    new, unknown = read_csv(tmp_path / "r.csv")
+    back = request_metrics_from_row(new)
+    assert [getattr(back, c) for c in MISS_COLUMNS] == [getattr(with_reasons, c) for c in MISS_COLUMNS] == [
+        4, 1, 0, 2, 0, 0, 1, 0]
+    assert unknown["missed_blocks"] == "" and request_metrics_from_row(unknown).missed_blocks is None
+    # A report written before the columns existed.
+    old = {column: value for column, value in new.items() if not column.startswith("missed_")}
+    back = request_metrics_from_row(old)
+    assert back.missed_blocks is None and back.missed_last_token_blocks is None and back.reused_tokens == 0

@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstddef>
+#include <iterator>
 #include <string>
 
 #include "kv_cache_manager.h"
@@ -150,6 +151,52 @@ void bind_cache_manager(nb::module_& m) {
                ", num_partial_tokens=" + std::to_string(r.num_partial_tokens) + ")";
       });
 
+  nb::class_<MissReasons> miss_reasons(
+      m, "MissReasons",
+      "Missed full prompt blocks by reason. Each missed block counts under exactly one reason, so the "
+      "fields sum to total (rules: docs/architecture.md#kv-cache-rules).");
+  const char* const miss_reason_docs[] = {
+      "No block with its key, nor its tokens under another identity, was ever stored (as far as the "
+      "manager remembers: at least the last 2 x (primary + secondary blocks) keys dropped or stored).",
+      "Cached, then dropped from the primary pool without an offload (no host tier, host tier full with "
+      "nothing evictable, or priority below secondary_offload_min_priority).",
+      "Offloaded, then dropped from the host (secondary) tier.",
+      "The same tokens (from the prompt's start) were stored under another cache salt, LoRA task id or "
+      "extra ids.",
+      "The block after the shared chain, which got a partial-reuse copy of its first tokens.",
+      "Cached, but it holds the prompt's last token, which is always computed (a prompt of whole blocks).",
+      "Block reuse is disabled: every full prompt block.",
+  };
+  static_assert(std::size(kMissReasonFields) == std::size(miss_reason_docs), "one docstring per reason");
+  for (size_t k = 0; k < std::size(kMissReasonFields); ++k) {
+    miss_reasons.def_ro(kMissReasonFields[k].name, kMissReasonFields[k].count, miss_reason_docs[k]);
+  }
+  miss_reasons.def(nb::init<>(), "Every count 0.")
+      .def_prop_ro("total", &MissReasons::total, "Missed blocks, every reason.")
+      .def(
+          "to_dict",
+          [](const MissReasons& r) {
+            nb::dict d;
+            for (const auto& field : kMissReasonFields) d[field.name] = r.*field.count;
+            return d;
+          },
+          "{reason: blocks}, every reason in declaration order.")
+      .def("__eq__",
+           [](const MissReasons& a, const MissReasons& b) {
+             for (const auto& field : kMissReasonFields) {
+               if (a.*field.count != b.*field.count) return false;
+             }
+             return true;
+           }, nb::is_operator())
+      .def("__repr__", [](const MissReasons& r) {
+        std::string out = "MissReasons(";
+        for (const auto& field : kMissReasonFields) {
+          if (out.back() != '(') out += ", ";
+          out += std::string(field.name) + "=" + std::to_string(r.*field.count);
+        }
+        return out + ")";
+      });
+
   nb::class_<AddSequenceResult>(m, "AddSequenceResult", "What add_sequence did for one sequence.")
       .def_ro("num_reused_tokens", &AddSequenceResult::num_reused_tokens,
               "Prompt tokens not to compute (shared full blocks + partial copy).")
@@ -162,13 +209,16 @@ void bind_cache_manager(nb::module_& m) {
               "Shared blocks whose computing sequence was still running.")
       .def_ro("num_new_blocks", &AddSequenceResult::num_new_blocks,
               "Blocks allocated fresh (including the partial copy target).")
+      .def_ro("missed", &AddSequenceResult::missed,
+              "MissReasons of the prompt's full blocks not shared (decided before this call evicted anything).")
       .def("__repr__", [](const AddSequenceResult& r) {
         return "AddSequenceResult(num_reused_tokens=" + std::to_string(r.num_reused_tokens) +
                ", num_reused_blocks=" + std::to_string(r.num_reused_blocks) +
                ", num_onboarded_blocks=" + std::to_string(r.num_onboarded_blocks) +
                ", num_partial_tokens=" + std::to_string(r.num_partial_tokens) +
                ", num_early_reused_blocks=" + std::to_string(r.num_early_reused_blocks) +
-               ", num_new_blocks=" + std::to_string(r.num_new_blocks) + ")";
+               ", num_new_blocks=" + std::to_string(r.num_new_blocks) +
+               ", num_missed_blocks=" + std::to_string(r.missed.total()) + ")";
       });
 
   nb::class_<PoolStats>(m, "PoolStats", "Block counts of one pool; free + cached + used = num_blocks.")
@@ -186,6 +236,7 @@ void bind_cache_manager(nb::module_& m) {
   nb::class_<CacheStats>(m, "CacheStats", "Counters since construction or reset_stats(), and pool occupancy.")
       .def_ro("reused_blocks", &CacheStats::reused_blocks)
       .def_ro("missed_blocks", &CacheStats::missed_blocks, "Prompt full blocks that had to be computed.")
+      .def_ro("missed", &CacheStats::missed, "The missed blocks by reason (MissReasons; total == missed_blocks).")
       .def_ro("cache_hit_rate", &CacheStats::cache_hit_rate, "reused / (reused + missed); 0 when both are 0.")
       .def_ro("early_reused_blocks", &CacheStats::early_reused_blocks,
               "Reused while their computing sequence was still running.")
@@ -207,6 +258,9 @@ void bind_cache_manager(nb::module_& m) {
             nb::dict d;
             d["reused_blocks"] = s.reused_blocks;
             d["missed_blocks"] = s.missed_blocks;
+            for (const auto& field : kMissReasonFields) {
+              d[("missed_" + std::string(field.name) + "_blocks").c_str()] = s.missed.*field.count;
+            }
             d["cache_hit_rate"] = s.cache_hit_rate;
             d["early_reused_blocks"] = s.early_reused_blocks;
             d["partial_reused_blocks"] = s.partial_reused_blocks;
@@ -227,7 +281,8 @@ void bind_cache_manager(nb::module_& m) {
             }
             return d;
           },
-          "Flat dict of every counter (pool fields prefixed primary_/secondary_), for reports.");
+          "Flat dict of every counter (miss reasons as missed_<reason>_blocks, pool fields prefixed "
+          "primary_/secondary_), for reports.");
 
   nb::class_<KvCacheEvent>(m, "KvCacheEvent", "A change of the cached blocks (for KV-aware routers).")
       .def_ro("event_id", &KvCacheEvent::event_id)

@@ -187,6 +187,7 @@ void bind_scheduler(nb::module_& m) {
       .def_ro("num_onboarded_blocks", &RequestStats::num_onboarded_blocks, "Of those, brought back from host.")
       .def_ro("num_early_reused_blocks", &RequestStats::num_early_reused_blocks,
               "Of those, computed by a request that was still running.")
+      .def_ro("missed", &RequestStats::missed, "MissReasons of the full prompt blocks not reused.")
       .def_ro("num_pauses", &RequestStats::num_pauses, "Times paused (MAX_UTILIZATION).")
       .def("__repr__", [](const RequestStats& s) {
         return "RequestStats(request_id=" + std::to_string(s.request_id) + ", state=" + state_name(s.state) +
@@ -196,6 +197,7 @@ void bind_scheduler(nb::module_& m) {
                ", num_reused_blocks=" + std::to_string(s.num_reused_blocks) +
                ", num_onboarded_blocks=" + std::to_string(s.num_onboarded_blocks) +
                ", num_early_reused_blocks=" + std::to_string(s.num_early_reused_blocks) +
+               ", num_missed_blocks=" + std::to_string(s.missed.total()) +
                ", num_pauses=" + std::to_string(s.num_pauses) + ")";
       });
 

@@ -10,11 +10,11 @@
 
 namespace kvtool {
 
-inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+constexpr uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
 // The well-known 64-bit finalizer (MurmurHash3's fmix64): every input bit flips about half of the
 // output bits, so truncated or sequential inputs still spread over a hash table.
-inline uint64_t mix64(uint64_t x) {
+constexpr uint64_t mix64(uint64_t x) {
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdULL;
   x ^= x >> 33;
@@ -97,7 +97,7 @@ inline bool any_extra(const ExtraId* extra_ids, size_t n) {
 }
 
 // What a sequence contributes to every block key besides tokens: LoRA task id and cache salt.
-inline uint64_t key_identity(uint64_t lora_task_id, uint64_t cache_salt) {
+constexpr uint64_t key_identity(uint64_t lora_task_id, uint64_t cache_salt) {
   return mix64(lora_task_id + 0x2545F4914F6CDD1DULL) ^ rotl64(mix64(cache_salt + 0x1B873593ULL), 31);
 }
 

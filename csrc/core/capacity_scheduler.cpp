@@ -149,6 +149,7 @@ void Scheduler::Impl::admit(size_t index, const SequenceSpec& spec) {
     r.stats.num_reused_blocks = result.num_reused_blocks;
     r.stats.num_onboarded_blocks = result.num_onboarded_blocks;
     r.stats.num_early_reused_blocks = result.num_early_reused_blocks;
+    r.stats.missed = result.missed;
   }
 }
 

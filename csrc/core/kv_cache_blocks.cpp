@@ -13,7 +13,11 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
       key_hash_bits(bits),
       key_index((c.validate(), static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks)),
       partial_index(c.enable_partial_reuse ? static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks
-                                           : 0) {
+                                           : 0),
+      // A key is remembered for at least 2 x (primary + secondary blocks) later drops: a block
+      // evicted while up to twice the whole cache was computed after it still counts as evicted.
+      key_history(c.enable_block_reuse ? 2 * (static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks)
+                                       : 0) {
   if (bits < 0 || bits > 64) {
     throw std::invalid_argument("key_hash_bits=" + std::to_string(bits) + " is outside 0..64: use 64");
   }

@@ -228,6 +228,8 @@ void KVCacheManager::Impl::drop_node(NodeId n) {
   Node& x = nodes[n];
   emit_event(KvCacheEventKind::kRemoved, n, false);
   ++stats.evicted_blocks;
+  key_history.update(x.hash,
+                     x.pool == PoolKind::kPrimary ? KeyHistory::kDroppedFromPrimary : KeyHistory::kDroppedFromHost);
   lru_remove(n);
   key_index.erase(x.hash, n);
   if (x.in_partial_index) partial_index.erase(x.partial_key, n);

@@ -183,6 +183,10 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
     if (n != root && m.nodes[n].live && m.nodes[n].in_lru) ++num_should;
   }
   if (num_listed != num_should) fail("LRU lists hold " + s(num_listed) + " nodes, " + s(num_should) + " are flagged");
+  if (m.stats.missed.total() != m.stats.missed_blocks) {
+    fail("the miss reasons sum to " + s(m.stats.missed.total()) + ", not the " + s(m.stats.missed_blocks) +
+         " missed blocks");
+  }
   return bad;
 }
 

@@ -97,6 +97,71 @@ KVCacheManager::Impl::PrefixMatch KVCacheManager::Impl::find_prefix(const Sequen
   return match;
 }
 
+MissReasons KVCacheManager::Impl::classify_misses(const SequenceSpec& spec, PrefixMatch& match) const {
+  MissReasons missed;
+  const size_t num_prompt_blocks = spec.token_ids.size() / tpb;
+  size_t i = match.nodes.size();
+  if (i >= num_prompt_blocks) return missed;
+  if (!config.enable_block_reuse) {
+    missed.reuse_off = static_cast<int64_t>(num_prompt_blocks - i);
+    return missed;
+  }
+  const TokenId* tokens = spec.token_ids.data();
+  const ExtraId* extras = spec.extra_ids.empty() ? nullptr : spec.extra_ids.data();
+  const bool plain_differs = plain_keys_differ(match.identity, any_extra(extras, spec.extra_ids.size()));
+  auto hash_up_to = [&](size_t end) {
+    if (match.hashes.size() < end) extend_hashes(match.hashes, tokens, extras, match.identity, end);
+    if (plain_differs && match.plain_hashes.size() < end) {
+      extend_hashes(match.plain_hashes, tokens, nullptr, kPlainIdentity, end);
+    }
+  };
+  // The block right after the shared chain. find_prefix shares every cached block but one that
+  // holds the last prompt token: the last block of a prompt of whole blocks. Cached, that one
+  // counts as last_token even when a partial copy took its first tokens.
+  hash_up_to(i + 1);
+  const NodeId parent = match.nodes.empty() ? root : match.nodes.back();
+  const bool holds_last_token = i + 1 == num_prompt_blocks && spec.token_ids.size() % tpb == 0;
+  if (holds_last_token && nodes[parent].num_children > 0 &&
+      find_child(parent, match.hashes[i], tokens + i * tpb, extras ? extras + i * tpb : nullptr, spec.lora_task_id,
+                 spec.cache_salt) != kNoNode) {
+    ++missed.last_token;
+    ++i;
+  } else if (match.partial_source != kNoNode) {
+    ++missed.partial;
+    ++i;
+  }
+  // The other blocks are not cached (find_prefix would have shared the first, and the parent of
+  // each later one is not cached): what became of their keys. Keys chain, so once a block was
+  // never seen, neither were the ones after it.
+  for (; i < num_prompt_blocks; ++i) {
+    hash_up_to(i + 1);
+    const uint64_t key = match.hashes[i];
+    const uint8_t flags = key_history.flags(key);
+    if ((flags & KeyHistory::kDroppedFromPrimary) != 0) {
+      ++missed.evicted_primary;
+      continue;
+    }
+    if ((flags & KeyHistory::kDroppedFromHost) != 0) {
+      ++missed.evicted_host;
+      continue;
+    }
+    // The plain key was stored: by a node of another identity (kStoredPlain), or by a plain node
+    // that is cached or was dropped. A plain prompt's own key is its plain key.
+    const uint64_t plain = plain_differs ? match.plain_hashes[i] : key;
+    bool seen = (flags & KeyHistory::kStoredPlain) != 0;
+    if (!seen && plain != key) {
+      seen = key_history.flags(plain) != 0 ||
+             key_index.find(plain, [&](NodeId n) { return nodes[n].hash == plain; }) != kNoNode;
+    }
+    if (!seen) {
+      missed.never_seen += static_cast<int64_t>(num_prompt_blocks - i);
+      break;
+    }
+    ++missed.identity;
+  }
+  return missed;
+}
+
 int32_t KVCacheManager::Impl::settle_blocks_to_add(PrefixMatch& match, int32_t num_tokens) const {
   const auto num_shared = static_cast<int32_t>(match.nodes.size());
   // Held matched blocks are already out of num_available(); every other block comes out of it.

@@ -125,6 +125,10 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     extend_hashes(seq.block_hashes, seq.token_ids.data(), seq.extra_ids.empty() ? nullptr : seq.extra_ids.data(),
                   seq.identity, num_full);
   }
+  const bool plain_differs = plain_keys_differ(seq.identity, !seq.extra_ids.empty());
+  if (plain_differs && seq.plain_hashes.size() < static_cast<size_t>(num_full)) {
+    extend_hashes(seq.plain_hashes, seq.token_ids.data(), nullptr, kPlainIdentity, num_full);
+  }
   // Index buckets are loaded kPrefetchDistance blocks ahead of their insert, so the cache misses
   // overlap (without it the manager is about 1.3x slower: results/cache_manager.md).
   constexpr int32_t kPrefetchDistance = 12;
@@ -156,6 +160,10 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     NodeId n = nodes[parent].num_children == 0 ? kNoNode : find_child(parent, h, t, e, seq.lora_task_id, seq.cache_salt);
     if (n == kNoNode) {
       n = store_node(parent, h, t, e, seq, seq_id, block);
+      // These tokens under another identity: remembered by their plain key (classify_misses).
+      if (plain_differs && seq.plain_hashes[i] != h) {
+        key_history.update(seq.plain_hashes[i], KeyHistory::kStoredPlain);
+      }
     } else if (nodes[n].pool == PoolKind::kSecondary) {
       move_to_primary(n, block);
       nodes[n].priority = static_cast<uint8_t>(seq.priority);
@@ -239,11 +247,15 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
                            str(num_tokens) + " tokens but only " + str(m.num_available()) + " of " +
                            str(m.config.num_primary_blocks) + " are available");
   }
+  // Before the allocations below evict anything: the reasons describe the cache the prompt met.
+  m.key_history.flush();
+  const MissReasons missed = m.classify_misses(spec, match);
 
   const int64_t num_prompt_blocks = static_cast<int64_t>(spec.token_ids.size()) / m.tpb;
   Impl::Sequence seq;
   seq.token_ids = std::move(spec.token_ids);
   seq.block_hashes = std::move(match.hashes);
+  seq.plain_hashes = std::move(match.plain_hashes);
   if (any_extra(spec.extra_ids.empty() ? nullptr : spec.extra_ids.data(), spec.extra_ids.size())) {
     seq.extra_ids = spec.extra_ids;
   }
@@ -294,9 +306,11 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   r.num_reused_tokens = r.num_reused_blocks * m.tpb + r.num_partial_tokens;
   r.num_early_reused_blocks = match.num_early;
   r.num_new_blocks = total - r.num_reused_blocks;
+  r.missed = missed;
 
   m.stats.reused_blocks += r.num_reused_blocks;
   m.stats.missed_blocks += num_prompt_blocks - r.num_reused_blocks;
+  m.stats.missed += missed;
   m.stats.early_reused_blocks += r.num_early_reused_blocks;
   m.stats.alloc_total_blocks += total;
   m.stats.alloc_new_blocks += r.num_new_blocks;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "block_key.h"
+#include "key_history.h"
 #include "kv_cache_manager.h"
 #include "node_index.h"
 
@@ -64,6 +65,9 @@ struct KVCacheManager::Impl {
     int32_t priority = kDefaultPriority;
     std::vector<BlockId> block_ids;  // primary block table, kNoBlock where the window released
     std::vector<uint64_t> block_hashes;  // keys of its first full blocks, as far as computed
+    // Plain keys (the same tokens' keys with LoRA 0, salt 0, no extra ids) of its first full
+    // blocks, as far as computed; empty when they equal block_hashes (see plain_keys_differ).
+    std::vector<uint64_t> plain_hashes;
     int32_t num_computed_tokens = 0;
     int32_t num_stored_blocks = 0;     // leading full blocks whose canonical node is known
     NodeId last_node = kNoNode;        // canonical node of block num_stored_blocks - 1 (root if 0)
@@ -76,6 +80,7 @@ struct KVCacheManager::Impl {
   struct PrefixMatch {
     std::vector<NodeId> nodes;       // the matched chain, root first
     std::vector<uint64_t> hashes;    // keys of the prompt's first blocks (at least the matched ones)
+    std::vector<uint64_t> plain_hashes;  // plain keys of its first blocks, when not equal to hashes
     uint64_t identity = 0;           // key_identity(lora_task_id, cache_salt)
     uint64_t last_hash = 0;
     int32_t num_secondary = 0;
@@ -171,6 +176,16 @@ struct KVCacheManager::Impl {
   // partial copy when pinning its source would leave too few blocks (those tokens are computed).
   int32_t settle_blocks_to_add(PrefixMatch& match, int32_t num_tokens) const;
 
+  // Why the prompt's full blocks after the match are not shared, one reason each (rules:
+  // docs/architecture.md#kv-cache-rules). Called after settle_blocks_to_add, before anything
+  // changes; extends match.hashes (and match.plain_hashes) as far as it looks.
+  MissReasons classify_misses(const SequenceSpec& spec, PrefixMatch& match) const;
+  // Whether a sequence's keys may differ from its plain keys (another identity, or extra ids).
+  static bool plain_keys_differ(uint64_t identity, bool has_extra_ids) {
+    return identity != kPlainIdentity || has_extra_ids;
+  }
+  static constexpr uint64_t kPlainIdentity = key_identity(0, 0);
+
   // ---- sequences (kv_cache_manager.cpp) ----
   int32_t blocks_for(int64_t num_tokens) const {
     return static_cast<int32_t>((num_tokens + tpb - 1) / tpb);
@@ -198,6 +213,9 @@ struct KVCacheManager::Impl {
   // partial_key -> nodes, for every child of the root or of a node with two children or more (an
   // only child is found through its parent, so a prompt's own chain costs no index updates).
   NodeIndex partial_index;
+  // Keys dropped from either pool and plain keys of nodes stored with another identity, for
+  // classify_misses (a bounded memory: key_history.h).
+  KeyHistory key_history;
 
   std::vector<int32_t> primary_refcount;   // [num_primary_blocks]
   std::vector<NodeId> primary_node;        // [num_primary_blocks], kNoNode when unkeyed

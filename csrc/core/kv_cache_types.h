@@ -59,6 +59,44 @@ struct MatchResult {
   int32_t num_partial_tokens = 0;      // tokens of a partially matching block (copied, not shared)
 };
 
+// Why missed full prompt blocks were not reused: each missed block counts under exactly one
+// reason, so the fields sum to the missed blocks (rules: docs/architecture.md#kv-cache-rules).
+struct MissReasons {
+  int64_t never_seen = 0;       // no block with its key, nor its tokens under another identity, was stored
+  int64_t evicted_primary = 0;  // cached, then dropped from the primary pool without an offload
+  int64_t evicted_host = 0;     // offloaded, then dropped from the host (secondary) pool
+  int64_t identity = 0;         // its tokens were stored under another cache salt / LoRA task id / extra ids
+  int64_t partial = 0;          // the block after the shared chain, which got a partial-reuse copy
+  int64_t last_token = 0;       // cached, but it holds the prompt's last token, which is always computed
+  int64_t reuse_off = 0;        // block reuse is disabled
+
+  int64_t total() const {
+    return never_seen + evicted_primary + evicted_host + identity + partial + last_token + reuse_off;
+  }
+  MissReasons& operator+=(const MissReasons& o) {
+    never_seen += o.never_seen;
+    evicted_primary += o.evicted_primary;
+    evicted_host += o.evicted_host;
+    identity += o.identity;
+    partial += o.partial;
+    last_token += o.last_token;
+    reuse_off += o.reuse_off;
+    return *this;
+  }
+};
+
+// The reasons by name, in declaration order (reports name them so: missed_<name>_blocks).
+struct MissReasonField {
+  const char* name;
+  int64_t MissReasons::*count;
+};
+inline constexpr MissReasonField kMissReasonFields[] = {
+    {"never_seen", &MissReasons::never_seen}, {"evicted_primary", &MissReasons::evicted_primary},
+    {"evicted_host", &MissReasons::evicted_host}, {"identity", &MissReasons::identity},
+    {"partial", &MissReasons::partial},         {"last_token", &MissReasons::last_token},
+    {"reuse_off", &MissReasons::reuse_off},
+};
+
 // What add_sequence did for one sequence.
 struct AddSequenceResult {
   int32_t num_reused_tokens = 0;       // prompt tokens not to compute (full blocks + partial copy)
@@ -67,6 +105,7 @@ struct AddSequenceResult {
   int32_t num_partial_tokens = 0;      // tokens copied from a partially matching block
   int32_t num_early_reused_blocks = 0; // reused blocks whose computing sequence was still running
   int32_t num_new_blocks = 0;          // blocks allocated fresh (including the partial copy target)
+  MissReasons missed;                  // the prompt's full blocks not shared, by reason
 };
 
 struct PoolStats {
@@ -79,6 +118,7 @@ struct PoolStats {
 struct CacheStats {
   int64_t reused_blocks = 0;
   int64_t missed_blocks = 0;        // prompt full blocks that had to be computed
+  MissReasons missed;               // the same blocks by reason (missed.total() == missed_blocks)
   double cache_hit_rate = 0.0;      // reused / (reused + missed)
   int64_t early_reused_blocks = 0;  // reused while their computing sequence was still running
   int64_t partial_reused_blocks = 0;

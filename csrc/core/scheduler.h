@@ -67,6 +67,7 @@ struct RequestStats {
   int32_t num_reused_blocks = 0;
   int32_t num_onboarded_blocks = 0;
   int32_t num_early_reused_blocks = 0;
+  MissReasons missed;                  // full prompt blocks not reused, by reason
   int32_t num_pauses = 0;
 };
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvtool.runtime.request import Request
+from kvtool.runtime.request import MISS_REASONS, Request
 
 MS_PER_S = 1000.0
 PERCENTILES = (50, 90, 99)
@@ -42,6 +42,16 @@ class RequestMetrics:
     e2e_ms: float | None
     error: str | None = None
     endpoint: str | None = None  # the server's URL when replayed through `kvtool bench --endpoint`
+    # Full prompt blocks not reused, and by reason (MISS_REASONS, docs/architecture.md#kv-cache-rules):
+    # they sum to missed_blocks. None where the engine does not say (an endpoint, a peer engine).
+    missed_blocks: int | None = None
+    missed_never_seen_blocks: int | None = None
+    missed_evicted_primary_blocks: int | None = None
+    missed_evicted_host_blocks: int | None = None
+    missed_identity_blocks: int | None = None
+    missed_partial_blocks: int | None = None
+    missed_last_token_blocks: int | None = None
+    missed_reuse_off_blocks: int | None = None
     # Every gap between consecutive tokens (ms); kept in memory for the pooled ITL, not written to CSV.
     token_gaps_ms: tuple[float, ...] = ()
     # The generated token ids; kept in memory (bench/peers/ compares them across engines), not written to CSV.
@@ -55,6 +65,14 @@ class RequestMetrics:
 CSV_COLUMNS = tuple(name for name in RequestMetrics.__dataclass_fields__
                     if name not in ("token_gaps_ms", "output_token_ids"))
 ENGINE = "kvtool"
+MISS_COLUMNS = ("missed_blocks", *(f"missed_{reason}_blocks" for reason in MISS_REASONS))
+
+
+def miss_columns(reasons: dict[str, int] | None) -> dict[str, int | None]:
+    """The MISS_COLUMNS of a request's {reason: blocks} (all None when unknown)."""
+    if reasons is None:
+        return dict.fromkeys(MISS_COLUMNS)
+    return {"missed_blocks": sum(reasons.values()), **{f"missed_{r}_blocks": reasons[r] for r in MISS_REASONS}}
 
 
 def request_metrics(request: Request, *, label: str, bench_start: float, engine: str = ENGINE,
@@ -88,7 +106,8 @@ def request_metrics(request: Request, *, label: str, bench_start: float, engine:
         reused_tokens=request.num_reused_tokens, onboarded_blocks=request.num_onboarded_blocks,
         arrival_s=arrival - bench_start, first_token_s=since_start(request.first_token_time),
         finish_s=since_start(request.finish_time), ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
-        error=error, endpoint=endpoint, token_gaps_ms=gaps, output_token_ids=tuple(request.output_token_ids))
+        error=error, endpoint=endpoint, **miss_columns(request.miss_reasons), token_gaps_ms=gaps,
+        output_token_ids=tuple(request.output_token_ids))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

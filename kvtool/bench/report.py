@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from kvtool.bench.metrics import CSV_COLUMNS, ENGINE, RequestMetrics
+from kvtool.bench.metrics import CSV_COLUMNS, ENGINE, MISS_COLUMNS, RequestMetrics
 from kvtool.errors import KvtoolError
 from kvtool.files import atomic_write
 
@@ -120,7 +120,8 @@ def _optional_int(text: str | None) -> int | None:
 
 
 def request_metrics_from_row(row: Mapping[str, str]) -> RequestMetrics:
-    """A per-request CSV row back as RequestMetrics (without the individual token gaps)."""
+    """A per-request CSV row back as RequestMetrics (without the individual token gaps). Columns
+    added later (the miss reasons) are None in older reports."""
     return RequestMetrics(
         label=row.get("label", ""), engine=row.get("engine") or ENGINE, request_id=row["request_id"],
         session_id=row.get("session_id") or None,
@@ -131,7 +132,7 @@ def request_metrics_from_row(row: Mapping[str, str]) -> RequestMetrics:
         finish_s=_optional_float(row.get("finish_s")), ttft_ms=_optional_float(row.get("ttft_ms")),
         tpot_ms=_optional_float(row.get("tpot_ms")), itl_ms=_optional_float(row.get("itl_ms")),
         e2e_ms=_optional_float(row.get("e2e_ms")), error=row.get("error") or None,
-        endpoint=row.get("endpoint") or None)
+        endpoint=row.get("endpoint") or None, **{column: _optional_int(row.get(column)) for column in MISS_COLUMNS})
 
 
 def rows_by_label(rows: Iterable[Mapping[str, str]]) -> dict[str, list[Mapping[str, str]]]:

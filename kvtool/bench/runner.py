@@ -221,6 +221,7 @@ def summary_table(rows: list[Mapping]) -> Table:
         ("output tokens/s", lambda r: _ms(r.get("output_tokens_per_s"))),
         ("requests/s", lambda r: _ms(r.get("requests_per_s"))),
         ("reused / missed blocks", lambda r: f"{_count(r.get('reused_blocks'))} / {_count(r.get('missed_blocks'))}"),
+        ("missed blocks by reason", _miss_reasons),
         ("cache hit rate", lambda r: format_hit_rate(r.get("cache_hit_rate"))),
         ("offloaded / onboarded blocks",
          lambda r: f"{_count(r.get('offloaded_blocks'))} / {_count(r.get('onboarded_blocks'))}"),
@@ -229,6 +230,19 @@ def summary_table(rows: list[Mapping]) -> Table:
     for name, cell in lines:
         table.add_row(name, *(cell(row) for row in rows))
     return table
+
+
+_MISS_NAMES = {"never_seen": "new", "evicted_primary": "evicted from primary", "evicted_host": "evicted from host",
+               "identity": "other identity", "partial": "partial", "last_token": "last token",
+               "reuse_off": "reuse off"}
+
+
+def _miss_reasons(row: Mapping) -> str:
+    """'12 new, 3 evicted from host': the reasons that missed blocks ('-' when the engine gave none)."""
+    counts = {name: as_number(row.get(f"missed_{reason}_blocks")) for reason, name in _MISS_NAMES.items()}
+    if all(count is None for count in counts.values()):
+        return "-"
+    return ", ".join(f"{_count(count)} {name}" for name, count in counts.items() if count) or "none"
 
 
 def _bytes(value) -> str:

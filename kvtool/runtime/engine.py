@@ -157,6 +157,7 @@ class Engine:
             request.num_reused_blocks = stats.num_reused_blocks
             request.num_onboarded_blocks = stats.num_onboarded_blocks
             request.num_early_reused_blocks = stats.num_early_reused_blocks
+            request.miss_reasons = stats.missed.to_dict()
         request.output_token_ids.append(token_id)
         request.token_times.append(now)
         reason = "length" if reached_length else self._stop_reason(request, token_id)
@@ -189,6 +190,7 @@ class Engine:
         return {
             "reused_blocks": s.reused_blocks,
             "missed_blocks": s.missed_blocks,
+            **{f"missed_{reason}_blocks": count for reason, count in s.missed.to_dict().items()},
             "cache_hit_rate": s.cache_hit_rate,
             "early_reused_blocks": s.early_reused_blocks,
             "partial_reused_blocks": s.partial_reused_blocks,

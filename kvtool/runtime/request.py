@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from kvtool.config import SamplingParams
 
 
+# Why a full prompt block was not reused, one reason per block, in kvtool._core.MissReasons' order
+# (docs/architecture.md#kv-cache-rules).
+MISS_REASONS = ("never_seen", "evicted_primary", "evicted_host", "identity", "partial", "last_token", "reuse_off")
+
+
 def _default_sampling_params() -> SamplingParams:
     # Imported here: the report code (metrics -> Request) also runs in the peers' venvs, where
     # kvtool's C++ extension, which kvtool.config needs, is not built (bench/peers/common.py).
@@ -53,6 +58,9 @@ class Request:
     num_onboarded_blocks: int = 0
     num_early_reused_blocks: int = 0
     num_pauses: int = 0
+    # The full prompt blocks not reused, {reason in MISS_REASONS: blocks}, at first admission; None
+    # where the engine does not say (a server behind bench --endpoint).
+    miss_reasons: dict[str, int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
