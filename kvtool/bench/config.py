@@ -139,3 +139,17 @@ FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in FLAGS)
 ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in FLAGS if flag.section != REPLAY)
 _FLAG_BY_NAME = MappingProxyType({flag.name: flag for flag in FLAGS})
 _FLAG_BY_FIELD = MappingProxyType({(_OWNERS[flag.section], flag.field): flag for flag in FLAGS})
+
+
+def flags_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The flags a summary row records (read back from CSV text, each value as YAML reads it), so
+    that its configuration can be run again (`kvtool explain` simulates what-ifs from it)."""
+    import yaml
+
+    flags = {}
+    for flag in FLAGS:
+        value = row.get(flag.column or flag.name)
+        if value is None or value == "":
+            continue
+        flags[flag.name] = yaml.safe_load(value) if isinstance(value, str) else value
+    return flags
