@@ -50,11 +50,15 @@ def bench_plan(model: str, config: BenchConfig, dataset: Dataset | None = None, 
         build = on_the_fly_build_options(None, config.kv_cache_config, max_batch_size=config.max_batch_size,
                                          max_seq_len=config.max_seq_len, max_num_tokens=config.max_num_tokens)
     plan = resolve_model(model, options=build, cache_dir=cache_dir)
-    num_workload_blocks = None
-    if dataset is not None and config.kv_cache_config.host_cache_size:
-        warmup, measured = config.replay.split(bench_requests(dataset, tokenizer=plan.tokenizer))
-        num_workload_blocks = max_num_blocks(warmup + measured, plan.build_options.tokens_per_block)
-    return plan, num_workload_blocks
+    return plan, workload_blocks(plan, config, dataset)
+
+
+def workload_blocks(plan, config: BenchConfig, dataset: Dataset | None) -> int | None:
+    """The most KV blocks the dataset's run can create, when a host cache makes it matter (else None)."""
+    if dataset is None or not config.kv_cache_config.host_cache_size:
+        return None
+    warmup, measured = config.replay.split(bench_requests(dataset, tokenizer=plan.tokenizer))
+    return max_num_blocks(warmup + measured, plan.build_options.tokens_per_block)
 
 
 def create_llm(model: str, config: BenchConfig, dataset: Dataset | None = None, *,

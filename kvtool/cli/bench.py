@@ -187,7 +187,7 @@ def _check_output(output: Path | None, default: Path, *, single_run: bool) -> No
 
 
 def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_dir, console,
-                  llm_factory=None, scenario=None):
+                  llm_factory=None, scenario=None, plan_resolver=None):
     """A scenario file's variants (or ``scenario``, made from the command line) into one output directory."""
     if scenario is None:
         scenario = load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags)
@@ -196,6 +196,6 @@ def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_
         raise ValueError(f"--output {output_dir}: a scenario writes several files; give a directory")
     _check_output(output, output_dir, single_run=False)
     result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=llm_factory or runner.create_llm,
-                                plan_resolver=lambda variant: sweep.resolve_variant_plan(variant, plan_cache_dir))
+                                plan_resolver=plan_resolver or (lambda v: sweep.resolve_variant_plan(v, plan_cache_dir)))
     written = [output_dir / row["requests_csv"] for row in result.rows] + [result.summary_csv]
     return result.rows, result.interrupted, written, result.failure

@@ -1,5 +1,6 @@
-"""`kvtool simulate` (a bench run with the forward replaced by a step cost model) and `kvtool calibrate`
-(measure that cost model for a plan on this machine, or estimate it for a device not at hand)."""
+"""`kvtool simulate` (a bench run with the forward replaced by a step cost model), `kvtool calibrate`
+(measure that cost model for a plan on this machine, or estimate it for a device not at hand) and
+`kvtool explain` (why a report's blocks were missed, with simulated what-ifs)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ Sweep = Annotated[list[str] | None, flag(
 def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, **params) -> None:
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
     the same reports as `kvtool bench`, marked simulated, in seconds."""
-    from kvtool.simulate.profiles import create_simulated_llm
+    from kvtool.simulate.profiles import create_simulated_llm, simulation_variant_plan
     from kvtool.simulate.sweep_report import print_sweep, plot_sweep
 
     console = Console(stderr=True)
@@ -72,7 +73,8 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
                     raise ValueError("--label names a single run; a sweep's variants are labelled by their values")
                 rows, interrupted, written, failure = bench_command._run_scenario(
                     config, params["set_"] or [], plan, model, dataset, params["output"], flags,
-                    params["plan_cache_dir"], console, llm_factory=factory, scenario=scenario)
+                    params["plan_cache_dir"], console, llm_factory=factory, scenario=scenario,
+                    plan_resolver=lambda variant: simulation_variant_plan(variant, params["plan_cache_dir"]))
             else:
                 if params["set_"]:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
@@ -84,9 +86,11 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
         raise typer.Exit(bench_command.EXIT_INTERRUPTED) from None
     from kvtool.bench.runner import summary_table
 
-    Console().print(summary_table(rows))
+    # Wide enough for every variant's column (as `kvtool bench` prints its table).
+    wide = Console(width=max(Console().width, 36 + sum(max(len(str(row.get("label", ""))) + 14, 16) for row in rows)))
+    wide.print(summary_table(rows))
     if len(rows) > 1:
-        print_sweep(rows, Console())
+        print_sweep(rows, wide)
         written.append(plot_sweep(rows, Path(written[-1]).parent / "sweep.png"))
     for path in written:
         console.print(f"wrote {path}", highlight=False)
@@ -179,3 +183,22 @@ def _measure(plan, quick: bool, console: Console):
               f"{len(calibration.copies)} copy batches ({'quick' if quick else 'full'} grid)")
     return fit(calibration, device=llm.device_description, plan_digest=plan.manifest.get("plan_digest"),
                source=source, details={"grid": "quick" if quick else "full", "free_memory_bytes": free_bytes})
+
+
+@app.command(cls=KvtoolCommand)
+def explain(
+    report: Annotated[Path, typer.Argument(help="A report directory (or its summary.csv) from kvtool bench or "
+                                                "simulate.", show_default=False)],
+    label: Annotated[str | None, flag("label", "Only this variant.")] = None,
+    profile: Profile = None,
+) -> None:
+    """Say in a few sentences why a report's requests missed the cache, and what a bigger host cache or
+    primary pool would change, each what-if simulated on the report's own dataset and configuration."""
+    from kvtool.simulate.explain import explain as explain_report
+
+    with user_errors():
+        paragraphs = explain_report(report, profile=profile, label=label)
+    console = Console()
+    for sentences in paragraphs:
+        console.print(" ".join(sentences), highlight=False)
+        console.print()

@@ -188,8 +188,7 @@ def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cac
     model = str(model)
     options = options or BuildOptions()
     if model.startswith(PRESET_PREFIX):
-        preset_config(model)  # unknown preset: ValueError listing the presets, before any work
-        source_key: dict[str, Any] = {"preset": model[len(PRESET_PREFIX):]}
+        source_key = _preset_key(model)
     elif is_gguf_source(model):
         gguf = resolve_gguf(model)  # a missing file or package: the error says how to get it
         stat = gguf.path.stat()
@@ -203,9 +202,7 @@ def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cac
                             "directory (config.json + *.safetensors), a .gguf file, gguf:NAME nor preset:NAME")
         source_key = _checkpoint_key(path)
         model = str(path.resolve())
-    key_text = json.dumps({"format_version": FORMAT_VERSION, "source": source_key, "options": options.to_dict()},
-                          sort_keys=True)
-    plan_dir = Path(cache_dir or default_cache_dir()) / hashlib.sha256(key_text.encode()).hexdigest()[:24]
+    plan_dir = _cache_path(source_key, options, cache_dir)
     if (plan_dir / PLAN_FILE).is_file():
         try:
             return load_plan(plan_dir)
@@ -213,6 +210,22 @@ def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cac
             shutil.rmtree(plan_dir, ignore_errors=True)
     build_plan(model, plan_dir, options)
     return load_plan(plan_dir)
+
+
+def _cache_path(source_key: dict[str, Any], options: BuildOptions, cache_dir: Path | None) -> Path:
+    key_text = json.dumps({"format_version": FORMAT_VERSION, "source": source_key, "options": options.to_dict()},
+                          sort_keys=True)
+    return Path(cache_dir or default_cache_dir()) / hashlib.sha256(key_text.encode()).hexdigest()[:24]
+
+
+def _preset_key(model: str) -> dict[str, Any]:
+    preset_config(model)  # unknown preset: ValueError listing the presets, before any work
+    return {"preset": model[len(PRESET_PREFIX):]}
+
+
+def preset_plan_dir(model: str, options: BuildOptions, cache_dir: Path | None = None) -> Path:
+    """Where resolve_model keeps (or would build) the plan of ``preset:NAME`` with ``options``."""
+    return _cache_path(_preset_key(model), options, cache_dir)
 
 
 def _checkpoint_key(path: Path) -> dict[str, Any]:
