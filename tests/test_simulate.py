@@ -46,16 +46,18 @@ class Row:
 
 def test_step_shape_counts_one_token_rows_as_decode_rows_and_copies_as_bytes():
     shape = step_shape([Row(100, 28), Row(1, 50), Row(1, 99)], np.array([16, 16, 4]), bytes_per_token=1024)
-    assert shape == StepShape(num_context_rows=1, num_context_tokens=100, num_context_pairs=100 * (28 + 101 / 2),
+    assert shape == StepShape(num_context_rows=1, num_context_tokens=100, num_context_cached_tokens=28,
+                              num_context_pairs=100 * (28 + 101 / 2),
                               num_decode_rows=2, num_decode_kv_tokens=51 + 100, num_copied_bytes=36 * 1024)
 
 
 def test_fit_recovers_the_coefficients_that_generated_the_steps():
     rng = np.random.default_rng(0)
-    truth = {"step": 2e-3, "context_row": 5e-4, "context_token": 3e-6, "context_pair": 2e-9, "decode_row": 1e-4,
+    truth = {"step": 2e-3, "context_row": 5e-4, "context_token": 3e-6, "context_cached_token": 5e-7,
+             "context_pair": 2e-9, "decode_row": 1e-4,
              "decode_kv_token": 4e-8, "copied_byte": 0.0}
     model = CostModel(device="cpu: test", coefficients=truth)
-    shapes = [StepShape(int(c), int(c * n), float(c * n * (k + n / 2)), int(d), int(d * k), 0)
+    shapes = [StepShape(int(c), int(c * n), int(c * k), float(c * n * (k + n / 2)), int(d), int(d * k), 0)
               for c, n, d, k in zip(rng.integers(0, 4, 60), rng.integers(16, 2048, 60), rng.integers(0, 16, 60),
                                     rng.integers(1, 2048, 60))]
     seconds = [model.predict(s) for s in shapes]
@@ -67,7 +69,7 @@ def test_fit_recovers_the_coefficients_that_generated_the_steps():
 
 def test_a_term_fitted_negative_is_left_out_and_the_rest_refitted():
     # Steps whose time does not grow with the KV read, plus noise that pulls that term below 0.
-    shapes = [StepShape(0, 0, 0.0, d, k, 0) for d in (1, 2, 4, 8) for k in (100, 1000, 4000)]
+    shapes = [StepShape(0, 0, 0, 0.0, d, k, 0) for d in (1, 2, 4, 8) for k in (100, 1000, 4000)]
     seconds = [1e-3 + 2e-4 * s.num_decode_rows - 1e-9 * s.num_decode_kv_tokens for s in shapes]
     fitted, dropped = fit_coefficients(shapes, seconds)
     assert dropped == ("decode_kv_token",)
@@ -106,7 +108,7 @@ def test_published_estimate_of_an_8b_model_on_h100_is_memory_bound_and_labelled_
     # 16.4 GB of bf16 weights read at 80% of 3.35 TB/s: about 6 ms, plus launches.
     assert 6e-3 < decode_step < 9e-3
     # A 4k-token prompt is compute bound: 2 x 7.6e9 FLOPs per token at 60% of 989 TFLOP/s, about 0.1 s.
-    context = model.predict(StepShape(1, 4096, 4096 * 4096 / 2, 0, 0, 0))
+    context = model.predict(StepShape(1, 4096, 0, 4096 * 4096 / 2, 0, 0, 0))
     assert 0.08 < context < 0.2
     assert model.details["free_memory_bytes"] > 50 * 10**9
 
@@ -177,7 +179,7 @@ def test_calibrate_measures_the_plan_and_saves_the_fit_beside_it(calibrated_plan
     assert model.fit.num_held_out_points >= 2 and model.fit.median_abs_error < 1.0
     assert all(value >= 0 for value in model.coefficients.values()) and model.coefficients["copied_byte"] > 0
     # On tiny-llama a step is mostly fixed cost: which context term carries the rest varies between runs.
-    assert model.predict(StepShape(1, 256, 256 * 128.5)) > model.predict(StepShape(1, 16, 16 * 8.5)) > 0
+    assert model.predict(StepShape(1, 256, 0, 256 * 128.5)) > model.predict(StepShape(1, 16, 0, 16 * 8.5)) > 0
     assert "held-out error on" in output and "ms per 1k context tokens" in output
 
 

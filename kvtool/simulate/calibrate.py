@@ -1,7 +1,8 @@
 """`kvtool calibrate`: time real engine steps of a plan over a grid of step shapes and fit the cost model.
 
 Each grid point is a workload run through a real kvtool.LLM (the engine of `kvtool bench`): a prompt
-with a cached prefix (new tokens x cached context), a batch of prompts decoding together (decode
+with a cached prefix (new tokens x cached context), several prompts after the same cached prefix in
+one step, a batch of prompts decoding together (decode
 rows x KV read), and batches that arrive in two waves (context chunks beside decode rows). Every
 step is timed around ``Engine.step`` (scheduling, copies, forward, sampling: what a simulated step
 replaces) and its shape is read from the batch the scheduler handed out. Block copies are timed on
@@ -33,6 +34,7 @@ class CalibrationGrid:
 
     new_tokens: tuple[int, ...] = (32, 128, 512, 1024, 2048)
     cached_tokens: tuple[int, ...] = (0, 512, 1536)
+    shared_prefix_batch_size: int = 3  # prompts after one cached prefix, computed in one step (new tokens <= 512)
     decode_batch_sizes: tuple[int, ...] = (1, 4, 8, 16)
     decode_context_tokens: tuple[int, ...] = (128, 1024, 2048)
     num_decode_steps: int = 4
@@ -50,7 +52,8 @@ class CalibrationGrid:
             raise ValueError("CalibrationGrid.repeats and num_decode_steps must be >= 1")
 
 
-QUICK_GRID = CalibrationGrid(new_tokens=(16, 64, 256), cached_tokens=(0, 128), decode_batch_sizes=(1, 4),
+QUICK_GRID = CalibrationGrid(new_tokens=(16, 64, 256), cached_tokens=(0, 128), shared_prefix_batch_size=2,
+                             decode_batch_sizes=(1, 4),
                              decode_context_tokens=(64, 256), num_decode_steps=3, copy_block_counts=(1, 8), repeats=2)
 
 
@@ -123,6 +126,10 @@ def measure(llm, grid: CalibrationGrid, *, seed: int = 0, on_point: Callable[[st
                 if cached:
                     run([(prefix + _random_prompt(rng, 1, vocab), 1)])
                 run([(prefix + _random_prompt(rng, new, vocab), 1)])
+                batch = grid.shared_prefix_batch_size
+                if cached and batch > 1 and new <= 512 and batch * new <= llm.max_num_tokens:
+                    # Several chunks reading the same cached prefix in one step (prompts sharing a system prompt).
+                    run([(prefix + _random_prompt(rng, new, vocab), 1) for _ in range(batch)])
         for batch_size in grid.decode_batch_sizes:
             for length in grid.decode_context_tokens:
                 if (batch_size > llm.max_batch_size or length > max_len

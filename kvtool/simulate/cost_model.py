@@ -1,8 +1,8 @@
 """What one engine step costs: the step's shape (from a scheduled batch) and a linear cost model fitted
 to measured steps (`kvtool calibrate`) or derived from a device's published figures (estimated).
 
-    seconds = step + context_row * rows + context_token * tokens + context_pair * pairs
-              + decode_row * rows + decode_kv_token * kv tokens + copied_byte * bytes
+    seconds = step + context_row * rows + context_token * tokens + context_cached_token * cached tokens
+              + context_pair * pairs + decode_row * rows + decode_kv_token * kv tokens + copied_byte * bytes
 
 Every term is one kind of work, so a fitted coefficient reads as a cost (ms per 1k tokens, GB/s of
 copies) and a scenario the model misses points at the term that is wrong.
@@ -31,6 +31,7 @@ class StepShape(NamedTuple):
 
     num_context_rows: int = 0
     num_context_tokens: int = 0
+    num_context_cached_tokens: int = 0  # cached KV the context chunks read: sum cached
     num_context_pairs: float = 0.0  # query-key pairs the context tokens attend: sum n * (cached + (n + 1) / 2)
     num_decode_rows: int = 0
     num_decode_kv_tokens: int = 0  # KV tokens the one-token rows read: sum (cached + 1)
@@ -42,10 +43,13 @@ class StepShape(NamedTuple):
 
 
 # Coefficient names (seconds per unit) in StepShape order, after the per-step constant.
-TERMS = ("step", "context_row", "context_token", "context_pair", "decode_row", "decode_kv_token", "copied_byte")
+TERMS = ("step", "context_row", "context_token", "context_cached_token", "context_pair", "decode_row",
+         "decode_kv_token", "copied_byte")
 # How each coefficient is printed: (unit label, multiplier from seconds per unit).
 TERM_UNITS = {"step": ("ms per step", 1e3), "context_row": ("ms per context chunk", 1e3),
-              "context_token": ("ms per 1k context tokens", 1e6), "context_pair": ("ms per 1M attended pairs", 1e9),
+              "context_token": ("ms per 1k context tokens", 1e6),
+              "context_cached_token": ("ms per 1k cached tokens read by context chunks", 1e6),
+              "context_pair": ("ms per 1M attended pairs", 1e9),
               "decode_row": ("ms per one-token row", 1e3), "decode_kv_token": ("ms per 1k KV tokens read", 1e6),
               "copied_byte": ("ms per MiB copied", 1e3 * 2**20)}
 
@@ -53,7 +57,7 @@ TERM_UNITS = {"step": ("ms per step", 1e3), "context_row": ("ms per context chun
 def step_shape(requests: Iterable, copy_num_tokens: Sequence[int] | np.ndarray, bytes_per_token: int) -> StepShape:
     """The shape of a step from its scheduled requests (``num_tokens``, ``num_cached_tokens`` each:
     a kvtool._core.ScheduledRequest or a StepRequest) and its copies' token counts."""
-    context_rows = context_tokens = decode_rows = decode_kv = 0
+    context_rows = context_tokens = context_cached = decode_rows = decode_kv = 0
     pairs = 0.0
     for r in requests:
         n, cached = r.num_tokens, r.num_cached_tokens
@@ -63,9 +67,10 @@ def step_shape(requests: Iterable, copy_num_tokens: Sequence[int] | np.ndarray, 
         else:
             context_rows += 1
             context_tokens += n
+            context_cached += cached
             pairs += n * (cached + (n + 1) / 2)
     copied = int(np.sum(copy_num_tokens)) * bytes_per_token if len(copy_num_tokens) else 0
-    return StepShape(context_rows, context_tokens, pairs, decode_rows, decode_kv, copied)
+    return StepShape(context_rows, context_tokens, context_cached, pairs, decode_rows, decode_kv, copied)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class CostModel:
         c = self.coefficients
         return (c.get("step", 0.0) + c.get("context_row", 0.0) * shape.num_context_rows
                 + c.get("context_token", 0.0) * shape.num_context_tokens
+                + c.get("context_cached_token", 0.0) * shape.num_context_cached_tokens
                 + c.get("context_pair", 0.0) * shape.num_context_pairs
                 + c.get("decode_row", 0.0) * shape.num_decode_rows
                 + c.get("decode_kv_token", 0.0) * shape.num_decode_kv_tokens

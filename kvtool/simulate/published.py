@@ -3,7 +3,7 @@ labelled estimated: they assume the efficiencies below, which a calibration on t
 
 Per step: the weights are read once (memory bound) plus a fixed launch cost per layer; a context
 token costs 2 FLOPs per weight (compute bound); an attended query-key pair 4 FLOPs per head
-dimension per head per layer; a one-token row 2 FLOPs per weight plus reading its KV; a sampled
+dimension per head per layer; a cached token a context chunk reads its KV; a one-token row 2 FLOPs per weight plus reading its KV; a sampled
 row the LM head's FLOPs; a copied byte crosses PCIe.
 """
 
@@ -58,6 +58,7 @@ def estimate(plan, device: str) -> CostModel:
         "step": weight_bytes / bandwidth + layers * LAUNCH_SECONDS_PER_LAYER,
         "context_row": sampled_row,
         "context_token": 2 * layers * layer_weights / flops,
+        "context_cached_token": kv_bytes_per_token / bandwidth,
         "context_pair": 4 * config.num_heads * config.head_dim * layers / flops,
         "decode_row": 2 * layers * layer_weights / flops + sampled_row,
         "decode_kv_token": kv_bytes_per_token / bandwidth,
