@@ -132,7 +132,7 @@ def test_a_session_turn_extends_the_previous_prompt_and_answer(tmp_path):
     turn0, turn1, turn2 = by_key[("a", 0)], by_key[("a", 1)], by_key[("a", 2)]
     prompt0 = turn0.prompt_token_ids
     prompt1 = turn1.prompt_token_ids
-    assert prompt1 == prompt0 + turn0.output_token_ids + [14, 15]
+    assert prompt1 == list(prompt0) + turn0.output_token_ids + [14, 15]
     assert turn2.prompt_token_ids == prompt1 + turn1.output_token_ids + [16]
     # Each turn is handed over only after the previous one finished, and arrives then.
     assert h.engine.add_times[turn1.request_id] >= turn0.finish_time

@@ -35,8 +35,31 @@ NumpyArray1D<T> to_numpy(std::vector<T>&& values) {
 
 // A 1-D integer sequence (numpy array of any integer dtype, or a list of ints) as a vector of T.
 // Throws std::invalid_argument naming `name` when obj is not one, or a value does not fit T.
+// A list or tuple of exact ints read with the C API, several times faster than try_cast per item
+// (a 2k-token prompt is converted twice per bench request: pre-check and admission). False, with
+// `out` unspecified, when an item is not an exact int or does not fit T: the caller falls back.
+template <typename T>
+bool fast_sequence_to_vector(PyObject* sequence, std::vector<T>& out) {
+  const bool is_list = PyList_CheckExact(sequence);
+  const Py_ssize_t n = is_list ? PyList_GET_SIZE(sequence) : PyTuple_GET_SIZE(sequence);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = is_list ? PyList_GET_ITEM(sequence, i) : PyTuple_GET_ITEM(sequence, i);
+    if (!PyLong_CheckExact(item)) return false;
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow != 0 || value < 0 || (sizeof(T) == 4 && value > static_cast<long long>(INT32_MAX))) return false;
+    out[static_cast<size_t>(i)] = static_cast<T>(value);
+  }
+  return true;
+}
+
 template <typename T>
 std::vector<T> to_vector(nb::handle obj, const char* name) {
+  if (PyList_CheckExact(obj.ptr()) || PyTuple_CheckExact(obj.ptr())) {
+    std::vector<T> out;
+    if (fast_sequence_to_vector(obj.ptr(), out)) return out;
+  }
   using Array = nb::ndarray<const T, nb::ndim<1>, nb::device::cpu>;
   Array array;
   bool is_array = nb::try_cast(obj, array, /*convert=*/false);

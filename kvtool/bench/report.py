@@ -7,6 +7,7 @@ either the previous complete one or the new complete one, never half written.
 from __future__ import annotations
 
 import csv
+import operator
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +19,10 @@ from kvtool.errors import KvtoolError
 from kvtool.files import atomic_write
 
 SUMMARY_FILE = "summary.csv"
+_csv_values = operator.attrgetter(*CSV_COLUMNS)  # a RequestMetrics' CSV cells, in order, in one call
+# The cells that may hold a float: only those need format_cell (csv writes None as '' and ints as str).
+_FLOAT_CELLS = tuple(i for i, name in enumerate(CSV_COLUMNS)
+                     if "float" in str(RequestMetrics.__dataclass_fields__[name].type))
 
 
 def format_cell(value) -> str:
@@ -60,7 +65,10 @@ class RequestCsvWriter:
     def write(self, metrics: RequestMetrics) -> None:
         if self._file is None:
             raise RuntimeError(f"{self.path} is closed")
-        self._writer.writerow([format_cell(getattr(metrics, column)) for column in CSV_COLUMNS])
+        cells = list(_csv_values(metrics))
+        for i in _FLOAT_CELLS:
+            cells[i] = format_cell(cells[i])
+        self._writer.writerow(cells)
         # Flushed to the OS (survives Ctrl-C and a crash of the process); no fsync, which would
         # stall the replay loop between engine steps and show up in the latencies.
         self._file.flush()

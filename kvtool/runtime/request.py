@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvtool.bench.datasets import DatasetRecord
     from kvtool.config import SamplingParams
 
@@ -36,7 +38,7 @@ class Request:
     when output token i reached the host.
     """
 
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list, or a bench dataset line's tuple (shared, never copied)
     sampling_params: SamplingParams = field(default_factory=_default_sampling_params)
     extra_ids: list[int] | None = None  # one per prompt token (p-tuning style; 0 for a normal token)
     arrival_time: float | None = None   # None: when the engine is given it
