@@ -82,9 +82,15 @@ def what_ifs(row: Mapping) -> list[WhatIf]:
         if primary_tokens:
             out.append(WhatIf(f"with a primary pool twice as large, {int(2 * primary_tokens):,} tokens",
                               {"max_tokens_in_paged_kv_cache": int(2 * primary_tokens)}))
+    evicted_host = as_number(row.get("missed_evicted_host_blocks")) or 0
     if share("missed_evicted_host_blocks") >= NOTABLE_SHARE and host_bytes:
-        size = _round_up(4 * host_bytes)
-        out.append(WhatIf(f"with a host cache of {_bytes(size)} (4x)", {"kv_host_cache_bytes": size}))
+        four_times = _round_up(4 * host_bytes)
+        out.append(WhatIf(f"with a host cache 4x as large, {_bytes(four_times)}", {"kv_host_cache_bytes": four_times}))
+        # Room for every block that came back missing (an upper bound: a block may have been missed twice).
+        room = _round_up(host_bytes + evicted_host * block_bytes)
+        if room > four_times:
+            out.append(WhatIf(f"with a host cache of {_bytes(room)}, room for every block evicted from it",
+                              {"kv_host_cache_bytes": room}))
     return out
 
 
