@@ -204,10 +204,12 @@ def test_simulate_writes_bench_reports_marked_simulated(calibrated_plan, shared_
     assert len(requests) == 6 and all(r["engine"].startswith("kvtool simulate (") for r in requests)
 
 
-def test_simulate_sweeps_a_flag_and_plots_hit_rate_and_ttft(calibrated_plan, shared_prefix_dataset, tmp_path):
-    plan_dir, _ = calibrated_plan
-    result = invoke("simulate", "--plan", plan_dir, "--dataset", shared_prefix_dataset, "--mode", "sequential",
-                    "--sweep", "enable_kv_cache_reuse=false,true", "--output", tmp_path / "sweep")
+def test_simulate_sweeps_a_flag_and_plots_hit_rate_and_ttft(tiny_llama_plan, shared_prefix_dataset, tmp_path):
+    # Costs that make reused tokens count (tiny-llama's own calibration is mostly per-step overhead).
+    profile = tmp_path / "cost.json"
+    profile.write_text(CostModel(device="cpu: test", coefficients={"step": 1e-3, "context_token": 1e-4}).to_json())
+    result = invoke("simulate", "--plan", tiny_llama_plan, "--dataset", shared_prefix_dataset, "--mode", "sequential",
+                    "--sweep", "enable_kv_cache_reuse=false,true", "--profile", profile, "--output", tmp_path / "sweep")
     assert result.exit_code == 0, result.output
     rows = read_rows(tmp_path / "sweep" / "summary.csv")
     assert [r["label"] for r in rows] == ["enable_kv_cache_reuse=false", "enable_kv_cache_reuse=true"]
@@ -256,3 +258,27 @@ def test_simulate_without_a_calibration_says_how_to_get_one(tmp_path, shared_pre
     result = invoke("simulate", "--plan", plan_dir, "--dataset", shared_prefix_dataset)
     assert result.exit_code == 2, result.output
     assert f"kvtool calibrate --plan {plan_dir}" in result.output and "--profile h100" in result.output
+
+
+def test_a_preset_not_built_is_simulated_from_its_shapes(shared_prefix_dataset, tmp_path):
+    plans = tmp_path / "plans"
+    result = invoke("simulate", "--model", "preset:qwen3-8b", "--profile", "h100", "--dataset", shared_prefix_dataset,
+                    "--plan_cache_dir", plans, "--output", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert not plans.exists() or not any(plans.iterdir())  # no 16 GB of weights were built
+    summary = read_rows(tmp_path / "out" / "summary.csv")[0]
+    assert summary["plan_path"] == "preset:qwen3-8b" and summary["model_hidden_size"] == "4096"
+    assert summary["cost_profile_estimated"] == "True" and int(summary["reused_blocks"]) == 5 * 2  # 32-token blocks
+    without = invoke("simulate", "--model", "preset:qwen3-8b", "--dataset", shared_prefix_dataset,
+                     "--plan_cache_dir", plans)
+    assert without.exit_code == 2 and "simulated from its shapes" in without.output
+
+
+def test_calibrate_with_a_device_writes_an_estimate(tiny_llama_plan, tmp_path):
+    result = invoke("calibrate", "--plan", tiny_llama_plan, "--device", "l40s", "--output", tmp_path / "l40s.json")
+    assert result.exit_code == 0, result.output
+    model = load_profile(tmp_path / "l40s.json")
+    assert model.estimated and "L40S" in model.device and "published figures" in model.source
+    assert "(estimated)" in result.output
+    bad = invoke("calibrate", "--plan", tiny_llama_plan, "--device", "tpu9")
+    assert bad.exit_code == 2 and "published figures are known for h100" in bad.output
