@@ -44,59 +44,57 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
     def factory(model, config, dataset=None, *, cache_dir=None):
         return create_simulated_llm(model, config, dataset, profile=profile, cache_dir=cache_dir)
 
-    plan, model, dataset, config = params["plan"], params["model"], params["dataset"], params["config"]
+    plan, model, dataset, config, sets = params["plan"], params["model"], params["dataset"], params["config"], \
+        params["set_"] or []
     try:
         with user_errors():
             flags = engine_flags.engine_flag_values(ctx.params)
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
-            scenario = None
-            if sweep:
-                variants = sweep_variants(sweep)
-                swept = {key for variant in variants for key in variant if key != "label"}
-                clash = sorted(swept & set(flags))
-                if clash:
-                    raise ValueError(f"--{clash[0]} is given and swept: drop --{clash[0]} or its --sweep")
-                if config is not None:
-                    scenario = load_scenario(config, sets=params["set_"] or [], model=model, plan=plan,
-                                             dataset=dataset, bench_overrides=flags, sweep=variants)
-                else:
-                    if dataset is None:
-                        raise ValueError("give --dataset FILE.jsonl (or --config) to sweep over")
-                    if plan is None and model is None:
-                        raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
-                    document = {"name": Path(dataset).stem, "dataset": {"path": str(dataset)}, "sweep": variants}
-                    scenario = scenario_from_document(document, Path(" ".join(f"--sweep {s}" for s in sweep)),
-                                                      model=model, plan=plan, bench_overrides=flags)
+            scenario = _sweep_scenario(sweep, flags, config, sets, plan, model, dataset) if sweep else None
             if scenario is not None or config is not None:
                 if params["label"] is not None:
                     raise ValueError("--label names a single run; a sweep's variants are labelled by their values")
                 rows, interrupted, written, failure = bench_command._run_scenario(
-                    config, params["set_"] or [], plan, model, dataset, params["output"], flags,
-                    params["plan_cache_dir"], console, llm_factory=factory, scenario=scenario,
+                    config, sets, plan, model, dataset, params["output"], flags, params["plan_cache_dir"], console,
+                    llm_factory=factory, scenario=scenario,
                     plan_resolver=lambda variant: simulation_variant_plan(variant, params["plan_cache_dir"]))
             else:
-                if params["set_"]:
+                if sets:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
                 rows, interrupted, written, failure = bench_command._run_single(
                     plan, model, dataset, params["output"], params["label"], flags, params["plan_cache_dir"],
                     console, llm_factory=factory)
     except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/]: nothing written")
+        console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
         raise typer.Exit(bench_command.EXIT_INTERRUPTED) from None
-    from kvtool.bench.runner import summary_table
 
-    # Wide enough for every variant's column (as `kvtool bench` prints its table).
-    wide = Console(width=max(Console().width, 36 + sum(max(len(str(row.get("label", ""))) + 14, 16) for row in rows)))
-    wide.print(summary_table(rows))
-    if len(rows) > 1:
+    def sweep_report(rows, wide):
+        if len(rows) < 2:
+            return []
         print_sweep(rows, wide)
-        written.append(plot_sweep(rows, Path(written[-1]).parent / "sweep.png"))
-    for path in written:
-        console.print(f"wrote {path}", highlight=False)
-    if failure is not None:
-        with user_errors():
-            raise failure
+        return [plot_sweep(rows, Path(written[-1]).parent / "sweep.png")]
+
+    bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report)
+
+
+def _sweep_scenario(sweep, flags, config, sets, plan, model, dataset):
+    """The scenario --sweep makes: the --config file's with its variants replaced, or one over --dataset."""
+    variants = sweep_variants(sweep)
+    swept = {key for variant in variants for key in variant if key != "label"}
+    clash = sorted(swept & set(flags))
+    if clash:
+        raise ValueError(f"--{clash[0]} is given and swept: drop --{clash[0]} or its --sweep")
+    if config is not None:
+        return load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags,
+                             sweep=variants)
+    if dataset is None:
+        raise ValueError("give --dataset FILE.jsonl (or --config) to sweep over")
+    if plan is None and model is None:
+        raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
+    document = {"name": Path(dataset).stem, "dataset": {"path": str(dataset)}, "sweep": variants}
+    return scenario_from_document(document, Path(" ".join(f"--sweep {s}" for s in sweep)), model=model, plan=plan,
+                                  bench_overrides=flags)
 
 
 def _simulate_signature() -> None:
