@@ -19,7 +19,7 @@ from kvtool.bench.replay import ReplayOptions, poisson_due_times
 from kvtool.bench.runner import run_bench
 from kvtool.cli import app
 from kvtool.config import SamplingParams
-from kvtool.runtime.request import Request
+from kvtool.runtime.request import MISS_REASONS, Request
 
 POOL = KvCacheConfig(max_tokens=1024)
 SYSTEM = list(range(300, 348))  # 3 blocks of 16 shared by every request of the first group
@@ -115,6 +115,9 @@ def test_the_cli_writes_rows_naming_the_endpoint_and_compare_reads_both(tiny_lla
     assert (summary["engine"], summary["endpoint"], summary["api"]) == ("kvtool@endpoint", server.url + "/v1",
                                                                         "completions")
     assert summary["reused_blocks"] == in_process_summary["reused_blocks"] == "13"
+    for reason in MISS_REASONS:  # read from the server's /metrics
+        column = f"missed_{reason}_blocks"
+        assert summary[column] == in_process_summary[column] != "", column
     assert summary["num_errors"] == "0" and summary["ttft_ms_p50"]
     assert "enable_kv_cache_reuse" not in summary  # the server's configuration is not the bench's to report
 

@@ -34,6 +34,14 @@ COUNTERS = (
     ("evicted_blocks", "Cached blocks evicted"),
     ("offloaded_bytes", "KV bytes offloaded to host memory"),
     ("onboarded_bytes", "KV bytes onboarded from host memory"),
+    # Why the missed blocks were missed (docs/architecture.md#kv-cache-rules): bench --endpoint sums them too.
+    ("missed_never_seen_blocks", "Missed full prompt blocks seen for the first time"),
+    ("missed_evicted_primary_blocks", "Missed blocks evicted from the primary pool without a host copy"),
+    ("missed_evicted_host_blocks", "Missed blocks evicted from the host pool"),
+    ("missed_identity_blocks", "Missed blocks cached under another cache salt, LoRA task or extra ids"),
+    ("missed_partial_blocks", "Missed blocks reused partly (their first tokens copied)"),
+    ("missed_last_token_blocks", "Missed blocks that were cached but hold the prompt's last token"),
+    ("missed_reuse_off_blocks", "Missed blocks while block reuse is off"),
 )
 GAUGES = (
     ("primary_blocks", "Blocks of the primary pool"),
