@@ -121,10 +121,20 @@ bool Scheduler::Impl::should_wait_for_in_flight_prefix(const SequenceSpec& spec)
     }
     const int32_t limit = std::min(num_matchable_blocks, other.num_context_tokens / tokens_per_block);
     int32_t num_common_blocks = 0;
-    for (int32_t pos = 0; num_common_blocks < limit; ++pos) {
-      const ExtraId extra_id = static_cast<size_t>(pos) < spec.extra_ids.size() ? spec.extra_ids[pos] : 0;
-      if (other.token_at(pos) != spec.token_ids[pos] || other.extra_id_at(pos) != extra_id) break;
-      if ((pos + 1) % tokens_per_block == 0) ++num_common_blocks;
+    if (spec.extra_ids.empty() && other.spec.extra_ids.empty() && limit * tokens_per_block <= other.num_prompt_tokens()) {
+      // Both prompts as plain arrays: one vectorized comparison (a shared 2k-token system prompt
+      // compared token by token against every running context made admission quadratic in cost).
+      const TokenId* mine = spec.token_ids.data();
+      const TokenId* theirs = other.spec.token_ids.data();
+      const auto span = static_cast<size_t>(limit) * static_cast<size_t>(tokens_per_block);
+      const size_t same = static_cast<size_t>(std::mismatch(mine, mine + span, theirs).first - mine);
+      num_common_blocks = static_cast<int32_t>(same / static_cast<size_t>(tokens_per_block));
+    } else {
+      for (int32_t pos = 0; num_common_blocks < limit; ++pos) {
+        const ExtraId extra_id = static_cast<size_t>(pos) < spec.extra_ids.size() ? spec.extra_ids[pos] : 0;
+        if (other.token_at(pos) != spec.token_ids[pos] || other.extra_id_at(pos) != extra_id) break;
+        if ((pos + 1) % tokens_per_block == 0) ++num_common_blocks;
+      }
     }
     if (num_common_blocks * tokens_per_block > other.num_computed_tokens) {
       num_in_flight_blocks = std::max(num_in_flight_blocks, num_common_blocks);
