@@ -97,23 +97,32 @@ class _ProgressBar:
                                  TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False,
                                  auto_refresh=False)
         self._last_refresh = 0.0
+        self._pending: dict = {}  # task -> requests done since the last redraw (rich's advance takes a lock)
 
     def __enter__(self) -> _ProgressBar:
         self.progress.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._flush()
         self.progress.refresh()
         self.progress.__exit__(*exc)
 
+    def _flush(self) -> None:
+        for task, count in self._pending.items():
+            self.progress.advance(task, count)
+        self._pending.clear()
+
     def add_task(self, description: str, total: int):
+        self._flush()  # the previous task (warm-up) shows done before the next starts
         return self.progress.add_task(description, total=total)
 
     def advance(self, task) -> None:
-        self.progress.advance(task)
+        self._pending[task] = self._pending.get(task, 0) + 1
         now = time.monotonic()
         if now - self._last_refresh >= 0.1:
             self._last_refresh = now
+            self._flush()
             self.progress.refresh()
 
 
