@@ -97,10 +97,10 @@ class LLM:
                                                      max_seq_len=max_seq_len, max_num_tokens=max_num_tokens)
         self.plan = resolve_model(model, options=build_options)
         opts = self.plan.build_options
-        self.max_batch_size = _runtime_limit("max_batch_size", max_batch_size, opts.max_batch_size)
-        self.max_seq_len = _runtime_limit("max_seq_len", max_seq_len, opts.max_seq_len)
-        self.max_num_tokens = _runtime_limit("max_num_tokens", max_num_tokens, opts.max_num_tokens)
-        _check_against_plan(self.plan, kv_cache_config, scheduler_config)
+        self.max_batch_size = runtime_limit("max_batch_size", max_batch_size, opts.max_batch_size)
+        self.max_seq_len = runtime_limit("max_seq_len", max_seq_len, opts.max_seq_len)
+        self.max_num_tokens = runtime_limit("max_num_tokens", max_num_tokens, opts.max_num_tokens)
+        check_against_plan(self.plan, kv_cache_config, scheduler_config)
 
         self.device = torch.device(device) if device else default_device()
         self.device_description = describe_device(self.device)
@@ -236,7 +236,8 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
     return params
 
 
-def _runtime_limit(name: str, value: int | None, plan_value: int) -> int:
+def runtime_limit(name: str, value: int | None, plan_value: int) -> int:
+    """A runtime limit asked for (None: the plan's), refused above what the plan was built for."""
     if value is None:
         return plan_value
     if value < 1 or value > plan_value:
@@ -260,7 +261,9 @@ def on_the_fly_build_options(build_options: BuildOptions | None, kv_cache_config
                              max_num_tokens=max_num_tokens)
 
 
-def _check_against_plan(plan, kv_cache_config: KvCacheConfig, scheduler_config: SchedulerConfig) -> None:
+def check_against_plan(plan, kv_cache_config: KvCacheConfig, scheduler_config: SchedulerConfig) -> None:
+    """Refuses a block size other than the plan's, and reuse or chunking a plan without paged context
+    attention cannot do (an LLM and a simulation of the plan share these rules)."""
     opts = plan.build_options
     if kv_cache_config.tokens_per_block is not None and kv_cache_config.tokens_per_block != opts.tokens_per_block:
         # Only a plan the user built: a plan built on the fly gets the block size asked for.

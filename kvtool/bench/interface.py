@@ -36,6 +36,10 @@ class BenchPlan(Protocol):
 
 
 class BenchLLM(Protocol):
+    """An LLM may also carry ``clock`` (an object with ``now()`` and ``sleep(seconds)``), ``engine_name``
+    and ``report_columns``: kvtool.simulate's SimulatedLLM does, and the bench then times the run on
+    that clock and marks every row with them."""
+
     engine: BenchEngine
     tokenizer: Tokenizer
     plan: BenchPlan | None              # None: a server's, unknown here (kvtool.bench.endpoint)

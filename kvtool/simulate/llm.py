@@ -4,7 +4,7 @@ real run on the profile's device would size them, and a SimulatedEngine; no mode
 from __future__ import annotations
 
 from kvtool.config import KvCacheConfig, SchedulerConfig
-from kvtool.llm import _check_against_plan, _runtime_limit
+from kvtool.llm import check_against_plan, runtime_limit
 from kvtool.models.llama import effective_window
 from kvtool.plan import Plan
 from kvtool.runtime.device import available_host_memory_bytes
@@ -27,10 +27,10 @@ class SimulatedLLM:
         self.plan = plan
         self.cost_model = cost_model
         opts = plan.build_options
-        self.max_batch_size = _runtime_limit("max_batch_size", max_batch_size, opts.max_batch_size)
-        self.max_seq_len = _runtime_limit("max_seq_len", max_seq_len, opts.max_seq_len)
-        self.max_num_tokens = _runtime_limit("max_num_tokens", max_num_tokens, opts.max_num_tokens)
-        _check_against_plan(plan, kv_cache_config, scheduler_config)
+        self.max_batch_size = runtime_limit("max_batch_size", max_batch_size, opts.max_batch_size)
+        self.max_seq_len = runtime_limit("max_seq_len", max_seq_len, opts.max_seq_len)
+        self.max_num_tokens = runtime_limit("max_num_tokens", max_num_tokens, opts.max_num_tokens)
+        check_against_plan(plan, kv_cache_config, scheduler_config)
         config = plan.model_config
         tokens_per_block = opts.tokens_per_block
         shape = BlockShape(config.num_layers, tokens_per_block, config.num_kv_heads, config.head_dim,
