@@ -282,3 +282,14 @@ def test_calibrate_with_a_device_writes_an_estimate(tiny_llama_plan, tmp_path):
     assert "(estimated)" in result.output
     bad = invoke("calibrate", "--plan", tiny_llama_plan, "--device", "tpu9")
     assert bad.exit_code == 2 and "published figures are known for h100" in bad.output
+
+
+def test_a_gpu_cost_model_without_its_free_memory_needs_a_pool_size(tiny_llama_plan, shared_prefix_dataset, tmp_path):
+    profile = tmp_path / "gpu.json"
+    profile.write_text(CostModel(device="cuda: Some GPU", coefficients={"step": 1e-3}).to_json())
+    refused = invoke("simulate", "--plan", tiny_llama_plan, "--dataset", shared_prefix_dataset, "--profile", profile)
+    assert refused.exit_code == 2 and "--max_tokens_in_paged_kv_cache" in refused.output
+    sized = invoke("simulate", "--plan", tiny_llama_plan, "--dataset", shared_prefix_dataset, "--profile", profile,
+                   "--max_tokens_in_paged_kv_cache", 4096, "--output", tmp_path / "out")
+    assert sized.exit_code == 0, sized.output
+    assert read_rows(tmp_path / "out" / "summary.csv")[0]["kv_primary_tokens"] == "4096"

@@ -4,6 +4,7 @@ real run on the profile's device would size them, and a SimulatedEngine; no mode
 from __future__ import annotations
 
 from kvtool.config import KvCacheConfig, SchedulerConfig
+from kvtool.errors import KvtoolError
 from kvtool.llm import check_against_plan, runtime_limit
 from kvtool.models.llama import effective_window
 from kvtool.plan import Plan
@@ -38,7 +39,12 @@ class SimulatedLLM:
         on_cpu = cost_model.device.startswith("cpu")
         # A CPU's pools come out of this machine's memory, as in a real run; a GPU's out of the device
         # memory left after the weights, which the profile records.
-        free_bytes = available_host_memory_bytes() if on_cpu else int(cost_model.details["free_memory_bytes"])
+        free_bytes = available_host_memory_bytes() if on_cpu else int(cost_model.details.get("free_memory_bytes", 0))
+        if not free_bytes:
+            if kv_cache_config.max_tokens is None:
+                raise KvtoolError(f"the cost model of {cost_model.device} does not say how much device memory is "
+                                  "free for the KV cache: give --max_tokens_in_paged_kv_cache, or recalibrate")
+            free_bytes = 1 << 62  # the pool is the size asked for
         # Nothing is allocated here: any host cache size can be simulated, whatever this machine has.
         host_bytes = max(available_host_memory_bytes(), kv_cache_config.host_cache_size + free_bytes)
         self.pool_sizes = size_pools(
