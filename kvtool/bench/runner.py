@@ -42,15 +42,20 @@ def bench_plan(model: str, config: BenchConfig, dataset: Dataset | None = None, 
     the fly into cache_dir with the block size and limits the flags ask for; with the dataset and a
     host cache, the most KV blocks the dataset can create (kvtool.bench.workload), so that a host cache
     larger than the available memory is accepted when the dataset cannot fill more than that."""
-    from kvtool.llm import on_the_fly_build_options
     from kvtool.plan import is_built_plan, resolve_model
 
-    build = None
-    if not is_built_plan(model):
-        build = on_the_fly_build_options(None, config.kv_cache_config, max_batch_size=config.max_batch_size,
-                                         max_seq_len=config.max_seq_len, max_num_tokens=config.max_num_tokens)
+    build = None if is_built_plan(model) else build_options(config)
     plan = resolve_model(model, options=build, cache_dir=cache_dir)
     return plan, workload_blocks(plan, config, dataset)
+
+
+def build_options(config: BenchConfig):
+    """What a checkpoint or preset is built with on the fly for this run: the block size and limits
+    the flags ask for (kvtool.llm.on_the_fly_build_options)."""
+    from kvtool.llm import on_the_fly_build_options
+
+    return on_the_fly_build_options(None, config.kv_cache_config, max_batch_size=config.max_batch_size,
+                                    max_seq_len=config.max_seq_len, max_num_tokens=config.max_num_tokens)
 
 
 def workload_blocks(plan, config: BenchConfig, dataset: Dataset | None) -> int | None:

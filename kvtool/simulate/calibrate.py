@@ -98,10 +98,13 @@ def measure(llm, grid: CalibrationGrid, *, seed: int = 0, on_point: Callable[[st
     pool_tokens = llm.pool_sizes.num_primary_blocks * llm.pool_sizes.tokens_per_block
     steps: list[tuple[StepShape, float]] = []
 
-    def run(requests: list[tuple[list[int], int]], *, later: list[tuple[list[int], int]] = (), timed: bool = True):
+    def submit(requests: list[tuple[list[int], int]]) -> None:
         for prompt, max_tokens in requests:
             engine.add_request(Request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                               ignore_eos=True)))
+
+    def run(requests: list[tuple[list[int], int]], *, later: list[tuple[list[int], int]] = (), timed: bool = True):
+        submit(requests)
         num_steps = 0
         while engine.has_unfinished_requests():
             start = time.perf_counter()
@@ -111,9 +114,7 @@ def measure(llm, grid: CalibrationGrid, *, seed: int = 0, on_point: Callable[[st
             if timed and recorder.last_shape is not None:
                 steps.append((recorder.last_shape, seconds))
             if num_steps == 1:
-                for prompt, max_tokens in later:  # a second wave: its contexts run beside decode rows
-                    engine.add_request(Request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                      ignore_eos=True)))
+                submit(later)  # a second wave: its contexts run beside decode rows
 
     run([(_random_prompt(rng, 64, vocab), 2)], timed=False)  # first-use costs
     for _ in range(grid.repeats):

@@ -57,14 +57,11 @@ def _unbuilt_preset(model: str, options, cache_dir: Path | None):
 def simulation_plan(model, config, dataset=None, *, cache_dir: Path | None = None):
     """(plan, num_workload_blocks) as kvtool.bench.runner.bench_plan gives them, except that a preset
     not built yet is simulated from its shapes (PresetShapes) instead of being built."""
-    from kvtool.bench.runner import bench_plan, workload_blocks
-    from kvtool.llm import on_the_fly_build_options
+    from kvtool.bench.runner import bench_plan, build_options, workload_blocks
     from kvtool.simulate.shapes import PresetShapes
 
     if not isinstance(model, PresetShapes):
-        options = on_the_fly_build_options(None, config.kv_cache_config, max_batch_size=config.max_batch_size,
-                                           max_seq_len=config.max_seq_len, max_num_tokens=config.max_num_tokens)
-        model = _unbuilt_preset(str(model), options, cache_dir) or model
+        model = _unbuilt_preset(str(model), build_options(config), cache_dir) or model
     if isinstance(model, PresetShapes):
         return model, workload_blocks(model, config, dataset)
     return bench_plan(model, config, dataset, cache_dir=cache_dir)
