@@ -14,7 +14,7 @@ from kvtool.errors import KvtoolError
 from kvtool.layers.cpu_linear import pack_linears
 from kvtool.plan.kernels import plan_kernel_cache
 from kvtool.plan import BuildOptions, Plan, is_built_plan, resolve_model
-from kvtool.runtime.device import (available_host_memory_bytes, default_device, describe_device,
+from kvtool.runtime.device import (available_host_memory_bytes, default_device, default_dtype, describe_device,
                                    free_device_memory_bytes)
 from kvtool.runtime.engine import Engine
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools
@@ -250,8 +250,9 @@ def on_the_fly_build_options(build_options: BuildOptions | None, kv_cache_config
                              max_batch_size: int | None = None, max_seq_len: int | None = None,
                              max_num_tokens: int | None = None) -> BuildOptions:
     """What a plan built on the fly is built with: ``build_options`` (default: BuildOptions()), the
-    block size KvCacheConfig asks for, and the runtime limits asked for where they exceed those options."""
-    options = build_options or BuildOptions()
+    block size KvCacheConfig asks for, and the runtime limits asked for where they exceed those options.
+    Without build options, the dtype is the device's (bfloat16 on a GPU, float32 on a CPU)."""
+    options = build_options or BuildOptions(dtype=default_dtype())
     wanted = kv_cache_config.tokens_per_block
     default = BuildOptions().tokens_per_block
     if wanted is not None and wanted != options.tokens_per_block and options.tokens_per_block != default:

@@ -32,8 +32,10 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
     if variant.plan is not None:
         return str(variant.plan)
     from kvtool.plan import BuildOptions, resolve_model
+    from kvtool.runtime.device import default_dtype
 
-    return str(resolve_model(variant.model, options=BuildOptions(**variant.build), cache_dir=plan_cache_dir).path)
+    options = BuildOptions(**{"dtype": default_dtype(), **variant.build})  # the scenario's dtype, else the device's
+    return str(resolve_model(variant.model, options=options, cache_dir=plan_cache_dir).path)
 
 
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,

@@ -12,6 +12,13 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def default_dtype() -> str:
+    """The dtype of a model built on the fly without a dtype asked for: bfloat16 where a GPU runs it
+    (kvtool's CUDA kernels take 16-bit KV caches, and real checkpoints ship in bfloat16), float32 on
+    a CPU (the CPU runtime's fast path)."""
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 def available_host_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping)."""
     try:
