@@ -1,7 +1,7 @@
 """`build_plan`: convert a Hugging Face checkpoint or a GGUF file, or generate a preset, into a plan directory.
 
 Weights are streamed tensor by tensor into weights.safetensors in kvtool's fused layout and the
-target dtype, so building needs memory for one tensor, not the whole model. Checkpoints are read
+target dtype, so building needs memory for a few tensors, not the whole model. Checkpoints are read
 through safetensors only: pickled weights (*.bin, *.pt) are never loaded. A GGUF file is first
 dequantized into a float32 checkpoint beside the plan (kvtool.models.gguf), then built like one.
 """
@@ -9,10 +9,13 @@ dequantized into a float32 checkpoint beside the plan (kvtool.models.gguf), then
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from kvtool.models.gguf import dequantize_gguf, is_gguf_source, resolve_gguf
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import write_tokenizer
 from kvtool.plan.format import (CHECKSUM_ALGORITHM, FORMAT_VERSION, TOKENIZER_DIR, WEIGHTS_FILE,
-                                write_manifest, write_safetensors_streaming)
+                                record_verified_checksum, write_manifest, write_safetensors_streaming)
 from kvtool.kernels.tensors import kernels_apply
 from kvtool.plan.kernels import compile_plan_kernels
 from kvtool.plan.options import BuildOptions
@@ -111,6 +114,8 @@ def _write_plan(output_dir: Path, config: ModelConfig, options: BuildOptions,
             "kernel_target": kernel_target,
         }
         write_manifest(staging, manifest)
+        # The checksum was computed while writing: the first load need not hash the file again.
+        record_verified_checksum(staging / WEIGHTS_FILE, checksum)
         if output_dir.exists():
             shutil.rmtree(output_dir)
         staging.rename(output_dir)
@@ -207,16 +212,43 @@ class _CheckpointReader:
                 yield name, get(name, dtype)
 
 
-def _preset_tensors(config: ModelConfig, options: BuildOptions) -> Iterator[tuple[str, torch.Tensor]]:
+def _preset_tensors(config: ModelConfig, options: BuildOptions,
+                    max_workers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Seeded random weights in the target dtype, as transformers initialises these models:
     N(0, 0.02) matrices, unit norms, zero biases. Each tensor has its own seed (base seed +
-    its index), so a tensor's values do not depend on the order they are generated in."""
+    its index), so a tensor's values do not depend on the order they are generated in.
+
+    Sampling is the bulk of a large preset's build (normal_ with a CPU generator runs on one
+    core), so up to ``max_workers`` (default: the CPU count) tensors are generated at once on
+    threads (normal_ releases the GIL); they are yielded in file order, as the streaming writer
+    needs, with at most that many waiting, so memory stays bounded."""
     dtype = torch_dtype(options.dtype)
-    for index, (name, shape) in enumerate(weight_shapes(config).items()):
+    shapes = list(weight_shapes(config).items())
+    max_workers = max_workers or os.cpu_count() or 1
+
+    def make(index: int) -> torch.Tensor:
+        name, shape = shapes[index]
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype)
-        elif name.endswith(".bias"):
-            yield name, torch.zeros(shape, dtype=dtype)
-        else:
-            generator = torch.Generator().manual_seed(options.seed * 1_000_003 + index)
-            yield name, torch.empty(shape, dtype=dtype).normal_(0.0, _INIT_STD, generator=generator)
+            return torch.ones(shape, dtype=dtype)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, dtype=dtype)
+        generator = torch.Generator().manual_seed(options.seed * 1_000_003 + index)
+        return torch.empty(shape, dtype=dtype).normal_(0.0, _INIT_STD, generator=generator)
+
+    if max_workers == 1:
+        for index, (name, _) in enumerate(shapes):
+            yield name, make(index)
+        return
+    executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvtool-preset")
+    try:
+        pending: deque[tuple[str, Future[torch.Tensor]]] = deque()
+        for index, (name, _) in enumerate(shapes):
+            pending.append((name, executor.submit(make, index)))
+            if len(pending) >= max_workers:
+                done_name, future = pending.popleft()
+                yield done_name, future.result()
+        for done_name, future in pending:
+            yield done_name, future.result()
+    finally:
+        # Also when the writer stops early (an error, a closed generator): drop the queued work.
+        executor.shutdown(wait=True, cancel_futures=True)

@@ -1,5 +1,6 @@
 """The on-disk format of a plan: plan.json (with a digest over its own content), a streamed
-safetensors writer that hashes while it writes, and chunked file checksums."""
+safetensors writer that hashes while it writes, chunked file checksums, and the record of a
+verified checksum that spares loads from re-hashing multi-GB weights."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import json
 import os
 import struct
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -19,6 +21,7 @@ WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 CHECKSUM_ALGORITHM = "sha256"  # hardware-accelerated on x86 and ARM: ~1.5 GB/s, faster than blake2b here
 _CHUNK_BYTES = 16 << 20
+VERIFIED_SUFFIX = ".verified.json"  # weights.safetensors -> weights.verified.json
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -35,6 +38,61 @@ def file_checksum(path: Path) -> str:
                 break
             digest.update(view[:count])
     return digest.hexdigest()
+
+
+def verified_record_path(path: Path) -> Path:
+    """Where the record of ``path``'s verified checksum lives (beside it)."""
+    return path.with_suffix(VERIFIED_SUFFIX)
+
+
+def _file_identity(stat: os.stat_result) -> dict[str, int]:
+    # Rewriting a file changes its mtime and ctime (which, unlike mtime, cannot be set back);
+    # replacing or copying it gives it another inode.
+    return {"size_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
+            "inode": stat.st_ino, "device": stat.st_dev}
+
+
+def record_verified_checksum(path: Path, checksum: str) -> None:
+    """Record that ``path``, as it is on disk now, has ``checksum`` (just hashed or written), so
+    has_verified_checksum can vouch for it until it changes. Best effort: in a read-only directory
+    nothing is recorded and later checks hash the file again."""
+    path = Path(path)
+    record = {"file": path.name, "checksum_algorithm": CHECKSUM_ALGORITHM, "checksum": checksum,
+              **_file_identity(path.stat())}
+    target = verified_record_path(path)
+    try:
+        # Written aside and renamed: a concurrent load never reads half a record.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(tmp, target)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def has_verified_checksum(path: Path, checksum: str) -> bool:
+    """True when record_verified_checksum recorded ``checksum`` for ``path`` and the file has not
+    changed since (same size, mtime, ctime, inode and device); False means: hash it."""
+    path = Path(path)
+    record_path = verified_record_path(path)
+    try:
+        record = json.loads(record_path.read_text())
+        recorded_at = record_path.stat().st_mtime_ns
+        stat = path.stat()
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict):
+        return False
+    expected = {"file": path.name, "checksum_algorithm": CHECKSUM_ALGORITHM, "checksum": checksum,
+                **_file_identity(stat)}
+    # File times have a coarse granularity: a file rewritten in the same tick as the record was
+    # taken keeps the recorded times, so only a file older than the record is vouched for (git's
+    # "racily clean" rule). Such a file is hashed, and then recorded again.
+    return all(record.get(key) == value for key, value in expected.items()) and \
+        max(stat.st_mtime_ns, stat.st_ctime_ns) < recorded_at
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:

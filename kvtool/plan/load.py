@@ -22,7 +22,8 @@ from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import Tokenizer, load_tokenizer
 from kvtool.plan.build import build_plan
 from kvtool.plan.cache import default_cache_dir
-from kvtool.plan.format import FORMAT_VERSION, PLAN_FILE, file_checksum, manifest_digest
+from kvtool.plan.format import (FORMAT_VERSION, PLAN_FILE, file_checksum, has_verified_checksum, manifest_digest,
+                                record_verified_checksum)
 from kvtool.plan.options import BuildOptions
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -99,7 +100,9 @@ def load_plan(plan_dir: Path | str, *, verify_checksum: bool = True) -> Plan:
     Checks: plan.json parses and was not edited (digest), its format version is ours, the weights
     file has the recorded size and checksum, its tensors have the shapes and dtype the config
     implies, and every recorded kernel artifact is present and intact. Hashing reads the whole
-    weights file (about 0.1-0.3 s per 100 MB); ``verify_checksum=False`` skips only that.
+    weights file (about 0.1-0.3 s per 100 MB), so a verified checksum is recorded beside it
+    (weights.verified.json, also written by build_plan) and the file is hashed again only once it
+    changed (size, times, inode) or the record is missing; ``verify_checksum=False`` skips only that.
     """
     plan_dir = Path(plan_dir)
     if not plan_dir.is_dir():
@@ -129,21 +132,29 @@ def load_plan(plan_dir: Path | str, *, verify_checksum: bool = True) -> Plan:
         manifest["tokenizer"]["kind"]
     except (KeyError, TypeError, ValueError) as error:
         raise PlanError(f"{plan_file} is incomplete or invalid ({error!r}): {hint}") from None
-    _verify_file(weights_path, expected_size, expected_checksum if verify_checksum else None, hint)
+    _verify_file(weights_path, expected_size, expected_checksum if verify_checksum else None, hint,
+                 remember=True)
     _verify_weight_shapes(weights_path, config, options.dtype, hint)
     for artifact in manifest.get("kernel_artifacts") or []:
         _verify_file(plan_dir / artifact["file"], int(artifact["size_bytes"]), artifact["checksum"], hint)
     return Plan(path=plan_dir, model_config=config, build_options=options, manifest=manifest)
 
 
-def _verify_file(path: Path, expected_size: int, expected_checksum: str | None, hint: str) -> None:
+def _verify_file(path: Path, expected_size: int, expected_checksum: str | None, hint: str, *,
+                 remember: bool = False) -> None:
+    """``remember``: trust and keep a record of a verified checksum (worth it for the weights only:
+    kernel artifacts hash in milliseconds)."""
     if not path.is_file():
         raise PlanError(f"{path} is missing: {hint}")
     size = path.stat().st_size
     if size != expected_size:
         raise PlanError(f"{path} has {size} bytes, the plan recorded {expected_size} (truncated or replaced): {hint}")
-    if expected_checksum is not None and file_checksum(path) != expected_checksum:
+    if expected_checksum is None or (remember and has_verified_checksum(path, expected_checksum)):
+        return
+    if file_checksum(path) != expected_checksum:
         raise PlanError(f"{path} does not match its recorded checksum (modified or corrupted): {hint}")
+    if remember:
+        record_verified_checksum(path, expected_checksum)
 
 
 def _verify_weight_shapes(weights_path: Path, config: ModelConfig, dtype: str, hint: str) -> None:
