@@ -120,6 +120,22 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, un
                : "r"(smem_addr(smem_row)));
 }
 
+// The same two with a shared-state-space address (from smem_addr plus byte offsets): a constant
+// offset folds into the instruction's immediate, so unrolled loops need no per-access address.
+__device__ __forceinline__ void ldmatrix_x4_shared(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
+                                                   unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans_shared(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
+                                                         unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
 // D[16x8] += A[16x16] (row-major fragments a0..a3) * B[16x8] (col-major fragments b0, b1),
 // fp32 accumulation. Fragment layouts (groupID g = lane/4, t = lane%4):
 //   a0: (g, 2t..2t+1)  a1: (g+8, 2t..)  a2: (g, 2t+8..)  a3: (g+8, 2t+8..)

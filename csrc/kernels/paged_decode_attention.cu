@@ -19,7 +19,7 @@
 // Keys before the sliding window, past seq_len, or in released blocks (-1) are never read.
 //
 // Specialization: KVT_HEAD_DIM, KVT_TOKENS_PER_BLOCK, KVT_DTYPE_BF16, KVT_HEADS_PER_CTA,
-// KVT_PARTITION_SIZE.
+// KVT_PARTITION_SIZE, KVT_DECODE_UNROLL.
 #include "common.cuh"
 
 #ifndef KVT_HEAD_DIM
@@ -33,6 +33,9 @@
 #endif
 #ifndef KVT_PARTITION_SIZE
 #define KVT_PARTITION_SIZE 512
+#endif
+#ifndef KVT_DECODE_UNROLL
+#define KVT_DECODE_UNROLL 4
 #endif
 
 namespace {
@@ -48,7 +51,7 @@ constexpr int NUM_WARPS = NUM_THREADS / 32;
 constexpr int LANES_PER_KEY = HEAD_DIM / 8;
 constexpr int KEY_GROUPS = NUM_THREADS / LANES_PER_KEY;  // keys processed side by side
 constexpr int GROUPS_PER_WARP = 32 / LANES_PER_KEY;
-constexpr int UNROLL = 4;
+constexpr int UNROLL = KVT_DECODE_UNROLL;  // 16-byte K or V loads per thread in flight
 constexpr int KEYS_PER_STEP = KEY_GROUPS * UNROLL;
 // pass-2 cross-warp reduction buffer [NUM_WARPS][HEADS][HEAD_DIM] aliases the logits.
 constexpr int LOGITS_FLOATS = HEADS * PARTITION_SIZE;

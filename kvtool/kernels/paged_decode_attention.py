@@ -17,6 +17,7 @@ REDUCE_KERNEL = "kvt_paged_decode_reduce"
 NUM_THREADS = 128
 PARTITION_SIZE = 512          # keys per split-K partition (a compile-time constant of the kernel)
 MAX_HEADS_PER_CTA = 8         # query heads sharing one K/V read; bounded by registers
+UNROLL = 4                    # 16-byte K or V loads per thread in flight (a compile-time constant)
 LOG2_E = 1.4426950408889634
 
 
@@ -34,18 +35,20 @@ def num_partitions(max_seq_len: int, partition_size: int = PARTITION_SIZE) -> in
 
 @functools.lru_cache(maxsize=None)  # pure; called per layer per step
 def decode_attention_spec(head_dim: int, tokens_per_block: int, dtype: torch.dtype, group_size: int, arch: str,
-                          partition_size: int = PARTITION_SIZE) -> KernelSpec:
-    """The specialization for one (head_dim, tokens_per_block, dtype, GQA group, arch)."""
+                          partition_size: int = PARTITION_SIZE, unroll: int = UNROLL) -> KernelSpec:
+    """The specialization for one (head_dim, tokens_per_block, dtype, GQA group, arch, partition, unroll)."""
+    if unroll not in (2, 4, 8):
+        raise ValueError(f"decode unroll must be 2, 4 or 8 loads per thread, got {unroll}")
     return KernelSpec.create(SOURCE, arch, KVT_HEAD_DIM=head_dim, KVT_TOKENS_PER_BLOCK=tokens_per_block,
                              KVT_DTYPE_BF16=dtype_is_bf16(dtype), KVT_HEADS_PER_CTA=heads_per_cta(group_size),
-                             KVT_PARTITION_SIZE=partition_size)
+                             KVT_PARTITION_SIZE=partition_size, KVT_DECODE_UNROLL=unroll)
 
 
 def paged_decode_attention(library: KernelLibrary, query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            *, seq_offset: int, num_seqs: int, max_seq_len: int, scale: float,
                            sliding_window: int | None, out: torch.Tensor,
-                           partition_size: int = PARTITION_SIZE) -> None:
+                           partition_size: int = PARTITION_SIZE, unroll: int = UNROLL) -> None:
     """Attention of one new token per sequence for sequences ``seq_offset..seq_offset+num_seqs-1``.
 
     Sequence s's token is query row ``query_start_loc[s]`` (its query_len is 1) at position
@@ -61,7 +64,7 @@ def paged_decode_attention(library: KernelLibrary, query: torch.Tensor, kv_cache
     device = kv_cache.device
     group_size = a.num_heads // a.num_kv_heads
     spec = decode_attention_spec(a.head_dim, a.tokens_per_block, kv_cache.dtype, group_size, device_arch(device),
-                                 partition_size)
+                                 partition_size, unroll)
     parts = num_partitions(max_seq_len, partition_size)
     partial_out = partial_max = partial_sum = None
     if parts > 1:

@@ -19,7 +19,7 @@ import torch
 from kvtool.kernels.block_copy import block_copy_spec
 from kvtool.kernels.compiler import CompiledKernel, KernelCompiler, KernelSpec
 from kvtool.kernels.kv_append import kv_append_spec
-from kvtool.kernels.paged_context_attention import context_attention_spec
+from kvtool.kernels.paged_context_attention import RUNTIME_ROWS_PER_WARP, context_attention_spec
 from kvtool.kernels.paged_decode_attention import decode_attention_spec
 
 DEFAULT_ARCH = "sm_90"
@@ -32,7 +32,7 @@ def specs_for_model(*, head_dim: int, num_heads: int, num_kv_heads: int, tokens_
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     return [
         kv_append_spec(arch),
-        context_attention_spec(head_dim, tokens_per_block, dtype, arch),
+        context_attention_spec(head_dim, tokens_per_block, dtype, arch, rows_per_warp=RUNTIME_ROWS_PER_WARP),
         decode_attention_spec(head_dim, tokens_per_block, dtype, num_heads // num_kv_heads, arch),
         block_copy_spec(arch),
     ]

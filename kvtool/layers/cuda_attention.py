@@ -17,7 +17,7 @@ import torch
 from kvtool.kernels.kv_append import append_kv
 from kvtool.kernels.tensors import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from kvtool.kernels.loader import KernelLibrary, require_cupy
-from kvtool.kernels.paged_context_attention import NUM_WARPS, paged_context_attention
+from kvtool.kernels.paged_context_attention import NUM_WARPS, RUNTIME_ROWS_PER_WARP, paged_context_attention
 from kvtool.kernels.paged_decode_attention import PARTITION_SIZE, paged_decode_attention
 from kvtool.layers.attention_metadata import AttentionMetadata
 
@@ -34,12 +34,13 @@ class CudaPagedAttention:
     """
 
     def __init__(self, library: KernelLibrary | None = None, *, decode_partition_size: int = PARTITION_SIZE,
-                 context_num_warps: int = NUM_WARPS) -> None:
+                 context_num_warps: int = NUM_WARPS, context_rows_per_warp: int = RUNTIME_ROWS_PER_WARP) -> None:
         require_cupy()
         self.library = library if library is not None else KernelLibrary()
         self.library.compiler.backends  # noqa: B018 - discovers nvcc / NVRTC now, not mid-forward
         self.decode_partition_size = decode_partition_size
         self.context_num_warps = context_num_warps
+        self.context_rows_per_warp = context_rows_per_warp
         self._fallback = None  # TorchPagedAttention, created on first use
 
     @staticmethod
@@ -64,6 +65,9 @@ class CudaPagedAttention:
                 self._fallback = TorchPagedAttention()
             return self._fallback.forward(query, key, value, kv_cache, meta, scale=scale,
                                           sliding_window=sliding_window)
+        # A plan may keep its KV cache in another dtype than the model's: the kernels run in the
+        # cache's dtype, but o_proj expects the attention output in the model's.
+        out_dtype = query.dtype
         query = query.to(kv_cache.dtype)
         append_kv(self.library, key.to(kv_cache.dtype), value.to(kv_cache.dtype), kv_cache, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [num_tokens, num_heads, hd]
@@ -73,7 +77,7 @@ class CudaPagedAttention:
             paged_context_attention(self.library, query, kv_cache, meta.block_tables, meta.query_start_loc,
                                     meta.seq_lens, num_seqs=num_context, max_query_len=meta.max_query_len,
                                     scale=scale, sliding_window=sliding_window, out=out,
-                                    num_warps=self.context_num_warps)
+                                    num_warps=self.context_num_warps, rows_per_warp=self.context_rows_per_warp)
         if num_decode:
             # Split-K partitions for the longest decode row, not a long prefill beside it.
             max_decode_seq_len = meta.max_seq_len if meta.max_decode_seq_len is None else meta.max_decode_seq_len
@@ -81,4 +85,4 @@ class CudaPagedAttention:
                                    meta.seq_lens, seq_offset=num_context, num_seqs=num_decode,
                                    max_seq_len=max_decode_seq_len, scale=scale, sliding_window=sliding_window,
                                    out=out, partition_size=self.decode_partition_size)
-        return out
+        return out if out.dtype == out_dtype else out.to(out_dtype)
