@@ -455,6 +455,7 @@ def test_block_copy_offloads_and_onboards_through_host_chunks(library, method, d
 
     onboard_src, onboard_dst = [12, 0, 1, 2], [20, 7, 8, 9]
     target = torch.full_like(device_pool, float("nan"))
+    stream.wait_stream(torch.cuda.current_stream())  # the fill runs on the default stream
     copy_blocks(host_chunks, target, onboard_src, onboard_dst, stream, method=method, library=library)
     stream.synchronize()
     for s, d in zip(onboard_src, onboard_dst):

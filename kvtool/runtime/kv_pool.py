@@ -166,7 +166,9 @@ class KvCachePools:
         if self._kernels is not None and self.host.num_blocks > 0:
             from kvtool.kernels.block_copy import block_copy_kernel
 
-            block_copy_kernel(self._kernels, self.device)
+            # The primary pool's device (e.g. cuda:0), not self.device (maybe a bare 'cuda'): the
+            # kernel cache is keyed by device index, as the real launches resolve it from the tensors.
+            block_copy_kernel(self._kernels, self.primary.device)
 
     @property
     def copies_pending_per_layer(self) -> bool:
