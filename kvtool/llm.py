@@ -74,6 +74,16 @@ def _attention_backend(kernels):
     return TorchPagedAttention()
 
 
+def _graphs_can_capture(backend, kv_cache) -> bool:
+    """Decode steps are captured on kvtool's CUDA kernels only: the torch fallback (other head dims,
+    float32 caches) reads sequence lengths on the host, which a graph cannot replay."""
+    if kv_cache.device.type != "cuda":
+        return False
+    from kvtool.layers.cuda_attention import CudaPagedAttention
+
+    return isinstance(backend, CudaPagedAttention) and backend.supports(kv_cache)
+
+
 class LLM:
     """A model served by kvtool's runtime.
 
@@ -84,12 +94,15 @@ class LLM:
     the most KV blocks the work ahead can create (the bench computes it from its dataset); a
     ``host_cache_size`` larger than the available memory is then accepted when those blocks fit.
     ``pool_sizes`` tells the KV pools actually created (and notes on how they were sized).
+    ``cuda_graphs``: on a GPU, decode steps replay CUDA graphs captured at start-up, one per batch-size
+    bucket (kvtool.runtime.cuda_graphs); False launches every kernel eagerly (vLLM's --enforce-eager).
     """
 
     def __init__(self, model: str | Plan, *, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, kv_cache_config: KvCacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, device: str | None = None,
-                 build_options: BuildOptions | None = None, num_workload_blocks: int | None = None) -> None:
+                 build_options: BuildOptions | None = None, num_workload_blocks: int | None = None,
+                 cuda_graphs: bool = True) -> None:
         kv_cache_config = kv_cache_config or KvCacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
         if not is_built_plan(model):
@@ -130,6 +143,9 @@ class LLM:
         self.tokenizer = self.plan.tokenizer
         runner = ModelRunner(model_module, pools, tokens_per_block, self.device)
         runner.warm_up(min(self.max_num_tokens, self.max_seq_len - 1, 4 * tokens_per_block))
+        self.cuda_graphs = cuda_graphs and _graphs_can_capture(self.attention_backend, runner.kv_caches[0])
+        if self.cuda_graphs:
+            runner.enable_cuda_graphs(self.max_batch_size, self.max_seq_len)
         self.engine = Engine(
             runner, kv_cache_config.to_core(tokens_per_block=tokens_per_block,
                                             num_primary_blocks=sizes.num_primary_blocks,

@@ -166,6 +166,25 @@ def test_a_fully_cached_prompt_batched_with_a_new_prompt_gives_the_same_outputs(
     assert llm.engine.requests[outputs[0].request_id].num_reused_tokens == 96
 
 
+@pytest.mark.parametrize("max_batch_size", [3, 8])
+def test_greedy_outputs_identical_with_cuda_graphs_on_and_off(target, reference_tokens, max_batch_size):
+    # 3: the first three prompts decode in the bucket of 3, the last alone in the bucket of 1; 8: all
+    # four in the bucket of 4. Decode steps replay graphs; prompts run eagerly either way.
+    if target.setup.device != "cuda":
+        pytest.skip("CUDA graphs replay decode steps on a GPU only")
+    eager, _ = greedy_tokens(target, shared_prefix_prompts(), max_batch_size=max_batch_size, cuda_graphs=False)
+    llm = target.llm(max_batch_size=max_batch_size)
+    graphs = llm.engine.runner.decode_graphs
+    assert llm.cuda_graphs and graphs is not None
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda batch: replayed.append(len(batch.input_ids)) or run(batch)
+    outputs = llm.generate(shared_prefix_prompts(), GREEDY)
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == eager == reference_tokens
+    assert len(replayed) >= 5 and max(replayed) == min(max_batch_size, 4)  # 5 decode steps a request
+
+
 @pytest.mark.parametrize("setup, tolerance", [
     pytest.param(Setup("cpu", "float32", "qwen3_head_dim_64"), 1e-4, id="cpu-float32-qwen3"),
     pytest.param(Setup("cuda", "float16", "qwen3_head_dim_64"), 2e-2, id="cuda-float16-qwen3", marks=ON_A_GPU)])

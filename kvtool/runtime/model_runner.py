@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvtool.layers.attention_metadata import AttentionMetadata
+from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs
 from kvtool.runtime.kv_pool import KvCachePools
 
 
@@ -33,6 +34,18 @@ class ModelRunner:
         self.tokens_per_block = tokens_per_block
         self.device = device
         self.kv_caches = pools.layer_caches()
+        self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Replays decode steps from CUDA graphs (kvtool.runtime.cuda_graphs), captured now for every
+        batch-size bucket up to ``max_batch_size``."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.tokens_per_block, max_batch_size, max_seq_len,
+                              self.device)
+        graphs.capture_all()
+        torch.cuda.synchronize(self.device)
+        self.decode_graphs = graphs
 
     def prepare(self, requests) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flattens the step's requests: multi-token context chunks first, then every request with
@@ -117,6 +130,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, requests) -> torch.Tensor:
         """Runs the forward for the step; returns logits [num_sampling_requests, vocab] float32."""
+        batch = self._graph_batch(requests)
+        if batch is not None:
+            logits = self.decode_graphs.run(batch)
+            sampling = [i for i, r in enumerate(requests) if r.samples]
+            if len(sampling) == len(requests):
+                return logits
+            return logits[torch.tensor(sampling, dtype=torch.int64, device=self.device)]
         try:
             input_ids, meta, sample_rows = self.prepare(requests)
             with self._layers_wait_for_their_copies():
@@ -125,6 +145,26 @@ class ModelRunner:
             self.pools.wait_for_all_copies()  # no copy may outlive a forward that stopped early
             raise
         return self.model.compute_logits(hidden[sample_rows])
+
+    def _graph_batch(self, requests) -> DecodeBatch | None:
+        """The step as a DecodeBatch when a captured graph can run it: one new token per request, no
+        copy landing layer by layer, a batch and block tables within the graphs' sizes. Else None."""
+        graphs = self.decode_graphs
+        if (graphs is None or self.pools.copies_pending_per_layer or len(requests) > graphs.max_batch_size
+                or any(len(r.token_ids) != 1 for r in requests)):
+            return None
+        max_blocks = max(len(r.block_ids) for r in requests)
+        if max_blocks > graphs.max_blocks:
+            return None
+        tpb = self.tokens_per_block
+        positions = np.array([r.num_cached_tokens for r in requests], dtype=np.int64)
+        block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)
+        for i, r in enumerate(requests):
+            block_tables[i, : len(r.block_ids)] = r.block_ids
+        slot_blocks = block_tables[np.arange(len(requests)), positions // tpb].astype(np.int64)
+        return DecodeBatch(input_ids=np.array([r.token_ids[0] for r in requests], dtype=np.int64),
+                           positions=positions, seq_lens=(positions + 1).astype(np.int32),
+                           block_tables=block_tables, slot_mapping=slot_blocks * tpb + positions % tpb)
 
     @contextlib.contextmanager
     def _layers_wait_for_their_copies(self):

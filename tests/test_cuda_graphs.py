@@ -1,0 +1,95 @@
+"""Decode steps replayed from CUDA graphs: which steps qualify and what a padded graph batch holds.
+
+The replay itself needs a GPU: tests/test_llm_generation.py checks that greedy outputs are the same
+with graphs on and off there. These check the host side, which runs anywhere.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvtool import LLM
+from kvtool.plan import BuildOptions, build_plan
+from kvtool.runtime.cuda_graphs import DecodeBatch, batch_buckets, pad_decode_batch
+from kvtool.runtime.model_runner import StepRequest
+
+TOKENS_PER_BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "tiny-llama"
+    build_plan("preset:tiny-llama", out, BuildOptions(tokens_per_block=TOKENS_PER_BLOCK, max_seq_len=64,
+                                                       max_batch_size=4, max_num_tokens=64))
+    llm = LLM(model=str(out))
+    assert not llm.cuda_graphs  # a CPU model runs eagerly
+    yield llm.engine.runner
+    llm.shutdown()
+
+
+@pytest.fixture
+def graphs_of_four(runner, monkeypatch):
+    """The runner as if graphs for batches of up to 4 and 8 blocks per row had been captured."""
+    monkeypatch.setattr(runner, "decode_graphs", SimpleNamespace(max_batch_size=4, max_blocks=8))
+    return runner
+
+
+def decode_row(token: int, num_cached: int, first_block: int, *, samples: bool = True) -> StepRequest:
+    num_blocks = -(-(num_cached + 1) // TOKENS_PER_BLOCK)
+    return StepRequest(np.array([token], np.int32), np.arange(first_block, first_block + num_blocks, dtype=np.int32),
+                       num_cached, False, samples)
+
+
+def test_buckets_are_powers_of_two_up_to_the_largest_batch():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        batch_buckets(0)
+
+
+def test_a_decode_step_becomes_the_same_metadata_the_eager_path_builds(graphs_of_four):
+    requests = [decode_row(11, 5, 0), decode_row(12, 8, 10), decode_row(13, 0, 20)]
+    batch = graphs_of_four._graph_batch(requests)
+    input_ids, meta, _ = graphs_of_four.prepare(requests)
+    assert batch.input_ids.tolist() == input_ids.tolist() == [11, 12, 13]
+    assert batch.positions.tolist() == meta.positions.tolist()
+    assert batch.seq_lens.tolist() == meta.seq_lens.tolist() == [6, 9, 1]
+    assert batch.slot_mapping.tolist() == meta.slot_mapping.tolist() == [1 * 4 + 1, 12 * 4 + 0, 20 * 4 + 0]
+    assert batch.block_tables.tolist() == meta.block_tables.tolist()
+
+
+@pytest.mark.parametrize("why, requests, layered_copies", [
+    ("a multi-token context chunk", [decode_row(11, 5, 0), StepRequest(np.arange(3, dtype=np.int32),
+                                                                          np.arange(4, 6, dtype=np.int32), 0, True, True)],
+     False),
+    ("more rows than the largest graph", [decode_row(11, 5, 4 * i) for i in range(5)], False),
+    ("a row longer than the graphs' block tables", [decode_row(11, 40, 0)], False),
+    ("copies landing layer by layer", [decode_row(11, 5, 0)], True),
+])
+def test_steps_a_graph_cannot_replay_run_eagerly(graphs_of_four, monkeypatch, why, requests, layered_copies):
+    monkeypatch.setattr(graphs_of_four.pools, "_layer_events", [object()] if layered_copies else None)
+    assert graphs_of_four._graph_batch(requests) is None, why
+
+
+def test_padding_rows_repeat_the_first_row_and_write_no_kv():
+    batch = DecodeBatch(np.array([7, 8]), np.array([5, 9]), np.array([6, 10], np.int32),
+                        np.array([[3, 4, -1], [5, 6, 7]], np.int32), np.array([13, 29]))
+    padded = pad_decode_batch(batch, num_rows=4, max_blocks=5)
+    assert padded.input_ids.tolist() == [7, 8, 7, 7]
+    assert padded.positions.tolist() == [5, 9, 5, 5]
+    assert padded.seq_lens.tolist() == [6, 10, 6, 6]
+    assert padded.slot_mapping.tolist() == [13, 29, -1, -1]  # the append kernel skips slot -1
+    assert padded.block_tables.tolist() == [[3, 4, -1, -1, -1], [5, 6, 7, -1, -1], [3, 4, -1, -1, -1],
+                                            [3, 4, -1, -1, -1]]
+
+
+def test_a_batch_larger_than_its_bucket_is_refused():
+    batch = DecodeBatch(np.arange(3), np.arange(3), np.ones(3, np.int32), np.zeros((3, 1), np.int32), np.arange(3))
+    with pytest.raises(ValueError, match="3 rows"):
+        pad_decode_batch(batch, num_rows=2, max_blocks=1)
+    with pytest.raises(ValueError, match="blocks"):
+        pad_decode_batch(batch, num_rows=4, max_blocks=0)
