@@ -8,6 +8,15 @@ Three figures, each a ratio of two medians measured in one run:
   - A,B,A,B with long_len prompts through a primary pool that holds one request and a host cache:
     TTFT recomputing (first round) / onboarding from the host (later rounds) (target >= 8x).
 
+The plan is resolved (built on the first run, then taken from the plan cache) once and shared by
+every LLM of the run. ``--plan_options bench`` (the default) builds it with the options `kvtool bench
+--model MODEL` uses on this machine (the device's dtype, 32-token blocks, its default limits), so that one 16 GB
+build serves both; the runtime limits stay the e2e's own, so the figures do not change. The e2e's
+max_seq_len (its longest prompt + 64) must then fit the bench's (4096 for qwen3-8b), else the plan
+is built admitting it and `kvtool bench ... --max_seq_len N` (printed) is the run that shares it.
+The long prompts are 4,000 tokens by default: the longest that leave room to decode in 4,096.
+``--plan_options e2e`` builds a plan for exactly the e2e's requests instead.
+
 bench/gpu_suite.py runs this as its `e2e` section. It also runs anywhere for a dry run:
     python bench/gpu_e2e.py --model preset:tiny-llama --dtype float32 --long_len 512 --prefix_len 256
 """
@@ -15,15 +24,20 @@ bench/gpu_suite.py runs this as its `e2e` section. It also runs anywhere for a d
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import random
 import statistics
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from kvtool import LLM, KvCacheConfig, SamplingParams
-from kvtool.plan import BuildOptions
+from kvtool.llm import on_the_fly_build_options
+from kvtool.plan import BuildOptions, Plan, resolve_model
+from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP
+from kvtool.runtime.device import default_dtype
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -62,18 +76,51 @@ def _release(llm: LLM) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(model: str = "preset:qwen3-8b", dtype: str = "bfloat16", *, prefix_len: int = 2048,
-            question_len: int = 128, long_len: int = 4096, repeats: int = 7, tokens_per_block: int = 32,
-            host_cache_bytes: int = 8 << 30) -> list[E2ERow]:
-    max_len = max(prefix_len + question_len, long_len) + 64
-    build = BuildOptions(dtype=dtype, tokens_per_block=tokens_per_block, max_batch_size=1, max_seq_len=max_len,
-                         max_num_tokens=max_len)
+def max_request_len(prefix_len: int, question_len: int, long_len: int) -> int:
+    """The runtime max_seq_len / max_num_tokens of the e2e: its longest prompt, with room to decode."""
+    return max(prefix_len + question_len, long_len) + 64
+
+
+def plan_build_options(dtype: str, tokens_per_block: int, max_len: int, *, like_bench: bool = False) -> BuildOptions:
+    """What the e2e's plan is built with: just what it needs (one request of at most max_len tokens),
+    or (``like_bench``) what `kvtool bench --model MODEL` builds on this machine, admitting max_len
+    where the bench's defaults do not (the bench's flags passing those limits build the same)."""
+    if not like_bench:
+        return BuildOptions(dtype=dtype, tokens_per_block=tokens_per_block, max_batch_size=1, max_seq_len=max_len,
+                            max_num_tokens=max_len)
+    # As kvtool.bench.runner.build_options: the device's dtype unless another is asked for.
+    return on_the_fly_build_options(BuildOptions(dtype=dtype), KvCacheConfig(tokens_per_block=tokens_per_block),
+                                    max_batch_size=1, max_seq_len=max_len, max_num_tokens=max_len)
+
+
+def bench_command(model: str, options: BuildOptions) -> str:
+    """The `kvtool bench` flags that resolve the same plan as ``options`` (from plan_build_options)."""
+    flags = [f"--model {model}", f"--tokens_per_block {options.tokens_per_block}"]
+    if options.max_seq_len is not None and options.max_seq_len > DEFAULT_MAX_SEQ_LEN_CAP:
+        flags.append(f"--max_seq_len {options.max_seq_len}")
+    note = "" if options.dtype == default_dtype() else f" (it builds {default_dtype()} here, not {options.dtype})"
+    return "kvtool bench " + " ".join(flags) + note
+
+
+def resolve_plan(model: str | Plan, options: BuildOptions) -> Plan:
+    """The plan every LLM of a run shares: built or verified once, not once per LLM."""
+    return resolve_model(model, options=options)
+
+
+def measure(model: str | Plan = "preset:qwen3-8b", dtype: str = "bfloat16", *, prefix_len: int = 2048,
+            question_len: int = 128, long_len: int = 4000, repeats: int = 7, tokens_per_block: int = 32,
+            host_cache_bytes: int = 8 << 30, like_bench: bool = True) -> list[E2ERow]:
+    max_len = max_request_len(prefix_len, question_len, long_len)
+    plan = resolve_plan(model, plan_build_options(dtype, tokens_per_block, max_len, like_bench=like_bench))
+    tokens_per_block = plan.build_options.tokens_per_block  # a plan directory brings its own
+    # The e2e's own runtime limits whatever the plan admits: the same schedule, pools and graphs.
+    limits = dict(max_batch_size=1, max_seq_len=max_len, max_num_tokens=max_len)
     rows: list[E2ERow] = []
     rng = random.Random(0)
     medians: dict[bool, float] = {}
     tokens = None
     for reuse in (False, True):
-        llm = LLM(model=model, max_batch_size=1, build_options=build,
+        llm = LLM(model=plan, **limits,
                   kv_cache_config=KvCacheConfig(enable_block_reuse=reuse, max_tokens=4 * max_len))
         if tokens is None:
             high = min(30000, llm.plan.model_config.vocab_size)
@@ -88,6 +135,15 @@ def measure(model: str = "preset:qwen3-8b", dtype: str = "bfloat16", *, prefix_l
                            f"{'on' if reuse else 'off'}", "median TTFT", medians[reuse], "ms"))
         if reuse:
             decode = tpot_ms(llm, long_prompt, 33)  # also caches long_prompt
+            graphs, llm.engine.runner.decode_graphs = llm.engine.runner.decode_graphs, None
+            if graphs is not None:  # the same steps launched kernel by kernel: what the graphs save
+                eager = statistics.median(tpot_ms(llm, long_prompt, 33) for _ in range(3))
+                llm.engine.runner.decode_graphs = graphs
+                decode = statistics.median([decode] + [tpot_ms(llm, long_prompt, 33) for _ in range(2)])
+                rows.append(E2ERow(f"{long_len}-token prompt, decode without CUDA graphs", "median TPOT", eager,
+                                   "ms"))
+                rows.append(E2ERow("CUDA graphs: TPOT eager / replayed", "speed-up", eager / decode, "x", decode,
+                                   eager / decode))
             repeat = statistics.median(ttft_ms(llm, long_prompt) for _ in range(repeats))
             rows.append(E2ERow(f"{long_len}-token prompt, decode", "median TPOT", decode, "ms"))
             rows.append(E2ERow(f"identical {long_len}-token prompt back to back (all but the last token cached)",
@@ -101,7 +157,7 @@ def measure(model: str = "preset:qwen3-8b", dtype: str = "bfloat16", *, prefix_l
     # A primary pool that holds one request: B evicts A to the host, A comes back by onboarding.
     blocks_per_request = -(-(long_len + 1) // tokens_per_block)
     pool_tokens = (blocks_per_request + 1) * tokens_per_block
-    llm = LLM(model=model, max_batch_size=1, build_options=build,
+    llm = LLM(model=plan, **limits,
               kv_cache_config=KvCacheConfig(max_tokens=pool_tokens, host_cache_size=host_cache_bytes))
     rounds = [[ttft_ms(llm, prompt) for prompt in (prompt_a, prompt_b)] for _ in range(1 + repeats // 2 + 1)]
     stats = llm.get_stats()
@@ -118,19 +174,52 @@ def measure(model: str = "preset:qwen3-8b", dtype: str = "bfloat16", *, prefix_l
     return rows
 
 
+def write_reports(rows: list[E2ERow], output: Path, header: dict[str, str]) -> None:
+    """gpu_e2e.csv (one line per figure, the run's header repeated) and gpu_e2e.md."""
+    output.mkdir(parents=True, exist_ok=True)
+    with open(output / "gpu_e2e.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(header) + list(E2ERow._fields))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**header, **row._asdict()})
+    fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
+    lines = ["# kvtool end-to-end TTFT", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
+    lines += ["| case | metric | value | unit | baseline | ratio | target |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        verdict = "" if r.ratio is None or r.target is None else (" (met)" if r.ratio >= r.target else " (missed)")
+        lines.append(f"| {r.case} | {r.metric} | {r.value:.4g} | {r.unit} | {fmt(r.baseline)} | "
+                     f"{fmt(r.ratio)}{verdict} | {fmt(r.target)} |")
+    (output / "gpu_e2e.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="preset:qwen3-8b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prefix_len", type=int, default=2048)
     parser.add_argument("--question_len", type=int, default=128)
-    parser.add_argument("--long_len", type=int, default=4096)
+    parser.add_argument("--long_len", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tokens_per_block", type=int, default=32)
+    parser.add_argument("--plan_options", choices=("e2e", "bench"), default="bench",
+                        help="build the plan with just what the e2e needs, or as `kvtool bench` does (shared)")
+    parser.add_argument("--output", type=Path, default=None, help="write gpu_e2e.csv and gpu_e2e.md there")
     args = parser.parse_args()
-    for row in measure(args.model, args.dtype, prefix_len=args.prefix_len, question_len=args.question_len,
-                       long_len=args.long_len, repeats=args.repeats):
+    like_bench = args.plan_options == "bench"
+    max_len = max_request_len(args.prefix_len, args.question_len, args.long_len)
+    options = plan_build_options(args.dtype, args.tokens_per_block, max_len, like_bench=like_bench)
+    plan = resolve_plan(args.model, options)
+    print(f"plan {plan.path}" + (f", shared with `{bench_command(args.model, options)}`" if like_bench else ""))
+    rows = measure(plan, args.dtype, prefix_len=args.prefix_len, question_len=args.question_len,
+                   long_len=args.long_len, repeats=args.repeats, tokens_per_block=args.tokens_per_block)
+    for row in rows:
         target = f"  (target {row.target:.3g}: {'met' if row.ratio >= row.target else 'missed'})" if row.target else ""
         print(f"{row.case}: {row.metric} = {row.value:.4g} {row.unit}{target}")
+    if args.output is not None:
+        header = {"model": args.model, "dtype": plan.build_options.dtype, "plan": str(plan.path),
+                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+        write_reports(rows, args.output, header)
+        print(f"reports in {args.output}")
 
 
 if __name__ == "__main__":

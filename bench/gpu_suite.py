@@ -146,6 +146,28 @@ def section_decode(suite: Suite, library, dtype: torch.dtype) -> None:
         suite.add(Row("decode", case, "time", ms, "ms"))
         suite.add(Row("decode", case, "effective KV bandwidth", bandwidth, "GB/s", d2d,
                       bandwidth / d2d if d2d else None, target))
+        if target is None or tpb != 16:
+            continue
+        # The kernel's knobs on the target case: keys per split-K partition, 16-byte loads in flight.
+        for partition_size, unroll in ((256, 4), (1024, 4), (512, 8), (256, 8), (1024, 8), (512, 2)):
+            def variant(partition_size=partition_size, unroll=unroll):
+                paged_decode_attention(library, query, pool, tables, qsl, seq_lens, seq_offset=0, num_seqs=batch,
+                                       max_seq_len=seq_len, scale=head_dim ** -0.5, sliding_window=None, out=out,
+                                       partition_size=partition_size, unroll=unroll)
+
+            bandwidth = kv_bytes / (suite.time_ms(variant) * 1e-3) / 1e9
+            suite.add(Row("decode", f"{case}: partition {partition_size}, unroll {unroll}", "effective KV bandwidth",
+                          bandwidth, "GB/s", d2d, bandwidth / d2d if d2d else None))
+
+        # A CUDA graph's grid is sized for the runtime's max_seq_len: the partitions past each
+        # sequence's end return at once. What that costs here, for a 40k max_seq_len:
+        def graph_grid():
+            paged_decode_attention(library, query, pool, tables, qsl, seq_lens, seq_offset=0, num_seqs=batch,
+                                   max_seq_len=40960, scale=head_dim ** -0.5, sliding_window=None, out=out)
+
+        bandwidth = kv_bytes / (suite.time_ms(graph_grid) * 1e-3) / 1e9
+        suite.add(Row("decode", f"{case}: grid for max_seq_len 40960 (80 partitions)", "effective KV bandwidth",
+                      bandwidth, "GB/s", d2d, bandwidth / d2d if d2d else None))
 
 
 def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
@@ -158,7 +180,8 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
     scale = head_dim ** -0.5
     flops = 4 * batch * num_heads * head_dim * seq_len * (seq_len + 1) / 2  # causal: half the square
     sdpa_tflops = None
-    for tpb, num_warps in ((16, 4), (64, 4), (16, 8), (64, 8)):
+    for tpb, num_warps, rows_per_warp in ((16, 4, 16), (64, 4, 16), (16, 8, 16), (64, 8, 16), (16, 4, 32),
+                                          (64, 4, 32)):
         pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, seq_len, num_heads, num_kv_heads,
                                                           head_dim, tpb, dtype)
         out = torch.empty_like(query)
@@ -166,7 +189,7 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
         def run():
             paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
                                     max_query_len=seq_len, scale=scale, sliding_window=None, out=out,
-                                    num_warps=num_warps)
+                                    num_warps=num_warps, rows_per_warp=rows_per_warp)
 
         ms = suite.time_ms(run)
         ours = flops / (ms * 1e-3) / 1e12
@@ -204,7 +227,8 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
             sdpa_tflops = flops / (sdpa_ms * 1e-3) / 1e12
             suite.add(Row("context", f"torch SDPA flash, contiguous ({note})", "throughput", sdpa_tflops, "TFLOP/s"))
             suite.add(Row("context", "paged kernel vs SDPA output", "max abs difference", difference, ""))
-        case = f"{batch} x {seq_len} causal prefill, tpb {tpb}, {num_warps} warps/CTA, 32/8 heads, hd 128"
+        case = (f"{batch} x {seq_len} causal prefill, tpb {tpb}, {num_warps} warps/CTA x {rows_per_warp} rows/warp, "
+                f"32/8 heads, hd 128")
         suite.add(Row("context", case, "time", ms, "ms"))
         suite.add(Row("context", case, "throughput", ours, "TFLOP/s", sdpa_tflops, ours / sdpa_tflops, 0.9))
     # Reuse: the second half of each sequence attends to a cached first half (read from the cache).
@@ -333,7 +357,7 @@ def main() -> int:
     parser.add_argument("--e2e_model", default="preset:qwen3-8b")
     parser.add_argument("--e2e_prefix_len", type=int, default=2048)
     parser.add_argument("--e2e_question_len", type=int, default=128)
-    parser.add_argument("--e2e_long_len", type=int, default=4096)
+    parser.add_argument("--e2e_long_len", type=int, default=4000)
     parser.add_argument("--e2e_repeats", type=int, default=7)
     args = parser.parse_args()
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]

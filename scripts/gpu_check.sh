@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
 # `make gpu-check OUT=DIR`: on a GPU machine (torch, CuPy, nanobind, scikit-build-core, cmake and
 # ninja preinstalled; no package registry needed), install kvtool in place, record the GPU and the
-# toolchain, run the GPU tests, then the GPU benchmark suite. Everything lands in $OUT:
-#   install.log, nvidia-smi.txt, env.txt, pytest_gpu.log, gpu_suite.log, gpu_suite/gpu_suite.{csv,md}
+# toolchain, run the GPU tests, the kernel benchmarks, the end-to-end figures on a real model's
+# shapes and the card's commands. Everything lands in $OUT:
+#   install.log, nvidia-smi.txt, env.txt, pytest_gpu.log          (install info test)
+#   gpu_suite.log, gpu_suite/gpu_suite.{csv,md}                     (bench: the kernel sections)
+#   plan.log                                                        (plan: builds $GPU_MODEL once)
+#   gpu_e2e.log, gpu_e2e/gpu_e2e.{csv,md}                           (e2e: TTFT/TPOT ratios, CUDA graphs)
+#   gpu_startup.log, gpu_startup/gpu_startup.{csv,md}               (startup: a 45 GB host cache)
+#   card.log, card/<scenario>/{summary,requests-*}.csv              (card: offload_abab, system_prompt)
+#   profile.log, profile/{context,decode}.txt                       (profile: ncu of the attention kernels)
+#   trace.log, trace/{onboard,decode_graphs_on,decode_graphs_off}.{json,txt}  (trace: torch profiler)
 #
-# GPU_CHECK_STEPS picks steps (default "install info test bench"), e.g. to fit a time limit per
-# command: GPU_CHECK_STEPS="install info test" then GPU_CHECK_STEPS="bench".
+# GPU_CHECK_STEPS picks steps (default "install info test bench plan e2e startup card"), e.g. to fit a
+# time limit per command: GPU_CHECK_STEPS="install info test" then GPU_CHECK_STEPS="bench".
+# The plan step builds $GPU_MODEL (default preset:qwen3-8b, bfloat16, 32-token blocks) in the
+# background while the tests and kernel benchmarks run; e2e, startup and card wait for it and share it.
 # GPU_SUITE_ARGS is passed to bench/gpu_suite.py (e.g. "--sections copy,decode,context,blocks").
 # PYTHON selects the interpreter (default: the first of python3, python, .venv/bin/python that
 # imports torch; on the GPU machine that is the system interpreter with CUDA torch and CuPy).
@@ -13,7 +23,8 @@
 set -uo pipefail
 
 OUT="${OUT:-out/gpu-check}"
-STEPS="${GPU_CHECK_STEPS:-install info test bench}"
+STEPS="${GPU_CHECK_STEPS:-install info test bench plan e2e startup card}"
+MODEL="${GPU_MODEL:-preset:qwen3-8b}"
 OUT="$(mkdir -p "$OUT" && cd "$OUT" && pwd)"  # absolute: the script moves to the repository root
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
@@ -63,9 +74,32 @@ PYEOF
   cat "$OUT/env.txt"
 fi
 
+if has_step plan; then
+  note "plan: building $MODEL in the background (plan.log)"
+  "$PY" - "$MODEL" >"$OUT/plan.log" 2>&1 <<'PYEOF' &
+import sys, time
+from kvtool.plan import resolve_model
+from kvtool.plan import BuildOptions
+start = time.perf_counter()
+# The options `kvtool bench --config bench_configs/<scenario>.yaml --model MODEL` builds with on a GPU.
+plan = resolve_model(sys.argv[1], options=BuildOptions(dtype="bfloat16", tokens_per_block=32))
+print(f"plan {plan.path} ready in {time.perf_counter() - start:.1f} s")
+PYEOF
+  plan_pid=$!
+fi
+
 if has_step test; then
-  note "pytest -m gpu"
-  "$PY" -m pytest -m gpu tests/ -q -rs --durations=15 2>&1 | tee "$OUT/pytest_gpu.log"
+  # Parallel workers when pytest-xdist is there (each compiles its own kernels: 16 cores beat one), a
+  # per-test limit when pytest-timeout is (a hung kernel must not eat the lease). kvtool serve's tests
+  # hold no GPU test and import fastapi, which GPU images often lack: skip them there.
+  test_flags=(-m gpu -q -rs --durations=15)
+  if ! "$PY" -c "import fastapi" >/dev/null 2>&1; then
+    for module in tests/test_serve_*.py; do test_flags+=(--ignore "$module"); done
+  fi
+  "$PY" -c "import xdist" >/dev/null 2>&1 && test_flags+=(-n "${GPU_TEST_WORKERS:-8}")
+  "$PY" -c "import pytest_timeout" >/dev/null 2>&1 && test_flags+=(--timeout "${GPU_TEST_TIMEOUT:-300}")
+  note "pytest ${test_flags[*]}"
+  "$PY" -m pytest "${test_flags[@]}" tests/ 2>&1 | tee "$OUT/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   [[ $rc -eq 0 ]] || { note "GPU tests failed (rc $rc)"; status=1; }
   # A machine without a usable GPU or CuPy skips them all: that is no pass.
@@ -78,9 +112,71 @@ fi
 if has_step bench; then
   note "bench/gpu_suite.py"
   # shellcheck disable=SC2086 # GPU_SUITE_ARGS is a list of flags
-  "$PY" bench/gpu_suite.py --output "$OUT/gpu_suite" ${GPU_SUITE_ARGS:-} 2>&1 | tee "$OUT/gpu_suite.log"
+  "$PY" bench/gpu_suite.py --output "$OUT/gpu_suite" --sections copy,decode,context,blocks,swap ${GPU_SUITE_ARGS:-} \
+    2>&1 | tee "$OUT/gpu_suite.log"
   rc=${PIPESTATUS[0]}
   [[ $rc -eq 0 ]] || { note "gpu suite reported errors (rc $rc)"; status=1; }
+fi
+
+if has_step profile; then
+  note "profile: ncu of one context and one decode launch"
+  mkdir -p "$OUT/profile"
+  for kernel in context decode; do
+    timeout 120 ncu --clock-control none --kernel-name "regex:kvt_paged_${kernel}_attention" --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis --section WarpStateStats \
+      "$PY" bench/gpu_suite.py --output "$OUT/profile/suite-$kernel" --sections "$kernel" --reps 20 --warmup 1 \
+      >"$OUT/profile/$kernel.txt" 2>&1 || note "ncu of the $kernel kernel failed (profile/$kernel.txt)"
+  done
+  tail -n 60 "$OUT/profile/context.txt" | tee -a "$OUT/profile.log"
+fi
+
+wait_for_plan() {
+  if [[ -n "${plan_pid:-}" ]]; then
+    wait "$plan_pid" || { note "plan build failed (plan.log)"; status=1; }
+    plan_pid=""
+    cat "$OUT/plan.log"
+  fi
+}
+
+if has_step e2e; then
+  wait_for_plan
+  note "bench/gpu_e2e.py ($MODEL)"
+  # 4,000-token prompts: the longest that leave room to decode within the shared plan's 4,096 tokens.
+  "$PY" bench/gpu_e2e.py --model "$MODEL" --plan_options bench --long_len 4000 --output "$OUT/gpu_e2e" 2>&1 \
+    | tee "$OUT/gpu_e2e.log"
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || { note "e2e failed (rc $rc)"; status=1; }
+fi
+
+if has_step startup; then
+  wait_for_plan
+  note "bench/gpu_startup.py ($MODEL, 45 GB host cache)"
+  "$PY" bench/gpu_startup.py --model "$MODEL" --host_cache_bytes 45000000000 --repeats 2 --output "$OUT/gpu_startup" 2>&1 \
+    | tee "$OUT/gpu_startup.log"
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || { note "startup failed (rc $rc)"; status=1; }
+fi
+
+if has_step card; then
+  wait_for_plan
+  kvtool() { "$PY" -c "from kvtool.cli import main; main()" "$@"; }
+  card() {  # card NAME ARGS...: one kvtool bench run into $OUT/card/NAME
+    local name=$1; shift
+    note "card: kvtool bench $* ($name)"
+    kvtool bench --model "$MODEL" --output "$OUT/card/$name" "$@" 2>&1 | tee -a "$OUT/card.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || { note "card $name failed"; status=1; }
+  }
+  card offload_abab_host45GB --config bench_configs/offload_abab.yaml --kv_host_cache_bytes 45000000000
+  card offload_abab --config bench_configs/offload_abab.yaml
+  card system_prompt --config bench_configs/system_prompt.yaml
+fi
+
+if has_step trace; then
+  wait_for_plan
+  note "bench/gpu_trace.py ($MODEL): profiler traces of an onboarding step and of decode steps"
+  "$PY" bench/gpu_trace.py --model "$MODEL" --output "$OUT/trace" 2>&1 | tee "$OUT/trace.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || { note "trace failed"; status=1; }
 fi
 
 note "done (status $status); results in $OUT"
