@@ -684,6 +684,11 @@ class Scheduler:
         Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
         """
 
+    def request_problem(self, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, priority: int = 35) -> str | None:
+        """
+        Why add_request would refuse this prompt (the message calls it 'request'), or None when it would queue it; changes nothing. A known request id is not checked.
+        """
+
     def finish_request(self, request_id: int) -> None:
         """
         Finishes a request early (EOS, stop string, abort) and releases its blocks; no-op when already finished. KeyError for an unknown id.

@@ -43,6 +43,34 @@ def test_bad_request_is_rejected_naming_it(prompt, max_new_tokens, kwargs, expec
     assert not scheduler.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("prompt, max_new_tokens, kwargs, expected", [
+    ([], 4, {}, "request has an empty prompt: give at least one token"),
+    ([1, 2, 3], 0, {}, "request: max_new_tokens must be >= 1, got 0"),
+    ([1, 2, 3], 4, {"priority": 101}, "request: priority must be in 0..100, got 101"),
+    ([1] * 100, 30, {}, "request: prompt of 100 tokens + max_new_tokens 30 = 130 tokens exceeds max_seq_len 128: "
+                        "shorten the prompt, lower max_new_tokens or raise max_seq_len"),
+    ([1, 2, 3], 4, {}, None),
+])
+def test_request_problem_says_what_add_request_would_refuse_and_changes_nothing(prompt, max_new_tokens, kwargs,
+                                                                                  expected):
+    scheduler, _ = make_scheduler(max_seq_len=128, max_num_tokens=256)
+    assert scheduler.request_problem(prompt, max_new_tokens, **kwargs) == expected
+    assert not scheduler.has_unfinished_requests() and scheduler.num_queued_requests() == 0
+    if expected is not None:
+        with pytest.raises(ValueError, match="request 5"):
+            add(scheduler, 5, prompt, max_new_tokens, **kwargs)
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_token_ids_convert_exactly_on_both_sides_of_cpythons_one_digit_ints(container):
+    # CPython keeps ints below 2**30 in one digit (read directly); larger ones go through its C API.
+    scheduler, _ = make_scheduler(vocab_size=2**30 + 1)
+    assert scheduler.request_problem(container([0, 2**30 - 1, 2**30]), 1) is None
+    for bad in (2**30 + 1, 2**31 - 1, -1, -(2**30)):
+        problem = scheduler.request_problem(container([7, bad]), 1)
+        assert problem.startswith(f"request: token id {bad} is outside the model's vocabulary")
+
+
 def test_duplicate_request_id_is_rejected():
     scheduler, _ = make_scheduler()
     add(scheduler, 1, [1, 2, 3], 2)

@@ -3,6 +3,7 @@
 // unknown request id -> KeyError, calls out of order (schedule twice) -> RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -18,6 +19,32 @@ using namespace nb::literals;
 namespace kvtool {
 
 namespace {
+
+// The PromptSummary of a list or tuple of exact ints, read where it lies: a pre-check of a 2k-token
+// prompt builds no vector of its ids. False when it is something else, or an item is not an exact
+// int that fits int32 (the caller converts as add_request does, and reports what is wrong).
+bool summarize_int_sequence(PyObject* sequence, int32_t vocab_size, PromptSummary& summary) {
+  const bool is_list = PyList_CheckExact(sequence);
+  if (!is_list && !PyTuple_CheckExact(sequence)) return false;
+  const Py_ssize_t n = is_list ? PyList_GET_SIZE(sequence) : PyTuple_GET_SIZE(sequence);
+  summary.num_tokens = static_cast<int64_t>(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = is_list ? PyList_GET_ITEM(sequence, i) : PyTuple_GET_ITEM(sequence, i);
+    if (!PyLong_CheckExact(item)) return false;
+    long long value = 0;
+    if (!one_digit_int_value(item, value)) {
+      int overflow = 0;
+      value = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0) return false;
+    }
+    if (value < INT32_MIN || value > INT32_MAX) return false;
+    if (vocab_size > 0 && !summary.first_outside_vocab && (value < 0 || value >= vocab_size)) {
+      summary.first_outside_vocab = static_cast<TokenId>(value);
+    }
+  }
+  return true;
+}
+
 
 // A ScheduledBatch as Python sees it: converted once, so repeated attribute reads copy nothing.
 struct PyScheduledBatch {
@@ -221,6 +248,26 @@ void bind_scheduler(nb::module_& m) {
           "request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than "
           "max_num_tokens without chunked context, a request larger than the primary pool, wrong "
           "extra_ids length or a known id.")
+      .def(
+          "request_problem",
+          [](const Scheduler& self, IntArrayLike token_ids, int32_t max_new_tokens, IntArrayLike extra_ids,
+             int32_t priority) {
+            const int32_t vocab_size = self.config().vocab_size;
+            PromptSummary summary;
+            if (!summarize_int_sequence(token_ids.ptr(), vocab_size, summary)) {
+              SequenceSpec prompt;
+              prompt.token_ids = to_vector<TokenId>(token_ids, "token_ids");
+              summary = summarize_prompt(prompt, vocab_size);
+            }
+            summary.num_extra_ids = extra_ids.is_none()
+                                        ? 0
+                                        : static_cast<int64_t>(to_vector<ExtraId>(extra_ids, "extra_ids").size());
+            summary.priority = priority;
+            return self.request_problem(summary, max_new_tokens);
+          },
+          "token_ids"_a, "max_new_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "priority"_a = kDefaultPriority,
+          "Why add_request would refuse this prompt (the message calls it 'request'), or None when it would "
+          "queue it; changes nothing. A known request id is not checked.")
       .def("finish_request", &Scheduler::finish_request, "request_id"_a,
            "Finishes a request early (EOS, stop string, abort) and releases its blocks; no-op when "
            "already finished. KeyError for an unknown id.")

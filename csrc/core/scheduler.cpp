@@ -114,57 +114,81 @@ Scheduler::Scheduler(CacheConfig cache_config, SchedulerConfig scheduler_config)
 
 Scheduler::~Scheduler() = default;
 
-void Scheduler::add_request(int64_t request_id, SequenceSpec prompt, int32_t max_new_tokens) {
-  Impl& s = *impl_;
-  const std::string name = request_name(request_id);
-  const auto num_prompt_tokens = static_cast<int64_t>(prompt.token_ids.size());
-  if (s.requests.count(request_id) != 0) {
-    throw std::invalid_argument(name + " is already known to the scheduler: give every request a new id");
-  }
-  if (num_prompt_tokens == 0) {
-    throw std::invalid_argument(name + " has an empty prompt: give at least one token");
-  }
-  if (s.config.vocab_size > 0) {
-    const int32_t vocab = s.config.vocab_size;
+PromptSummary summarize_prompt(const SequenceSpec& prompt, int32_t vocab_size) {
+  PromptSummary summary;
+  summary.num_tokens = static_cast<int64_t>(prompt.token_ids.size());
+  summary.num_extra_ids = static_cast<int64_t>(prompt.extra_ids.size());
+  summary.priority = prompt.priority;
+  if (vocab_size > 0) {
     for (const TokenId t : prompt.token_ids) {
-      if (t < 0 || t >= vocab) {
-        throw std::invalid_argument(name + ": token id " + std::to_string(t) + " is outside the model's vocabulary [0, " +
-                                    std::to_string(vocab) + "): use token ids below " + std::to_string(vocab));
+      if (t < 0 || t >= vocab_size) {
+        summary.first_outside_vocab = t;
+        break;
       }
     }
   }
-  if (max_new_tokens < 1) {
-    throw std::invalid_argument(name + ": max_new_tokens must be >= 1, got " + std::to_string(max_new_tokens));
+  return summary;
+}
+
+std::optional<std::string> Scheduler::Impl::prompt_problem(const std::string& name, const PromptSummary& prompt,
+                                                          int32_t max_new_tokens) const {
+  const Impl& s = *this;
+  const int64_t num_prompt_tokens = prompt.num_tokens;
+  if (num_prompt_tokens == 0) {
+    return name + " has an empty prompt: give at least one token";
   }
-  if (!prompt.extra_ids.empty() &&
-      static_cast<int64_t>(prompt.extra_ids.size()) != num_prompt_tokens) {
-    throw std::invalid_argument(name + " has " + std::to_string(prompt.extra_ids.size()) +
-                                " extra_ids for " + std::to_string(num_prompt_tokens) +
-                                " prompt tokens: give one extra id per prompt token (0 for a normal token), or none");
+  if (prompt.first_outside_vocab.has_value()) {
+    const std::string vocab = std::to_string(s.config.vocab_size);
+    return name + ": token id " + std::to_string(*prompt.first_outside_vocab) +
+           " is outside the model's vocabulary [0, " + vocab + "): use token ids below " + vocab;
+  }
+  if (max_new_tokens < 1) {
+    return name + ": max_new_tokens must be >= 1, got " + std::to_string(max_new_tokens);
+  }
+  if (prompt.num_extra_ids != 0 && prompt.num_extra_ids != num_prompt_tokens) {
+    return name + " has " + std::to_string(prompt.num_extra_ids) + " extra_ids for " +
+           std::to_string(num_prompt_tokens) +
+           " prompt tokens: give one extra id per prompt token (0 for a normal token), or none";
   }
   if (prompt.priority < 0 || prompt.priority > 100) {
-    throw std::invalid_argument(name + ": priority must be in 0..100, got " + std::to_string(prompt.priority));
+    return name + ": priority must be in 0..100, got " + std::to_string(prompt.priority);
   }
   const int64_t num_lifetime_tokens = num_prompt_tokens + max_new_tokens;
   if (num_lifetime_tokens > s.config.max_seq_len) {
-    throw std::invalid_argument(name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens + max_new_tokens " +
-                                std::to_string(max_new_tokens) + " = " + std::to_string(num_lifetime_tokens) +
-                                " tokens exceeds max_seq_len " + std::to_string(s.config.max_seq_len) +
-                                ": shorten the prompt, lower max_new_tokens or raise max_seq_len");
+    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens + max_new_tokens " +
+           std::to_string(max_new_tokens) + " = " + std::to_string(num_lifetime_tokens) +
+           " tokens exceeds max_seq_len " + std::to_string(s.config.max_seq_len) +
+           ": shorten the prompt, lower max_new_tokens or raise max_seq_len";
   }
   if (!s.config.enable_chunked_context && num_prompt_tokens > s.config.max_num_tokens) {
-    throw std::invalid_argument(name + ": prompt of " + std::to_string(num_prompt_tokens) +
-                                " tokens exceeds max_num_tokens " + std::to_string(s.config.max_num_tokens) +
-                                " tokens per step: enable chunked context (enable_chunked_context=True) "
-                                "or raise max_num_tokens");
+    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens exceeds max_num_tokens " +
+           std::to_string(s.config.max_num_tokens) +
+           " tokens per step: enable chunked context (enable_chunked_context=True) or raise max_num_tokens";
   }
   const int32_t num_primary_blocks = s.cache_manager.config().num_primary_blocks;
   if (s.num_blocks_for(static_cast<int32_t>(num_lifetime_tokens)) > num_primary_blocks) {
-    throw std::invalid_argument(name + ": the primary pool of " + std::to_string(num_primary_blocks) + " blocks (" +
-                                std::to_string(static_cast<int64_t>(num_primary_blocks) * s.tokens_per_block) +
-                                " tokens) cannot hold one request of " + std::to_string(num_lifetime_tokens) +
-                                " tokens: raise max_tokens / free_gpu_memory_fraction");
+    return name + ": the primary pool of " + std::to_string(num_primary_blocks) + " blocks (" +
+           std::to_string(static_cast<int64_t>(num_primary_blocks) * s.tokens_per_block) +
+           " tokens) cannot hold one request of " + std::to_string(num_lifetime_tokens) +
+           " tokens: raise max_tokens / free_gpu_memory_fraction";
   }
+  return std::nullopt;
+}
+
+std::optional<std::string> Scheduler::request_problem(const PromptSummary& prompt, int32_t max_new_tokens) const {
+  return impl_->prompt_problem("request", prompt, max_new_tokens);
+}
+
+void Scheduler::add_request(int64_t request_id, SequenceSpec prompt, int32_t max_new_tokens) {
+  Impl& s = *impl_;
+  const std::string name = request_name(request_id);
+  if (s.requests.count(request_id) != 0) {
+    throw std::invalid_argument(name + " is already known to the scheduler: give every request a new id");
+  }
+  if (auto problem = s.prompt_problem(name, summarize_prompt(prompt, s.config.vocab_size), max_new_tokens)) {
+    throw std::invalid_argument(*problem);
+  }
+  const auto num_prompt_tokens = static_cast<int64_t>(prompt.token_ids.size());
   Request r;
   r.request_id = request_id;
   r.spec = std::move(prompt);

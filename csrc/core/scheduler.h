@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -71,6 +72,18 @@ struct RequestStats {
   int32_t num_pauses = 0;
 };
 
+// What add_request's checks read of a prompt: its length, its first token id outside the
+// vocabulary (when SchedulerConfig.vocab_size checks them), how many extra ids it has, its priority.
+struct PromptSummary {
+  int64_t num_tokens = 0;
+  std::optional<TokenId> first_outside_vocab;
+  int64_t num_extra_ids = 0;
+  int32_t priority = kDefaultPriority;
+};
+
+// The summary of a prompt under a vocabulary of `vocab_size` ids (0: ids are not checked).
+PromptSummary summarize_prompt(const SequenceSpec& prompt, int32_t vocab_size);
+
 class Scheduler {
  public:
   Scheduler(CacheConfig cache_config, SchedulerConfig scheduler_config);  // validates both
@@ -81,6 +94,9 @@ class Scheduler {
   // Queues a request. Throws std::invalid_argument (naming the request) when the prompt is empty,
   // prompt + max_new_tokens exceeds max_seq_len, extra_ids has the wrong length, or the id is known.
   void add_request(int64_t request_id, SequenceSpec prompt, int32_t max_new_tokens);
+  // Why add_request would refuse this prompt under another id (the message names the request
+  // "request"), or nothing when it would queue it. Changes nothing: a pre-check for many requests.
+  std::optional<std::string> request_problem(const PromptSummary& prompt, int32_t max_new_tokens) const;
   // Finishes a request early (EOS / stop string / cancellation): its blocks are released.
   // A request that is already finished is left as it is. Unknown id: UnknownRequestError.
   void finish_request(int64_t request_id);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -77,6 +78,9 @@ struct Scheduler::Impl {
     return (num_tokens + tokens_per_block - 1) / tokens_per_block;
   }
   // Blocks a running request may still allocate until it finishes.
+  // Every reason add_request refuses a prompt but a known id; `name` starts each message.
+  std::optional<std::string> prompt_problem(const std::string& name, const PromptSummary& prompt,
+                                            int32_t max_new_tokens) const;
   int32_t num_remaining_blocks(const Request& r) const;
   // The spec a request is (re-)added to the cache manager with: prompt + generated tokens so far.
   SequenceSpec admission_spec(const Request& r) const;

@@ -43,9 +43,7 @@ class Engine:
         self.scheduler = _core.Scheduler(cache_config, scheduler_config)
         self._cache_config = cache_config
         self._scheduler_config = scheduler_config
-        self._probe: _core.Scheduler | None = None  # checks requests without queuing them
         self._request_ids = itertools.count()
-        self._probe_ids = itertools.count()
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.bytes_per_token = bytes_per_token
@@ -72,27 +70,19 @@ class Engine:
 
     def request_problem(self, request: Request) -> str | None:
         """Why add_request would refuse this request (None: it would be queued), without queuing it:
-        a scratch scheduler with this engine's configuration (and no host pool) is asked."""
+        the scheduler runs add_request's checks and changes nothing."""
         try:
             token_ids = self._checked_prompt(request, "the request")
         except ValueError as error:
             return str(error).removeprefix("the request: ")
-        if self._probe is None:
-            config = self._cache_config
-            self._probe = _core.Scheduler(_core.CacheConfig(
-                tokens_per_block=config.tokens_per_block, num_primary_blocks=config.num_primary_blocks,
-                num_secondary_blocks=0, enable_block_reuse=config.enable_block_reuse,
-                enable_partial_reuse=config.enable_partial_reuse, max_attention_window=config.max_attention_window),
-                self._scheduler_config)
-        probe_id = next(self._probe_ids)
-        try:
-            self._probe.add_request(probe_id, token_ids, request.sampling_params.max_tokens,
-                                    extra_ids=self._extra_ids(request), priority=request.sampling_params.priority)
-        except ValueError as error:
-            # The scheduler names the request by the probe's id: say "the request" instead.
-            return re.sub(r"^request \d+(: )?", lambda m: "" if m.group(1) else "the request", str(error))
-        self._probe.finish_request(probe_id)
-        return None
+        problem = self.scheduler.request_problem(token_ids, request.sampling_params.max_tokens,
+                                                 extra_ids=self._extra_ids(request),
+                                                 priority=request.sampling_params.priority)
+        if problem is None:
+            return None
+        # The scheduler calls it "request": "request: token id ..." -> "token id ...",
+        # "request has an empty prompt" -> "the request has an empty prompt".
+        return re.sub(r"^request(: )?", lambda m: "" if m.group(1) else "the request", problem)
 
     @staticmethod
     def _checked_prompt(request: Request, name: str):
