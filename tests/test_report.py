@@ -41,16 +41,29 @@ def test_per_request_columns_are_the_documented_ones():
     assert list(CSV_COLUMNS) == EXPECTED_COLUMNS
 
 
-def test_each_row_is_on_disk_before_the_writer_closes(tmp_path):
-    path = tmp_path / "requests.csv"
-    writer = RequestCsvWriter(path)
-    writer.write(metrics("a"))
+def _ids_on_disk(path) -> list[str]:
     # Read through a separate handle while the writer is still open (as after a crash).
-    rows = list(csv.DictReader(path.open()))
-    assert [row["request_id"] for row in rows] == ["a"]
+    return [row["request_id"] for row in csv.DictReader(path.open())]
+
+
+def test_each_row_is_on_disk_within_the_flush_interval(tmp_path):
+    path = tmp_path / "requests.csv"
+    writer = RequestCsvWriter(path, flush_seconds=0.0)
+    writer.write(metrics("a"))
+    assert _ids_on_disk(path) == ["a"]
     writer.write(metrics("b"))
-    assert [row["request_id"] for row in csv.DictReader(path.open())] == ["a", "b"]
+    assert _ids_on_disk(path) == ["a", "b"]
     writer.close()
+
+
+def test_rows_written_since_the_last_flush_reach_the_disk_on_close(tmp_path):
+    path = tmp_path / "requests.csv"
+    writer = RequestCsvWriter(path, flush_seconds=3600.0)
+    writer.write(metrics("a"))
+    writer.write(metrics("b"))
+    assert _ids_on_disk(path) == []  # buffered: one flush an hour
+    writer.close()
+    assert _ids_on_disk(path) == ["a", "b"]
 
 
 def test_request_rows_round_trip(tmp_path):
