@@ -41,8 +41,6 @@ class Engine:
         # list is not copied to numpy first (40 µs, a simulated request's whole budget).
         scheduler_config.vocab_size = vocab_size
         self.scheduler = _core.Scheduler(cache_config, scheduler_config)
-        self._cache_config = cache_config
-        self._scheduler_config = scheduler_config
         self._request_ids = itertools.count()
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
