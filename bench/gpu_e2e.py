@@ -24,7 +24,6 @@ bench/gpu_suite.py runs this as its `e2e` section. It also runs anywhere for a d
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import random
 import statistics
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from gpu_reports import write_rows_csv
 
 from kvtool import LLM, KvCacheConfig, SamplingParams
 from kvtool.llm import on_the_fly_build_options
@@ -176,12 +177,7 @@ def measure(model: str | Plan = "preset:qwen3-8b", dtype: str = "bfloat16", *, p
 
 def write_reports(rows: list[E2ERow], output: Path, header: dict[str, str]) -> None:
     """gpu_e2e.csv (one line per figure, the run's header repeated) and gpu_e2e.md."""
-    output.mkdir(parents=True, exist_ok=True)
-    with open(output / "gpu_e2e.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(header) + list(E2ERow._fields))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**header, **row._asdict()})
+    write_rows_csv(output / "gpu_e2e.csv", rows, header)
     fmt = lambda x: "" if x is None else f"{x:.4g}"  # noqa: E731
     lines = ["# kvtool end-to-end TTFT", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
     lines += ["| case | metric | value | unit | baseline | ratio | target |", "|---|---|---|---|---|---|---|"]

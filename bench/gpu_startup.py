@@ -16,7 +16,6 @@ Runs anywhere for a dry run:
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import statistics
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from gpu_reports import write_rows_csv
 
 from kvtool import LLM, KvCacheConfig, SamplingParams
 from kvtool.plan import BuildOptions, Plan, resolve_model
@@ -92,12 +93,7 @@ def summarize(runs: list[StartupRun], host_cache_bytes: int) -> dict[str, float]
 def write_reports(runs: list[StartupRun], summary: dict[str, float], host_cache_bytes: int, output: Path,
                   header: dict[str, str]) -> None:
     """gpu_startup.csv (every run, the run's header repeated) and gpu_startup.md (the summary)."""
-    output.mkdir(parents=True, exist_ok=True)
-    with open(output / "gpu_startup.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(header) + list(StartupRun._fields))
-        writer.writeheader()
-        for run in runs:
-            writer.writerow({**header, **run._asdict()})
+    write_rows_csv(output / "gpu_startup.csv", runs, header)
     verdict = "met" if summary["difference_s"] < TARGET_EXTRA_S else "missed"
     lines = ["# kvtool start-up with a host cache", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
     lines += ["| host cache | median LLM() to first token (s) |", "|---|---|",

@@ -11,28 +11,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvtool import LLM
-from kvtool.plan import BuildOptions, build_plan
+from test_model_runner import TOKENS_PER_BLOCK, runner  # noqa: F401 - the fixture: a CPU tiny-llama's runner
+
 from kvtool.runtime.cuda_graphs import DecodeBatch, batch_buckets, pad_decode_batch
 from kvtool.runtime.model_runner import StepRequest
 
-TOKENS_PER_BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    out = tmp_path_factory.mktemp("plan") / "tiny-llama"
-    build_plan("preset:tiny-llama", out, BuildOptions(tokens_per_block=TOKENS_PER_BLOCK, max_seq_len=64,
-                                                       max_batch_size=4, max_num_tokens=64))
-    llm = LLM(model=str(out))
-    assert not llm.cuda_graphs  # a CPU model runs eagerly
-    yield llm.engine.runner
-    llm.shutdown()
-
 
 @pytest.fixture
-def graphs_of_four(runner, monkeypatch):
-    """The runner as if graphs for batches of up to 4 and 8 blocks per row had been captured."""
+def graphs_of_four(runner, monkeypatch):  # noqa: F811 - runner is the fixture
+    """The runner as if graphs for batches of up to 4 and 8 blocks per row had been captured (a CPU
+    runner has none: it runs eagerly)."""
+    assert runner.decode_graphs is None
     monkeypatch.setattr(runner, "decode_graphs", SimpleNamespace(max_batch_size=4, max_blocks=8))
     return runner
 

@@ -30,14 +30,8 @@ bool summarize_int_sequence(PyObject* sequence, int32_t vocab_size, PromptSummar
   summary.num_tokens = static_cast<int64_t>(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = is_list ? PyList_GET_ITEM(sequence, i) : PyTuple_GET_ITEM(sequence, i);
-    if (!PyLong_CheckExact(item)) return false;
     long long value = 0;
-    if (!one_digit_int_value(item, value)) {
-      int overflow = 0;
-      value = PyLong_AsLongLongAndOverflow(item, &overflow);
-      if (overflow != 0) return false;
-    }
-    if (value < INT32_MIN || value > INT32_MAX) return false;
+    if (!exact_int_value(item, value) || value < INT32_MIN || value > INT32_MAX) return false;
     if (vocab_size > 0 && !summary.first_outside_vocab && (value < 0 || value >= vocab_size)) {
       summary.first_outside_vocab = static_cast<TokenId>(value);
     }

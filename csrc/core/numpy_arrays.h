@@ -58,6 +58,16 @@ inline bool one_digit_int_value(PyObject* item, long long& value) {
 #endif
 }
 
+// An exact int's value (a bool or another subclass is no token id); false when it is something
+// else or does not fit a long long.
+inline bool exact_int_value(PyObject* item, long long& value) {
+  if (!PyLong_CheckExact(item)) return false;
+  if (one_digit_int_value(item, value)) return true;
+  int overflow = 0;
+  value = PyLong_AsLongLongAndOverflow(item, &overflow);
+  return overflow == 0;
+}
+
 template <typename T>
 bool fast_sequence_to_vector(PyObject* sequence, std::vector<T>& out) {
   const bool is_list = PyList_CheckExact(sequence);
@@ -65,13 +75,8 @@ bool fast_sequence_to_vector(PyObject* sequence, std::vector<T>& out) {
   out.resize(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = is_list ? PyList_GET_ITEM(sequence, i) : PyTuple_GET_ITEM(sequence, i);
-    if (!PyLong_CheckExact(item)) return false;
     long long value = 0;
-    if (!one_digit_int_value(item, value)) {
-      int overflow = 0;
-      value = PyLong_AsLongLongAndOverflow(item, &overflow);
-      if (overflow != 0) return false;
-    }
+    if (!exact_int_value(item, value)) return false;
     if (value < 0 || (sizeof(T) == 4 && value > static_cast<long long>(INT32_MAX))) return false;
     out[static_cast<size_t>(i)] = static_cast<T>(value);
   }
