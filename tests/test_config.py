@@ -56,8 +56,8 @@ def test_every_flag_sets_its_field():
               "kv_cache_free_gpu_mem_fraction": 0.5, "max_attention_window_size": 64,
               "scheduler_policy": "static_batch", "context_chunking_policy": "equal_progress",
               "enable_chunked_context": True, "max_batch_size": 3, "max_num_tokens": 100, "max_seq_len": 200,
-              "tokens_per_block": 8, "mode": "offline", "concurrency": 2, "request_rate": 4.0, "seed": 9,
-              "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5}
+              "enforce_eager": True, "tokens_per_block": 8, "mode": "offline", "concurrency": 2,
+              "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5}
     assert set(values) == {flag.name for flag in FLAGS}
     config = BenchConfig.from_flags(values)
     assert config == BenchConfig(
@@ -65,7 +65,7 @@ def test_every_flag_sets_its_field():
                                       free_gpu_memory_fraction=0.5, max_attention_window=64, tokens_per_block=8),
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.STATIC_BATCH, ContextChunkingPolicy.EQUAL_PROGRESS,
                                          enable_chunked_context=True),
-        max_batch_size=3, max_num_tokens=100, max_seq_len=200,
+        max_batch_size=3, max_num_tokens=100, max_seq_len=200, enforce_eager=True,
         replay=ReplayOptions(concurrency=2, request_rate=4.0, seed=9, warmup=1, warmup_counts_in_stats=True,
                              num_requests=5))
     # The summary columns keep the flags' names (and spellings), so older reports still compare.
@@ -75,7 +75,13 @@ def test_every_flag_sets_its_field():
                    "kv_host_cache_bytes": 2048, "num_requests_limit": 5}
 
 
+def test_enforce_eager_turns_the_llms_cuda_graphs_off():
+    assert BenchConfig().llm_kwargs()["cuda_graphs"] is True
+    assert BenchConfig.from_flags({"enforce_eager": True}).llm_kwargs()["cuda_graphs"] is False
+
+
 @pytest.mark.parametrize("flags, message", [
+    ({"enforce_eager": "yes please"}, "--enforce_eager must be true or false, got 'yes please'"),
     ({"max_tokens_in_paged_kv_cache": 0}, "--max_tokens_in_paged_kv_cache must be positive, got 0"),
     ({"kv_cache_free_gpu_mem_fraction": 1.5}, "--kv_cache_free_gpu_mem_fraction must be in (0, 1], got 1.5"),
     ({"scheduler_policy": "fast"}, "--scheduler_policy 'fast' is unknown: use one of guaranteed_no_evict|"

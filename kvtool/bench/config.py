@@ -48,12 +48,15 @@ class BenchConfig:
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
     max_seq_len: int | None = None
+    enforce_eager: bool = False  # no CUDA graphs: every step launches its kernels (vLLM's --enforce-eager)
     replay: ReplayOptions = field(default_factory=ReplayOptions)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             value = getattr(self, name)
             check(value is None or value >= 1, self, name, f"must be a positive integer, got {value}")
+        check(isinstance(self.enforce_eager, bool), self, "enforce_eager",
+              f"must be true or false, got {self.enforce_eager!r}")
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> BenchConfig:
@@ -81,7 +84,8 @@ class BenchConfig:
         """Keyword arguments of kvtool.LLM besides the model."""
         limits = {name: getattr(self, name) for name in ("max_batch_size", "max_num_tokens", "max_seq_len")
                   if getattr(self, name) is not None}
-        return {**limits, "kv_cache_config": self.kv_cache_config, "scheduler_config": self.scheduler_config}
+        return {**limits, "kv_cache_config": self.kv_cache_config, "scheduler_config": self.scheduler_config,
+                "cuda_graphs": not self.enforce_eager}
 
     def as_row(self, *, engine: bool = True) -> dict[str, Any]:
         """Every flag's value as its summary column (policies as the flags spell them); ``engine=False``:
@@ -124,6 +128,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_batch_size", LIMITS, "max_batch_size"),
     Flag("max_num_tokens", LIMITS, "max_num_tokens"),
     Flag("max_seq_len", LIMITS, "max_seq_len"),
+    Flag("enforce_eager", LIMITS, "enforce_eager"),
     Flag("tokens_per_block", KV, "tokens_per_block"),
     Flag("mode", REPLAY, "mode"),
     Flag("concurrency", REPLAY, "concurrency"),

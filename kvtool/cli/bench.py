@@ -52,6 +52,7 @@ def bench(
     max_batch_size: engine_flags.MaxBatchSize = None,
     max_num_tokens: engine_flags.MaxNumTokens = None,
     max_seq_len: engine_flags.MaxSeqLen = None,
+    enforce_eager: engine_flags.EnforceEager = None,
     endpoint: Annotated[str | None, flag("endpoint", "Replay against this OpenAI-compatible server instead "
                                          "(http://HOST:PORT: kvtool serve, trtllm-serve, vLLM, SGLang).",
                                          ENDPOINT)] = None,

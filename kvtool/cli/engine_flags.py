@@ -50,6 +50,8 @@ ContextChunkingPolicy = Annotated[str | None, flag("context_chunking_policy", "f
 MaxBatchSize = Annotated[int | None, flag("max_batch_size", "Requests per step (default: the plan's).", SCHEDULER)]
 MaxNumTokens = Annotated[int | None, flag("max_num_tokens", "Tokens per step (default: the plan's).", SCHEDULER)]
 MaxSeqLen = Annotated[int | None, flag("max_seq_len", "Longest prompt + output (default: the plan's).", SCHEDULER)]
+EnforceEager = Annotated[bool | None, toggle("enforce_eager", "No CUDA graphs: every step launches its kernels one "
+                                            "by one (on a GPU, decode steps replay graphs by default).", SCHEDULER)]
 
 # The on/off pairs: one configuration field each, two flags on the command line.
 _PAIRS = (("enable_kv_cache_reuse", "disable_kv_cache_reuse"), ("enable_chunked_context", "disable_chunked_context"))

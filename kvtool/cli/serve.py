@@ -54,6 +54,7 @@ def serve(
     max_batch_size: engine_flags.MaxBatchSize = None,
     max_num_tokens: engine_flags.MaxNumTokens = None,
     max_seq_len: engine_flags.MaxSeqLen = None,
+    enforce_eager: engine_flags.EnforceEager = None,
     host: Annotated[str, flag("host", "Address to listen on (0.0.0.0: every interface).", SERVER)] = "127.0.0.1",
     port: Annotated[int, flag("port", "TCP port.", SERVER)] = 8000,
     served_model_name: Annotated[str | None, flag("served_model_name", "The model name clients send (default: "

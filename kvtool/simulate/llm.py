@@ -22,7 +22,10 @@ class SimulatedLLM:
     def __init__(self, plan: Plan, cost_model: CostModel, *, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_config: KvCacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 num_workload_blocks: int | None = None) -> None:
+                 num_workload_blocks: int | None = None, cuda_graphs: bool = True) -> None:
+        # cuda_graphs is taken for the bench flags' sake: a simulated step costs what the cost model says,
+        # and a calibration times steps as the LLM runs them (with CUDA graphs on a GPU).
+        del cuda_graphs
         kv_cache_config = kv_cache_config or KvCacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
         self.plan = plan
