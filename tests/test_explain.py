@@ -7,17 +7,10 @@ import csv
 import re
 
 import pytest
-from typer.testing import CliRunner
+from test_cli_bench import invoke
 
 from kvtool.bench.datasets import write_jsonl
-from kvtool.cli import app
 from kvtool.simulate.cost_model import CostModel
-
-cli = CliRunner()
-
-
-def invoke(*args):
-    return cli.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture

@@ -7,34 +7,21 @@ tests/test_simulate_counters.py.
 
 from __future__ import annotations
 
-import csv
 import json
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from test_cli_bench import invoke, read_rows
 
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.datasets import load_dataset, write_jsonl
 from kvtool.bench.runner import run_bench
-from kvtool.cli import app
 from kvtool.plan import load_plan
 from kvtool.simulate.cost_model import (TERMS, CostModel, StepShape, fit_coefficients, load_profile,
                                         profile_path, save_profile, step_shape)
 from kvtool.simulate.llm import SimulatedLLM
 from kvtool.simulate.profiles import this_device
 from kvtool.simulate.published import estimate
-
-cli = CliRunner()
-
-
-def invoke(*args):
-    return cli.invoke(app, [str(a) for a in args])
-
-
-def read_rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 class Row:
