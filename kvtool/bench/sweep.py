@@ -26,16 +26,23 @@ class SweepResult:
     failure: Exception | None = None  # the error that stopped the sweep, raised by the caller
 
 
+def variant_build_options(variant: Variant):
+    """The BuildOptions a variant's `model:` is built with: its `build:` section, the dtype the
+    device's when the section names none."""
+    from kvtool.plan import BuildOptions
+    from kvtool.runtime.device import default_dtype
+
+    return BuildOptions(**{"dtype": default_dtype(), **variant.build})
+
+
 def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -> str:
     """The plan directory of a variant: its `plan:` as is, else its `model:` built with its build options
     (kvtool.plan.resolve_model: built once per source and options, then reused from the cache)."""
     if variant.plan is not None:
         return str(variant.plan)
-    from kvtool.plan import BuildOptions, resolve_model
-    from kvtool.runtime.device import default_dtype
+    from kvtool.plan import resolve_model
 
-    options = BuildOptions(**{"dtype": default_dtype(), **variant.build})  # the scenario's dtype, else the device's
-    return str(resolve_model(variant.model, options=options, cache_dir=plan_cache_dir).path)
+    return str(resolve_model(variant.model, options=variant_build_options(variant), cache_dir=plan_cache_dir).path)
 
 
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,

@@ -70,11 +70,10 @@ def simulation_plan(model, config, dataset=None, *, cache_dir: Path | None = Non
 def simulation_variant_plan(variant, cache_dir: Path | None = None):
     """A scenario variant's plan for a simulation: as kvtool.bench.sweep.resolve_variant_plan, but a
     preset not built with the variant's build options is simulated from its shapes, not built."""
-    from kvtool.bench.sweep import resolve_variant_plan
-    from kvtool.plan import BuildOptions
+    from kvtool.bench.sweep import resolve_variant_plan, variant_build_options
 
     if variant.plan is None:
-        shapes = _unbuilt_preset(variant.model, BuildOptions(**variant.build), cache_dir)
+        shapes = _unbuilt_preset(variant.model, variant_build_options(variant), cache_dir)
         if shapes is not None:
             return shapes
     return resolve_variant_plan(variant, cache_dir)
