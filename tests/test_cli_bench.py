@@ -263,7 +263,7 @@ def test_bench_refuses_a_block_size_the_plan_was_not_built_with(tmp_path, tiny_l
 @pytest.mark.parametrize("text, size", [("1073741824", 1 << 30), ("1GiB", 1 << 30), ("512MB", 512_000_000),
                                         ("512MiB", 512 << 20), ("2G", 2 << 30), ("1.5KiB", 1536), ("0", 0)])
 def test_host_cache_sizes_accept_bytes_and_units(text, size):
-    from kvtool.bench.config import parse_bytes
+    from kvtool.units import parse_bytes
 
     assert parse_bytes(text) == size
 

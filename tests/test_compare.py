@@ -127,7 +127,7 @@ def test_what_differs_besides_the_compared_flags_is_named(tmp_path):
     same, different = setup_differences(load_variants([a, b]))
     assert dict(same) == {"model": "preset:tiny-llama", "primary pool": "1,024 tokens", "device": "cpu: test"}
     assert dict(different) == {"dataset": ["abab.jsonl (sha256 abababababab)", "abab.jsonl (sha256 cdcdcdcdcdcd)"],
-                               "block size": ["32 tokens", "16 tokens"], "host pool": ["off", "1,024.0 MiB"]}
+                               "block size": ["32 tokens", "16 tokens"], "host pool": ["off", "1.0 GiB"]}
 
 
 def test_interrupted_and_errored_variants_are_marked(tmp_path):

@@ -17,6 +17,7 @@ from kvtool.bench.metrics import RequestMetrics, summarize
 from kvtool.bench.repeats import Spread, as_number, group_by_label, median_row, spread, verdict
 from kvtool.bench.report import format_hit_rate, read_csv, request_metrics_from_row, rows_by_label
 from kvtool.errors import KvtoolError
+from kvtool.units import format_bytes
 
 # (column, display name) in table order.
 METRICS: tuple[tuple[str, str], ...] = (
@@ -206,7 +207,7 @@ def _setup_value(row: dict, column: str) -> str | None:
     if column == "kv_primary_tokens":
         return f"{int(float(value)):,} tokens"
     if column == "kv_host_bytes":
-        return "off" if not float(value) else f"{float(value) / (1 << 20):,.1f} MiB"
+        return "off" if not float(value) else format_bytes(float(value))
     if column == "tokens_per_block":
         return f"{int(float(value))} tokens"
     return str(value)

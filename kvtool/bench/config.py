@@ -8,7 +8,6 @@ SchedulerConfig, the LLM's runtime limits or ReplayOptions) holds its rules and 
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -16,27 +15,7 @@ from typing import Any
 
 from kvtool.bench.replay import ReplayOptions
 from kvtool.config import ConfigError, KvCacheConfig, SchedulerConfig, check
-
-_BYTE_UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-                                "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-                                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_bytes(value: str | int) -> int:
-    """'1073741824', '1GiB', '512MB', '1.5G' -> bytes (KiB/MiB/GiB and K/M/G are powers of 1024, KB/MB/GB of 1000)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        amount, unit = value, ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _BYTE_UNITS:
-            raise ValueError(f"byte size {value!r} is not understood: give bytes (1073741824) or a number with a "
-                             "unit (512MB, 1GiB, 2G)")
-        amount, unit = float(match.group(1)), match.group(2).lower()
-    size = int(amount * _BYTE_UNITS[unit])
-    if size < 0:
-        raise ValueError(f"byte size {value!r} must be >= 0")
-    return size
-
+from kvtool.units import parse_bytes
 
 @dataclass(frozen=True)
 class BenchConfig:

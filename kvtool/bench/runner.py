@@ -26,6 +26,7 @@ from kvtool.bench.replay import Replayer, bench_requests
 from kvtool.bench.report import RequestCsvWriter, format_hit_rate
 from kvtool.bench.workload import max_num_blocks
 from kvtool.runtime.request import Request
+from kvtool.units import format_bytes
 from kvtool.version import __version__, git_revision
 
 
@@ -257,7 +258,7 @@ def summary_table(rows: list[Mapping]) -> Table:
         ("cache hit rate", lambda r: format_hit_rate(r.get("cache_hit_rate"))),
         ("offloaded / onboarded blocks",
          lambda r: f"{_count(r.get('offloaded_blocks'))} / {_count(r.get('onboarded_blocks'))}"),
-        ("bytes offloaded / onboarded", lambda r: f"{_bytes(r.get('offloaded_bytes'))} / {_bytes(r.get('onboarded_bytes'))}"),
+        ("bytes offloaded / onboarded", lambda r: f"{format_bytes(as_number(r.get('offloaded_bytes')))} / {format_bytes(as_number(r.get('onboarded_bytes')))}"),
     ]
     for name, cell in lines:
         table.add_row(name, *(cell(row) for row in rows))
@@ -276,13 +277,3 @@ def _miss_reasons(row: Mapping) -> str:
         return "-"
     return ", ".join(f"{_count(count)} {name}" for name, count in counts.items() if count) or "none"
 
-
-def _bytes(value) -> str:
-    if value is None:
-        return "-"
-    value = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return f"{value}"

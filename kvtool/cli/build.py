@@ -17,6 +17,7 @@ from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.options import either, flag, toggle
 from kvtool.cli.paths import check_replaceable_dir
 from kvtool.plan.options import BuildOptions
+from kvtool.units import format_bytes
 
 DEFAULTS = BuildOptions()  # the flags' defaults are BuildOptions'
 
@@ -105,9 +106,9 @@ def _print_summary(plan, seconds: float) -> None:
     if extras:
         table.add_row("features", ", ".join(extras))
     table.add_row("parameters", f"{weights['num_parameters'] / 1e6:,.1f} M")
-    table.add_row("weights", f"{weights['size_bytes'] / 2**20:,.1f} MiB {options.dtype}")
+    table.add_row("weights", f"{format_bytes(weights['size_bytes'])} {options.dtype}")
     table.add_row("KV cache", f"{options.resolved_kv_cache_dtype}, {options.tokens_per_block} tokens per block, "
-                              f"{config.num_kv_bytes_per_token(plan.kv_cache_dtype) / 1024:,.1f} KiB per token")
+                              f"{format_bytes(config.num_kv_bytes_per_token(plan.kv_cache_dtype))} per token")
     table.add_row("limits", f"max_batch_size {options.max_batch_size}, max_seq_len {options.max_seq_len}, "
                             f"max_num_tokens {options.max_num_tokens}")
     table.add_row("paged context FMHA", "enabled (KV reuse possible)" if options.use_paged_context_fmha

@@ -13,6 +13,7 @@ from kvtool.cli import app
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.options import flag, toggle
+from kvtool.units import format_bytes
 
 plans_app = typer.Typer(help="List (alone: `kvtool plans`) and remove the plans built on the fly (bench --model, "
                         "LLM(model=...)).",
@@ -24,10 +25,6 @@ CacheDir = Annotated[Path | None, flag("plan_cache_dir", "The plan cache (defaul
 
 
 ID_CHARS = 12  # shown; any unique prefix is accepted
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / (1 << 20):,.1f} MiB"
 
 
 @plans_app.callback()
@@ -57,9 +54,9 @@ def list_plans(plan_cache_dir: CacheDir = None) -> None:
         for entry in entries:
             table.add_row(entry.plan_id[:ID_CHARS], entry.source, str(entry.tokens_per_block or "-"),
                           entry.dtype or "-",
-                          _mib(entry.size_bytes), entry.created_at[:16].replace("T", " ") or "-")
+                          format_bytes(entry.size_bytes), entry.created_at[:16].replace("T", " ") or "-")
         console.print(table)
-        console.print(f"{len(entries)} plan{'s' if len(entries) != 1 else ''}, {_mib(sum(e.size_bytes for e in entries))}; remove with "
+        console.print(f"{len(entries)} plan{'s' if len(entries) != 1 else ''}, {format_bytes(sum(e.size_bytes for e in entries))}; remove with "
                       "`kvtool plans remove ID...` or `kvtool plans remove --all`", highlight=False)
 
 
@@ -81,5 +78,5 @@ def remove_plans(
         entries = cached_plans(cache_dir) if all_ else select_cached_plans(cache_dir, plan_ids)
         for entry in entries:
             remove_cached_plan(entry)
-            typer.echo(f"removed {entry.plan_id} ({entry.source}, {_mib(entry.size_bytes)})")
-        typer.echo(f"freed {_mib(sum(e.size_bytes for e in entries))} in {cache_dir}")
+            typer.echo(f"removed {entry.plan_id} ({entry.source}, {format_bytes(entry.size_bytes)})")
+        typer.echo(f"freed {format_bytes(sum(e.size_bytes for e in entries))} in {cache_dir}")

@@ -7,15 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
+from kvtool.units import format_bytes
 
 CPU_PRIMARY_POOL_CAP_BYTES = 256 << 20  # on a CPU, "free device memory" is host memory: cap the default
-
-
-def _bytes(num_bytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:,.1f} {unit}"
-    return f"{num_bytes:,} B"
 
 
 @dataclass(frozen=True)
@@ -41,10 +35,10 @@ class PoolSizes:
         """One line, e.g. 'KV cache: primary 512 blocks x 32 tokens = 16,384 tokens (16.0 MiB, cpu); host off'."""
         primary = (f"primary {self.num_primary_blocks:,} blocks x {self.tokens_per_block} tokens = "
                    f"{self.num_primary_blocks * self.tokens_per_block:,} tokens "
-                   f"({_bytes(self.num_primary_blocks * self.block_bytes)}, {device})")
+                   f"({format_bytes(self.num_primary_blocks * self.block_bytes)}, {device})")
         host = "host off" if not self.num_secondary_blocks else (
             f"host {self.num_secondary_blocks:,} blocks = {self.num_secondary_blocks * self.tokens_per_block:,} "
-            f"tokens ({_bytes(self.num_secondary_blocks * self.block_bytes)}, allocated as blocks are offloaded)")
+            f"tokens ({format_bytes(self.num_secondary_blocks * self.block_bytes)}, allocated as blocks are offloaded)")
         return f"KV cache: {primary}; {host}"
 
 
@@ -56,7 +50,7 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
     if max_tokens is None:
         if on_cpu and budget_blocks * block_bytes > CPU_PRIMARY_POOL_CAP_BYTES:
             budget_blocks = CPU_PRIMARY_POOL_CAP_BYTES // block_bytes
-            notes.append(f"no max_tokens given: the CPU primary pool is capped at {_bytes(CPU_PRIMARY_POOL_CAP_BYTES)} "
+            notes.append(f"no max_tokens given: the CPU primary pool is capped at {format_bytes(CPU_PRIMARY_POOL_CAP_BYTES)} "
                          "(give --max_tokens_in_paged_kv_cache for another size)")
         num_blocks = budget_blocks
     else:
@@ -71,8 +65,8 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
         num_blocks = min(asked_blocks, budget_blocks)
         if num_blocks < asked_blocks:
             notes.append(
-                f"max_tokens {max_tokens:,} ({_bytes(asked_bytes)}) is more than free_gpu_memory_fraction "
-                f"{fraction} of the {_bytes(free_memory_bytes)} of {memory} allows: the pool holds "
+                f"max_tokens {max_tokens:,} ({format_bytes(asked_bytes)}) is more than free_gpu_memory_fraction "
+                f"{fraction} of the {format_bytes(free_memory_bytes)} of {memory} allows: the pool holds "
                 f"{num_blocks * tokens_per_block:,} tokens, the smaller of the two (as in TensorRT-LLM)")
     if num_blocks < 1:
         raise KvtoolError(
@@ -103,9 +97,9 @@ def _host_blocks(block_bytes: int, tokens_per_block: int, host_cache_size: int, 
     if reachable > available_bytes:
         raise KvtoolError(f"{too_big}, and this workload can fill {reachable:,} bytes of it, "
                           f"{reachable - available_bytes:,} more than available: choose at most {available_bytes:,} bytes")
-    notes.append(f"--kv_host_cache_bytes {host_cache_size:,} is more than the {_bytes(available_bytes)} of host memory "
+    notes.append(f"--kv_host_cache_bytes {host_cache_size:,} is more than the {format_bytes(available_bytes)} of host memory "
                  f"available, but it is a limit (allocated as blocks are offloaded) and this workload can put at most "
-                 f"{min(num_blocks, num_workload_blocks):,} blocks ({_bytes(reachable)}) there: going ahead")
+                 f"{min(num_blocks, num_workload_blocks):,} blocks ({format_bytes(reachable)}) there: going ahead")
     return num_blocks
 
 
