@@ -35,7 +35,7 @@ def find_chromium() -> str | None:
 @dataclass
 class PageReport:
     errors: list[str] = field(default_factory=list)      # what the console shows as errors
-    requests: list[str] = field(default_factory=list)    # every URL the page asked for (its first 80 chars)
+    requests: list[str] = field(default_factory=list)    # every URL the page asked for (data: URIs cut short)
     images: list[dict] = field(default_factory=list)     # each <img>: {"src": first 40 chars, "width": natural width}
     text: str = ""                                       # the page's visible text
 
@@ -94,6 +94,10 @@ class _Pipe:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {method} within {self._timeout} s")
             time.sleep(0.02)
+
+
+def _short(url: str) -> str:
+    return url[:40] + "..." if url.startswith("data:") else url
 
 
 def _errors(events: list[dict], session: str) -> list[str]:
@@ -156,7 +160,7 @@ def open_page(path: Path, *, timeout: float = 60.0, settle_s: float = 0.3) -> Pa
                      "width: i.naturalWidth})), text: document.body ? document.body.innerText : ''})")
             value = json.loads(pipe.send("Runtime.evaluate", {"expression": probe, "returnByValue": True},
                                          session=session)["result"]["value"])
-            requests = [e["params"]["request"]["url"][:80] for e in pipe.events
+            requests = [_short(e["params"]["request"]["url"]) for e in pipe.events
                         if e.get("method") == "Network.requestWillBeSent" and e.get("sessionId") == session]
             report = PageReport(_errors(pipe.events, session), requests, value["images"], value["text"])
             closing = True
