@@ -84,7 +84,7 @@ def test_the_browser_check_reports_script_errors_console_errors_and_outside_requ
 
 
 @needs_chromium
-def test_a_bench_html_report_is_clean_in_a_browser_and_holds_the_csv_numbers(tmp_path, dataset, fake_llms):  # noqa: F811
+def test_a_bench_html_report_is_clean_in_a_browser_and_holds_the_csv_numbers(tmp_path, dataset, fake_llms):  # noqa: F811 - the fixtures
     out = tmp_path / "run"
     fake_llms.settings["refuse_when_added"] = lambda prompt: "refused by the test" if prompt[-1] == 13 else None
     result = invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--output", out, "--html",
@@ -118,7 +118,7 @@ def test_a_bench_html_report_is_clean_in_a_browser_and_holds_the_csv_numbers(tmp
 
 
 @needs_chromium
-def test_a_compare_html_report_is_clean_in_a_browser_and_holds_the_table(tmp_path, dataset, fake_llms):  # noqa: F811
+def test_a_compare_html_report_is_clean_in_a_browser_and_holds_the_table(tmp_path, dataset, fake_llms):  # noqa: F811 - the fixtures
     for label, reuse in (("on", "--enable_kv_cache_reuse"), ("off", "--disable_kv_cache_reuse")):
         assert invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--output", tmp_path / label,
                       "--label", label, reuse).exit_code == 0
@@ -158,11 +158,11 @@ def test_a_compare_html_report_is_clean_in_a_browser_and_holds_the_table(tmp_pat
 
 @needs_chromium
 def test_a_simulated_sweep_report_embeds_the_sweep_plot(tmp_path, tiny_llama_plan):
-    dataset = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(100, 164)) + [i] * 8, "output_tokens": 2}
-                                                 for i in range(8)])
+    sweep_dataset = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(100, 164)) + [i] * 8,
+                                                       "output_tokens": 2} for i in range(8)])
     out = tmp_path / "sweep"
-    result = invoke("simulate", "--plan", tiny_llama_plan, "--dataset", dataset, "--profile", "h100", "--output", out,
-                    "--sweep", "max_batch_size=1,4", "--html")
+    result = invoke("simulate", "--plan", tiny_llama_plan, "--dataset", sweep_dataset, "--profile", "h100",
+                    "--output", out, "--sweep", "max_batch_size=1,4", "--html")
     assert result.exit_code == 0, result.output
     page = assert_self_contained_and_clean(out / "report.html")
     assert len(page.images) == 2    # the TTFT plot and sweep.png

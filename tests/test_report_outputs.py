@@ -13,11 +13,9 @@ import json
 import numpy as np
 import pytest
 import yaml
-from test_cli_bench import FakeLlmFactory, invoke, read_rows
+from test_cli_bench import fake_llms, invoke, read_rows  # noqa: F401 - a fixture
 from test_metrics import record
 
-from kvtool.bench import runner as bench_runner
-from kvtool.bench import sweep
 from kvtool.bench.datasets import write_jsonl
 from kvtool.bench.metrics import (PERCENTILES, SummaryOptions, parse_percentiles, percentile_name, request_metrics,
                                   summarize)
@@ -26,18 +24,10 @@ from kvtool.bench.slo import Slo, parse_slo
 
 
 @pytest.fixture
-def fake_llms(monkeypatch):
-    factory = FakeLlmFactory()
-    monkeypatch.setattr(bench_runner, "create_llm", factory)
-    monkeypatch.setattr(sweep, "resolve_variant_plan", lambda variant, cache_dir=None: f"plans/{variant.label}")
-    return factory
-
-
-@pytest.fixture
 def dataset(tmp_path):
     prefix = list(range(100, 132))
-    return write_jsonl(tmp_path / "shared.jsonl", [{"input_ids": prefix + [10 + i] * (4 + i), "output_tokens": 2 + i % 3}
-                                                   for i in range(12)])
+    return write_jsonl(tmp_path / "shared.jsonl", [{"input_ids": prefix + [10 + i] * (4 + i),
+                                                    "output_tokens": 2 + i % 3} for i in range(12)])
 
 
 # -- percentiles ----------------------------------------------------------------------------------
@@ -150,7 +140,7 @@ def _table_value(output: str, name: str) -> str:
     raise AssertionError(f"{name!r} is not a row of the table:\n{output}")
 
 
-def test_bench_reports_percentiles_throughputs_and_goodput_in_csv_table_and_json(tmp_path, dataset, fake_llms):
+def test_bench_reports_percentiles_throughputs_and_goodput_in_csv_table_and_json(tmp_path, dataset, fake_llms):  # noqa: F811 - fake_llms is the fixture
     out = tmp_path / "run"
     # A TTFT bound that some requests meet and some miss: the median of a first run's TTFTs.
     assert invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--output", tmp_path / "probe",
@@ -211,7 +201,7 @@ def test_bench_reports_percentiles_throughputs_and_goodput_in_csv_table_and_json
         assert format_cell(vllm[key]) == summary[column], key
 
 
-def test_a_scenario_json_has_a_variant_per_label_with_its_runs(tmp_path, dataset, fake_llms):
+def test_a_scenario_json_has_a_variant_per_label_with_its_runs(tmp_path, dataset, fake_llms):  # noqa: F811 - fake_llms is the fixture
     scenario = tmp_path / "reuse.yaml"
     scenario.write_text(yaml.safe_dump({"name": "reuse", "dataset": {"path": str(dataset)}, "repeat": 2,
                                         "model": "preset:tiny-llama",
@@ -238,7 +228,7 @@ def test_a_scenario_json_has_a_variant_per_label_with_its_runs(tmp_path, dataset
     (["--percentiles", "99,999"], "--percentiles '99,999': '999' is not a percentile"),
     (["--report_json", "."], "--report_json . is a directory: give a file path"),
 ])
-def test_bad_reporting_flags_exit_2_with_one_line_before_anything_runs(tmp_path, dataset, fake_llms, args, message):
+def test_bad_reporting_flags_exit_2_with_one_line_before_anything_runs(tmp_path, dataset, fake_llms, args, message):  # noqa: F811 - fake_llms is the fixture
     result = invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--output", tmp_path / "out",
                     *args)
     assert result.exit_code == 2
@@ -247,7 +237,7 @@ def test_bad_reporting_flags_exit_2_with_one_line_before_anything_runs(tmp_path,
     assert not (tmp_path / "out").exists() and not fake_llms
 
 
-def test_compare_shows_the_extra_percentiles_of_one_report_beside_a_default_one(tmp_path, dataset, fake_llms):
+def test_compare_shows_the_extra_percentiles_of_one_report_beside_a_default_one(tmp_path, dataset, fake_llms):  # noqa: F811 - fake_llms is the fixture
     assert invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--output", tmp_path / "a",
                   "--label", "default").exit_code == 0
     assert invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--output", tmp_path / "b",
@@ -279,3 +269,20 @@ def test_simulate_shares_the_reporting_flags(tmp_path, tiny_llama_plan, dataset)
     assert document["command"] == "kvtool simulate"
     assert document["variants"][0]["summary"]["slo_attainment"] == float(summary["slo_attainment"])
     assert format_cell(document["variants"][0]["vllm"]["p99.9_ttft_ms"]) == summary["ttft_ms_p99.9"]
+
+
+def test_a_report_that_cannot_be_written_is_one_error_after_the_csvs(tmp_path, dataset, fake_llms, monkeypatch):  # noqa: F811 - fake_llms is the fixture
+    from kvtool.bench import json_report
+
+    def full_disk(path, document):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(json_report, "write_report_json", full_disk)
+    out = tmp_path / "run"
+    result = invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--output", out,
+                    "--report_json", tmp_path / "run.json")
+    assert result.exit_code == 2
+    output = result.output.replace("\n", "")
+    assert f"wrote {out / 'summary.csv'}" in output
+    assert f"Error: {tmp_path / 'run.json'}: no space left on device" in output
+    assert read_rows(out / "summary.csv")[0]["num_requests"] == "12"

@@ -159,7 +159,8 @@ def columns_html(rows: Sequence[Mapping], names: Sequence[str]) -> str:
 def page_html(title: str, sections: Sequence[tuple[str, str]], *, subtitle: Sequence[str] = ()) -> str:
     """The whole page: a title, lines under it, then (heading, HTML) sections."""
     parts = [f"<h2>{html.escape(heading)}</h2>{body}" if heading else body for heading, body in sections]
-    about = f'<ul class="about">{"".join(f"<li>{html.escape(line)}</li>" for line in subtitle)}</ul>' if subtitle else ""
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in subtitle)
+    about = f'<ul class="about">{items}</ul>' if subtitle else ""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{_POLICY}\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"

@@ -51,10 +51,11 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
                  plan_resolver: Callable[[Variant], str] = resolve_variant_plan,
                  summary: SummaryOptions = SummaryOptions()) -> SweepResult:
     """Runs every variant (``scenario.repeat`` times, alternating, after ``scenario.warmup_rounds``
-    unrecorded rounds; ``summary``: the percentiles and objectives each summary row reports); the summary CSV is rewritten
+    unrecorded rounds); the summary CSV is rewritten
     (atomically) after each run (a row per run, ``repeat`` numbering the runs), so an
     interrupted sweep keeps the rows of the variants that finished plus the interrupted one's
-    (an error that stops a variant stops the sweep: it is returned as ``failure``)."""
+    (an error that stops a variant stops the sweep: it is returned as ``failure``). ``summary``: the
+    percentiles and objectives every summary row reports (--percentiles, --slo)."""
     console = console or Console(stderr=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     summary_csv = output_dir / SUMMARY_FILE

@@ -16,7 +16,7 @@ from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.report_outputs import ReportOutputs
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.errors import USER_ERRORS, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli import engine_flags
 from kvtool.cli.options import flag, toggle
@@ -147,11 +147,13 @@ def report_run(rows, interrupted, written, failure, console: Console, *, more_ta
     wide.print(runner.summary_table(rows))
     if more_tables is not None:
         written = written + more_tables(rows, wide)
+    report_error = None
     if reporting is not None:
-        with user_errors():
-            written = written + reporting.write(rows, written)
+        written, report_error = _write_reports(reporting, rows, written)
     for path in written:
         console.print(f"wrote {path}", highlight=False)
+    if report_error is not None:
+        print_error(report_error)
     if failure is not None:
         console.print("[bold red]stopped by an error[/]: the reports hold the requests that finished "
                       "(summary marked interrupted=True, run_error says why)")
@@ -161,6 +163,17 @@ def report_run(rows, interrupted, written, failure, console: Console, *, more_ta
         console.print("[bold yellow]interrupted[/]: the reports hold the requests that finished "
                       "(summary marked interrupted=True)")
         raise typer.Exit(EXIT_INTERRUPTED)
+    if report_error is not None:
+        raise typer.Exit(2)
+
+
+def _write_reports(reporting: ReportOutputs, rows, written):
+    """(the files written, with the JSON / HTML reports, and the error that stopped writing them, if one
+    did: it is printed after the files already safe, and the command exits 2 after saying how the run ended)."""
+    try:
+        return written + reporting.write(rows, written), None
+    except USER_ERRORS as error:
+        return written, error
 
 
 def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, console, llm_factory=None,
