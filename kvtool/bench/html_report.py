@@ -37,7 +37,7 @@ th { background: #f4f4f4; text-align: left; }
 td.number { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tbody tr:nth-child(even) { background: #fafafa; }
 img { max-width: 100%; border: 1px solid #eee; }
-.note { color: #7a5d00; } .muted { color: #666; } pre { white-space: pre-wrap; }
+.muted { color: #666; }
 """
 # The browser loads nothing but the embedded images and the inline style.
 _POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
