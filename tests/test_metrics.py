@@ -70,7 +70,7 @@ def test_latency_stats_by_hand():
     assert stats.p50 == pytest.approx(25.0)           # halfway between 20 and 30
     assert stats.p90 == pytest.approx(37.0)           # rank 2.7: 30 + 0.7 * 10
     assert stats.p99 == pytest.approx(39.7)           # rank 2.97
-    assert LatencyStats.of([]) == LatencyStats(None, None, None, None)
+    assert LatencyStats.of([]) == LatencyStats(None, ((50, None), (90, None), (99, None)))
 
 
 def test_summary_by_hand():

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.bench.metrics import RequestMetrics, summarize
+from kvtool.bench.metrics import LATENCY_METRICS, RequestMetrics, percentile_columns, summarize
 from kvtool.bench.repeats import Spread, as_number, group_by_label, median_row, spread, verdict
 from kvtool.bench.report import format_hit_rate, read_csv, request_metrics_from_row, rows_by_label
 from kvtool.errors import KvtoolError
@@ -30,7 +30,11 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("total_input_tokens", "input tokens"),
     ("total_output_tokens", "output tokens"),
     ("output_tokens_per_s", "output tokens/s"),
+    ("input_tokens_per_s", "input tokens/s"),
+    ("total_tokens_per_s", "total tokens/s"),
     ("requests_per_s", "requests/s"),
+    ("slo_attainment", "met the SLO"),
+    ("goodput_requests_per_s", "goodput (requests/s)"),
     ("total_reused_tokens", "reused tokens"),
     ("reused_blocks", "reused blocks"),
     ("missed_blocks", "missed blocks"),
@@ -163,10 +167,25 @@ def _requests_beside(summary_path: Path, row: dict[str, str]) -> list[RequestMet
     return [request_metrics_from_row(r) for r in read_csv(path) if r.get("label", "") == label] or None
 
 
+def compared_metrics(variants: Sequence[CompareVariant]) -> list[tuple[str, str]]:
+    """METRICS, each latency metric with the percentiles the reports hold (p50, p90, p99, and any
+    other that bench --percentiles added: ttft_ms_p99.9)."""
+    rows = [variant.row for variant in variants]
+    columns: list[tuple[str, str]] = []
+    for column, name in METRICS:
+        metric, _, stat = column.rpartition("_")
+        if metric not in LATENCY_METRICS:
+            columns.append((column, name))
+        elif stat == "mean":
+            title = name.partition(" ")[0]
+            columns += [(c, f"{title} {s} (ms)") for s, c in percentile_columns(rows, metric)]
+    return columns
+
+
 def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
     """Metric rows (those any variant has), then the configuration columns whose values differ."""
     rows = []
-    for column, name in METRICS:
+    for column, name in compared_metrics(variants):
         values = tuple(_number(v.row.get(column)) for v in variants)
         if all(value is None for value in values):
             continue
@@ -250,7 +269,7 @@ def verdicts(variants: Sequence[CompareVariant], columns: Sequence[tuple[str, st
 
 def format_metric(column: str, value) -> str:
     """A cell of the table: the cache hit rate as the bench table shows it, other values by format_value."""
-    if column == "cache_hit_rate" and isinstance(value, float):
+    if column in ("cache_hit_rate", "slo_attainment") and isinstance(value, float):
         return format_hit_rate(value)
     return format_value(value)
 

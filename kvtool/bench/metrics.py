@@ -3,17 +3,22 @@
 Times come from the Request (time.perf_counter seconds); reports give them in seconds since the
 bench start (``arrival_s``, ``first_token_s``, ``finish_s``) and latencies in milliseconds. The
 definitions (arrival, TTFT, TPOT, ITL, E2E, throughput, percentiles) are in
-docs/architecture.md#how-bench-measures and the README.
+docs/architecture.md#how-bench-measures and the README; goodput under service-level objectives in
+kvtool.bench.slo.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtool.runtime.request import MISS_REASONS, Request
+
+if TYPE_CHECKING:
+    from kvtool.bench.slo import Slo
 
 MS_PER_S = 1000.0
 PERCENTILES = (50, 90, 99)
@@ -110,11 +115,48 @@ def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default)."""
     if not values:
         raise ValueError("percentile of no values")
-    ordered = sorted(values)
+    return _sorted_percentile(sorted(values), q)
+
+
+def _sorted_percentile(ordered: Sequence[float], q: float) -> float:
     rank = (len(ordered) - 1) * q / 100.0
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def percentile_name(q: float) -> str:
+    """A percentile's column suffix: 'p50', 'p99.9' (vLLM's report spells them alike)."""
+    return "p" + f"{q:.6f}".rstrip("0").rstrip(".")
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """``--percentiles 95,99.9``: the percentiles reported besides the default p50, p90 and p99 (every
+    report keeps those, so that any two can be compared), ascending."""
+    values = set(PERCENTILES)
+    for part in text.split(","):
+        try:
+            q = float(part)
+        except ValueError:
+            q = None
+        if q is None or not 0 <= q <= 100:
+            raise ValueError(f"--percentiles {text!r}: {part.strip()!r} is not a percentile: give numbers from 0 to "
+                             "100 separated by commas (e.g. --percentiles 95,99.9)")
+        values.add(int(q) if q.is_integer() else q)
+    return tuple(sorted(values))
+
+
+@dataclass(frozen=True)
+class SummaryOptions:
+    """What a summary reports beyond the defaults: more percentiles (--percentiles), goodput under
+    service-level objectives (--slo: a kvtool.bench.slo.Slo)."""
+
+    percentiles: tuple[float, ...] = PERCENTILES
+    slo: Slo | None = None
+
+    def __post_init__(self) -> None:
+        if not self.percentiles or any(not 0 <= q <= 100 for q in self.percentiles):
+            raise ValueError(f"percentiles must lie in 0..100, got {self.percentiles}")
 
 
 @dataclass(frozen=True)
@@ -122,15 +164,33 @@ class LatencyStats:
     """Mean and percentiles of one latency metric (ms); None where no value exists."""
 
     mean: float | None
-    p50: float | None
-    p90: float | None
-    p99: float | None
+    percentiles: tuple[tuple[float, float | None], ...]  # (q, value), ascending q
+
+    def at(self, q: float) -> float | None:
+        return dict(self.percentiles).get(q)
+
+    @property
+    def p50(self) -> float | None:
+        return self.at(50)
+
+    @property
+    def p90(self) -> float | None:
+        return self.at(90)
+
+    @property
+    def p99(self) -> float | None:
+        return self.at(99)
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> LatencyStats:
+    def of(cls, values: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> LatencyStats:
         if not values:
-            return cls(None, None, None, None)
-        return cls(sum(values) / len(values), *(percentile(values, q) for q in PERCENTILES))
+            return cls(None, tuple((q, None) for q in percentiles))
+        ordered = sorted(values)
+        return cls(sum(values) / len(values), tuple((q, _sorted_percentile(ordered, q)) for q in percentiles))
+
+    def columns(self, metric: str) -> dict[str, float | None]:
+        """'<metric>_mean', '<metric>_p50', ... (ttft_ms_p99.9)."""
+        return {f"{metric}_mean": self.mean, **{f"{metric}_{percentile_name(q)}": v for q, v in self.percentiles}}
 
 
 @dataclass(frozen=True)
@@ -144,50 +204,83 @@ class BenchMetrics:
     total_reused_tokens: int
     duration_s: float | None     # last finish - first arrival
     output_tokens_per_s: float | None
+    input_tokens_per_s: float | None
+    total_tokens_per_s: float | None   # input + output tokens
     requests_per_s: float | None
     ttft_ms: LatencyStats
     tpot_ms: LatencyStats
     itl_ms: LatencyStats
     e2e_ms: LatencyStats
+    # With service-level objectives (kvtool.bench.slo): the share of measured requests (errors
+    # included) that met all of them, and how many did per second; None without.
+    slo_attainment: float | None = None
+    goodput_requests_per_s: float | None = None
 
     def as_row(self) -> dict[str, float | int | None]:
-        """Flat columns: scalars by name, latency stats as '<metric>_<stat>' (ttft_ms_p99, ...)."""
+        """Flat columns: scalars by name, latency stats as '<metric>_<stat>' (ttft_ms_p99, ...); the
+        goodput columns only when objectives were given."""
         row: dict[str, float | int | None] = {}
-        for name, value in asdict(self).items():
-            if isinstance(value, dict):
-                row.update({f"{name}_{stat}": v for stat, v in value.items()})
-            else:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, LatencyStats):
+                row.update(value.columns(name))
+            elif name not in ("slo_attainment", "goodput_requests_per_s") or self.slo_attainment is not None:
                 row[name] = value
         return row
 
 
-def summarize(requests: Sequence[RequestMetrics]) -> BenchMetrics:
+def summarize(requests: Sequence[RequestMetrics], options: SummaryOptions = SummaryOptions()) -> BenchMetrics:
     """Summary metrics of finished requests (see the module docstring for the definitions)."""
     ok = [r for r in requests if r.ok]
     errors = [r for r in requests if not r.ok]
     duration = None
     if ok:
         duration = max(r.finish_s for r in ok) - min(r.arrival_s for r in ok)
+    total_input = sum(r.input_tokens for r in ok)
     total_output = sum(r.output_tokens for r in ok)
 
     def rate(amount: float) -> float | None:
         return amount / duration if duration else None
 
+    percentiles = options.percentiles
     gaps = [g for r in ok for g in r.token_gaps_ms]
     if gaps or not ok:
-        itl = LatencyStats.of(gaps)
+        itl = LatencyStats.of(gaps, percentiles)
     else:
         # Rows read back from a CSV carry only each request's mean gap: the pooled mean is exact.
         weighted = [(r.itl_ms, r.output_tokens - 1) for r in ok if r.itl_ms is not None and r.output_tokens > 1]
         num_gaps = sum(n for _, n in weighted)
-        itl = LatencyStats(sum(m * n for m, n in weighted) / num_gaps if num_gaps else None, None, None, None)
+        itl = LatencyStats(sum(m * n for m, n in weighted) / num_gaps if num_gaps else None,
+                           tuple((q, None) for q in percentiles))
 
     def stats(name: str) -> LatencyStats:
-        return LatencyStats.of([getattr(r, name) for r in ok if getattr(r, name) is not None])
+        return LatencyStats.of([getattr(r, name) for r in ok if getattr(r, name) is not None], percentiles)
 
+    attainment = goodput = None
+    if options.slo is not None and requests:
+        num_met = sum(options.slo.met(r) for r in ok)
+        attainment, goodput = num_met / len(requests), rate(num_met)
     return BenchMetrics(
         num_requests=len(ok), num_errors=len(errors),
-        total_input_tokens=sum(r.input_tokens for r in ok), total_output_tokens=total_output,
+        total_input_tokens=total_input, total_output_tokens=total_output,
         total_reused_tokens=sum(r.reused_tokens for r in ok), duration_s=duration,
-        output_tokens_per_s=rate(total_output), requests_per_s=rate(len(ok)),
-        ttft_ms=stats("ttft_ms"), tpot_ms=stats("tpot_ms"), itl_ms=itl, e2e_ms=stats("e2e_ms"))
+        output_tokens_per_s=rate(total_output), input_tokens_per_s=rate(total_input),
+        total_tokens_per_s=rate(total_input + total_output), requests_per_s=rate(len(ok)),
+        ttft_ms=stats("ttft_ms"), tpot_ms=stats("tpot_ms"), itl_ms=itl, e2e_ms=stats("e2e_ms"),
+        slo_attainment=attainment, goodput_requests_per_s=goodput)
+
+
+def percentile_columns(rows: Sequence[Mapping], metric: str) -> list[tuple[str, str]]:
+    """(stat, column) of a latency metric the rows hold: 'mean' first, then every percentile any row
+    has, ascending ([('mean', 'ttft_ms_mean'), ('p50', 'ttft_ms_p50'), ('p99.9', 'ttft_ms_p99.9')])."""
+    found: dict[str, float] = {}
+    prefix = f"{metric}_p"
+    for row in rows:
+        for column in row:
+            if column.startswith(prefix):
+                try:
+                    found[column] = float(column[len(prefix):])
+                except ValueError:
+                    continue
+    ordered = sorted(found, key=found.__getitem__)
+    return [("mean", f"{metric}_mean"), *((column[len(metric) + 1:], column) for column in ordered)]

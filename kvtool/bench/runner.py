@@ -18,12 +18,14 @@ from rich.table import Table
 from kvtool.bench.datasets import Dataset
 from kvtool.bench.device import device_columns
 from kvtool.bench.interface import BenchLLM, BenchPlan
-from kvtool.bench.metrics import ENGINE, RequestMetrics, request_metrics, summarize
+from kvtool.bench.metrics import (ENGINE, LATENCY_METRICS, RequestMetrics, SummaryOptions, percentile_columns,
+                                  request_metrics, summarize)
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.precheck import check_requests
 from kvtool.bench.repeats import as_number, group_by_label, median_row
 from kvtool.bench.replay import Replayer, bench_requests
 from kvtool.bench.report import RequestCsvWriter, format_hit_rate
+from kvtool.bench.slo import describe_bounds
 from kvtool.bench.workload import max_num_blocks
 from kvtool.runtime.request import Request
 from kvtool.units import format_bytes
@@ -150,7 +152,7 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
               config_columns: Mapping[str, object] | None = None, console: Console | None = None,
               clock: Callable[[], float] = time.perf_counter,
               sleep: Callable[[float], None] = time.sleep, engine_name: str = ENGINE,
-              endpoint: str | None = None) -> BenchResult:
+              endpoint: str | None = None, summary: SummaryOptions = SummaryOptions()) -> BenchResult:
     """Replays the dataset (warm-up first), appending a row to requests_csv as each request finishes.
 
     Every request is checked first (kvtool.bench.precheck: a DatasetError lists those that cannot
@@ -160,7 +162,8 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
     summary is written).
 
     ``engine_name`` and ``endpoint`` name what served the requests in every row (an endpoint's LLM,
-    kvtool.bench.endpoint, has no plan or pools of its own to report).
+    kvtool.bench.endpoint, has no plan or pools of its own to report). ``summary`` adds percentiles
+    and service-level objectives to the summary row (--percentiles, --slo).
     """
     console = console or Console(stderr=True)
     simulation = getattr(llm, "clock", None)  # kvtool.simulate.SimulatedLLM: the run is timed on its clock
@@ -210,13 +213,14 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
            "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
            **(plan_columns(llm.plan) if llm.plan is not None else {}), **(config_columns or {}),
            **config.as_row(engine=llm.plan is not None),
-           "replay": replay.describe(), **(llm.report_columns if simulation is not None else {})}
+           "replay": replay.describe(), **(llm.report_columns if simulation is not None else {}),
+           **(summary.slo.as_row() if summary.slo is not None else {})}
     # The block size in effect: the flag, else the plan's (the LLM refuses a flag that contradicts the plan).
     if llm.plan is not None:
         row["tokens_per_block"] = config.kv_cache_config.tokens_per_block or row.get("plan_tokens_per_block")
     if pool_sizes is not None:
         row.update(pool_sizes.as_row())
-    row.update(summarize(finished).as_row())
+    row.update(summarize(finished, summary).as_row())
     row.update(engine.get_stats())
     row.update(device_columns(llm.device_description))
     row.update({"kvtool_version": __version__, "git_revision": git_revision(), "requests_csv": requests_csv.name})
@@ -247,12 +251,15 @@ def summary_table(rows: list[Mapping]) -> Table:
     lines: list[tuple[str, Callable[[Mapping], str]]] = [
         ("requests (errors)", lambda r: f"{_count(r.get('num_requests'))} ({_count(r.get('num_errors'))})"),
     ]
-    for metric, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
-        for stat in ("mean", "p50", "p90", "p99"):
-            lines.append((f"{name} {stat} (ms)", lambda r, k=f"{metric}_{stat}": _ms(r.get(k))))
+    for metric, name in zip(LATENCY_METRICS, ("TTFT", "TPOT", "ITL", "E2E latency")):
+        for stat, column in percentile_columns(rows, metric):  # p95, p99.9 too where --percentiles asked
+            lines.append((f"{name} {stat} (ms)", lambda r, k=column: _ms(r.get(k))))
     lines += [
         ("output tokens/s", lambda r: _ms(r.get("output_tokens_per_s"))),
+        ("input tokens/s", lambda r: _ms(r.get("input_tokens_per_s"))),
+        ("total tokens/s", lambda r: _ms(r.get("total_tokens_per_s"))),
         ("requests/s", lambda r: _ms(r.get("requests_per_s"))),
+        *_goodput_lines(rows),
         ("reused / missed blocks", lambda r: f"{_count(r.get('reused_blocks'))} / {_count(r.get('missed_blocks'))}"),
         ("missed blocks by reason", _miss_reasons),
         ("cache hit rate", lambda r: format_hit_rate(r.get("cache_hit_rate"))),
@@ -263,6 +270,15 @@ def summary_table(rows: list[Mapping]) -> Table:
     for name, cell in lines:
         table.add_row(name, *(cell(row) for row in rows))
     return table
+
+
+def _goodput_lines(rows: list[Mapping]) -> list[tuple[str, Callable[[Mapping], str]]]:
+    """With --slo: the share of requests that met the objectives, and goodput (requests/s)."""
+    if not any(as_number(row.get("slo_attainment")) is not None for row in rows):
+        return []
+    objectives = describe_bounds(rows[0])
+    return [(f"met the SLO ({objectives})", lambda r: format_hit_rate(as_number(r.get("slo_attainment")))),
+            ("goodput (requests/s)", lambda r: _ms(r.get("goodput_requests_per_s")))]
 
 
 _MISS_NAMES = {"never_seen": "new", "evicted_primary": "evicted from primary", "evicted_host": "evicted from host",

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kvtool.bench.datasets import Dataset, load_dataset
 from kvtool.bench.interface import BenchLLM
+from kvtool.bench.metrics import SummaryOptions
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.report import SUMMARY_FILE, requests_file_name, write_summary_csv
 from kvtool.bench.runner import create_llm, run_bench
@@ -47,12 +48,14 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
 
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
                  llm_factory: Callable[[str, BenchConfig, Dataset], BenchLLM] = create_llm,
-                 plan_resolver: Callable[[Variant], str] = resolve_variant_plan) -> SweepResult:
+                 plan_resolver: Callable[[Variant], str] = resolve_variant_plan,
+                 summary: SummaryOptions = SummaryOptions()) -> SweepResult:
     """Runs every variant (``scenario.repeat`` times, alternating, after ``scenario.warmup_rounds``
     unrecorded rounds); the summary CSV is rewritten
     (atomically) after each run (a row per run, ``repeat`` numbering the runs), so an
     interrupted sweep keeps the rows of the variants that finished plus the interrupted one's
-    (an error that stops a variant stops the sweep: it is returned as ``failure``)."""
+    (an error that stops a variant stops the sweep: it is returned as ``failure``). ``summary``: the
+    percentiles and objectives every summary row reports (--percentiles, --slo)."""
     console = console or Console(stderr=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     summary_csv = output_dir / SUMMARY_FILE
@@ -89,7 +92,7 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
             name = variant.label if scenario.repeat == 1 else f"{variant.label}-{repeat}"
             requests_csv = output_dir / (requests_file_name(name) if repeat else f".warmup-{variant.label}.csv")
             result = run_bench(llm, dataset, variant.config, label=variant.label, requests_csv=requests_csv,
-                               config_columns=config_columns, console=console)
+                               config_columns=config_columns, console=console, summary=summary)
         finally:
             llm.shutdown()
         if not repeat:

@@ -11,10 +11,12 @@ from rich.console import Console
 from kvtool.bench import runner, sweep
 from kvtool.bench.datasets import load_dataset
 from kvtool.bench.config import ENGINE_FLAG_NAMES, BenchConfig
+from kvtool.bench.metrics import SummaryOptions
 from kvtool.bench.report import output_paths, write_summary_csv
+from kvtool.bench.report_outputs import ReportOutputs
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.errors import USER_ERRORS, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli import engine_flags
 from kvtool.cli.options import flag, toggle
@@ -29,7 +31,7 @@ def _default_label(plan: Path | None, model: str | None) -> str:
     return str(model).removeprefix("preset:")
 
 
-ENDPOINT, WORKLOAD, OUTPUT = "Endpoint", "Workload", "Output"
+ENDPOINT, WORKLOAD, OUTPUT, REPORT = "Endpoint", "Workload", "Output", "Report"
 
 
 @app.command(cls=KvtoolCommand)
@@ -81,6 +83,15 @@ def bench(
                                         "results/<dataset or scenario>-<time>).", OUTPUT)] = None,
     label: Annotated[str | None, flag("label", "Variant name in the reports (default: the plan/preset name).",
                                       OUTPUT)] = None,
+    percentiles: Annotated[str | None, flag("percentiles", "More latency percentiles: --percentiles 95,99.9 (p50, "
+                                            "p90 and p99 are always reported).", REPORT)] = None,
+    slo: Annotated[str | None, flag("slo", "Service-level objectives, e.g. --slo ttft=500ms,tpot=50ms (also e2e; "
+                                    "ms or s): report the share of requests meeting all of them, and goodput.",
+                                    REPORT)] = None,
+    report_json: Annotated[Path | None, flag("report_json", "Also write the summary as JSON to this file.",
+                                             REPORT)] = None,
+    html: Annotated[bool | None, toggle("html", "Also write report.html beside the CSVs: tables, plots and miss "
+                                        "reasons in one self-contained page.", REPORT)] = None,
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
     # The parameters named as bench flags are the flags (kvtool.bench.config.FLAGS maps them).
@@ -88,30 +99,45 @@ def bench(
     try:
         with user_errors():
             flags = engine_flags.engine_flag_values(ctx.params)
+            reporting = report_outputs(ctx.params)
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
             if endpoint is not None:
                 rows, interrupted, written, failure = _run_endpoint(
-                    endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console)
+                    endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console,
+                    summary=reporting.summary)
             elif config is not None:
                 if label is not None:
                     raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
                 rows, interrupted, written, failure = _run_scenario(config, set_ or [], plan, model, dataset,
-                                                                    output, flags, plan_cache_dir, console)
+                                                                    output, flags, plan_cache_dir, console,
+                                                                    summary=reporting.summary)
             else:
                 if set_:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
                 rows, interrupted, written, failure = _run_single(plan, model, dataset, output, label, flags,
-                                                                  plan_cache_dir, console)
+                                                                  plan_cache_dir, console, summary=reporting.summary)
     except KeyboardInterrupt:
         console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    report_run(rows, interrupted, written, failure, console)
+    report_run(rows, interrupted, written, failure, console, reporting=reporting)
 
 
-def report_run(rows, interrupted, written, failure, console: Console, *, more_tables=None) -> None:
-    """After a run: the summary table (and ``more_tables(rows, console)``'s), the files written, and
-    how it ended (an error that stopped it is raised, Ctrl-C exits 130)."""
+def report_outputs(params) -> ReportOutputs:
+    """The reporting flags of a bench or simulate command (its parameters by name), checked before anything
+    runs: a bad --percentiles or --slo, or a --report_json that cannot be written, is a user error."""
+    reporting = ReportOutputs.from_flags(percentiles=params.get("percentiles"), slo=params.get("slo"),
+                                         report_json=params.get("report_json"), html=params.get("html"))
+    if reporting.report_json is not None:
+        check_writable_file(reporting.report_json, "--report_json", "report.json")
+    return reporting
+
+
+def report_run(rows, interrupted, written, failure, console: Console, *, more_tables=None,
+               reporting: ReportOutputs | None = None) -> None:
+    """After a run: the summary table (and ``more_tables(rows, console)``'s), the files written (with
+    ``reporting``: the JSON and HTML reports too), and how it ended (an error that stopped it is
+    raised, Ctrl-C exits 130)."""
     if not rows:
         console.print("[bold yellow]interrupted[/] before any variant finished: nothing written")
         raise typer.Exit(EXIT_INTERRUPTED)
@@ -121,8 +147,13 @@ def report_run(rows, interrupted, written, failure, console: Console, *, more_ta
     wide.print(runner.summary_table(rows))
     if more_tables is not None:
         written = written + more_tables(rows, wide)
+    report_error = None
+    if reporting is not None:
+        written, report_error = _write_reports(reporting, rows, written)
     for path in written:
         console.print(f"wrote {path}", highlight=False)
+    if report_error is not None:
+        print_error(report_error)
     if failure is not None:
         console.print("[bold red]stopped by an error[/]: the reports hold the requests that finished "
                       "(summary marked interrupted=True, run_error says why)")
@@ -132,9 +163,21 @@ def report_run(rows, interrupted, written, failure, console: Console, *, more_ta
         console.print("[bold yellow]interrupted[/]: the reports hold the requests that finished "
                       "(summary marked interrupted=True)")
         raise typer.Exit(EXIT_INTERRUPTED)
+    if report_error is not None:
+        raise typer.Exit(2)
 
 
-def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, console, llm_factory=None):
+def _write_reports(reporting: ReportOutputs, rows, written):
+    """(the files written, with the JSON / HTML reports, and the error that stopped writing them, if one
+    did: it is printed after the files already safe, and the command exits 2 after saying how the run ended)."""
+    try:
+        return written + reporting.write(rows, written), None
+    except USER_ERRORS as error:
+        return written, error
+
+
+def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, console, llm_factory=None,
+                summary: SummaryOptions = SummaryOptions()):
     if dataset is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
     if plan is None and model is None:
@@ -147,7 +190,7 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
     llm = llm_factory(str(plan if plan is not None else model), config, data, cache_dir=plan_cache_dir)
     try:
         result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
-                                  requests_csv=requests_csv, console=console,
+                                  requests_csv=requests_csv, console=console, summary=summary,
                                   config_columns={"model": str(plan if plan is not None else model)})
     finally:
         llm.shutdown()
@@ -155,7 +198,8 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
     return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
 
 
-def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console):
+def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console,
+                  summary: SummaryOptions = SummaryOptions()):
     from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
 
     if plan is not None or model is not None or config is not None:
@@ -178,7 +222,7 @@ def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, out
     try:
         result = runner.run_bench(llm, data, bench_config, label=label or f"{llm.served_model}@endpoint",
                                   requests_csv=requests_csv, console=console, engine_name=llm.engine_name,
-                                  endpoint=options.base_url,
+                                  endpoint=options.base_url, summary=summary,
                                   config_columns={"model": llm.served_model, "api": api})
     finally:
         llm.shutdown()
@@ -197,7 +241,7 @@ def _check_output(output: Path | None, default: Path, *, single_run: bool) -> No
 
 
 def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_dir, console,
-                  llm_factory=None, scenario=None, plan_resolver=None):
+                  llm_factory=None, scenario=None, plan_resolver=None, summary: SummaryOptions = SummaryOptions()):
     """A scenario file's variants (or ``scenario``, made from the command line) into one output directory."""
     if scenario is None:
         scenario = load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags)
@@ -206,6 +250,7 @@ def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_
         raise ValueError(f"--output {output_dir}: a scenario writes several files; give a directory")
     _check_output(output, output_dir, single_run=False)
     result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=llm_factory or runner.create_llm,
-                                plan_resolver=plan_resolver or (lambda v: sweep.resolve_variant_plan(v, plan_cache_dir)))
+                                plan_resolver=plan_resolver or (lambda v: sweep.resolve_variant_plan(v, plan_cache_dir)),
+                                summary=summary)
     written = [output_dir / row["requests_csv"] for row in result.rows] + [result.summary_csv]
     return result.rows, result.interrupted, written, result.failure

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Annotated
 
@@ -54,6 +55,23 @@ def _table_width(rows, variants) -> int:
     return max(Console().width, metric + 4 + values)
 
 
+def _status_note(variant) -> str:
+    return f"{variant.status()}: its figures cover the requests that finished without error"
+
+
+def _write_html(path: Path, rows, variants) -> Path:
+    """The comparison as one self-contained HTML page (kvtool.bench.html_report.compare_page): the lines
+    printed around the table, the table, the TTFT plot, missed blocks by reason, errors, every column."""
+    from kvtool.bench.html_report import compare_page, write_html
+
+    recorder = Console(record=True, file=io.StringIO(), width=100_000)
+    _print_setup(recorder, variants)
+    notes = recorder.export_text().splitlines()
+    notes += [f"{variant.name}: {_status_note(variant)}" for variant in variants if variant.status()]
+    notes += verdicts(variants)
+    return write_html(path, compare_page(variants, compare_table=_table(rows, variants), notes=notes))
+
+
 def _print_setup(console: Console, variants) -> None:
     """What the variants share, and (in yellow) what else differs between them besides the flags compared."""
     same, different = setup_differences(variants)
@@ -71,6 +89,8 @@ def compare(
                                                   "variant) and/or per-request CSVs.", show_default=False)],
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the TTFT distributions.")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Also write the table as CSV.")] = None,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write one self-contained HTML page: the table, "
+                                              "the TTFT plot, missed blocks by reason, errors.")] = None,
 ) -> None:
     """Print the reports' metrics side by side (rows = metrics, columns = variants, ratios vs the first)."""
     with user_errors():
@@ -78,6 +98,8 @@ def compare(
             check_writable_file(plot, "--plot", "ttft.png")
         if output is not None:
             check_writable_file(output, "--output", "compare.csv")
+        if html is not None:
+            check_writable_file(html, "--html", "compare.html")
         variants = load_variants(reports)
         rows = compare_rows(variants)
         console = Console(width=_table_width(rows, variants))
@@ -85,8 +107,7 @@ def compare(
         console.print(_table(rows, variants))
         for variant in variants:
             if variant.status():
-                console.print(f"[yellow]{variant.name}[/]: {variant.status()}: its figures cover the requests that "
-                              "finished without error", highlight=False, soft_wrap=True)
+                console.print(f"[yellow]{variant.name}[/]: {_status_note(variant)}", highlight=False, soft_wrap=True)
         for line in verdicts(variants):
             console.print(line, highlight=False, soft_wrap=True)
         if output is not None:
@@ -101,3 +122,5 @@ def compare(
             typer.echo(f"wrote {write_summary_csv(output, csv_rows)}")
         if plot is not None:
             typer.echo(f"wrote {plot_ttft(variants, plot)}")
+        if html is not None:
+            typer.echo(f"wrote {_write_html(html, rows, variants)}")

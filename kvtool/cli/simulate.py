@@ -49,6 +49,7 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
     try:
         with user_errors():
             flags = engine_flags.engine_flag_values(ctx.params)
+            reporting = bench_command.report_outputs(params)
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
             scenario = _sweep_scenario(sweep, flags, config, sets, plan, model, dataset) if sweep else None
@@ -58,13 +59,14 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
                 rows, interrupted, written, failure = bench_command._run_scenario(
                     config, sets, plan, model, dataset, params["output"], flags, params["plan_cache_dir"], console,
                     llm_factory=factory, scenario=scenario,
-                    plan_resolver=lambda variant: simulation_variant_plan(variant, params["plan_cache_dir"]))
+                    plan_resolver=lambda variant: simulation_variant_plan(variant, params["plan_cache_dir"]),
+                    summary=reporting.summary)
             else:
                 if sets:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
                 rows, interrupted, written, failure = bench_command._run_single(
                     plan, model, dataset, params["output"], params["label"], flags, params["plan_cache_dir"],
-                    console, llm_factory=factory)
+                    console, llm_factory=factory, summary=reporting.summary)
     except KeyboardInterrupt:
         console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
         raise typer.Exit(bench_command.EXIT_INTERRUPTED) from None
@@ -75,7 +77,8 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
         print_sweep(rows, wide)
         return [plot_sweep(rows, Path(written[-1]).parent / "sweep.png")]
 
-    bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report)
+    bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report,
+                             reporting=reporting)
 
 
 def _sweep_scenario(sweep, flags, config, sets, plan, model, dataset):
