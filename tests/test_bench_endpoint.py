@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+from endpoint_servers import AsAnotherServer, serving
 from serve_helpers import running_server, tiny_llm
 from typer.testing import CliRunner
 
@@ -21,6 +22,7 @@ from kvtool.bench.runner import run_bench
 from kvtool.cli import app
 from kvtool.config import SamplingParams
 from kvtool.runtime.request import MISS_REASONS, Request
+from kvtool.serve import create_app
 
 POOL = KvCacheConfig(max_tokens=1024)
 SYSTEM = list(range(300, 348))  # 3 blocks of 16 shared by every request of the first group
@@ -135,6 +137,33 @@ def test_the_cli_writes_rows_naming_the_endpoint_and_compare_reads_both(tiny_lla
     assert "tiny@endpoint" in compared.output and "in-process" in compared.output
     hit_rate_row, = [line for line in compared.output.splitlines() if "token hit rate" in line]
     assert hit_rate_row.count(hit_rate) == 2
+
+
+@pytest.mark.parametrize("cached_tokens", [True, False], ids=["reported", "not-reported"])
+def test_another_servers_cached_tokens_are_the_summarys_token_hit_rate(tiny_llama_plan, shared_prefix_dataset,
+                                                                       tmp_path, cached_tokens):
+    """A server that is not kvtool has no cache counters to read: its cached_tokens are the only reuse
+    figure, shown as the token hit rate; without them the hit rate is unknown, not 0."""
+    app = AsAnotherServer(create_app(tiny_llm(tiny_llama_plan, kv_cache_config=POOL), served_model_name="tiny"),
+                          cached_tokens=cached_tokens)
+    with serving(app) as url:
+        result = invoke("bench", "--endpoint", url, "--dataset", shared_prefix_dataset, "--mode", "sequential",
+                        "--output", tmp_path / "ep")
+    assert result.exit_code == 0, result.output
+    summary, = read_rows(tmp_path / "ep" / "summary.csv")
+    assert summary["engine"] == "hosted@endpoint" and "cache_hit_rate" not in summary
+    rows = read_rows(tmp_path / "ep" / "requests.csv")
+    table_row, = [line for line in result.output.splitlines() if "token hit rate (reused / prompt) │" in line]
+    if cached_tokens:
+        reused, prompt = sum(int(r["reused_tokens"]) for r in rows), sum(int(r["input_tokens"]) for r in rows)
+        # Full blocks of 16 reused: 3 of the system prompt by 3 requests, 2 of the second group's prefix by 2.
+        assert reused == 16 * (3 * 3 + 2 * 2) and float(summary["token_hit_rate"]) == pytest.approx(reused / prompt, abs=1e-6)
+        assert f"{reused / prompt:.1%}" in table_row
+    else:
+        assert summary["token_hit_rate"] == summary["total_reused_tokens"] == ""
+        assert table_row.split()[-2] == "-"
+        assert "reported no cached tokens (usage.prompt_tokens_details): the token hit rate is unknown" in " ".join(
+            result.output.split())
 
 
 def test_requests_the_server_refuses_become_error_rows_and_the_bench_exits_3_saying_why(tiny_llama_plan, tmp_path):

@@ -3,28 +3,18 @@
 every request, https checks the server's certificate (--ca_cert for a private authority), and a
 refused key or a failed check is one line before the replay starts.
 
-The servers here are the test's own: kvtool serve's app behind a small Bearer check, served by
-uvicorn over http or https (a self-signed certificate made in the test), so these tests do not
-depend on how `kvtool serve` itself checks keys.
+The servers here are the test's own (tests/endpoint_servers.py): kvtool serve's app behind a small
+Bearer check, served by uvicorn over http or https (a self-signed certificate made in the test), so
+these tests do not depend on how `kvtool serve` itself checks keys.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import datetime
-import ipaddress
-import json
-import threading
-import time
 
 import pytest
-import uvicorn
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-from serve_helpers import free_port, tiny_llm
+from endpoint_servers import BearerCheck, self_signed_certificate, serving
+from serve_helpers import tiny_llm
 from typer.testing import CliRunner
 
 from kvtool import KvCacheConfig
@@ -44,74 +34,6 @@ def invoke(*args, env=None):
 
 def one_line(output: str) -> str:
     return " ".join(output.split())
-
-
-class BearerCheck:
-    """ASGI middleware: ``protected`` paths answer 401 in OpenAI's error format unless the request
-    carries ``Authorization: Bearer <key>``. Records (path, headers) of every HTTP request."""
-
-    def __init__(self, app, key: str, protected: tuple[str, ...] = ("/v1/",)) -> None:
-        self.app, self.key, self.protected = app, key, protected
-        self.seen: list[tuple[str, dict[str, str]]] = []
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-            self.seen.append((scope["path"], headers))
-            given = headers.get("authorization", "")
-            if scope["path"].startswith(self.protected) and given != f"Bearer {self.key}":
-                # As OpenAI does, the message quotes (part of) the key given; the bench must not show it.
-                body = json.dumps({"error": {"message": f"Incorrect API key provided: {given[7:]}",
-                                             "type": "invalid_request_error", "code": "invalid_api_key"}}).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json")]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
-
-    def paths(self) -> list[str]:
-        return [path for path, _ in self.seen]
-
-
-@contextlib.contextmanager
-def serving(app, certificate=None):
-    """``app`` on 127.0.0.1 in a thread, over https when ``certificate`` is (cert.pem, key.pem); yields its URL."""
-    port = free_port()
-    tls = {} if certificate is None else {"ssl_certfile": str(certificate[0]), "ssl_keyfile": str(certificate[1])}
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=2, **tls))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"{'http' if certificate is None else 'https'}://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-
-
-def self_signed_certificate(directory, name: str = "kvtool test server"):
-    """(cert.pem, key.pem) for 127.0.0.1 and localhost, signed by its own key (so cert.pem is its own CA)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                    x509.DNSName("localhost")]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256()))
-    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
-    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
 
 
 @pytest.fixture

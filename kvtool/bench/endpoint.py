@@ -168,6 +168,7 @@ class EndpointEngine:
         self._text_history: dict[str, str] = {}
         self._chat_history: dict[str, list[dict[str, str]]] = {}
         self._baseline: dict[str, float] = {}
+        self.num_cached_reported = 0  # requests whose usage had prompt_tokens_details.cached_tokens
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtool-endpoint", daemon=True)
         self._thread.start()
@@ -215,18 +216,24 @@ class EndpointEngine:
             self._remember(call)
         return [call.request for call in calls]
 
-    def get_stats(self) -> dict[str, int | float]:
-        """kvtool serve's cache counters since reset_stats (other servers: none)."""
+    def get_stats(self) -> dict[str, int | float | None]:
+        """kvtool serve's cache counters since reset_stats (other servers: none). When no request since
+        then had its cached tokens reported, the reuse is unknown, not 0: the summary's
+        total_reused_tokens and token_hit_rate are None (the per-request rows hold 0)."""
+        stats: dict[str, int | float | None] = {}
+        if not self.num_cached_reported:
+            stats.update(total_reused_tokens=None, token_hit_rate=None)
         now = self._counters()
         if not now:
-            return {}
-        stats: dict[str, int | float] = {name: int(now[name] - self._baseline.get(name, 0.0)) for name in now}
+            return stats
+        stats.update({name: int(now[name] - self._baseline.get(name, 0.0)) for name in now})
         looked_up = stats.get("reused_blocks", 0) + stats.get("missed_blocks", 0)
         stats["cache_hit_rate"] = stats.get("reused_blocks", 0) / looked_up if looked_up else 0.0
         return stats
 
     def reset_stats(self) -> None:
         self._baseline = self._counters()
+        self.num_cached_reported = 0
 
     def shutdown(self) -> None:
         """Closes every connection; requests still in flight (an interrupted run) are cancelled, which
@@ -344,6 +351,8 @@ class EndpointEngine:
         request, usage = call.request, call.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         request.num_reused_tokens = int(details.get("cached_tokens") or 0)
+        if details.get("cached_tokens") is not None:
+            self.num_cached_reported += 1  # only this (the loop's) thread writes it
         if call.prompt_token_ids is not None:
             request.prompt_token_ids = call.prompt_token_ids
         elif call.sent_as != "ids" and usage.get("prompt_tokens"):
