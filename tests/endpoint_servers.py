@@ -108,7 +108,8 @@ class AsAnotherServer:
                 message = {**message, "headers": [(name, value) for name, value in message["headers"]
                                                   if name.lower() != b"content-length"]}
             elif message["type"] == "http.response.body":
-                body = message.get("body", b"").replace(b'"owned_by":"kvtool"', f'"owned_by":"{self.owned_by}"'.encode())
+                owned_by = f'"owned_by":"{self.owned_by}"'.encode()
+                body = message.get("body", b"").replace(b'"owned_by":"kvtool"', owned_by)
                 if not self.cached_tokens:
                     body = re.sub(rb',"prompt_tokens_details":\{[^}]*\}', b"", body)
                 message = {**message, "body": body}

@@ -157,7 +157,8 @@ def test_another_servers_cached_tokens_are_the_summarys_token_hit_rate(tiny_llam
     if cached_tokens:
         reused, prompt = sum(int(r["reused_tokens"]) for r in rows), sum(int(r["input_tokens"]) for r in rows)
         # Full blocks of 16 reused: 3 of the system prompt by 3 requests, 2 of the second group's prefix by 2.
-        assert reused == 16 * (3 * 3 + 2 * 2) and float(summary["token_hit_rate"]) == pytest.approx(reused / prompt, abs=1e-6)
+        assert reused == 16 * (3 * 3 + 2 * 2)
+        assert float(summary["token_hit_rate"]) == pytest.approx(reused / prompt, abs=1e-6)
         assert f"{reused / prompt:.1%}" in table_row
     else:
         assert summary["token_hit_rate"] == summary["total_reused_tokens"] == ""

@@ -226,8 +226,8 @@ def _run_endpoint(options, plan, model, config, dataset, output, label, flags, c
     finally:
         llm.shutdown()
     if result.row.get("num_requests") and result.row.get("token_hit_rate") is None:
-        console.print(f"note: the server at {options.url} reported no cached tokens (usage.prompt_tokens_details): the token "
-                      "hit rate is unknown (vLLM reports them with --enable-prompt-tokens-details, SGLang with "
+        console.print(f"note: the server at {options.url} reported no cached tokens (usage.prompt_tokens_details): "
+                      "the token hit rate is unknown (vLLM reports them with --enable-prompt-tokens-details, SGLang with "
                       "--enable-cache-report)", highlight=False, soft_wrap=True)
     write_summary_csv(summary_csv, [result.row])
     return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
