@@ -124,7 +124,7 @@ def list_models(options: EndpointOptions, ssl_context=None) -> list[dict[str, An
         with untimed_client(options, ssl_context) as client:
             response = client.get(url)
     except httpx.HTTPError as error:
-        problem = access.connect_problem(error, url)
+        problem = access.connect_problem(error)
         if problem is not None:
             raise KvtoolError(f"--endpoint {options.url}: {problem}") from None
         advice = ("start the server first (e.g. `kvtool serve --plan DIR --port 8000`) or fix the URL"
@@ -168,7 +168,7 @@ class EndpointEngine:
         self._text_history: dict[str, str] = {}
         self._chat_history: dict[str, list[dict[str, str]]] = {}
         self._baseline: dict[str, float] = {}
-        self.num_cached_reported = 0  # requests whose usage had prompt_tokens_details.cached_tokens
+        self._num_cached_reported = 0  # requests whose usage had prompt_tokens_details.cached_tokens
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtool-endpoint", daemon=True)
         self._thread.start()
@@ -221,7 +221,7 @@ class EndpointEngine:
         then had its cached tokens reported, the reuse is unknown, not 0: the summary's
         total_reused_tokens and token_hit_rate are None (the per-request rows hold 0)."""
         stats: dict[str, int | float | None] = {}
-        if not self.num_cached_reported:
+        if not self._num_cached_reported:
             stats.update(total_reused_tokens=None, token_hit_rate=None)
         now = self._counters()
         if not now:
@@ -233,7 +233,7 @@ class EndpointEngine:
 
     def reset_stats(self) -> None:
         self._baseline = self._counters()
-        self.num_cached_reported = 0
+        self._num_cached_reported = 0
 
     def shutdown(self) -> None:
         """Closes every connection; requests still in flight (an interrupted run) are cancelled, which
@@ -352,7 +352,7 @@ class EndpointEngine:
         details = usage.get("prompt_tokens_details") or {}
         request.num_reused_tokens = int(details.get("cached_tokens") or 0)
         if details.get("cached_tokens") is not None:
-            self.num_cached_reported += 1  # only this (the loop's) thread writes it
+            self._num_cached_reported += 1  # on the loop's thread; reset_stats runs between replays
         if call.prompt_token_ids is not None:
             request.prompt_token_ids = call.prompt_token_ids
         elif call.sent_as != "ids" and usage.get("prompt_tokens"):

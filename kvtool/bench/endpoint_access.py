@@ -96,7 +96,7 @@ class EndpointAccess:
         return (f"HTTP {status}: the server refused the API key from {self.api_key_source}: check it, or give "
                 f"another with --api_key KEY or {API_KEY_ENV}")
 
-    def connect_problem(self, error: BaseException, url: str) -> str | None:
+    def connect_problem(self, error: BaseException) -> str | None:
         """What to do when a TLS handshake failed (None: ``error`` is not about TLS)."""
         cause = _ssl_cause(error)
         if isinstance(cause, ssl.SSLCertVerificationError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -15,11 +16,11 @@ from kvtool.bench.report import output_paths, write_summary_csv
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
-from kvtool.config import ConfigError
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli import engine_flags
 from kvtool.cli.options import flag, toggle
 from kvtool.cli.paths import check_writable_dir, check_writable_file
+from kvtool.config import ConfigError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_REQUESTS_FAILED = 3  # the run finished and its reports are written, but requests failed (see --allow_errors)
@@ -167,16 +168,13 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
     return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
 
 
-# EndpointOptions' and EndpointAccess' fields -> their flags.
-_ENDPOINT_FLAGS = {"url": "endpoint", "api": "api", "served_model": "served_model", "api_key": "api_key",
-                   "headers": "header", "ca_cert": "ca_cert"}
+# EndpointOptions' and EndpointAccess' fields -> their flags (the key's: where it came from).
+_ENDPOINT_FLAGS = {"url": "endpoint", "api": "api", "headers": "header", "ca_cert": "ca_cert"}
 
 
 def _endpoint_options(endpoint, api, served_model, api_key, headers, ca_cert):
     """The --endpoint flags as EndpointOptions (None without --endpoint); the key from $OPENAI_API_KEY
     when --api_key is not given, as the openai client takes it."""
-    import os
-
     from kvtool.bench.endpoint import EndpointOptions
     from kvtool.bench.endpoint_access import API_KEY_ENV, EndpointAccess, parse_header
 
