@@ -5,9 +5,11 @@ same reuse, per request and in the summary; errors the server answers become err
 from __future__ import annotations
 
 import csv
+import re
 import time
 
 import pytest
+from endpoint_servers import AsAnotherServer, serving
 from serve_helpers import running_server, tiny_llm
 from typer.testing import CliRunner
 
@@ -20,6 +22,7 @@ from kvtool.bench.runner import run_bench
 from kvtool.cli import app
 from kvtool.config import SamplingParams
 from kvtool.runtime.request import MISS_REASONS, Request
+from kvtool.serve import create_app
 
 POOL = KvCacheConfig(max_tokens=1024)
 SYSTEM = list(range(300, 348))  # 3 blocks of 16 shared by every request of the first group
@@ -79,9 +82,13 @@ def test_endpoint_and_in_process_replays_agree_on_tokens_and_reuse(tiny_llama_pl
 
     assert per_request(endpoint) == per_request(in_process)
     assert all(r.ok and r.engine == "kvtool@endpoint" for r in endpoint.requests)
-    for column in ("reused_blocks", "missed_blocks", "num_requests", "num_errors", "total_reused_tokens"):
+    for column in ("reused_blocks", "missed_blocks", "num_requests", "num_errors", "total_reused_tokens",
+                   "token_hit_rate"):
         assert endpoint.row[column] == in_process.row[column], column
     assert endpoint.row["reused_blocks"] > 0
+    # The server's cached_tokens as a share of the prompt tokens, as in-process runs count their reuse.
+    assert endpoint.row["token_hit_rate"] == pytest.approx(
+        sum(r.reused_tokens for r in endpoint.requests) / sum(r.input_tokens for r in endpoint.requests))
 
 
 def test_token_id_sessions_carry_the_servers_answers(tiny_llama_plan, sessions_dataset, tmp_path):
@@ -121,23 +128,72 @@ def test_the_cli_writes_rows_naming_the_endpoint_and_compare_reads_both(tiny_lla
     assert summary["num_errors"] == "0" and summary["ttft_ms_p50"]
     assert "enable_kv_cache_reuse" not in summary  # the server's configuration is not the bench's to report
 
+    hit_rate = f"{float(summary['token_hit_rate']):.1%}"
+    assert summary["token_hit_rate"] == in_process_summary["token_hit_rate"] and hit_rate != "0.0%"
+    assert re.search(rf"token hit rate \(reused / prompt\) +│ +{re.escape(hit_rate)} │", result.output)
+
     compared = invoke("compare", tmp_path / "in" / "summary.csv", tmp_path / "ep" / "summary.csv")
     assert compared.exit_code == 0, compared.output
     assert "tiny@endpoint" in compared.output and "in-process" in compared.output
+    hit_rate_row, = [line for line in compared.output.splitlines() if "token hit rate" in line]
+    assert hit_rate_row.count(hit_rate) == 2
 
 
-def test_requests_the_server_refuses_become_error_rows_and_the_run_goes_on(tiny_llama_plan, tmp_path):
+@pytest.mark.parametrize("cached_tokens", [True, False], ids=["reported", "not-reported"])
+def test_another_servers_cached_tokens_are_the_summarys_token_hit_rate(tiny_llama_plan, shared_prefix_dataset,
+                                                                       tmp_path, cached_tokens):
+    """A server that is not kvtool has no cache counters to read: its cached_tokens are the only reuse
+    figure, shown as the token hit rate; without them the hit rate is unknown, not 0."""
+    app = AsAnotherServer(create_app(tiny_llm(tiny_llama_plan, kv_cache_config=POOL), served_model_name="tiny"),
+                          cached_tokens=cached_tokens)
+    with serving(app) as url:
+        result = invoke("bench", "--endpoint", url, "--dataset", shared_prefix_dataset, "--mode", "sequential",
+                        "--output", tmp_path / "ep")
+    assert result.exit_code == 0, result.output
+    summary, = read_rows(tmp_path / "ep" / "summary.csv")
+    assert summary["engine"] == "hosted@endpoint" and "cache_hit_rate" not in summary
+    rows = read_rows(tmp_path / "ep" / "requests.csv")
+    table_row, = [line for line in result.output.splitlines() if "token hit rate (reused / prompt) │" in line]
+    if cached_tokens:
+        reused, prompt = sum(int(r["reused_tokens"]) for r in rows), sum(int(r["input_tokens"]) for r in rows)
+        # Full blocks of 16 reused: 3 of the system prompt by 3 requests, 2 of the second group's prefix by 2.
+        assert reused == 16 * (3 * 3 + 2 * 2)
+        assert float(summary["token_hit_rate"]) == pytest.approx(reused / prompt, abs=1e-6)
+        assert f"{reused / prompt:.1%}" in table_row
+    else:
+        assert summary["token_hit_rate"] == summary["total_reused_tokens"] == ""
+        assert table_row.split()[-2] == "-"
+        assert "reported no cached tokens (usage.prompt_tokens_details): the token hit rate is unknown" in " ".join(
+            result.output.split())
+
+
+def test_requests_the_server_refuses_become_error_rows_and_the_bench_exits_3_saying_why(tiny_llama_plan, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7], "output_tokens": 2},
                                               {"input_ids": [1] * 300, "output_tokens": 2},
-                                              {"input_ids": [5, 6, 8], "output_tokens": 2}])
+                                              {"input_ids": [5, 6, 8], "output_tokens": 2},
+                                              {"input_ids": [1] * 310, "output_tokens": 2},
+                                              {"input_ids": [5, 10**6], "output_tokens": 2},
+                                              {"input_ids": [1] * 290, "output_tokens": 2}])
     with running_server(tiny_llm(tiny_llama_plan, kv_cache_config=POOL, max_seq_len=256)) as server:
         result = invoke("bench", "--endpoint", server.url, "--dataset", data, "--output", tmp_path / "ep")
-    assert result.exit_code == 0, result.output
+        allowed = invoke("bench", "--endpoint", server.url, "--dataset", data, "--output", tmp_path / "allowed",
+                         "--allow_errors")
+    assert result.exit_code == 3, result.output
     rows = {r["request_id"]: r for r in read_rows(tmp_path / "ep" / "requests.csv")}
-    assert [bool(rows[i]["error"]) for i in "012"] == [False, True, False]
+    assert [bool(rows[i]["error"]) for i in "012345"] == [False, True, False, True, True, True]
     assert rows["1"]["error"].startswith("HTTP 400: the prompt has 300 tokens and max_seq_len is 256")
-    summary, = read_rows(tmp_path / "ep" / "summary.csv")
-    assert (summary["num_requests"], summary["num_errors"]) == ("2", "1")
+    summary, = read_rows(tmp_path / "ep" / "summary.csv")  # written before the exit: nothing measured is lost
+    assert (summary["num_requests"], summary["num_errors"], summary["interrupted"]) == ("2", "4", "False")
+    # After the summary table: the count and the distinct errors, those differing only in numbers counted as one.
+    text = " ".join(result.output.split())
+    assert text.index("kvtool bench summary") < text.index("Error: 4 of 6 requests failed; the most frequent errors:")
+    assert ("3 × HTTP 400: the prompt has 300 tokens and max_seq_len is 256" in text
+            and "(and alike, with other numbers)" in text)
+    assert f"1 × {rows['4']['error']}" in text
+    assert "--allow_errors exits 0 when requests fail" in text
+
+    assert allowed.exit_code == 0, allowed.output
+    assert "Note: 4 of 6 requests failed" in " ".join(allowed.output.split())
 
 
 def test_text_prompts_are_sent_as_text_to_completions_and_chat(tiny_llama_plan, tmp_path):

@@ -7,6 +7,7 @@ runtime on the tiny-llama preset.
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 import yaml
@@ -279,11 +280,14 @@ def test_an_error_that_stops_the_run_still_writes_the_summary_and_exits_2(tmp_pa
     assert summary["num_requests"] == "2" and len(read_rows(out / "requests.csv")) == 2
 
 
-def test_a_request_refused_mid_run_is_an_error_row_in_the_summary(tmp_path, dataset, fake_llms):
+def test_a_request_refused_mid_run_is_an_error_row_and_the_bench_exits_3(tmp_path, dataset, fake_llms):
     fake_llms.settings["refuse_when_added"] = lambda prompt: "refused" if prompt[-1] == 12 else None
     out = tmp_path / "errors"
     result = invoke("bench", "--model", "preset:x", "--dataset", dataset, "--output", out)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output
     summary, = read_rows(out / "summary.csv")
     assert (summary["num_requests"], summary["num_errors"], summary["interrupted"]) == ("5", "1", "False")
     assert "requests (errors)" in result.output and "5 (1)" in result.output
+    assert re.search(r"Error: 1 of 6 requests failed; their error: 1 × .*refused", " ".join(result.output.split()))
+    allowed = invoke("bench", "--model", "preset:x", "--dataset", dataset, "--output", out, "--allow_errors")
+    assert allowed.exit_code == 0, allowed.output

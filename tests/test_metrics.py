@@ -89,6 +89,8 @@ def test_summary_by_hand():
     assert summary.total_input_tokens == 170          # errors are not counted
     assert summary.total_output_tokens == 6
     assert summary.total_reused_tokens == 64
+    assert summary.token_hit_rate == pytest.approx(64 / 170)  # reused / prompt tokens of the requests that ran
+    assert summarize([]).token_hit_rate is None
     assert summary.duration_s == pytest.approx(1.5)   # last finish 1.5 - first arrival 0.0
     assert summary.output_tokens_per_s == pytest.approx(6 / 1.5)
     assert summary.requests_per_s == pytest.approx(3 / 1.5)

@@ -46,6 +46,7 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("missed_last_token_blocks", "missed: last token"),
     ("missed_reuse_off_blocks", "missed: reuse off"),
     ("cache_hit_rate", "cache hit rate"),
+    ("token_hit_rate", "token hit rate (reused / prompt)"),
     ("early_reused_blocks", "early reused blocks"),
     ("offloaded_blocks", "offloaded blocks"),
     ("onboarded_blocks", "onboarded blocks"),
@@ -269,7 +270,7 @@ def verdicts(variants: Sequence[CompareVariant], columns: Sequence[tuple[str, st
 
 def format_metric(column: str, value) -> str:
     """A cell of the table: the cache hit rate as the bench table shows it, other values by format_value."""
-    if column in ("cache_hit_rate", "slo_attainment") and isinstance(value, float):
+    if column in ("cache_hit_rate", "slo_attainment", "token_hit_rate") and isinstance(value, float):
         return format_hit_rate(value)
     return format_value(value)
 

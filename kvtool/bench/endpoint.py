@@ -11,6 +11,7 @@ the request's arrival to the first streamed chunk that carries a token, each tok
 chunk arrives (TPOT and ITL from those), E2E to the chunk that carries the finish reason. Reused
 tokens are the server's ``usage.prompt_tokens_details.cached_tokens``. A connection error or an
 answer other than 200 finishes the request with the server's message as its error; the run goes on.
+Secured and hosted servers: an API key, extra headers and https (kvtool.bench.endpoint_access).
 
 Token-id lines are sent as token ids (``prompt: [ids]``), text lines as text: as the completion's
 prompt, or as a user message to /v1/chat/completions. Servers that return token ids (kvtool serve,
@@ -34,6 +35,7 @@ from typing import Any
 
 import httpx  # the untimed requests: /v1/models, /metrics
 
+from kvtool.bench.endpoint_access import REFUSED_STATUSES, EndpointAccess
 from kvtool.bench.http_stream import HttpError, StreamingClient, StreamResponse
 from kvtool.config import check
 from kvtool.errors import KvtoolError
@@ -53,17 +55,22 @@ KVTOOL_COUNTERS = frozenset(key for key, _ in COUNTERS)
 class EndpointOptions:
     """The server a bench talks to. ``url``: its address, with or without the trailing /v1.
     ``poll_s``: while requests run, how often the replay looks for requests falling due (Poisson
-    arrivals, arrival_time_s); a request is handed over at most this late."""
+    arrivals, arrival_time_s); a request is handed over at most this late. ``access``: the API key,
+    headers and certificate checks a secured server needs."""
 
     url: str
     api: str = "completions"
     served_model: str | None = None  # None: the first model the server lists
     timeout_s: float = 600.0
     poll_s: float = 0.001
+    access: EndpointAccess = field(default_factory=EndpointAccess)
 
     def __post_init__(self) -> None:
         check(re.match(r"^https?://[^/\s]+", self.url or "") is not None, self, "url",
               f"{self.url!r} is not an http(s) URL: give the server's address, e.g. http://127.0.0.1:8000")
+        # The URL goes into every report row: a password in it would be written there.
+        check("@" not in self.url.split("//", 1)[-1].split("/", 1)[0], self, "url",
+              "holds credentials (user:password@): give the key with --api_key, or a header with --header")
         check(self.api in API_KINDS, self, "api", f"{self.api!r} is unknown: use one of {list(API_KINDS)}")
         check(self.timeout_s > 0, self, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
         check(self.poll_s > 0, self, "poll_s", f"must be > 0 seconds, got {self.poll_s}")
@@ -102,16 +109,32 @@ def server_message(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {message if message else text[:300]}"
 
 
-def list_models(options: EndpointOptions) -> list[dict[str, Any]]:
-    """The server's /v1/models entries; a KvtoolError saying what to do when it cannot be reached."""
+def untimed_client(options: EndpointOptions, ssl_context) -> httpx.Client:
+    """For the requests around the replay (/v1/models, /metrics), with the replay's key, headers and checks."""
+    return httpx.Client(headers=options.access.request_headers(), verify=ssl_context or True,
+                        timeout=min(options.timeout_s, 30.0))
+
+
+def list_models(options: EndpointOptions, ssl_context=None) -> list[dict[str, Any]]:
+    """The server's /v1/models entries; a KvtoolError saying what to do when it cannot be reached, refuses
+    the API key or fails the certificate check (``ssl_context``: options.access.ssl_context's)."""
     url = f"{options.base_url}/models"
+    access = options.access
     try:
-        response = httpx.get(url, timeout=min(options.timeout_s, 30.0))
+        with untimed_client(options, ssl_context) as client:
+            response = client.get(url)
     except httpx.HTTPError as error:
-        raise KvtoolError(f"--endpoint {options.url}: cannot reach {url} ({error or type(error).__name__}): start the "
-                          "server first (e.g. `kvtool serve --plan DIR --port 8000`) or fix the URL") from None
+        problem = access.connect_problem(error)
+        if problem is not None:
+            raise KvtoolError(f"--endpoint {options.url}: {problem}") from None
+        advice = ("start the server first (e.g. `kvtool serve --plan DIR --port 8000`) or fix the URL"
+                  if not isinstance(error, httpx.RemoteProtocolError) else "if it serves https, use https://")
+        raise KvtoolError(f"--endpoint {options.url}: cannot reach {url} ({error or type(error).__name__}): "
+                          f"{advice}") from None
+    if response.status_code in REFUSED_STATUSES:
+        raise KvtoolError(f"--endpoint {options.url}: {access.refused(response.status_code)}")
     if response.status_code != 200:
-        answer = server_message(response.status_code, response.content)
+        answer = access.redact(server_message(response.status_code, response.content))
         raise KvtoolError(f"--endpoint {options.url}: GET {url} answered {answer}"
                           ": is this an OpenAI-compatible server?")
     try:
@@ -132,7 +155,8 @@ class EndpointEngine:
     (Poisson arrivals, arrival times), so ``step`` returns every ``poll_s`` for the replay to issue them;
     otherwise it waits for a request to finish."""
 
-    def __init__(self, options: EndpointOptions, *, served_model: str, owned_by: str, timed: bool) -> None:
+    def __init__(self, options: EndpointOptions, *, served_model: str, owned_by: str, timed: bool,
+                 ssl_context=None) -> None:
         self.options = options
         self.served_model = served_model
         self.owned_by = owned_by
@@ -144,11 +168,14 @@ class EndpointEngine:
         self._text_history: dict[str, str] = {}
         self._chat_history: dict[str, list[dict[str, str]]] = {}
         self._baseline: dict[str, float] = {}
+        self._num_cached_reported = 0  # requests whose usage had prompt_tokens_details.cached_tokens
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvtool-endpoint", daemon=True)
         self._thread.start()
         # No connection limit: the replay's own in-flight limit is the only one.
-        self._client = StreamingClient(options.base_url)
+        self._client = StreamingClient(options.base_url, headers=options.access.request_headers(),
+                                       ssl_context=ssl_context)
+        self._untimed = untimed_client(options, ssl_context)
 
     def _on_loop(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -189,18 +216,24 @@ class EndpointEngine:
             self._remember(call)
         return [call.request for call in calls]
 
-    def get_stats(self) -> dict[str, int | float]:
-        """kvtool serve's cache counters since reset_stats (other servers: none)."""
+    def get_stats(self) -> dict[str, int | float | None]:
+        """kvtool serve's cache counters since reset_stats (other servers: none). When no request since
+        then had its cached tokens reported, the reuse is unknown, not 0: the summary's
+        total_reused_tokens and token_hit_rate are None (the per-request rows hold 0)."""
+        stats: dict[str, int | float | None] = {}
+        if not self._num_cached_reported:
+            stats.update(total_reused_tokens=None, token_hit_rate=None)
         now = self._counters()
         if not now:
-            return {}
-        stats: dict[str, int | float] = {name: int(now[name] - self._baseline.get(name, 0.0)) for name in now}
+            return stats
+        stats.update({name: int(now[name] - self._baseline.get(name, 0.0)) for name in now})
         looked_up = stats.get("reused_blocks", 0) + stats.get("missed_blocks", 0)
         stats["cache_hit_rate"] = stats.get("reused_blocks", 0) / looked_up if looked_up else 0.0
         return stats
 
     def reset_stats(self) -> None:
         self._baseline = self._counters()
+        self._num_cached_reported = 0
 
     def shutdown(self) -> None:
         """Closes every connection; requests still in flight (an interrupted run) are cancelled, which
@@ -208,6 +241,7 @@ class EndpointEngine:
         self._on_loop(self._close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
+        self._untimed.close()
 
     async def _close(self) -> None:
         running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
@@ -262,6 +296,10 @@ class EndpointEngine:
 
     async def _read(self, call: _Call, response: StreamResponse) -> None:
         request = call.request
+        if response.status in REFUSED_STATUSES:
+            await response.read()
+            request.error = self.options.access.refused(response.status)
+            return
         if response.status != 200:
             request.error = server_message(response.status, await response.read())
             return
@@ -313,6 +351,8 @@ class EndpointEngine:
         request, usage = call.request, call.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         request.num_reused_tokens = int(details.get("cached_tokens") or 0)
+        if details.get("cached_tokens") is not None:
+            self._num_cached_reported += 1  # on the loop's thread; reset_stats runs between replays
         if call.prompt_token_ids is not None:
             request.prompt_token_ids = call.prompt_token_ids
         elif call.sent_as != "ids" and usage.get("prompt_tokens"):
@@ -322,6 +362,8 @@ class EndpointEngine:
             request.output_token_ids = [UNKNOWN_ID] * int(num_output)
         if request.error is None and request.finish_time is None:
             request.finish_time = time.perf_counter()
+        if request.error is not None:
+            request.error = self.options.access.redact(request.error)  # a server may echo the key back
         request.finish_reason = "error" if request.error is not None else (call.finish_reason or "stop")
 
     def _remember(self, call: _Call) -> None:
@@ -338,7 +380,7 @@ class EndpointEngine:
         if self.owned_by != "kvtool":
             return {}
         try:
-            response = httpx.get(f"{self.options.base_url.removesuffix('/v1')}/metrics", timeout=30.0)
+            response = self._untimed.get(f"{self.options.base_url.removesuffix('/v1')}/metrics")
         except httpx.HTTPError:
             return {}  # the server went away: the summary has no cache counters, the rows are written
         values = {}
@@ -357,7 +399,8 @@ class EndpointLLM:
     pool_sizes = None
 
     def __init__(self, options: EndpointOptions, *, timed: bool) -> None:
-        models = list_models(options)
+        ssl_context = options.access.ssl_context(options.base_url)
+        models = list_models(options, ssl_context)
         names = [str(m.get("id")) for m in models]
         if options.served_model is not None and options.served_model not in names:
             raise KvtoolError(f"--served_model {options.served_model!r}: the server at {options.url} serves "
@@ -370,7 +413,8 @@ class EndpointLLM:
         self.device_description = f"endpoint: {owned_by} at {options.base_url}, model {name}"
         # Text prompts are sent as text: these ids only count them before the server reports its own.
         self.tokenizer = ByteLevelTokenizer(256, None, [])
-        self.engine = EndpointEngine(options, served_model=name, owned_by=owned_by, timed=timed)
+        self.engine = EndpointEngine(options, served_model=name, owned_by=owned_by, timed=timed,
+                                     ssl_context=ssl_context)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

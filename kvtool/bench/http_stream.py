@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 
@@ -74,17 +74,24 @@ class StreamResponse:
 
 
 class StreamingClient:
-    """POSTs to one server (``base_url``: scheme, host, port and path prefix) over reused connections."""
+    """POSTs to one server (``base_url``: scheme, host, port and path prefix) over reused connections.
+    ``headers`` go with every request (an Authorization, say); ``ssl_context`` checks an https
+    server's certificate (default: against the system's certificate authorities)."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, *, headers: Mapping[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{base_url!r} is not an http(s) URL")
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.ssl = (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
         self.prefix = parts.path.rstrip("/")
-        self._host_header = parts.netloc.rsplit("@", 1)[-1]
+        fixed = {"Host": parts.netloc.rsplit("@", 1)[-1], "Content-Type": "application/json",
+                 "Accept": "text/event-stream"}
+        # Encoded once (ASCII: the caller checked the values for line breaks).
+        self._headers = "".join(f"{name}: {value}\r\n" for name, value in
+                                merge_headers(fixed, headers or {}).items()).encode("ascii")
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def _connect(self):
@@ -96,9 +103,8 @@ class StreamingClient:
     async def post(self, path: str, body: bytes, handle) -> None:
         """Sends the request and awaits ``handle(response)``; the connection is reused when the answer
         was read to its end. A reused connection the server had closed meanwhile is replaced once."""
-        request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
-                   f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode("ascii") + body
+        request = (f"POST {self.prefix}{path} HTTP/1.1\r\n".encode("ascii") + self._headers
+                   + f"Content-Length: {len(body)}\r\n\r\n".encode("ascii") + body)
         for attempt in range(2):
             reused = bool(self._idle)
             reader, writer = self._idle.pop() if reused else await self._connect()
@@ -128,6 +134,16 @@ class StreamingClient:
         for _, writer in self._idle:
             writer.close()
         self._idle.clear()
+
+
+def merge_headers(headers: Mapping[str, str], more: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` with ``more`` added; one of ``more`` replaces a header of the same name (in any case)."""
+    merged = dict(headers)
+    for name, value in more.items():
+        for same in [known for known in merged if known.lower() == name.lower()]:
+            del merged[same]
+        merged[name] = value
+    return merged
 
 
 async def _status_and_headers(status_line: bytes, reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:

@@ -202,6 +202,10 @@ class BenchMetrics:
     total_input_tokens: int
     total_output_tokens: int
     total_reused_tokens: int
+    # total_reused_tokens / total_input_tokens: the share of prompt tokens read from the cache (a
+    # server's cached_tokens, kvtool's reused blocks' tokens), so an endpoint run compares with an
+    # in-process one; None without prompt tokens. cache_hit_rate counts full blocks instead.
+    token_hit_rate: float | None
     duration_s: float | None     # last finish - first arrival
     output_tokens_per_s: float | None
     input_tokens_per_s: float | None
@@ -236,8 +240,8 @@ def summarize(requests: Sequence[RequestMetrics], options: SummaryOptions = Summ
     duration = None
     if ok:
         duration = max(r.finish_s for r in ok) - min(r.arrival_s for r in ok)
-    total_input = sum(r.input_tokens for r in ok)
     total_output = sum(r.output_tokens for r in ok)
+    total_input, total_reused = sum(r.input_tokens for r in ok), sum(r.reused_tokens for r in ok)
 
     def rate(amount: float) -> float | None:
         return amount / duration if duration else None
@@ -263,7 +267,8 @@ def summarize(requests: Sequence[RequestMetrics], options: SummaryOptions = Summ
     return BenchMetrics(
         num_requests=len(ok), num_errors=len(errors),
         total_input_tokens=total_input, total_output_tokens=total_output,
-        total_reused_tokens=sum(r.reused_tokens for r in ok), duration_s=duration,
+        total_reused_tokens=total_reused, token_hit_rate=total_reused / total_input if total_input else None,
+        duration_s=duration,
         output_tokens_per_s=rate(total_output), input_tokens_per_s=rate(total_input),
         total_tokens_per_s=rate(total_input + total_output), requests_per_s=rate(len(ok)),
         ttft_ms=stats("ttft_ms"), tpot_ms=stats("tpot_ms"), itl_ms=itl, e2e_ms=stats("e2e_ms"),

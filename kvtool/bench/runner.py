@@ -263,6 +263,7 @@ def summary_table(rows: list[Mapping]) -> Table:
         ("reused / missed blocks", lambda r: f"{_count(r.get('reused_blocks'))} / {_count(r.get('missed_blocks'))}"),
         ("missed blocks by reason", _miss_reasons),
         ("cache hit rate", lambda r: format_hit_rate(r.get("cache_hit_rate"))),
+        ("token hit rate (reused / prompt)", lambda r: format_hit_rate(r.get("token_hit_rate"))),
         ("offloaded / onboarded blocks",
          lambda r: f"{_count(r.get('offloaded_blocks'))} / {_count(r.get('onboarded_blocks'))}"),
         ("bytes offloaded / onboarded", lambda r: f"{format_bytes(as_number(r.get('offloaded_bytes')))} / {format_bytes(as_number(r.get('onboarded_bytes')))}"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -21,8 +22,10 @@ from kvtool.cli.help import KvtoolCommand
 from kvtool.cli import engine_flags
 from kvtool.cli.options import flag, toggle
 from kvtool.cli.paths import check_writable_dir, check_writable_file
+from kvtool.config import ConfigError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_REQUESTS_FAILED = 3  # the run finished and its reports are written, but requests failed (see --allow_errors)
 
 
 def _default_label(plan: Path | None, model: str | None) -> str:
@@ -62,6 +65,12 @@ def bench(
                              ENDPOINT)] = "completions",
     served_model: Annotated[str | None, flag("served_model", "The model name sent to --endpoint (default: the "
                                              "first the server lists).", ENDPOINT)] = None,
+    api_key: Annotated[str | None, flag("api_key", "Sent to --endpoint as 'Authorization: Bearer KEY' (default: "
+                                        "$OPENAI_API_KEY); never printed.", ENDPOINT)] = None,
+    header: Annotated[list[str] | None, flag("header", "NAME:VALUE, a header sent with every request to --endpoint "
+                                             "(repeatable).", ENDPOINT)] = None,
+    ca_cert: Annotated[Path | None, flag("ca_cert", "A PEM file of the certificate authority that signed an https "
+                                         "--endpoint's certificate (default: the system's).", ENDPOINT)] = None,
     dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD)] = None,
     config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.",
                                         WORKLOAD)] = None,
@@ -92,6 +101,8 @@ def bench(
                                              REPORT)] = None,
     html: Annotated[bool | None, toggle("html", "Also write report.html beside the CSVs: tables, plots and miss "
                                         "reasons in one self-contained page.", REPORT)] = None,
+    allow_errors: Annotated[bool | None, toggle("allow_errors", "Exit 0 when requests failed (default: exit 3 once "
+                                                "the reports are written).", OUTPUT)] = None,
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
     # The parameters named as bench flags are the flags (kvtool.bench.config.FLAGS maps them).
@@ -102,9 +113,10 @@ def bench(
             reporting = report_outputs(ctx.params)
             if plan is not None and model is not None:
                 raise ValueError("give --plan DIR or --model preset:NAME, not both")
-            if endpoint is not None:
+            endpoint_options = _endpoint_options(endpoint, api, served_model, api_key, header, ca_cert)
+            if endpoint_options is not None:
                 rows, interrupted, written, failure = _run_endpoint(
-                    endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console,
+                    endpoint_options, plan, model, config, dataset, output, label, flags, console,
                     summary=reporting.summary)
             elif config is not None:
                 if label is not None:
@@ -121,6 +133,7 @@ def bench(
         console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     report_run(rows, interrupted, written, failure, console, reporting=reporting)
+    _exit_if_requests_failed(rows, written, allow_errors, console)
 
 
 def report_outputs(params) -> ReportOutputs:
@@ -198,9 +211,38 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
     return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
 
 
-def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, output, label, flags, console,
+# EndpointOptions' and EndpointAccess' fields -> their flags (the key's: where it came from).
+_ENDPOINT_FLAGS = {"url": "endpoint", "api": "api", "headers": "header", "ca_cert": "ca_cert"}
+
+
+def _endpoint_options(endpoint, api, served_model, api_key, headers, ca_cert):
+    """The --endpoint flags as EndpointOptions (None without --endpoint); the key from $OPENAI_API_KEY
+    when --api_key is not given, as the openai client takes it."""
+    from kvtool.bench.endpoint import EndpointOptions
+    from kvtool.bench.endpoint_access import API_KEY_ENV, EndpointAccess, parse_header
+
+    if endpoint is None:
+        given = [name for name, value in (("served_model", served_model), ("api_key", api_key), ("header", headers),
+                                          ("ca_cert", ca_cert)) if value]
+        if given:
+            raise ValueError(f"--{given[0]} goes with --endpoint URL (a server to replay against): add --endpoint, "
+                             f"or leave out --{given[0]}")
+        return None
+    source = "--api_key"
+    if api_key is None and os.environ.get(API_KEY_ENV):
+        api_key, source = os.environ[API_KEY_ENV], f"${API_KEY_ENV}"
+    try:
+        access = EndpointAccess(api_key=api_key, api_key_source=source,
+                                headers=tuple(parse_header(text) for text in headers or ()), ca_cert=ca_cert)
+        return EndpointOptions(url=endpoint, api=api, served_model=served_model, access=access)
+    except ConfigError as error:
+        name = source if error.field == "api_key" else f"--{_ENDPOINT_FLAGS.get(error.field, error.field)}"
+        raise ValueError(f"{name} {error.problem}") from None
+
+
+def _run_endpoint(options, plan, model, config, dataset, output, label, flags, console,
                   summary: SummaryOptions = SummaryOptions()):
-    from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
+    from kvtool.bench.endpoint import EndpointLLM
 
     if plan is not None or model is not None or config is not None:
         raise ValueError("--endpoint replays against a running server: leave out --plan, --model and --config "
@@ -212,7 +254,6 @@ def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, out
     if dataset is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) to replay against --endpoint")
     bench_config = BenchConfig.from_flags(flags)
-    options = EndpointOptions(url=endpoint, api=api, served_model=served_model)
     _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
     data = load_dataset(dataset)
     summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
@@ -223,11 +264,38 @@ def _run_endpoint(endpoint, api, served_model, plan, model, config, dataset, out
         result = runner.run_bench(llm, data, bench_config, label=label or f"{llm.served_model}@endpoint",
                                   requests_csv=requests_csv, console=console, engine_name=llm.engine_name,
                                   endpoint=options.base_url, summary=summary,
-                                  config_columns={"model": llm.served_model, "api": api})
+                                  config_columns={"model": llm.served_model, "api": options.api})
     finally:
         llm.shutdown()
+    if result.row.get("num_requests") and result.row.get("token_hit_rate") is None:
+        console.print(f"note: the server at {options.url} reported no cached tokens (usage.prompt_tokens_details): "
+                      "the token hit rate is unknown (vLLM reports them with --enable-prompt-tokens-details, SGLang with "
+                      "--enable-cache-report)", highlight=False, soft_wrap=True)
     write_summary_csv(summary_csv, [result.row])
     return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
+
+
+def _exit_if_requests_failed(rows, written, allow_errors, console: Console) -> None:
+    """After a run that finished: how many requests failed and their distinct errors, then exit 3 unless
+    --allow_errors (the reports are written by then)."""
+    from rich.markup import escape
+
+    from kvtool.bench.request_errors import failed_requests
+
+    request_files = {str(row.get("requests_csv")) for row in rows}
+    failed = failed_requests(rows, [path for path in written if Path(path).name in request_files])
+    if failed is None:
+        return
+    first, *rest = failed.lines()
+    colour = "yellow" if allow_errors else "red"
+    console.print(f"[bold {colour}]{'Note' if allow_errors else 'Error'}:[/] {escape(first)}", highlight=False,
+                  soft_wrap=True)
+    for line in rest:
+        console.print(escape(line), highlight=False, soft_wrap=True)
+    if not allow_errors:
+        console.print(f"exit status {EXIT_REQUESTS_FAILED}: the reports hold every request (each failed one's "
+                      "error column says why); --allow_errors exits 0 when requests fail", highlight=False)
+        raise typer.Exit(EXIT_REQUESTS_FAILED)
 
 
 def _check_output(output: Path | None, default: Path, *, single_run: bool) -> None:
