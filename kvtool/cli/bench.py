@@ -109,16 +109,17 @@ def bench(
     report_run(rows, interrupted, written, failure, console)
 
 
-def report_run(rows, interrupted, written, failure, console: Console, *, more_tables=None) -> None:
-    """After a run: the summary table (and ``more_tables(rows, console)``'s), the files written, and
-    how it ended (an error that stopped it is raised, Ctrl-C exits 130)."""
+def report_run(rows, interrupted, written, failure, console: Console, *, more_tables=None,
+               title: str = "kvtool bench summary") -> None:
+    """After a run: the summary table (``title``; and ``more_tables(rows, console)``'s), the files written,
+    and how it ended (an error that stopped it is raised, Ctrl-C exits 130)."""
     if not rows:
         console.print("[bold yellow]interrupted[/] before any variant finished: nothing written")
         raise typer.Exit(EXIT_INTERRUPTED)
     # Wide enough for every variant's numbers (a sweep has many columns): at least the terminal's width.
     width = 36 + sum(max(len(str(row.get("label", ""))) + 14, 16) for row in rows)
     wide = Console(width=max(Console().width, width))
-    wide.print(runner.summary_table(rows))
+    wide.print(runner.summary_table(rows, title=title))
     if more_tables is not None:
         written = written + more_tables(rows, wide)
     for path in written:
