@@ -46,7 +46,8 @@ class BuildOptions:
         raise ConfigError(
             type(self).__name__, "tokens_per_block",
             f"{self.tokens_per_block} is more than --max_seq_len {max_seq_len}: a block would never fill (so never "
-            f"be reused); give --tokens_per_block {_largest_power_of_two(max_seq_len)} or less, or a larger --max_seq_len")
+            f"be reused); give --tokens_per_block {_largest_power_of_two(max_seq_len)} or less, or a larger "
+            "--max_seq_len")
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

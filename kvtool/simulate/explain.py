@@ -97,12 +97,13 @@ def what_ifs(row: Mapping) -> list[WhatIf]:
 def simulate_row(row: Mapping, overrides: Mapping[str, object], *, report_dir: Path, profile: str | None) -> dict:
     """The summary row of the report's configuration with ``overrides``, simulated."""
     from kvtool.bench.runner import run_bench
+    from kvtool.plan.load import is_built_plan
     from kvtool.simulate.profiles import create_simulated_llm
     from kvtool.simulate.shapes import is_preset
 
     flags = {**flags_from_row(row), **overrides}
     plan = str(row.get("plan_path") or "")
-    if Path(plan).is_dir():
+    if is_built_plan(plan):
         flags.pop("tokens_per_block", None)  # a built plan's own (a model simulated from its shapes needs it)
     config = BenchConfig.from_flags(flags)
     dataset_path = Path(str(row.get("dataset")))
