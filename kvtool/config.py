@@ -40,9 +40,16 @@ def check(condition: bool, owner: object, field_name: str, problem: str) -> None
         raise ConfigError(type(owner).__name__, field_name, problem)
 
 
+# A block holds a power of two tokens, more than one (TensorRT-LLM's rule) and at most 256 (vLLM's
+# largest block size): a bigger block is rarely full, so it is rarely reused, and its size multiplies
+# the memory one request needs before its first token.
+MIN_TOKENS_PER_BLOCK, MAX_TOKENS_PER_BLOCK = 2, 256
+
+
 def check_tokens_per_block(owner: object, value: int | None) -> None:
-    check(value is None or is_power_of_two(value), owner, "tokens_per_block",
-          f"must be a power of 2 (16, 32, 64, ...), got {value}")
+    check(value is None or (is_power_of_two(value) and MIN_TOKENS_PER_BLOCK <= value <= MAX_TOKENS_PER_BLOCK),
+          owner, "tokens_per_block", f"must be a power of 2 from {MIN_TOKENS_PER_BLOCK} to {MAX_TOKENS_PER_BLOCK} "
+          f"(16, 32, 64, ...), got {value}")
 
 
 def _member(enum_type, value, owner: object, field_name: str):

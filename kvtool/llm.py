@@ -257,7 +257,7 @@ def runtime_limit(name: str, value: int | None, plan_value: int) -> int:
     if value is None:
         return plan_value
     if value < 1 or value > plan_value:
-        raise ValueError(f"{name}={value} is outside what the plan was built for (1..{plan_value}): "
+        raise ValueError(f"--{name} {value} is outside what the plan was built for (1..{plan_value}): "
                          f"rebuild with `kvtool build --{name} {value}` or choose at most {plan_value}")
     return value
 
@@ -285,9 +285,9 @@ def check_against_plan(plan, kv_cache_config: KvCacheConfig, scheduler_config: S
     if kv_cache_config.tokens_per_block is not None and kv_cache_config.tokens_per_block != opts.tokens_per_block:
         # Only a plan the user built: a plan built on the fly gets the block size asked for.
         raise KvtoolError(
-            f"tokens_per_block={kv_cache_config.tokens_per_block} does not match the plan {plan.path}, "
-            f"built with tokens_per_block={opts.tokens_per_block}: rebuild it with "
-            f"`kvtool build --tokens_per_block {kv_cache_config.tokens_per_block}`, or leave tokens_per_block out")
+            f"--tokens_per_block {kv_cache_config.tokens_per_block} does not match the plan {plan.path}, "
+            f"built with --tokens_per_block {opts.tokens_per_block}: rebuild it with "
+            f"`kvtool build --tokens_per_block {kv_cache_config.tokens_per_block}`, or leave --tokens_per_block out")
     if not plan.supports_kv_reuse:
         if kv_cache_config.enable_block_reuse:
             raise KvtoolError(

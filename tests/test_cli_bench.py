@@ -258,7 +258,7 @@ def test_bench_refuses_a_block_size_the_plan_was_not_built_with(tmp_path, tiny_l
     result = invoke("bench", "--plan", tiny_llama_plan, "--dataset", data, "--output", tmp_path / "o",
                     "--tokens_per_block", 64)
     assert result.exit_code == 2
-    assert "tokens_per_block=64 does not match the plan" in " ".join(result.output.split())
+    assert "--tokens_per_block 64 does not match the plan" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("text, size", [("1073741824", 1 << 30), ("1GiB", 1 << 30), ("512MB", 512_000_000),

@@ -98,7 +98,7 @@ def test_requests_the_limits_cannot_serve_are_all_named_before_anything_runs(tmp
                    "--max_seq_len", 256)
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"2 of the 8 requests in {data} cannot run with this plan and these limits (nothing was run" in result.text
-    assert (f"{data} line 5: prompt of 300 tokens + max_new_tokens 2 = 302 tokens exceeds max_seq_len 256"
+    assert (f"{data} line 5: prompt of 300 tokens + 2 output tokens = 302 tokens exceeds --max_seq_len 256"
             in result.text)
-    assert f"{data} line 7: prompt of 10 tokens + max_new_tokens 250 = 260 tokens" in result.text
+    assert f"{data} line 7: prompt of 10 tokens + 250 output tokens = 260 tokens" in result.text
     assert not (tmp_path / "out").exists()

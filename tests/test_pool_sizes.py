@@ -49,8 +49,30 @@ def test_a_max_tokens_no_memory_could_hold_names_the_flag_and_both_sizes():
     assert f"{24 * GiB:,} bytes" in message and "choose at most 393,216 tokens" in message
 
 
+def test_a_block_larger_than_the_cpu_cap_names_the_cap_and_the_flag_that_lifts_it():
+    # 1 GiB blocks: the available memory would hold 18 of them, the 256 MiB cap none.
+    with pytest.raises(KvtoolError) as error:
+        sizes(block_bytes=GiB, tokens_per_block=256, free=20 * GiB)
+    message = str(error.value)
+    assert "one block of 256 tokens takes 1,073,741,824 bytes, more than the 256.0 MiB a CPU primary pool is " \
+           "capped at without --max_tokens_in_paged_kv_cache" in message
+    assert "give --max_tokens_in_paged_kv_cache 256 or more (up to 4,608 tokens fit" in message
+    assert "--tokens_per_block" in message and "budget is" not in message
+    lifted = sizes(block_bytes=GiB, tokens_per_block=256, free=20 * GiB, max_tokens=512)
+    assert lifted.num_primary_blocks == 2
+
+
+def test_a_fraction_too_small_for_one_block_names_the_flag_not_the_field():
+    with pytest.raises(KvtoolError) as error:
+        sizes(fraction=1e-6, free=GiB, on_cpu=False)
+    message = str(error.value)
+    assert "one block of 16 tokens takes 1,048,576 bytes but the budget is 1,073 bytes " \
+           "(--kv_cache_free_gpu_mem_fraction 1e-06 of the 1,073,741,824 bytes of free device memory)" in message
+    assert "free_gpu_memory_fraction=" not in message and "max_tokens=" not in message
+
+
 def test_a_host_cache_smaller_than_one_block_is_an_error():
-    with pytest.raises(KvtoolError, match=r"--kv_host_cache_bytes\) of 1,000 bytes is smaller than one KV block "
+    with pytest.raises(KvtoolError, match=r"--kv_host_cache_bytes of 1,000 bytes is smaller than one KV block "
                                           r"\(1,048,576 bytes, 16 tokens\)"):
         sizes(max_tokens=160, host=1000)
     assert sizes(max_tokens=160, host=0).num_secondary_blocks == 0

@@ -58,10 +58,10 @@ Scheduler::Impl::Impl(CacheConfig cache_config, SchedulerConfig scheduler_config
   tokens_per_block = cache_manager.config().tokens_per_block;
   if (config.enable_chunked_context && config.max_num_tokens < tokens_per_block) {
     // Every chunk but the last ends on a block boundary, so a step must hold at least one block.
-    throw std::invalid_argument("SchedulerConfig.max_num_tokens (" + std::to_string(config.max_num_tokens) +
-                                ") must be >= tokens_per_block (" + std::to_string(tokens_per_block) +
-                                ") with enable_chunked_context: context chunks are whole blocks; "
-                                "raise max_num_tokens");
+    throw std::invalid_argument("--max_num_tokens (" + std::to_string(config.max_num_tokens) +
+                                ") must be >= --tokens_per_block (" + std::to_string(tokens_per_block) +
+                                ") with --enable_chunked_context: context chunks are whole blocks; "
+                                "raise --max_num_tokens");
   }
 }
 
@@ -155,22 +155,22 @@ std::optional<std::string> Scheduler::Impl::prompt_problem(const std::string& na
   }
   const int64_t num_lifetime_tokens = num_prompt_tokens + max_new_tokens;
   if (num_lifetime_tokens > s.config.max_seq_len) {
-    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens + max_new_tokens " +
-           std::to_string(max_new_tokens) + " = " + std::to_string(num_lifetime_tokens) +
-           " tokens exceeds max_seq_len " + std::to_string(s.config.max_seq_len) +
-           ": shorten the prompt, lower max_new_tokens or raise max_seq_len";
+    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens + " +
+           std::to_string(max_new_tokens) + " output tokens = " + std::to_string(num_lifetime_tokens) +
+           " tokens exceeds --max_seq_len " + std::to_string(s.config.max_seq_len) +
+           ": shorten the prompt, generate fewer tokens or raise --max_seq_len";
   }
   if (!s.config.enable_chunked_context && num_prompt_tokens > s.config.max_num_tokens) {
-    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens exceeds max_num_tokens " +
+    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens exceeds --max_num_tokens " +
            std::to_string(s.config.max_num_tokens) +
-           " tokens per step: enable chunked context (enable_chunked_context=True) or raise max_num_tokens";
+           " tokens per step: enable chunked context (--enable_chunked_context) or raise --max_num_tokens";
   }
   const int32_t num_primary_blocks = s.cache_manager.config().num_primary_blocks;
   if (s.num_blocks_for(static_cast<int32_t>(num_lifetime_tokens)) > num_primary_blocks) {
     return name + ": the primary pool of " + std::to_string(num_primary_blocks) + " blocks (" +
            std::to_string(static_cast<int64_t>(num_primary_blocks) * s.tokens_per_block) +
            " tokens) cannot hold one request of " + std::to_string(num_lifetime_tokens) +
-           " tokens: raise max_tokens / free_gpu_memory_fraction";
+           " tokens: raise --max_tokens_in_paged_kv_cache or --kv_cache_free_gpu_mem_fraction";
   }
   return std::nullopt;
 }

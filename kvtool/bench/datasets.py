@@ -18,6 +18,8 @@ from pathlib import Path
 from kvtool.errors import DatasetError
 from kvtool.files import atomic_write
 
+# Token ids reach the engine as int32, extra ids as uint64: a larger id is no id of any model.
+ID_LIMITS = {"input_ids": 1 << 31, "extra_ids": 1 << 64}
 ALLOWED_KEYS = ("input_ids", "prompt", "output_tokens", "max_tokens", "session_id", "turn",
                 "arrival_time_s", "extra_ids", "priority", "cache_salt", "request_id", "task_id")
 
@@ -108,13 +110,17 @@ class _LineChecker:
         if key not in obj:
             return None
         value = obj[key]
+        limit = ID_LIMITS[key]
         if not isinstance(value, list):
             raise self.fail(f"'{key}' must be a list of non-negative integers, got {type(value).__name__}")
-        if value and set(map(type, value)) == {int} and min(value) >= 0:
+        if value and set(map(type, value)) == {int} and min(value) >= 0 and max(value) < limit:
             return tuple(value)  # the common case, 20x faster than the loop that finds what is wrong
         for position, item in enumerate(value):
             if not _is_int(item) or item < 0:
                 raise self.fail(f"'{key}'[{position}] must be a non-negative integer, got {json.dumps(item)}")
+            if item >= limit:
+                raise self.fail(f"'{key}'[{position}] is {item}, beyond any vocabulary: ids must be below "
+                                f"{limit:,} (use the ids of the model's vocabulary)")
         return tuple(value)
 
     def name_field(self, obj: Mapping, key: str) -> str | None:
@@ -232,7 +238,7 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
         raise DatasetError(f"dataset {path} is a directory; give a JSON Lines file")
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark (as Windows editors write) is not part of line 1
     except UnicodeDecodeError as error:
         raise DatasetError(f"dataset {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): "
                            "give a JSON Lines file (see `kvtool dataset`)") from None

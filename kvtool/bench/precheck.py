@@ -27,10 +27,14 @@ def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[s
         if session_id in history:
             # The answers' token values are unknown before the run; their number is not.
             prompt = [0] * history[session_id] + list(request.prompt_token_ids)
-            problem = engine.request_problem(replace(request, prompt_token_ids=prompt, extra_ids=None))
+            checked = replace(request, prompt_token_ids=prompt, extra_ids=None)
         else:
             prompt = request.prompt_token_ids
-            problem = engine.request_problem(request)
+            checked = request
+        try:
+            problem = engine.request_problem(checked)
+        except (ValueError, OverflowError) as error:  # ids the engine cannot even convert: still this line's
+            problem = str(error)
         if problem is not None:
             problems.append(f"{request.where}: {problem}")
         if session_id is not None:

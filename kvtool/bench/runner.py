@@ -236,10 +236,10 @@ def _count(value) -> str:
     return "-" if number is None else f"{round(number):,}"
 
 
-def summary_table(rows: list[Mapping]) -> Table:
+def summary_table(rows: list[Mapping], *, title: str = "kvtool bench summary") -> Table:
     """The end-of-run table: one column per variant (label); repeated runs show their medians."""
     rows = [group[0] if len(group) == 1 else median_row(group) for group in group_by_label(rows)]
-    table = Table(title="kvtool bench summary", show_lines=False)
+    table = Table(title=title, show_lines=False)
     table.add_column("metric")
     for row in rows:
         title = str(row.get("label", ""))

@@ -84,10 +84,13 @@ def import_sharegpt(path: str | os.PathLike, *, count_tokens: Callable[[str], in
     if not path.is_file():
         raise DatasetError(f"ShareGPT file {path} does not exist or is not a file")
     try:
-        with path.open(encoding="utf-8") as source:
+        with path.open(encoding="utf-8-sig") as source:  # a byte order mark is not JSON
             entries = json.load(source)
     except json.JSONDecodeError as error:
         raise DatasetError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+    except UnicodeDecodeError as error:
+        raise DatasetError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): give a ShareGPT JSON "
+                           "file") from None
     if not isinstance(entries, list):
         raise DatasetError(f"{path}: expected a JSON list of conversations, got {type(entries).__name__}")
     for name, value in (("max_sessions", max_sessions), ("max_turns", max_turns),

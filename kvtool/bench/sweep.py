@@ -27,13 +27,13 @@ class SweepResult:
     failure: Exception | None = None  # the error that stopped the sweep, raised by the caller
 
 
-def variant_build_options(variant: Variant):
-    """The BuildOptions a variant's `model:` is built with: its `build:` section, the dtype the
-    device's when the section names none."""
+def variant_build_options(variant: Variant, *, dtype: str | None = None):
+    """The BuildOptions a variant's `model:` is built with: its `build:` section, with ``dtype`` (default:
+    this device's) when the section names none."""
     from kvtool.plan import BuildOptions
     from kvtool.runtime.device import default_dtype
 
-    return BuildOptions(**{"dtype": default_dtype(), **variant.build})
+    return BuildOptions(**{"dtype": dtype or default_dtype(), **variant.build})
 
 
 def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -> str:

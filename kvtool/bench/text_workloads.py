@@ -42,7 +42,7 @@ class TextSource:
     def from_file(cls, path: str | Path, tokenizer, *, chat: bool) -> TextSource:
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # without a byte order mark in the first prompt
         except UnicodeDecodeError:
             raise KvtoolError(f"text file {path} is not UTF-8 text") from None
         words = re.findall(r"\S+\s*", text)

@@ -147,8 +147,8 @@ def report_outputs(params) -> ReportOutputs:
 
 
 def report_run(rows, interrupted, written, failure, console: Console, *, more_tables=None,
-               reporting: ReportOutputs | None = None) -> None:
-    """After a run: the summary table (and ``more_tables(rows, console)``'s), the files written (with
+               reporting: ReportOutputs | None = None, title: str = "kvtool bench summary") -> None:
+    """After a run: the summary table (``title``; and ``more_tables(rows, console)``'s), the files written (with
     ``reporting``: the JSON and HTML reports too), and how it ended (an error that stopped it is
     raised, Ctrl-C exits 130)."""
     if not rows:
@@ -157,7 +157,7 @@ def report_run(rows, interrupted, written, failure, console: Console, *, more_ta
     # Wide enough for every variant's numbers (a sweep has many columns): at least the terminal's width.
     width = 36 + sum(max(len(str(row.get("label", ""))) + 14, 16) for row in rows)
     wide = Console(width=max(Console().width, width))
-    wide.print(runner.summary_table(rows))
+    wide.print(runner.summary_table(rows, title=title))
     if more_tables is not None:
         written = written + more_tables(rows, wide)
     report_error = None

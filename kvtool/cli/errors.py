@@ -18,9 +18,17 @@ USER_ERRORS = (KvtoolError, ValueError, OSError)
 
 
 def error_message(error: BaseException) -> str:
-    """One line: an OS error names its path and the reason (a read-only file system, a full disk, ...)."""
+    """One line: an OS error names its path and the reason (a read-only file system, a full disk, ...);
+    a bad build option names its flag, not the Python field."""
     if isinstance(error, OSError) and error.strerror and error.filename:
         return f"{error.filename}: {error.strerror.lower()}: check the path and its permissions"
+    if isinstance(error, ValueError):
+        from kvtool.config import ConfigError  # the C++ extension loads only when an error needs it
+
+        if isinstance(error, ConfigError) and error.owner == "BuildOptions":
+            # Each BuildOptions field is the `kvtool build` flag of its name, and the same flag of bench,
+            # simulate and serve where they build --model on the fly.
+            return f"--{error.field} {error.problem}"
     return str(error)
 
 

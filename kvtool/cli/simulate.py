@@ -17,6 +17,7 @@ from kvtool.bench.scenario import scenario_from_document, load_scenario, sweep_v
 from kvtool.cli import app
 from kvtool.cli import bench as bench_command
 from kvtool.cli import engine_flags
+from kvtool.cli.build import DType
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.options import flag
@@ -28,21 +29,29 @@ _NOT_SIMULATED = ("endpoint", "api", "served_model")  # a simulation runs kvtool
 Profile = Annotated[str | None, flag(
     "profile", f"The step cost model: {' | '.join(DEVICES)} (estimated from published figures), a file from "
     "`kvtool calibrate`, or by default the plan's calibration on this machine.", SIMULATION)]
+SimulatedDType = Annotated[DType | None, flag(
+    "dtype", "Weight and activation dtype of a --model (a build option, simulated without weights; default: "
+    "bfloat16 with a GPU profile, float32 with a CPU one). A --plan keeps its own.", engine_flags.MODEL)]
 Sweep = Annotated[list[str] | None, flag(
     "sweep", "Run one variant per value: --sweep kv_host_cache_bytes=0,1GiB,4GiB (repeatable: every combination). "
     "Replaces a --config scenario's own sweep.", SIMULATION)]
 
 
-def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, **params) -> None:
+def simulate(ctx: typer.Context, profile: Profile = None, dtype: SimulatedDType = None, sweep: Sweep = None,
+             **params) -> None:
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
-    the same reports as `kvtool bench`, marked simulated, in seconds."""
+    the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
+    shapes with the build options asked for: no weights are written or read."""
     from kvtool.simulate.profiles import create_simulated_llm, simulation_variant_plan
     from kvtool.simulate.sweep_report import print_sweep, plot_sweep
 
     console = Console(stderr=True)
+    dtype = dtype.value if dtype is not None else None
 
     def factory(model, config, dataset=None, *, cache_dir=None):
-        return create_simulated_llm(model, config, dataset, profile=profile, cache_dir=cache_dir)
+        llm = create_simulated_llm(model, config, dataset, profile=profile, dtype=dtype, cache_dir=cache_dir)
+        console.print(llm.describe(), highlight=False, soft_wrap=True)
+        return llm
 
     plan, model, dataset, config, sets = params["plan"], params["model"], params["dataset"], params["config"], \
         params["set_"] or []
@@ -59,7 +68,8 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
                 rows, interrupted, written, failure = bench_command._run_scenario(
                     config, sets, plan, model, dataset, params["output"], flags, params["plan_cache_dir"], console,
                     llm_factory=factory, scenario=scenario,
-                    plan_resolver=lambda variant: simulation_variant_plan(variant, params["plan_cache_dir"]),
+                    plan_resolver=lambda variant: simulation_variant_plan(variant, params["plan_cache_dir"],
+                                                                          profile=profile, dtype=dtype),
                     summary=reporting.summary)
             else:
                 if sets:
@@ -78,7 +88,13 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
         return [plot_sweep(rows, Path(written[-1]).parent / "sweep.png")]
 
     bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report,
-                             reporting=reporting)
+                             reporting=reporting, title=summary_title(rows))
+
+
+def summary_title(rows) -> str:
+    """The summary table's title says the figures are simulated, and by which cost model."""
+    profiles = ", ".join(sorted({str(row.get("cost_profile")) for row in rows}))
+    return f"kvtool simulate summary: simulated, cost profile {profiles}"
 
 
 def _sweep_scenario(sweep, flags, config, sets, plan, model, dataset):
@@ -109,7 +125,7 @@ def _simulate_signature() -> None:
     for name, parameter in inspect.signature(bench_command.bench).parameters.items():
         if name != "ctx" and name not in _NOT_SIMULATED:
             parameters.append(parameter.replace(annotation=hints[name]))
-    parameters += [own[name].replace(annotation=own_hints[name]) for name in ("profile", "sweep")]
+    parameters += [own[name].replace(annotation=own_hints[name]) for name in ("profile", "dtype", "sweep")]
     simulate.__signature__ = inspect.Signature(parameters)
     simulate.__annotations__ = {p.name: p.annotation for p in parameters}
 
@@ -130,7 +146,8 @@ def calibrate(
 ) -> None:
     """Measure what an engine step of the plan costs on this machine over a grid of step shapes, fit the
     step cost model `kvtool simulate` uses, and save it beside the plan (or estimate it with --device)."""
-    from kvtool.plan import resolve_model
+    from kvtool.plan import BuildOptions, resolve_model
+    from kvtool.runtime.device import default_dtype
     from kvtool.simulate.cost_model import save_profile
 
     console = Console(stderr=True)
@@ -139,7 +156,8 @@ def calibrate(
             raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
         if device is not None and device.lower() not in DEVICES:
             raise ValueError(f"--device {device}: published figures are known for {', '.join(DEVICES)}")
-        built = resolve_model(str(plan if plan is not None else model))
+        # A --model is built as bench and simulate build it on this machine, so that they find its calibration.
+        built = resolve_model(str(plan if plan is not None else model), options=BuildOptions(dtype=default_dtype()))
         if device is not None:
             from kvtool.simulate.published import estimate
 

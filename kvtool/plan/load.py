@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvtool.config import ConfigError
 from kvtool.errors import PlanError
 from kvtool.layers.attention import AttentionBackend
 from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
@@ -130,6 +131,9 @@ def load_plan(plan_dir: Path | str, *, verify_checksum: bool = True) -> Plan:
         weights_path = plan_dir / weights["file"]
         expected_size, expected_checksum = int(weights["size_bytes"]), weights["checksum"]
         manifest["tokenizer"]["kind"]
+    except ConfigError as error:  # a rule this kvtool adds (a block size it no longer takes): named by its flag
+        raise PlanError(f"{plan_file} records a build option this kvtool refuses (--{error.field} {error.problem}): "
+                        f"{hint}") from None
     except (KeyError, TypeError, ValueError) as error:
         raise PlanError(f"{plan_file} is incomplete or invalid ({error!r}): {hint}") from None
     _verify_file(weights_path, expected_size, expected_checksum if verify_checksum else None, hint,
@@ -197,23 +201,12 @@ def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cac
     if isinstance(model, Plan):
         return model
     model = str(model)
+    if is_built_plan(model):
+        return load_plan(model)
     options = options or BuildOptions()
-    if model.startswith(PRESET_PREFIX):
-        source_key = _preset_key(model)
-    elif is_gguf_source(model):
-        gguf = resolve_gguf(model)  # a missing file or package: the error says how to get it
-        stat = gguf.path.stat()
-        source_key = {"gguf": str(gguf.path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    else:
-        path = Path(model)
-        if (path / PLAN_FILE).is_file():
-            return load_plan(path)
-        if not (path / "config.json").is_file():
-            raise PlanError(f"model {model!r} is neither a plan directory (plan.json), a Hugging Face checkpoint "
-                            "directory (config.json + *.safetensors), a .gguf file, gguf:NAME nor preset:NAME")
-        source_key = _checkpoint_key(path)
-        model = str(path.resolve())
-    plan_dir = _cache_path(source_key, options, cache_dir)
+    plan_dir = cached_plan_dir(model, options, cache_dir)
+    if not model.startswith(PRESET_PREFIX) and not is_gguf_source(model):
+        model = str(Path(model).resolve())
     if (plan_dir / PLAN_FILE).is_file():
         try:
             return load_plan(plan_dir)
@@ -229,14 +222,26 @@ def _cache_path(source_key: dict[str, Any], options: BuildOptions, cache_dir: Pa
     return Path(cache_dir or default_cache_dir()) / hashlib.sha256(key_text.encode()).hexdigest()[:24]
 
 
-def _preset_key(model: str) -> dict[str, Any]:
-    preset_config(model)  # unknown preset: ValueError listing the presets, before any work
-    return {"preset": model[len(PRESET_PREFIX):]}
+def _source_key(model: str) -> dict[str, Any]:
+    """What identifies a source that resolve_model builds: a preset's name; a GGUF file's or a checkpoint's
+    location and file stats (editing or replacing it forces a rebuild)."""
+    if model.startswith(PRESET_PREFIX):
+        preset_config(model)  # unknown preset: ValueError listing the presets, before any work
+        return {"preset": model[len(PRESET_PREFIX):]}
+    if is_gguf_source(model):
+        gguf = resolve_gguf(model)  # a missing file or package: the error says how to get it
+        stat = gguf.path.stat()
+        return {"gguf": str(gguf.path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise PlanError(f"model {model!r} is neither a plan directory (plan.json), a Hugging Face checkpoint "
+                        "directory (config.json + *.safetensors), a .gguf file, gguf:NAME nor preset:NAME")
+    return _checkpoint_key(path)
 
 
-def preset_plan_dir(model: str, options: BuildOptions, cache_dir: Path | None = None) -> Path:
-    """Where resolve_model keeps (or would build) the plan of ``preset:NAME`` with ``options``."""
-    return _cache_path(_preset_key(model), options, cache_dir)
+def cached_plan_dir(model: str, options: BuildOptions, cache_dir: Path | None = None) -> Path:
+    """Where resolve_model keeps (or would build) the plan of a preset, GGUF file or checkpoint with ``options``."""
+    return _cache_path(_source_key(str(model)), options, cache_dir)
 
 
 def _checkpoint_key(path: Path) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvtool.config import check, check_tokens_per_block
+from kvtool.config import ConfigError, check, check_tokens_per_block
 from kvtool.models.config import torch_dtype
 
 DEFAULT_MAX_SEQ_LEN_CAP = 4096  # max_seq_len of a model with longer position embeddings
@@ -31,12 +31,23 @@ class BuildOptions:
         check(self.max_batch_size >= 1, self, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
         check(self.max_seq_len is None or self.max_seq_len >= 1, self, "max_seq_len",
               f"must be >= 1 (or unset for the model's limit), got {self.max_seq_len}")
+        self._check_block_fits(self.max_seq_len)
         check(self.max_num_tokens >= 1, self, "max_num_tokens", f"must be >= 1, got {self.max_num_tokens}")
         check(isinstance(self.use_paged_context_fmha, bool), self, "use_paged_context_fmha",
               f"must be a bool, got {self.use_paged_context_fmha!r}")
         torch_dtype(self.dtype)
         if self.kv_cache_dtype is not None:
             torch_dtype(self.kv_cache_dtype)
+
+    def _check_block_fits(self, max_seq_len: int | None) -> None:
+        """A block longer than the longest sequence would never fill, so it would never be reused."""
+        if max_seq_len is None or self.tokens_per_block <= max_seq_len:
+            return
+        raise ConfigError(
+            type(self).__name__, "tokens_per_block",
+            f"{self.tokens_per_block} is more than --max_seq_len {max_seq_len}: a block would never fill (so never "
+            f"be reused); give --tokens_per_block {_largest_power_of_two(max_seq_len)} or less, or a larger "
+            "--max_seq_len")
 
     @property
     def resolved_kv_cache_dtype(self) -> str:
@@ -78,3 +89,7 @@ class BuildOptions:
         if unknown:
             raise ValueError(f"BuildOptions: unknown keys {unknown}; known keys are {sorted(known)}")
         return cls(**data)
+
+
+def _largest_power_of_two(limit: int) -> int:
+    return 1 << (max(limit, 1).bit_length() - 1)

@@ -113,8 +113,8 @@ class Engine:
             if self.scheduler.has_unfinished_requests():
                 raise KvtoolError(
                     f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
-                    f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise max_tokens "
-                    "(--max_tokens_in_paged_kv_cache) or free_gpu_memory_fraction")
+                    f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise "
+                    "--max_tokens_in_paged_kv_cache or --kv_cache_free_gpu_mem_fraction")
             return []
         now = self.clock()
         for request_id in batch.paused_request_ids:

@@ -97,11 +97,14 @@ def what_ifs(row: Mapping) -> list[WhatIf]:
 def simulate_row(row: Mapping, overrides: Mapping[str, object], *, report_dir: Path, profile: str | None) -> dict:
     """The summary row of the report's configuration with ``overrides``, simulated."""
     from kvtool.bench.runner import run_bench
+    from kvtool.plan.load import is_built_plan
     from kvtool.simulate.profiles import create_simulated_llm
     from kvtool.simulate.shapes import is_preset
 
     flags = {**flags_from_row(row), **overrides}
-    flags.pop("tokens_per_block", None)  # the plan's own
+    plan = str(row.get("plan_path") or "")
+    if is_built_plan(plan):
+        flags.pop("tokens_per_block", None)  # a built plan's own (a model simulated from its shapes needs it)
     config = BenchConfig.from_flags(flags)
     dataset_path = Path(str(row.get("dataset")))
     if not dataset_path.is_file() and (report_dir / dataset_path.name).is_file():
@@ -109,12 +112,11 @@ def simulate_row(row: Mapping, overrides: Mapping[str, object], *, report_dir: P
     if not dataset_path.is_file():
         raise KvtoolError(f"the dataset {row.get('dataset')} of this report is gone: what-ifs replay it; put it back "
                           f"(or beside the report, as {report_dir / dataset_path.name})")
-    plan = str(row.get("plan_path") or "")
     if not plan or not (Path(plan).is_dir() or is_preset(plan)):
         raise KvtoolError(f"the plan {plan or '(none: an endpoint run)'} of this report is not here: what-ifs need "
                           "it; rebuild it with `kvtool build` (or explain a report of a kvtool bench run)")
     dataset = load_dataset(dataset_path)
-    llm = create_simulated_llm(plan, config, dataset, profile=profile)
+    llm = create_simulated_llm(plan, config, dataset, profile=profile, dtype=row.get("plan_dtype") or None)
     with tempfile.TemporaryDirectory() as scratch:
         result = run_bench(llm, dataset, config, label=str(row.get("label")), requests_csv=Path(scratch) / "r.csv",
                            console=Console(quiet=True))

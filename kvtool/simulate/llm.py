@@ -1,5 +1,6 @@
-"""SimulatedLLM: what `kvtool simulate` replays a dataset through. It has a real plan, KV pools sized as a
-real run on the profile's device would size them, and a SimulatedEngine; no model is loaded."""
+"""SimulatedLLM: what `kvtool simulate` replays a dataset through. It has a real plan (or a model's shapes,
+kvtool.simulate.shapes), KV pools sized as a real run on the profile's device would size them, and a
+SimulatedEngine; no model is loaded."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from kvtool.runtime.kv_pool import BlockShape
 from kvtool.runtime.pool_sizes import size_pools
 from kvtool.simulate.cost_model import CostModel
 from kvtool.simulate.engine import SimulatedClock, SimulatedEngine
+from kvtool.simulate.shapes import ModelShapes
 
 
 class SimulatedLLM:
     """A BenchLLM (kvtool.bench.interface) whose engine runs on a simulated clock: ``clock`` and
     ``sleep`` are the simulation's, and the bench takes them instead of the wall clock's."""
 
-    def __init__(self, plan: Plan, cost_model: CostModel, *, max_batch_size: int | None = None,
+    def __init__(self, plan: Plan | ModelShapes, cost_model: CostModel, *, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, max_num_tokens: int | None = None,
                  kv_cache_config: KvCacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
                  num_workload_blocks: int | None = None, cuda_graphs: bool = True) -> None:
@@ -72,6 +74,14 @@ class SimulatedLLM:
         self.engine_name = f"kvtool simulate ({cost_model.name})"  # every request row says it was simulated
         self.report_columns = {"simulated": True, "cost_profile": cost_model.name,
                                "cost_profile_estimated": cost_model.estimated, "cost_profile_source": cost_model.source}
+
+    def describe(self) -> str:
+        """One line: what is simulated (a plan, or a model's shapes), in which dtypes, on which cost model."""
+        opts = self.plan.build_options
+        what = (f"{self.plan.name} from its shapes (no weights written or read)" if isinstance(self.plan, ModelShapes)
+                else f"the plan {self.plan.path} (its weights are not read)")
+        return (f"simulating {what}: {opts.dtype} weights, {opts.resolved_kv_cache_dtype} KV cache in blocks of "
+                f"{opts.tokens_per_block} tokens; cost profile {self.cost_model.name}")
 
     def shutdown(self) -> None:
         self.engine = None
