@@ -120,3 +120,51 @@ def test_start_up_does_not_grow_with_host_cache_size():
     assert llm.engine.runner.pools.host.num_allocated_bytes == 0
     llm.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
     assert llm.engine.runner.pools.host.num_allocated_bytes == 0  # nothing was evicted
+
+
+def test_host_chunks_are_allocated_ahead_of_the_chunk_in_use_on_a_background_thread():
+    from kvtool.runtime.kv_pool import HostBlockPool
+
+    pool = HostBlockPool(SHAPE, num_blocks=10, pin_memory=False, ahead_chunks=2, chunk_bytes=2 * SHAPE.num_bytes)
+    for future in list(pool._pending.values()):
+        future.result()
+    assert [c is not None for c in pool._chunks] == [True, True, False, False, False]
+    ahead = pool._chunks[1]
+    assert pool.block(3).data_ptr() == ahead[1].data_ptr()  # the chunk allocated ahead, not a new one
+    for future in list(pool._pending.values()):
+        future.result()
+    assert [c is not None for c in pool._chunks] == [True, True, True, True, False]  # two after chunk 1
+    pool.block(9)  # the last chunk: nothing lies beyond it
+    assert all(c is not None for c in pool._chunks) and not any(f.running() for f in pool._pending.values())
+    assert pool.num_allocated_bytes == 10 * SHAPE.num_bytes
+
+
+def test_only_a_pinned_host_pool_allocates_ahead():
+    from kvtool.runtime.kv_pool import HOST_AHEAD_BYTES, HostBlockPool
+
+    assert HostBlockPool(SHAPE, num_blocks=100, pin_memory=False).ahead_chunks == 0
+    # A pinned pool (a GPU machine) of qwen3-8b blocks: chunks of 13 blocks of 4.7 MB, 1 GiB ahead.
+    big = BlockShape(num_layers=36, tokens_per_block=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    chunk_bytes = (64 << 20) // big.num_bytes * big.num_bytes
+    assert -(-HOST_AHEAD_BYTES // chunk_bytes) == 17
+
+
+class FakeKernels:
+    """Stands in for a KernelLibrary: marks the pools as a GPU's (batched copies between tiers)."""
+
+
+def test_a_large_step_with_few_runs_copies_layer_by_layer_and_a_scattered_one_whole_blocks():
+    pools = KvCachePools(SHAPE, num_primary_blocks=200, num_secondary_blocks=200, device=torch.device("cpu"),
+                         layered_copy_min_bytes=1)
+    pools._kernels = FakeKernels()  # decide as on a GPU with the copy engines
+    consecutive = copy_batches(np.full(64, PRIMARY), np.arange(64), np.full(64, SECONDARY), np.arange(100, 164),
+                               np.full(64, 4))
+    scattered = copy_batches(np.full(64, PRIMARY), np.arange(0, 128, 2), np.full(64, SECONDARY), np.arange(64),
+                             np.full(64, 4))
+    assert pools.copies_layer_by_layer(consecutive)  # one run: 2 transfers (one per layer)
+    assert not pools.copies_layer_by_layer(scattered)  # 64 runs per layer: whole blocks instead
+    pools.copy_method = "kernel"  # one launch per layer however scattered
+    assert pools.copies_layer_by_layer(scattered)
+    pools._kernels = None  # the CPU: torch copies, layered from layered_copy_min_bytes as before
+    pools.copy_method = "memcpy"
+    assert pools.copies_layer_by_layer(scattered)
