@@ -85,31 +85,37 @@ class HardwareRates(NamedTuple):
     matmul_tflops: float  # bf16 torch.matmul of 8192 x 8192 x 8192
 
 
-def measure_hardware(reps: int = 10) -> HardwareRates:
-    """Median of ``reps`` timed runs of a 1 GiB device-to-device copy and of an 8192^3 bf16 matmul."""
-    def median_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+def _median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
+
+def _copy_gbps(reps: int) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    d2d = 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9  # read + write, as decode counts reads
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    tflops = 2 * 8192 ** 3 / (median_ms(lambda: torch.matmul(a, b)) * 1e-3) / 1e12
-    del a, b
+    return 2 * src.numel() / (_median_ms(lambda: dst.copy_(src), reps) * 1e-3) / 1e9  # read + write, as decode counts
+
+
+def _matmul_tflops(reps: int, n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / (_median_ms(lambda: torch.matmul(a, b), reps) * 1e-3) / 1e12
+
+
+def measure_hardware(reps: int = 10) -> HardwareRates:
+    """Median of ``reps`` timed runs of a 1 GiB device-to-device copy and of an 8192^3 bf16 matmul."""
+    rates = HardwareRates(_copy_gbps(reps), _matmul_tflops(reps))
     torch.cuda.empty_cache()
-    return HardwareRates(d2d, tflops)
+    return rates
 
 
 class ModelCosts(NamedTuple):
@@ -199,6 +205,29 @@ def bench_command(model: str, options: BuildOptions) -> str:
     return "kvtool bench " + " ".join(flags) + note
 
 
+class E2EPrompts(NamedTuple):
+    """The run's token ids (seeded: bench/gpu_peer_transformers.py sends a peer the very same)."""
+
+    prefix: list[int]                 # the shared system prompt
+    questions: list[list[int]]        # timed, after it
+    spare_questions: list[list[int]]  # warm-ups and other fresh questions (a repeated one would be a full hit)
+    long_prompt: list[int]            # decode (TPOT) and the back-to-back repeat
+    prompt_a: list[int]               # A,B,A,B
+    prompt_b: list[int]
+
+
+def e2e_prompts(vocab_size: int, *, prefix_len: int, question_len: int, long_len: int, repeats: int,
+                seed: int = 0) -> E2EPrompts:
+    rng = random.Random(seed)
+    high = min(30000, vocab_size)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, high) for _ in range(n)]
+
+    return E2EPrompts(tokens(prefix_len), [tokens(question_len) for _ in range(repeats)],
+                      [tokens(question_len) for _ in range(8)], tokens(long_len), tokens(long_len), tokens(long_len))
+
+
 def resolve_plan(model: str | Plan, options: BuildOptions) -> Plan:
     """The plan every LLM of a run shares: built or verified once, not once per LLM."""
     return resolve_model(model, options=options)
@@ -220,20 +249,16 @@ def measure(model: str | Plan = "preset:qwen3-8b", dtype: str = "bfloat16", *, p
     tokens_per_block = plan.build_options.tokens_per_block  # a plan directory brings its own
     # The e2e's own runtime limits whatever the plan admits: the same schedule, pools and graphs.
     limits = dict(max_batch_size=1, max_seq_len=max_len, max_num_tokens=max_len)
-    rng = random.Random(0)
+    prompts = e2e_prompts(plan.model_config.vocab_size, prefix_len=prefix_len, question_len=question_len,
+                          long_len=long_len, repeats=repeats)
+    prefix, questions, long_prompt = prompts.prefix, prompts.questions, prompts.long_prompt
+    prompt_a, prompt_b = prompts.prompt_a, prompts.prompt_b
+    spare = iter(prompts.spare_questions)
     medians: dict[bool, float] = {}
-    tokens = None
     for reuse in (False, True):
         llm = LLM(model=plan, **limits,
                   kv_cache_config=KvCacheConfig(enable_block_reuse=reuse, max_tokens=4 * max_len))
-        if tokens is None:
-            high = min(30000, llm.plan.model_config.vocab_size)
-            tokens = lambda n: [rng.randrange(100, high) for _ in range(n)]  # noqa: E731
-            prefix = tokens(prefix_len)
-            questions = [tokens(question_len) for _ in range(repeats)]
-            long_prompt = tokens(long_len)
-            prompt_a, prompt_b = tokens(long_len), tokens(long_len)
-        ttft_ms(llm, prefix + tokens(question_len))  # warm-up; caches the prefix when reuse is on
+        ttft_ms(llm, prefix + next(spare))  # warm-up; caches the prefix when reuse is on
         medians[reuse] = statistics.median(ttft_ms(llm, prefix + q) for q in questions)
         rows.append(E2ERow(f"{prefix_len}-token shared prompt + {question_len}-token question, reuse "
                            f"{'on' if reuse else 'off'}", "median TTFT", medians[reuse], "ms"))
@@ -242,7 +267,7 @@ def measure(model: str | Plan = "preset:qwen3-8b", dtype: str = "bfloat16", *, p
             mixed, runner.mixed_graphs = runner.mixed_graphs, None
             if mixed is not None:  # the hit's step launched kernel by kernel: what its graph saves
                 # New questions: a repeated one would be a fully cached prompt (one token), not this step.
-                eager_hit = statistics.median(ttft_ms(llm, prefix + tokens(question_len)) for _ in range(3))
+                eager_hit = statistics.median(ttft_ms(llm, prefix + next(spare)) for _ in range(3))
                 runner.mixed_graphs = mixed
                 rows.append(E2ERow(f"{prefix_len}-token shared prompt + {question_len}-token question, reuse on, "
                                    "without CUDA graphs", "median TTFT", eager_hit, "ms"))

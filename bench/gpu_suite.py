@@ -318,7 +318,6 @@ def section_swap(suite: Suite, library, dtype: torch.dtype) -> None:
         case = f"offload {num_ops} + onboard {num_ops} blocks of 2.36 MB, {method}"
         suite.add(Row("swap", f"{case}, one stream", "bandwidth (both directions)", one, "GB/s"))
         suite.add(Row("swap", f"{case}, two streams", "bandwidth (both directions)", two, "GB/s", one, two / one))
-    del device_pool, host_pool
 
     pinned = suite.baselines.get("host->device_GBps", 0) + suite.baselines.get("device->host_GBps", 0)
     shape = BlockShape(num_layers=36, tokens_per_block=16, num_kv_heads=8, head_dim=128, dtype=dtype)

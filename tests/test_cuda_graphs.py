@@ -118,18 +118,18 @@ def mixed_graphs(runner, monkeypatch):  # noqa: F811 - runner is the fixture
     return graphs
 
 
-def test_a_prompt_over_a_cached_prefix_replays_the_graph_of_its_token_bucket(runner, mixed_graphs):
+def test_a_prompt_over_a_cached_prefix_replays_the_graph_of_its_token_bucket(runner, mixed_graphs):  # noqa: F811
     logits = runner.execute([prompt(20, 8, 0)])
     assert mixed_graphs.replayed == [(20, 24)]
     assert logits.shape == (1, 8)
 
 
-def test_a_mixed_step_of_context_chunks_and_decode_rows_replays_one_graph(runner, mixed_graphs):
+def test_a_mixed_step_of_context_chunks_and_decode_rows_replays_one_graph(runner, mixed_graphs):  # noqa: F811
     runner.execute([prompt(10, 0, 0), decode_row(7, 5, 4), prompt(3, 0, 8)])
     assert mixed_graphs.replayed == [(14, 16)]
 
 
-def test_steps_no_mixed_graph_holds_run_eagerly(runner, mixed_graphs, monkeypatch):
+def test_steps_no_mixed_graph_holds_run_eagerly(runner, mixed_graphs, monkeypatch):  # noqa: F811
     runner.execute([prompt(60, 0, 0)])  # 60 tokens: within the 64-token limit, bucket 64
     assert mixed_graphs.replayed == [(60, 64)]
     mixed_graphs.layouts = mixed_graphs.layouts[:-1]  # as if the largest bucket were 48 tokens
