@@ -11,7 +11,7 @@ import torch
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs, MixedGraphs
 from kvtool.runtime.kv_pool import KvCachePools
-from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, flatten_step
+from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, HostStep, flatten_step
 
 
 class StepRequest(NamedTuple):
@@ -68,7 +68,9 @@ class ModelRunner:
         Returns input_ids [num_tokens], the attention metadata, and the row of the last token of
         each sampling request [num_sampling] (whose logits are needed), in the order of ``requests``.
         """
-        step = flatten_step(requests, self.tokens_per_block)
+        return self._upload(flatten_step(requests, self.tokens_per_block))
+
+    def _upload(self, step: HostStep) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         query_lens, seq_lens = step.query_lens, step.seq_lens
         device = self.device
         meta = AttentionMetadata(
@@ -126,13 +128,13 @@ class ModelRunner:
             if len(sampling) == len(requests):
                 return logits
             return logits[torch.tensor(sampling, dtype=torch.int64, device=self.device)]
-        if self.mixed_graphs is not None and not self.pools.copies_pending_per_layer:
-            step = flatten_step(requests, self.tokens_per_block)
-            layout = self.mixed_graphs.layout(step)
-            if layout is not None:
-                return self.mixed_graphs.run(step, layout)
         try:
-            input_ids, meta, sample_rows = self.prepare(requests)
+            step = flatten_step(requests, self.tokens_per_block)
+            if self.mixed_graphs is not None and not self.pools.copies_pending_per_layer:
+                layout = self.mixed_graphs.layout(step)
+                if layout is not None:
+                    return self.mixed_graphs.run(step, layout)
+            input_ids, meta, sample_rows = self._upload(step)
             with self._layers_wait_for_their_copies():
                 hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
         except BaseException:
