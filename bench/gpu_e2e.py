@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from gpu_reports import write_rows_csv
+from gpu_reports import median_gpu_ms, write_rows_csv
 from gpu_steps import measure_steps
 from gpu_steps import write_reports as write_step_reports
 
@@ -85,30 +85,16 @@ class HardwareRates(NamedTuple):
     matmul_tflops: float  # bf16 torch.matmul of 8192 x 8192 x 8192
 
 
-def _median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _copy_gbps(reps: int) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (_median_ms(lambda: dst.copy_(src), reps) * 1e-3) / 1e9  # read + write, as decode counts
+    return 2 * src.numel() / (median_gpu_ms(lambda: dst.copy_(src), reps, warmup=3) * 1e-3) / 1e9  # read + write, as decode counts
 
 
 def _matmul_tflops(reps: int, n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n ** 3 / (_median_ms(lambda: torch.matmul(a, b), reps) * 1e-3) / 1e12
+    return 2 * n ** 3 / (median_gpu_ms(lambda: torch.matmul(a, b), reps, warmup=3) * 1e-3) / 1e12
 
 
 def measure_hardware(reps: int = 10) -> HardwareRates:
@@ -332,8 +318,8 @@ def write_reports(rows: list[E2ERow], output: Path, header: dict[str, str]) -> N
     (output / "gpu_e2e.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the requests of the e2e (bench/gpu_peer_transformers.py takes the same)."""
     parser.add_argument("--model", default="preset:qwen3-8b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prefix_len", type=int, default=2048)
@@ -341,6 +327,11 @@ def main() -> None:
     parser.add_argument("--long_len", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--tokens_per_block", type=int, default=32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser)
     parser.add_argument("--plan_options", choices=("e2e", "bench"), default="bench",
                         help="build the plan with just what the e2e needs, or as `kvtool bench` does (shared)")
     parser.add_argument("--output", type=Path, default=None, help="write gpu_e2e.csv and gpu_e2e.md there")

@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from gpu_e2e import bench_command, e2e_prompts, max_request_len, plan_build_options, resolve_plan
+from gpu_e2e import (add_workload_arguments, bench_command, e2e_prompts, max_request_len, plan_build_options,
+                     resolve_plan)
 from gpu_reports import write_rows_csv
 
 ENGINE = "transformers"
@@ -178,13 +179,7 @@ def measure(plan, *, prefix_len: int, question_len: int, long_len: int, repeats:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="preset:qwen3-8b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prefix_len", type=int, default=2048)
-    parser.add_argument("--question_len", type=int, default=128)
-    parser.add_argument("--long_len", type=int, default=4000)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--tokens_per_block", type=int, default=32)
+    add_workload_arguments(parser)
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
     try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import statistics
 import sys
 import traceback
 from dataclasses import asdict, dataclass
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from gpu_reports import median_gpu_ms
 
 SECTIONS = ("copy", "decode", "context", "blocks", "swap", "e2e")
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time: covers Python launch overhead of one timed call
@@ -68,19 +69,7 @@ class Suite:
 
     def time_ms(self, fn: Callable[[], None]) -> float:
         """Median GPU time (ms) of fn() on the current stream."""
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(self.reps):
-            torch.cuda._sleep(SLEEP_CYCLES)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return median_gpu_ms(fn, self.reps, self.warmup, SLEEP_CYCLES)
 
 
 # ---- baselines ----
