@@ -326,9 +326,10 @@ def section_swap(suite: Suite, library, dtype: torch.dtype) -> None:
             pools.wait_for_all_copies()  # the forward's waits, all at once
 
         both = num_bytes / (suite.time_ms(step) * 1e-3) / 1e9
-        layered = "layer by layer" if pools.copies_layer_by_layer(
-            copy_batches(src_pool, src, dst_pool, dst, tokens)) else "whole blocks"
-        suite.add(Row("swap", f"runtime step: offload {num_ops} + onboard {num_ops} blocks, {method}, {layered}",
+        batches = copy_batches(src_pool, src, dst_pool, dst, tokens)
+        layered = pools.copies_layer_by_layer(batches)
+        how = f"{pools.step_copy_method(batches, layered)}, {'layer by layer' if layered else 'whole blocks'}"
+        suite.add(Row("swap", f"runtime step: offload {num_ops} + onboard {num_ops} blocks, {method}: {how}",
                       "bandwidth (both directions)", both, "GB/s", pinned or None, both / pinned if pinned else None,
                       0.8))
         del pools

@@ -137,7 +137,7 @@ def kernel_lines(suite: list[dict]) -> list[Line]:
 def copy_lines(suite: list[dict], out: Path) -> list[Line]:
     lines = []
     runtime = [r for r in suite if r.get("section") == "swap" and "runtime step" in r.get("case", "")
-               and ", memcpy," in r.get("case", "")]
+               and ", memcpy:" in r.get("case", "")]
     if not runtime:
         lines.append(missing("5. offload + onboard on the copy engines / pinned H2D + D2H", ">= 0.8", "bench"))
     else:

@@ -91,3 +91,13 @@ def test_consecutive_ids_across_a_host_chunk_boundary_are_two_transfers():
     runs = dma_runs(src, dst, shape.num_bytes)
     assert runs[:, 2].tolist() == [2, 2]  # blocks 2-3 in chunk 0, blocks 4-5 in chunk 1
     assert runs[1, 1] == host.block(4).data_ptr()
+
+
+def test_copies_descending_on_both_sides_join_into_one_transfer(monkeypatch):
+    # Blocks freed last-in first-out come back in descending order: 7, 6, 5 -> 12, 11, 10 is one run.
+    pool = torch.zeros(16, 2, 8, dtype=torch.float16)
+    monkeypatch.setattr(block_copy, "_resolve_pools", lambda s, d, a, b: (_Pool.of(s, "src_pool"),
+                                                                          _Pool.of(d, "dst_pool"), None, 32))
+    copy = block_copy.prepare_dma_copy(pool, pool, [7, 6, 5, 1], [12, 11, 10, 3])
+    base = pool.data_ptr()
+    assert copy.runs.tolist() == [[base + 1 * 32, base + 3 * 32, 1], [base + 5 * 32, base + 10 * 32, 3]]

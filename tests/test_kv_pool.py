@@ -153,7 +153,7 @@ class FakeKernels:
     """Stands in for a KernelLibrary: marks the pools as a GPU's (batched copies between tiers)."""
 
 
-def test_a_large_step_with_few_runs_copies_layer_by_layer_and_a_scattered_one_whole_blocks():
+def test_a_large_step_with_few_runs_moves_on_the_copy_engines_and_a_scattered_one_by_the_copy_kernel():
     pools = KvCachePools(SHAPE, num_primary_blocks=200, num_secondary_blocks=200, device=torch.device("cpu"),
                          layered_copy_min_bytes=1)
     pools._kernels = FakeKernels()  # decide as on a GPU with the copy engines
@@ -161,10 +161,9 @@ def test_a_large_step_with_few_runs_copies_layer_by_layer_and_a_scattered_one_wh
                                np.full(64, 4))
     scattered = copy_batches(np.full(64, PRIMARY), np.arange(0, 128, 2), np.full(64, SECONDARY), np.arange(64),
                              np.full(64, 4))
-    assert pools.copies_layer_by_layer(consecutive)  # one run: 2 transfers (one per layer)
-    assert not pools.copies_layer_by_layer(scattered)  # 64 runs per layer: whole blocks instead
-    pools.copy_method = "kernel"  # one launch per layer however scattered
-    assert pools.copies_layer_by_layer(scattered)
-    pools._kernels = None  # the CPU: torch copies, layered from layered_copy_min_bytes as before
-    pools.copy_method = "memcpy"
-    assert pools.copies_layer_by_layer(scattered)
+    assert pools.copies_layer_by_layer(consecutive) and pools.copies_layer_by_layer(scattered)
+    assert pools.step_copy_method(consecutive, layered=True) == "memcpy"  # one transfer per layer
+    assert pools.step_copy_method(scattered, layered=True) == "kernel"  # 64 per layer: one launch instead
+    assert pools.step_copy_method(scattered, layered=False) == "memcpy"  # whole blocks: 64 transfers once
+    pools._kernels = None  # the CPU: torch copies, as before
+    assert pools.step_copy_method(scattered, layered=True) == "memcpy"

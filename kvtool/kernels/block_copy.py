@@ -216,7 +216,7 @@ def _check_byte_range(byte_offset: int, num_bytes: int | None, bytes_per_block: 
 def dma_runs(src_addresses: np.ndarray, dst_addresses: np.ndarray, bytes_per_block: int) -> np.ndarray:
     """[num_runs, 3] int64 (source address, destination address, blocks): consecutive copy ops whose
     blocks are back to back on both sides (consecutive ids within one tensor or host chunk) form one
-    run, one copy-engine transfer."""
+    run, one copy-engine transfer. (prepare_dma_copy sorts a batch by source address first.)"""
     src, dst = np.asarray(src_addresses, np.int64), np.asarray(dst_addresses, np.int64)
     if src.shape != dst.shape or src.ndim != 1:
         raise ValueError(f"source ({src.shape}) and destination ({dst.shape}) addresses must be equal-length lists")
@@ -273,9 +273,13 @@ def _dma_copy(src: _Pool, dst: _Pool, src_block_ids: Sequence[int], dst_block_id
     def address(tensor: torch.Tensor, name: str) -> int:
         return tensor.data_ptr()
 
-    runs = dma_runs(src.block_addresses(src_block_ids, bytes_per_block, "src_pool", address),
-                    dst.block_addresses(dst_block_ids, bytes_per_block, "dst_pool", address), bytes_per_block)
-    return DmaBlockCopy(runs, bytes_per_block, device)
+    src_addresses = src.block_addresses(src_block_ids, bytes_per_block, "src_pool", address)
+    dst_addresses = dst.block_addresses(dst_block_ids, bytes_per_block, "dst_pool", address)
+    # The copies of a batch are independent: in source order, ids descending on both sides (blocks
+    # freed last-in first-out come back that way) join into runs too.
+    order = np.argsort(src_addresses, kind="stable")
+    return DmaBlockCopy(dma_runs(src_addresses[order], dst_addresses[order], bytes_per_block), bytes_per_block,
+                        device)
 
 
 class PreparedBlockCopy:

@@ -24,8 +24,8 @@ HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
 # the offloads of a 4k-token qwen3-8b request (590 MB) with room to spare.
 HOST_AHEAD_BYTES = 1 << 30
 # With the copy engines a layered step issues one transfer per run of consecutive blocks per layer:
-# beyond this many runs (scattered ids) the host time of issuing them outweighs the overlap, and the
-# step copies whole blocks before its forward instead.
+# beyond this many runs (scattered ids) the host time of issuing them outweighs what the copy engines
+# gain, and the step's layers move by the copy kernel instead (one launch per layer, however scattered).
 MAX_LAYERED_DMA_RUNS = 32
 # Copy layer by layer from this many bytes a step: about 2.4 ms over PCIe 5, well above the host
 # time of issuing two launches per layer (about 1.5 ms for 36 layers). A guess to tune on a GPU.
@@ -181,6 +181,7 @@ class KvCachePools:
             return
         batches = copy_batches(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens)
         layered = self.copies_layer_by_layer(batches)
+        method = self.step_copy_method(batches, layered)
         if self._copy_stream is None:
             for layer in range(self.shape.num_layers) if layered else [None]:
                 for batch in batches:
@@ -192,7 +193,7 @@ class KvCachePools:
         try:
             with torch.cuda.stream(self._copy_stream):
                 if layered:
-                    self._layer_events = self._copy_layer_by_layer(batches)
+                    self._layer_events = self._copy_layer_by_layer(batches, method)
                 else:
                     for batch in batches:
                         self._copy_batch(batch, None)
@@ -202,13 +203,18 @@ class KvCachePools:
 
     def copies_layer_by_layer(self, batches: list[CopyBatch]) -> bool:
         """Whether a step's copies land layer by layer: from layered_copy_min_bytes, when a layer's slice
-        of a block is whole 16-byte vectors, and with the copy engines at most MAX_LAYERED_DMA_RUNS
-        transfers per layer."""
+        of a block is whole 16-byte vectors."""
         num_bytes = sum(len(b.src_block_ids) for b in batches) * self.shape.num_bytes
         return (self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
-                and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0
-                and (self._kernels is None or self.copy_method != "memcpy"
-                     or self._num_transfers(batches) <= MAX_LAYERED_DMA_RUNS))
+                and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)
+
+    def step_copy_method(self, batches: list[CopyBatch], layered: bool) -> str:
+        """How the step's whole-block copies between tiers move: ``copy_method``, except that a layered
+        step of more than MAX_LAYERED_DMA_RUNS copy-engine transfers per layer takes the copy kernel."""
+        if (layered and self._kernels is not None and self.copy_method == "memcpy"
+                and self._num_transfers(batches) > MAX_LAYERED_DMA_RUNS):
+            return "kernel"
+        return self.copy_method
 
     def wait_for_layer(self, layer: int) -> None:
         """Makes the current stream wait for this step's copies of ``layer`` (no-op without any)."""
@@ -226,7 +232,7 @@ class KvCachePools:
 
     def load_copy_kernel(self) -> None:
         """Compiles / loads the block copy kernel now (warm-up), not in the first step that copies."""
-        if self._kernels is not None and self.host.num_blocks > 0 and self.copy_method == "kernel":
+        if self._kernels is not None and self.host.num_blocks > 0:  # the copy engines' scattered steps use it too
             from kvtool.kernels.block_copy import block_copy_kernel
 
             # The primary pool's device (e.g. cuda:0), not self.device (maybe a bare 'cuda'): the
@@ -237,16 +243,17 @@ class KvCachePools:
     def copies_pending_per_layer(self) -> bool:
         return self._layer_events is not None
 
-    def _copy_layer_by_layer(self, batches: list[CopyBatch]) -> list:
-        """Issues the copies one layer at a time; returns an event per layer that follows all of
-        that layer's copies. Called with the copy stream current."""
+    def _copy_layer_by_layer(self, batches: list[CopyBatch], method: str) -> list:
+        """Issues the copies one layer at a time (whole-block batches between tiers by ``method``);
+        returns an event per layer that follows all of that layer's copies. Called with the copy
+        stream current."""
         layer_bytes = self.shape.num_bytes // self.shape.num_layers
         if offloads_then_onboards(batches) and all(self._uses_batched_copy(b) for b in batches):
             # The usual large step: offload wave, then onboards into the blocks it freed. Layer i's
             # onboards wait for layer i's offloads only, so they overlap layer i + 1's offloads.
-            offloads = [self._prepare_batched_copy(b) for b in batches if b.wave == 0]
+            offloads = [self._prepare_batched_copy(b, method) for b in batches if b.wave == 0]
             with torch.cuda.stream(self._onboard_stream):  # a kernel's tables live on the stream that reads them
-                onboards = [self._prepare_batched_copy(b) for b in batches if b.wave == 1]
+                onboards = [self._prepare_batched_copy(b, method) for b in batches if b.wave == 1]
             events = []
             for layer in range(self.shape.num_layers):
                 for copy in offloads:
@@ -263,7 +270,7 @@ class KvCachePools:
             return events
         # Anything else, one stream: whole-block batches between tiers are resolved once and issued
         # per layer; the rest (partial or primary -> primary) are torch copies of the layer's slice.
-        prepared = [self._prepare_batched_copy(batch) for batch in batches]
+        prepared = [self._prepare_batched_copy(batch, method) for batch in batches]
         events = []
         for layer in range(self.shape.num_layers):
             for batch, batched in zip(batches, prepared):
@@ -289,7 +296,7 @@ class KvCachePools:
         return sum(len(coalesce_runs(b.src_block_ids, b.dst_block_ids)) if self._uses_batched_copy(b)
                    else len(b.src_block_ids) for b in batches)
 
-    def _prepare_batched_copy(self, batch: CopyBatch):
+    def _prepare_batched_copy(self, batch: CopyBatch, method: str):
         """A prepared batched copy (``launch(byte_offset, num_bytes)`` on the current stream), or None."""
         if not self._uses_batched_copy(batch):
             return None
@@ -297,14 +304,14 @@ class KvCachePools:
 
         pools = {PoolKind.PRIMARY: self.primary, PoolKind.SECONDARY: self.host}
         src, dst = pools[batch.src_pool], pools[batch.dst_pool]
-        if self.copy_method == "memcpy":
+        if method == "memcpy":
             return prepare_dma_copy(src, dst, batch.src_block_ids, batch.dst_block_ids)
         return prepare_block_copy(src, dst, batch.src_block_ids, batch.dst_block_ids, library=self._kernels)
 
     def _copy_batch(self, batch: CopyBatch, layer: int | None) -> None:
         """The batch's copies (of one layer's slice of each block, or of whole blocks)."""
         if layer is None and self._uses_batched_copy(batch):
-            self._prepare_batched_copy(batch).launch()
+            self._prepare_batched_copy(batch, self.copy_method).launch()
             return
         non_blocking = self._copy_stream is not None
         count = batch.num_tokens
