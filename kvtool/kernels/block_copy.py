@@ -202,14 +202,14 @@ def copy_blocks(src_pool: Any, dst_pool: Any, src_block_ids: Sequence[int], dst_
             _upload(src, dst, src_block_ids, dst_block_ids, device, bytes_per_block, library).launch()
 
 
-def _check_byte_range(byte_offset: int, num_bytes: int | None, bytes_per_block: int) -> int:
+def _check_byte_range(byte_offset: int, num_bytes: int | None, bytes_per_block: int, multiple: int) -> int:
     """num_bytes (None: to the block's end) once [byte_offset, byte_offset + num_bytes) is checked to lie
-    inside the block in multiples of 16."""
+    inside the block, in multiples of ``multiple`` bytes (the copy kernel's 16-byte vectors)."""
     num_bytes = bytes_per_block - byte_offset if num_bytes is None else num_bytes
-    if byte_offset % 16 or num_bytes % 16 or byte_offset < 0 or num_bytes <= 0 \
+    if byte_offset % multiple or num_bytes % multiple or byte_offset < 0 or num_bytes <= 0 \
             or byte_offset + num_bytes > bytes_per_block:
         raise ValueError(f"byte range [{byte_offset}, {byte_offset + num_bytes}) must lie inside the "
-                         f"{bytes_per_block}-byte block, in multiples of 16")
+                         f"{bytes_per_block}-byte block, in multiples of {multiple}")
     return num_bytes
 
 
@@ -240,7 +240,7 @@ class DmaBlockCopy:
 
     def launch(self, byte_offset: int = 0, num_bytes: int | None = None) -> None:
         """Copies bytes [byte_offset, byte_offset + num_bytes) of every block, on the current stream."""
-        num_bytes = _check_byte_range(byte_offset, num_bytes, self.bytes_per_block)
+        num_bytes = _check_byte_range(byte_offset, num_bytes, self.bytes_per_block, 1)
         import cupy  # noqa: PLC0415 - a GPU dependency; the runtime has it wherever it copies between tiers
 
         runtime = cupy.cuda.runtime
@@ -295,7 +295,7 @@ class PreparedBlockCopy:
 
     def launch(self, byte_offset: int = 0, num_bytes: int | None = None) -> None:
         """Copies bytes [byte_offset, byte_offset + num_bytes) of every block, on the current stream."""
-        num_bytes = _check_byte_range(byte_offset, num_bytes, self.bytes_per_block)
+        num_bytes = _check_byte_range(byte_offset, num_bytes, self.bytes_per_block, 16)
         grid = (self.table.shape[1], math.ceil(num_bytes / BYTES_PER_CTA))
         args = (ptr(self.table[0]), ptr(self.table[1]), i64(byte_offset), i64(num_bytes), i64(BYTES_PER_CTA))
         launch(self.kernel, grid, (NUM_THREADS,), args, device_index=self.device.index)
