@@ -83,20 +83,21 @@ def main() -> None:
 
     decode = SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)
     lines = []
+    runner = llm.engine.runner
     for graphs in (True, False):
-        saved = llm.engine.runner.decode_graphs
+        saved = runner.decode_graphs, runner.mixed_graphs
         if not graphs:
-            llm.engine.runner.decode_graphs = None
+            runner.decode_graphs, runner.mixed_graphs = None, None
         llm.generate(prompts[0], decode)  # warm
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             out = llm.generate(prompts[0], decode)
             _synchronize()
             wall = time.perf_counter() - start
-        llm.engine.runner.decode_graphs = saved
+        runner.decode_graphs, runner.mixed_graphs = saved
         request = llm.engine.requests[out.request_id]
         tpot = (request.finish_time - request.first_token_time) / 16 * 1e3
-        lines.append(f"decode, CUDA graphs {'on' if graphs and saved is not None else 'off'}: TPOT {tpot:.2f} ms "
+        lines.append(f"decode, CUDA graphs {'on' if graphs and saved[0] is not None else 'off'}: TPOT {tpot:.2f} ms "
                      f"(16 steps; request wall {wall * 1e3:.1f} ms)")
         _write(prof, args.output, f"decode_graphs_{'on' if graphs else 'off'}", lines[-1:])
     llm.shutdown()

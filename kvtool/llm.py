@@ -95,7 +95,8 @@ class LLM:
     ``host_cache_size`` larger than the available memory is then accepted when those blocks fit.
     ``pool_sizes`` tells the KV pools actually created (and notes on how they were sized).
     ``cuda_graphs``: on a GPU, decode steps replay CUDA graphs captured at start-up, one per batch-size
-    bucket (kvtool.runtime.cuda_graphs); False launches every kernel eagerly (vLLM's --enforce-eager).
+    bucket, and prefill / mixed steps of up to 512 tokens one per token bucket
+    (kvtool.runtime.cuda_graphs); False launches every kernel eagerly (vLLM's --enforce-eager).
     """
 
     def __init__(self, model: str | Plan, *, max_batch_size: int | None = None, max_seq_len: int | None = None,
@@ -145,7 +146,7 @@ class LLM:
         runner.warm_up(min(self.max_num_tokens, self.max_seq_len - 1, 4 * tokens_per_block))
         self.cuda_graphs = cuda_graphs and _graphs_can_capture(self.attention_backend, runner.kv_caches[0])
         if self.cuda_graphs:
-            runner.enable_cuda_graphs(self.max_batch_size, self.max_seq_len)
+            runner.enable_cuda_graphs(self.max_batch_size, self.max_seq_len, self.max_num_tokens)
         self.engine = Engine(
             runner, kv_cache_config.to_core(tokens_per_block=tokens_per_block,
                                             num_primary_blocks=sizes.num_primary_blocks,

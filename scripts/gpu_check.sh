@@ -2,20 +2,29 @@
 # `make gpu-check OUT=DIR`: on a GPU machine (torch, CuPy, nanobind, scikit-build-core, cmake and
 # ninja preinstalled; no package registry needed), install kvtool in place, record the GPU and the
 # toolchain, run the GPU tests, the kernel benchmarks, the end-to-end figures on a real model's
-# shapes and the card's commands. Everything lands in $OUT:
+# shapes, the peer, the simulation check and the card's commands, then write OUT/summary.md: each
+# target of issue 21 with its measured value, the target and met / missed. Everything lands in $OUT:
 #   install.log, nvidia-smi.txt, env.txt, pytest_gpu.log          (install info test)
 #   gpu_suite.log, gpu_suite/gpu_suite.{csv,md}                     (bench: the kernel sections)
 #   plan.log                                                        (plan: builds $GPU_MODEL once)
-#   gpu_e2e.log, gpu_e2e/gpu_e2e.{csv,md}                           (e2e: TTFT/TPOT ratios, CUDA graphs)
-#   gpu_startup.log, gpu_startup/gpu_startup.{csv,md}               (startup: a 45 GB host cache)
+#   gpu_e2e.log, gpu_e2e/gpu_e2e.{csv,md}, gpu_e2e/gpu_steps.{csv,md}  (e2e: TTFT/TPOT, floors, launches per step)
+#   peer.log, peer/gpu_peer.csv                                     (peer: transformers' continuous batching)
 #   card.log, card/<scenario>/{summary,requests-*}.csv              (card: offload_abab, system_prompt)
+#   simulate.log, simulate/gpu_simulate.{csv,md}                    (simcheck: calibrate + simulate vs measured)
+#   gpu_startup.log, gpu_startup/gpu_startup.{csv,md}               (startup: a 45 GB host cache)
 #   profile.log, profile/{context,decode}.txt                       (profile: ncu of the attention kernels)
 #   trace.log, trace/{onboard,decode_graphs_on,decode_graphs_off}.{json,txt}  (trace: torch profiler)
+#   steps.log (each step's start, end and seconds), summary.md      (summary: one screen)
 #
-# GPU_CHECK_STEPS picks steps (default "install info test bench plan e2e startup card"), e.g. to fit a
-# time limit per command: GPU_CHECK_STEPS="install info test" then GPU_CHECK_STEPS="bench".
-# The plan step builds $GPU_MODEL (default preset:qwen3-8b, bfloat16, 32-token blocks) in the
-# background while the tests and kernel benchmarks run; e2e, startup and card wait for it and share it.
+# GPU_CHECK_STEPS picks steps; three presets (estimated from results/gpu/: one call runs at most 10 minutes):
+#   first  (default) install info plan test bench e2e summary      ~5-6 min on an H100
+#   second           peer card simcheck startup summary             ~6-7 min (the same warm machine: it
+#                    reuses the install, the plan and its kernels; on a fresh one add "install plan")
+#   all              both, ~12 min: for a call without a 10-minute limit
+# or any list of step names, e.g. GPU_CHECK_STEPS="bench summary". Use the same OUT for both calls:
+# the summary covers every file there.
+# The plan step builds $GPU_MODEL (default preset:qwen3-8b, bfloat16, 32-token blocks, its kernels
+# compiled) in the background while the tests and kernel benchmarks run; the later steps wait for it.
 # GPU_SUITE_ARGS is passed to bench/gpu_suite.py (e.g. "--sections copy,decode,context,blocks").
 # PYTHON selects the interpreter (default: the first of python3, python, .venv/bin/python that
 # imports torch; on the GPU machine that is the system interpreter with CUDA torch and CuPy).
@@ -23,7 +32,12 @@
 set -uo pipefail
 
 OUT="${OUT:-out/gpu-check}"
-STEPS="${GPU_CHECK_STEPS:-install info test bench plan e2e startup card}"
+STEPS="${GPU_CHECK_STEPS:-first}"
+case "$STEPS" in
+  first) STEPS="install info plan test bench e2e summary" ;;
+  second) STEPS="peer card simcheck startup summary" ;;
+  all) STEPS="install info plan test bench e2e peer card simcheck startup summary" ;;
+esac
 MODEL="${GPU_MODEL:-preset:qwen3-8b}"
 OUT="$(mkdir -p "$OUT" && cd "$OUT" && pwd)"  # absolute: the script moves to the repository root
 cd "$(dirname "$0")/.."
@@ -41,8 +55,16 @@ status=0
 
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
 note() { echo "== gpu-check: $*" | tee -a "$OUT/steps.log"; }
+step_started=$SECONDS
+step_name=""
+begin() {  # begin NAME: closes the previous step's timing, opens this one's
+  [[ -n "$step_name" ]] && note "$step_name took $((SECONDS - step_started)) s"
+  step_name=$1
+  step_started=$SECONDS
+}
 
 if has_step install; then
+  begin install
   note "install ($PY)"
   "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1
   rc=$?
@@ -51,6 +73,7 @@ if has_step install; then
 fi
 
 if has_step info; then
+  begin info
   note "info"
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || note "nvidia-smi failed"
   "$PY" - >"$OUT/env.txt" 2>&1 <<'PYEOF'
@@ -89,6 +112,7 @@ PYEOF
 fi
 
 if has_step test; then
+  begin test
   # Parallel workers when pytest-xdist is there (each compiles its own kernels: 16 cores beat one), a
   # per-test limit when pytest-timeout is (a hung kernel must not eat the lease). kvtool serve's tests
   # hold no GPU test and import fastapi, which GPU images often lack: skip them there.
@@ -110,6 +134,7 @@ if has_step test; then
 fi
 
 if has_step bench; then
+  begin bench
   note "bench/gpu_suite.py"
   # shellcheck disable=SC2086 # GPU_SUITE_ARGS is a list of flags
   "$PY" bench/gpu_suite.py --output "$OUT/gpu_suite" --sections copy,decode,context,blocks,swap ${GPU_SUITE_ARGS:-} \
@@ -119,6 +144,7 @@ if has_step bench; then
 fi
 
 if has_step profile; then
+  begin profile
   note "profile: ncu of one context and one decode launch"
   mkdir -p "$OUT/profile"
   for kernel in context decode; do
@@ -140,8 +166,9 @@ wait_for_plan() {
 }
 
 if has_step e2e; then
+  begin e2e
   wait_for_plan
-  note "bench/gpu_e2e.py ($MODEL)"
+  note "bench/gpu_e2e.py ($MODEL): reuse off/on with its floor, TPOT with its floor, launches per step"
   # 4,000-token prompts: the longest that leave room to decode within the shared plan's 4,096 tokens.
   "$PY" bench/gpu_e2e.py --model "$MODEL" --plan_options bench --long_len 4000 --output "$OUT/gpu_e2e" 2>&1 \
     | tee "$OUT/gpu_e2e.log"
@@ -149,7 +176,17 @@ if has_step e2e; then
   [[ $rc -eq 0 ]] || { note "e2e failed (rc $rc)"; status=1; }
 fi
 
+if has_step peer; then
+  begin peer
+  wait_for_plan
+  note "bench/gpu_peer_transformers.py ($MODEL, transformers' generate_batch on sdpa_paged)"
+  "$PY" bench/gpu_peer_transformers.py --model "$MODEL" --output "$OUT/peer" 2>&1 | tee "$OUT/peer.log"
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || { note "peer failed (rc $rc)"; status=1; }
+fi
+
 if has_step startup; then
+  begin startup
   wait_for_plan
   note "bench/gpu_startup.py ($MODEL, 45 GB host cache)"
   "$PY" bench/gpu_startup.py --model "$MODEL" --host_cache_bytes 45000000000 --repeats 2 --output "$OUT/gpu_startup" 2>&1 \
@@ -159,6 +196,7 @@ if has_step startup; then
 fi
 
 if has_step card; then
+  begin card
   wait_for_plan
   kvtool() { "$PY" -c "from kvtool.cli import main; main()" "$@"; }
   card() {  # card NAME ARGS...: one kvtool bench run into $OUT/card/NAME
@@ -172,12 +210,31 @@ if has_step card; then
   card system_prompt --config bench_configs/system_prompt.yaml
 fi
 
+if has_step simcheck; then
+  begin simcheck
+  wait_for_plan
+  reuse=()  # the card's runs of the same scenarios on the same plan are measurements the check can use
+  [[ -f "$OUT/card/system_prompt/summary.csv" ]] && reuse+=(--reuse "reuse=$OUT/card/system_prompt")
+  [[ -f "$OUT/card/offload_abab/summary.csv" ]] && reuse+=(--reuse "offload_abab=$OUT/card/offload_abab")
+  note "bench/gpu_simulate_check.py ($MODEL): kvtool calibrate here, simulate vs measured on 5 scenarios"
+  "$PY" bench/gpu_simulate_check.py --model "$MODEL" --output "$OUT/simulate" ${reuse[@]+"${reuse[@]}"} 2>&1 \
+    | tee "$OUT/simulate.log"
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || { note "simulation check failed (rc $rc)"; status=1; }
+fi
+
 if has_step trace; then
+  begin trace
   wait_for_plan
   note "bench/gpu_trace.py ($MODEL): profiler traces of an onboarding step and of decode steps"
   "$PY" bench/gpu_trace.py --model "$MODEL" --output "$OUT/trace" 2>&1 | tee "$OUT/trace.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || { note "trace failed"; status=1; }
 fi
 
+if has_step summary; then
+  begin summary
+  "$PY" bench/gpu_summary.py "$OUT" || { note "summary failed"; status=1; }
+fi
+begin done
 note "done (status $status); results in $OUT"
 exit $status

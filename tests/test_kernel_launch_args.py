@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtool.kernels import block_copy, kv_append, paged_context_attention, paged_decode_attention, tensors
+from kvtool.kernels import (add_rms_norm, block_copy, kv_append, paged_context_attention, paged_decode_attention,
+                            rope_append, silu_mul, tensors)
 from kvtool.kernels.compiler import default_source_dir
 
 C_TYPES = {"i64": np.int64, "long long": np.int64, "int": np.int32, "float": np.float32}
@@ -46,7 +47,9 @@ def launches(monkeypatch):
     """Launches as (kernel name, argument types); CPU tensors pass the CUDA-only checks."""
     calls: list[tuple[str, list[type]]] = []
     monkeypatch.setattr(tensors, "_check_vector_aligned", lambda tensor, name, strides: None)
-    for module in (block_copy, kv_append, paged_context_attention, paged_decode_attention):
+    monkeypatch.setattr(paged_decode_attention, "device_sm_count", lambda device: 132)
+    for module in (block_copy, kv_append, paged_context_attention, paged_decode_attention, add_rms_norm, rope_append,
+                   silu_mul):
         monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
         monkeypatch.setattr(module, "launch",
                             lambda kernel, grid, block, args, **kwargs: calls.append((kernel, [type(a) for a in args])))
@@ -98,3 +101,20 @@ def test_block_copy_launches_match_the_kernel_signature(launches):
     assert launches == [("kvt_block_copy", expected)] * 2
     with pytest.raises(ValueError, match="inside the 4096-byte block"):
         prepared.launch(4000, 512)
+
+
+def test_fused_kernel_launches_match_the_kernel_signatures(launches):
+    _, kv_cache, _ = step_tensors()  # 2 KV heads of 64
+    x, residual = torch.zeros(3, 128, dtype=torch.float16), torch.zeros(3, 128, dtype=torch.float16)
+    add_rms_norm.add_rms_norm(FakeLibrary(), x, residual, torch.ones(128, dtype=torch.float16), 1e-6)
+    out = silu_mul.silu_mul(FakeLibrary(), torch.zeros(3, 256, dtype=torch.float16))
+    assert out.shape == (3, 128)
+    qkv = torch.zeros(3, (4 + 2 * 2) * 64, dtype=torch.float16)
+    table = torch.zeros(3, 1, 64, dtype=torch.float16)
+    norm = torch.ones(64, dtype=torch.float16)
+    query = rope_append.rope_append(FakeLibrary(), qkv, table, table.clone(), norm, norm, 1e-6, kv_cache,
+                                    torch.arange(3, dtype=torch.int64), num_heads=4, num_kv_heads=2)
+    assert query.shape == (3, 4, 64)
+    assert launches == [("kvt_add_rms_norm", kernel_parameter_types("add_rms_norm.cu", "kvt_add_rms_norm")),
+                        ("kvt_silu_mul", kernel_parameter_types("silu_mul.cu", "kvt_silu_mul")),
+                        ("kvt_rope_append", kernel_parameter_types("rope_append.cu", "kvt_rope_append"))]

@@ -207,13 +207,13 @@ def test_kv_append_stores_each_token_at_its_slot_and_nothing_else(library, dtype
 CONTEXT_SEQS = [(0, 100), (300, 77), (129, 64), (0, 1), (5, 130), (1000, 200)]
 
 
-def _run_context(library, sc: Scenario, num_context: int, num_warps: int = 4) -> torch.Tensor:
+def _run_context(library, sc: Scenario, num_context: int) -> torch.Tensor:
     from kvtool.kernels.paged_context_attention import paged_context_attention
 
     out = poisoned_like(sc.query)
     paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
                             sc.meta.seq_lens, num_seqs=num_context, max_query_len=sc.meta.max_query_len,
-                            scale=sc.scale, sliding_window=sc.window, out=out, num_warps=num_warps)
+                            scale=sc.scale, sliding_window=sc.window, out=out)
     torch.cuda.synchronize()
     return out
 
@@ -228,16 +228,6 @@ def test_context_attention_over_cached_prefix_matches_reference(library, dtype, 
     out = _run_context(library, sc, len(CONTEXT_SEQS))
     assert_rows_match(out, reference_attention(sc), sc.rows(0, len(CONTEXT_SEQS)), dtype)
     assert torch.isnan(out[sc.rows(len(CONTEXT_SEQS), len(seqs))]).all(), "decode rows were written"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("window", [None, 90])
-def test_context_attention_with_eight_warps_per_cta_matches_reference(library, dtype, head_dim, window):
-    sc = build_scenario(CONTEXT_SEQS, num_context=len(CONTEXT_SEQS), num_heads=8, num_kv_heads=2,
-                        head_dim=head_dim, tokens_per_block=32, dtype=dtype, seed=head_dim, window=window)
-    out = _run_context(library, sc, len(CONTEXT_SEQS), num_warps=8)
-    assert_rows_match(out, reference_attention(sc), sc.rows(0, len(CONTEXT_SEQS)), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

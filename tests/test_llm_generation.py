@@ -169,7 +169,7 @@ def test_a_fully_cached_prompt_batched_with_a_new_prompt_gives_the_same_outputs(
 @pytest.mark.parametrize("max_batch_size", [3, 8])
 def test_greedy_outputs_identical_with_cuda_graphs_on_and_off(target, reference_tokens, max_batch_size):
     # 3: the first three prompts decode in the bucket of 3, the last alone in the bucket of 1; 8: all
-    # four in the bucket of 4. Decode steps replay graphs; prompts run eagerly either way.
+    # four in the bucket of 4. Decode steps replay graphs (prompts too: tests/test_cuda_graphs_gpu.py).
     if target.setup.device != "cuda":
         pytest.skip("CUDA graphs replay decode steps on a GPU only")
     eager, _ = greedy_tokens(target, shared_prefix_prompts(), max_batch_size=max_batch_size, cuda_graphs=False)
