@@ -165,8 +165,9 @@ def test_calibrate_measures_the_plan_and_saves_the_fit_beside_it(calibrated_plan
     assert not model.estimated and model.device == this_device()
     assert model.fit.num_held_out_points >= 2 and model.fit.median_abs_error < 1.0
     assert all(value >= 0 for value in model.coefficients.values()) and model.coefficients["copied_byte"] > 0
-    # On tiny-llama a step is mostly fixed cost: which context term carries the rest varies between runs.
-    assert model.predict(StepShape(1, 256, 0, 256 * 128.5)) > model.predict(StepShape(1, 16, 0, 16 * 8.5)) > 0
+    # On tiny-llama a step is mostly fixed cost: which context term carries the rest varies between runs, and
+    # on a loaded machine the quick grid may drop every context term (a negative fit): never cheaper, though.
+    assert model.predict(StepShape(1, 256, 0, 256 * 128.5)) >= model.predict(StepShape(1, 16, 0, 16 * 8.5)) > 0
     assert "held-out error on" in output and "ms per 1k context tokens" in output
 
 
