@@ -83,11 +83,12 @@ def test_colliding_keys_with_equal_tokens_and_another_salt_never_share_a_partial
 def test_colliding_block_with_equal_tokens_below_another_parent_is_not_reused():
     # Prompt A = [a][b], prompt B = [c][b]: B's second block has A's tokens and the same (0) hash,
     # but another parent, so its KV (attention over [c] before it) differs.
+    # [c] has a cached child [d] of its own, so the lookup below [c] compares candidates.
     m = colliding_manager()
     kv = KvStore(T)
-    a0, b, c0 = list(range(10, 10 + T)), list(range(30, 30 + T)), list(range(50, 50 + T))
+    a0, b, c0, d = (list(range(start, start + T)) for start in (10, 30, 50, 70))
     compute(m, 1, a0 + b + [1], kv, "x")
-    compute(m, 2, c0 + [1], kv, "x")
+    compute(m, 2, c0 + d + [1], kv, "x")
     m.release(1)
     m.release(2)
     assert m.match_prefix(a0 + b + [1]).num_matched_blocks == 2

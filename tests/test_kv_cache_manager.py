@@ -360,6 +360,18 @@ def test_low_priority_block_is_dropped_not_offloaded():
     assert m.match_prefix(high).num_secondary_blocks == 1
 
 
+def test_low_priority_block_is_offloaded_first():
+    # Both blocks may be offloaded; the room for the new request is taken from the lower priority,
+    # although it was used more recently.
+    m = make(num_primary_blocks=4, num_secondary_blocks=4)
+    high, low = prompt(0, T + 1), prompt(20, T + 1)
+    run_context(m, 1, high, priority=80)
+    run_context(m, 2, low, priority=40)
+    run_context(m, 3, prompt(50, 3 * T), release=False)  # 2 free blocks + 1 offload
+    assert (m.match_prefix(low).num_secondary_blocks, m.match_prefix(high).num_secondary_blocks) == (1, 0)
+    assert (matched_blocks(m, low), matched_blocks(m, high)) == (1, 1)
+
+
 def test_onboarded_host_block_frees_its_secondary_block():
     m = make(num_primary_blocks=2, num_secondary_blocks=1)
     a = prompt(0, T + 1)
@@ -417,6 +429,16 @@ def test_sliding_window_releases_blocks_outside_window():
     assert list(table[:3]) == [-1, -1, -1] and all(table[3:] >= 0)
     stats = m.stats().primary
     assert (stats.num_used_blocks, stats.num_cached_blocks) == (2, 3)  # with reuse they stay cached
+    assert m.check_invariants() == []
+
+
+def test_sliding_window_keeps_a_block_partly_inside_the_window():
+    m = make(max_attention_window=2 * T)
+    tokens = prompt(0, 5 * T + 2)
+    m.add_sequence(1, tokens, len(tokens))
+    m.mark_computed(1, 5 * T + 1)  # the next token sees positions > 3T + 1: block 3 is still read
+    table = m.block_ids(1)
+    assert list(table[:3]) == [-1, -1, -1] and all(table[3:] >= 0)
     assert m.check_invariants() == []
 
 
