@@ -96,7 +96,9 @@ def load_mutants(path: Path) -> list[Mutant]:
         unknown = set(entry) - set(fields)
         missing = [f for f in fields if f not in entry]
         if unknown or missing:
-            raise MutantListError(f"{where}: unknown keys {sorted(unknown)}, missing {missing}: give exactly {fields}")
+            problems = ([f"unknown keys {', '.join(sorted(unknown))}"] if unknown else []) + \
+                       ([f"missing {', '.join(missing)}"] if missing else [])
+            raise MutantListError(f"{where}: {'; '.join(problems)}: give exactly {', '.join(fields)}")
         try:
             mutant = Mutant(**{**entry, "tests": tuple(entry["tests"])})
         except (TypeError, ValueError) as error:
