@@ -27,10 +27,14 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser before it joined the standard library (kvtool[test] installs it)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # Files of the copy that are the copy's own, not the tree's: never deleted when the copy is synced.
