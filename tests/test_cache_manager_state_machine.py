@@ -21,6 +21,8 @@ fresh_tokens_st = st.lists(st.integers(0, 2), max_size=6)  # 3 ids: prefixes col
 
 
 class CacheManagerMachine(RuleBasedStateMachine):
+    key_hash_bits = 64  # full block keys; the subclasses below truncate them so that keys collide
+
     @initialize(num_primary=st.integers(6, 12), num_secondary=st.integers(0, 6), partial=st.booleans(),
                 min_priority=st.sampled_from([0, 35, 50]), window=st.sampled_from([0, 0, 8, 10]),
                 reuse=st.sampled_from([True, True, True, False]))
@@ -28,7 +30,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
         kwargs = dict(tokens_per_block=TOKENS_PER_BLOCK, num_primary_blocks=num_primary,
                       num_secondary_blocks=num_secondary, enable_block_reuse=reuse, enable_partial_reuse=partial,
                       secondary_offload_min_priority=min_priority, max_attention_window=window)
-        self.manager = KVCacheManager(CacheConfig(**kwargs))
+        self.manager = KVCacheManager(CacheConfig(**kwargs), key_hash_bits=self.key_hash_bits)
         self.ref = ReferenceKVCache(**kwargs)
         self.kv = KvStore(TOKENS_PER_BLOCK)
         self.window = window
@@ -71,8 +73,11 @@ class CacheManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_available_blocks() == available - needed
         want_missed = want.pop("missed")
         assert {k: getattr(got, k) for k in want} == want
-        # Why each missed block was missed: one reason per block, as the reference judges it.
-        assert got.missed.to_dict() == want_missed
+        # Why each missed block was missed: one reason per block, as the reference judges it. The
+        # reasons come from a history of block keys: with truncated keys a block may be counted
+        # under another block's reason, so those runs check only that every missed block has one.
+        if self.key_hash_bits == 64:
+            assert got.missed.to_dict() == want_missed
         assert got.missed.total == len(tokens) // TOKENS_PER_BLOCK - got.num_reused_blocks
         for name in ("num_reused_blocks", "num_onboarded_blocks", "num_partial_tokens", "num_early_reused_blocks"):
             if want[name]:
@@ -258,6 +263,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
             if got[name]:
                 event(f"{name} > 0")
         want = self.ref.stats_dict()
+        if self.key_hash_bits < 64:  # the reasons' totals only (see _add)
+            want = {k: v for k, v in want.items() if not (k.startswith("missed_") and k != "missed_blocks")}
         assert {k: got[k] for k in want} == want
         if self.ref.history.num_forgotten:
             event("the key history forgot a generation")
@@ -279,8 +286,9 @@ class CacheManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "manager"):
             return
         event(f"steps: {self.next_id // 10 * 10}+ sequences")
-        for seq_id in list(self.seqs):
-            self.manager.release(seq_id)
+        for seq_id in range(self.next_id):  # also one a failed check left out of self.seqs
+            if self.manager.has_sequence(seq_id):
+                self.manager.release(seq_id)
         stats = self.manager.stats()
         assert stats.primary.num_used_blocks == 0
         assert self.manager.check_invariants() == []
@@ -289,3 +297,22 @@ class CacheManagerMachine(RuleBasedStateMachine):
 CacheManagerMachine.TestCase.settings = settings(
     max_examples=250, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 test_cache_manager_matches_reference = CacheManagerMachine.TestCase
+
+
+class CollidingKeysMachine(CacheManagerMachine):
+    """Every block key hashes to 0: only the stored key fields tell blocks apart."""
+
+    key_hash_bits = 0
+
+
+class EightBucketKeysMachine(CacheManagerMachine):
+    """Keys of 3 bits: some blocks collide, others do not."""
+
+    key_hash_bits = 3
+
+
+for _machine in (CollidingKeysMachine, EightBucketKeysMachine):
+    _machine.TestCase.settings = settings(
+        max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+test_cache_manager_with_colliding_keys_matches_reference = CollidingKeysMachine.TestCase
+test_cache_manager_with_3_bit_keys_matches_reference = EightBucketKeysMachine.TestCase

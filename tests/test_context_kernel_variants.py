@@ -85,15 +85,7 @@ def test_kernel_refuses_a_shared_memory_size_it_does_not_use(tmp_path):
 
 # ---- GPU: against the float64 reference ----
 
-def _gpu_ready() -> bool:
-    import importlib.util
-
-    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-
-
-def gpu_test(test):
-    """Marked like tests/test_kernels_gpu.py: ``gpu``, skipped without a CUDA GPU and CuPy."""
-    return pytest.mark.gpu(pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")(test))
+gpu_test = pytest.mark.gpu  # as tests/test_kernels_gpu.py: skipped without a CUDA GPU and CuPy (conftest.py)
 
 
 DTYPES = [torch.float16, torch.bfloat16]
