@@ -7,8 +7,6 @@ tests/test_block_copy.py and tests/test_kv_pool.py.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
@@ -17,11 +15,7 @@ from kvtool._core import PoolKind
 from kvtool.runtime.kv_pool import BlockShape, HostBlockPool, KvCachePools
 
 
-def _gpu_ready() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")]
+pytestmark = pytest.mark.gpu  # skipped, saying what is missing, without a CUDA GPU and CuPy (conftest.py)
 SHAPE = BlockShape(num_layers=3, tokens_per_block=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
 PRIMARY, SECONDARY = PoolKind.PRIMARY.value, PoolKind.SECONDARY.value
 

@@ -49,7 +49,6 @@ def test_a_grid_sized_for_a_longer_sequence_than_any_in_the_batch_gives_the_same
 
 
 @pytest.mark.gpu
-@on_a_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("partition_size", [64, 512])
 def test_padding_slots_with_no_tokens_are_skipped_and_their_rows_left_unwritten(library, dtype, partition_size):  # noqa: F811

@@ -10,8 +10,6 @@ touched), SiLU * up.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,11 +17,7 @@ import torch.nn.functional as F
 from kvtool.models.llama import apply_rope, rope_cos_sin
 
 
-def _gpu_ready() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")]
+pytestmark = pytest.mark.gpu  # skipped, saying what is missing, without a CUDA GPU and CuPy (conftest.py)
 
 DTYPES = [torch.float16, torch.bfloat16]
 # One rounding of the result to 16 bits (float64 reference), a little more where inputs were rounded too.
