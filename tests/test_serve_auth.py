@@ -26,7 +26,8 @@ def certificate(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_llama_plan, certificate):
     cert, key = certificate
-    with running_server(tiny_llm(tiny_llama_plan), api_key=KEY, ssl_certfile=str(cert), ssl_keyfile=str(key)) as running:
+    llm = tiny_llm(tiny_llama_plan)
+    with running_server(llm, api_key=KEY, ssl_certfile=str(cert), ssl_keyfile=str(key)) as running:
         yield running
 
 

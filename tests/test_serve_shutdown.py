@@ -19,6 +19,10 @@ from serve_helpers import TIMEOUT_S, read_http_response, serve_process
 LONG = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True}  # seconds of decoding on a CPU
 
 
+def stream_of(url: str, body: dict):
+    return httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT_S)
+
+
 def first_event_then_rest(response, process, sig=signal.SIGTERM) -> list[str]:
     """Reads the first event, sends ``sig``, and returns the data of the events after it."""
     lines = response.iter_lines()
@@ -88,7 +92,7 @@ def test_requests_still_running_after_the_grace_period_end_with_an_error_and_don
         waiting = threading.Thread(target=lambda: whole.update(
             answer=httpx.post(url + "/v1/completions", json=LONG, timeout=TIMEOUT_S)))
         waiting.start()
-        with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=TIMEOUT_S) as response:
+        with stream_of(url, LONG) as response:
             wait_until(lambda: num_running(url) == 2, "the two requests never ran together")
             rest = first_event_then_rest(response, process)
         waiting.join(TIMEOUT_S)
@@ -114,9 +118,10 @@ def error_of(answer: httpx.Response) -> dict:
 def make_client_mistakes(url: str, port: int) -> None:
     """What clients get wrong, each answered without a traceback in the server's log."""
     assert httpx.post(url + "/v1/completions", content=b"{not json", timeout=TIMEOUT_S).status_code == 400
-    assert httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": "5"}, timeout=TIMEOUT_S).status_code == 400
-    assert httpx.post(url + "/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
-                      timeout=TIMEOUT_S).status_code == 404
+    wrong_type = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": "5"}, timeout=TIMEOUT_S)
+    assert wrong_type.status_code == 400
+    chat = {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=TIMEOUT_S).status_code == 404
     assert httpx.get(url + "/v1/nothing-here", timeout=TIMEOUT_S).status_code == 404
     with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:  # a body over the limit
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n")
@@ -127,7 +132,7 @@ def make_client_mistakes(url: str, port: int) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:  # not HTTP at all
         sock.sendall(b"\x16\x03\x01 hello?\r\n\r\n")
         sock.recv(65536)
-    with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=TIMEOUT_S) as response:
+    with stream_of(url, LONG) as response:
         next(response.iter_lines())  # gone in the middle of the answer
     wait_until(lambda: num_running(url) == 0, "the abandoned stream still runs")
 
@@ -136,7 +141,7 @@ def make_client_mistakes(url: str, port: int) -> None:
 def test_ctrl_c_drains_as_sigterm_does(tiny_llama_plan, tmp_path, sig):
     log_path = tmp_path / "serve.log"
     with serve_process(tiny_llama_plan, log_path, "--shutdown_timeout", 0) as (process, url):
-        with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=TIMEOUT_S) as response:
+        with stream_of(url, LONG) as response:
             rest = first_event_then_rest(response, process, sig)
         assert process.wait(timeout=15) == 0
     assert rest[-1] == "[DONE]" and "error" in json.loads(rest[-2])

@@ -73,7 +73,7 @@ class BodyReader:
             raise ApiError("the client disconnected before sending the whole body", status=400)
         data += message.get("body", b"")
         if len(data) > self.max_request_bytes:
-            raise self._too_large("the request body grew past this server's limit")
+            raise self._too_large(f"the request body (chunked) reached {len(data):,} bytes")
         return not message.get("more_body", False)
 
     def _too_large(self, what: str) -> ApiError:

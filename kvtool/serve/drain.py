@@ -70,8 +70,10 @@ class Drain:
             self._cut.set()
             self.engine_loop.end_all(self._cut_message, status=503)
             await self._until_closed(flush_timeout_s, cut_now)
-        outcome = (f"{num_open - num_cut} of {num_open} requests in flight finished, {num_cut} ended with an error "
-                   f"after the {timeout_s:g} s grace period (--shutdown_timeout)" if num_open else "no request in flight")
+        outcome = "no request in flight"
+        if num_open:
+            outcome = (f"{num_open - num_cut} of {num_open} requests in flight finished, {num_cut} ended with an "
+                       f"error after the {timeout_s:g} s grace period (--shutdown_timeout)")
         logger.info("%s: drained in %.1f s: %s; %d new requests refused (503)", reason, loop.time() - start, outcome,
                     self.num_refused)
 
