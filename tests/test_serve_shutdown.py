@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from serve_helpers import TIMEOUT_S, read_http_response, serve_process
 
@@ -23,11 +24,11 @@ def stream_of(url: str, body: dict):
     return httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT_S)
 
 
-def first_event_then_rest(response, process, sig=signal.SIGTERM) -> list[str]:
-    """Reads the first event, sends ``sig``, and returns the data of the events after it."""
+def first_event_then_rest(response, process) -> list[str]:
+    """Reads the first event, sends SIGTERM, and returns the data of the events after it."""
     lines = response.iter_lines()
     assert next(line for line in lines if line.startswith("data: "))
-    process.send_signal(sig)
+    process.send_signal(signal.SIGTERM)
     return [line[len("data: "):] for line in lines if line.startswith("data: ")]
 
 
@@ -137,13 +138,18 @@ def make_client_mistakes(url: str, port: int) -> None:
     wait_until(lambda: num_running(url) == 0, "the abandoned stream still runs")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT])
-def test_ctrl_c_drains_as_sigterm_does(tiny_llama_plan, tmp_path, sig):
+def test_ctrl_c_drains_as_sigterm_does_and_the_openai_client_raises_the_error(tiny_llama_plan, tmp_path):
     log_path = tmp_path / "serve.log"
     with serve_process(tiny_llama_plan, log_path, "--shutdown_timeout", 0) as (process, url):
-        with stream_of(url, LONG) as response:
-            rest = first_event_then_rest(response, process, sig)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        stream = client.completions.create(model=tiny_llama_plan.name, prompt=[1, 2, 3], max_tokens=1000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        assert next(chunks).choices[0].finish_reason is None
+        process.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="the server is shutting down: the request was ended"):
+            for _ in chunks:
+                pass
         assert process.wait(timeout=15) == 0
-    assert rest[-1] == "[DONE]" and "error" in json.loads(rest[-2])
     log = log_path.read_text()
     assert "Traceback" not in log and "SIGINT: drained in " in log
