@@ -101,10 +101,12 @@ def health_while_posting(server, content: bytes) -> tuple[httpx.Response, float,
 
 def assert_never_stalled(duration_s: float, latencies: list[float]) -> None:
     assert len(latencies) >= 3
-    # Tokenizing on the event loop held every /health for most of the big request's time. Off the loop,
-    # each answers within 100 ms; on a machine so loaded that the big request itself takes seconds,
-    # within a quarter of its time (still far from the stall this checks for).
-    assert max(latencies) < max(0.1, duration_s / 4), (max(latencies), duration_s, len(latencies))
+    # Tokenizing on the event loop held a /health for nearly all of the big request's time (0.51 s of
+    # 0.54 s, measured). Off the loop, a /health waits at most for the longest single call that holds
+    # the GIL in the worker (json.loads of the body, the tokenizer's list of ids: tens of ms): within
+    # 100 ms, or on a machine so loaded that everything takes several times longer, within half the
+    # big request's time (a fifth of it was seen at a load average of 10 on 2 cores).
+    assert max(latencies) < max(0.1, duration_s / 2), (max(latencies), duration_s, len(latencies))
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(server, llm):
