@@ -59,8 +59,7 @@ def test_sigterm_lets_running_requests_finish_and_answers_new_ones_503(tiny_llam
         uploading = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
         uploading.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10]))
-        stream = {**LONG, "max_tokens": 200, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=stream, timeout=TIMEOUT_S) as response:
+        with stream_of(url, LONG) as response:  # still running when the drain begins, finished within it
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             sent = time.monotonic()
