@@ -94,7 +94,7 @@ def running_server(llm: LLM, name: str = "tiny", **options) -> Iterator[RunningS
         thread.join(15)
 
 
-def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+def self_signed_certificate(directory: Path, name: str = "kvtool test") -> tuple[Path, Path]:
     """(cert.pem, key.pem): a certificate for 127.0.0.1 and localhost that signs itself, so it is its own CA."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -102,7 +102,8 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvtool test")])
+    directory.mkdir(parents=True, exist_ok=True)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)
     certificate = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
