@@ -3,26 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 _HF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the dtypes kvtool runs, by name
+
+
+def check_dtype_name(dtype: str) -> None:
+    """ValueError unless ``dtype`` names a dtype kvtool runs ('float32', 'float16', 'bfloat16')."""
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not supported: use one of {list(_DTYPE_BYTES)}")
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"bfloat16"`` or ``torch.bfloat16`` -> ``torch.bfloat16``; anything else is a ValueError."""
+    import torch  # here, not at the top: the CLI reads model configs without loading torch (kvtool --help)
+
     if isinstance(dtype, torch.dtype):
         return dtype
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype!r} is not supported: use one of {list(_DTYPE_NAMES)}") from None
+    check_dtype_name(dtype)
+    return getattr(torch, dtype)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -110,7 +117,8 @@ class ModelConfig:
 
     def num_kv_bytes_per_token(self, dtype: str | torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers: sizes the KV pools."""
-        element_size = torch.tensor([], dtype=torch_dtype(dtype)).element_size()
+        element_size = _DTYPE_BYTES[dtype] if isinstance(dtype, str) and dtype in _DTYPE_BYTES \
+            else torch_dtype(dtype).itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
     def num_parameters(self) -> int:

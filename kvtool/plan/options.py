@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvtool.config import ConfigError, check, check_tokens_per_block
-from kvtool.models.config import torch_dtype
+from kvtool.models.config import check_dtype_name
 
 DEFAULT_MAX_SEQ_LEN_CAP = 4096  # max_seq_len of a model with longer position embeddings
 
@@ -35,9 +35,9 @@ class BuildOptions:
         check(self.max_num_tokens >= 1, self, "max_num_tokens", f"must be >= 1, got {self.max_num_tokens}")
         check(isinstance(self.use_paged_context_fmha, bool), self, "use_paged_context_fmha",
               f"must be a bool, got {self.use_paged_context_fmha!r}")
-        torch_dtype(self.dtype)
+        check_dtype_name(self.dtype)
         if self.kv_cache_dtype is not None:
-            torch_dtype(self.kv_cache_dtype)
+            check_dtype_name(self.kv_cache_dtype)
 
     def _check_block_fits(self, max_seq_len: int | None) -> None:
         """A block longer than the longest sequence would never fill, so it would never be reused."""
