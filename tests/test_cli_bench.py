@@ -7,6 +7,8 @@ runtime on the tiny-llama preset.
 from __future__ import annotations
 
 import csv
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -105,10 +107,19 @@ def test_defaults_and_default_output_directory(tmp_path, dataset, fake_llms, mon
     (model, config, _), = fake_llms
     assert model == str(tmp_path / "myplan")
     assert config == BenchConfig()  # the API dataclasses' defaults
-    run_dir, = (tmp_path / "results").iterdir()
+    run_dir, = (tmp_path / "out").iterdir()
     assert run_dir.name.startswith("shared-")
     summary, = read_rows(run_dir / "summary.csv")
     assert summary["label"] == "myplan" and summary["replay"] == "offline"
+
+
+def test_the_default_output_directory_is_one_git_ignores_in_this_repository():
+    # results/ holds committed results: a run without --output must not land where `git add -A` takes it.
+    repo = Path(__file__).resolve().parent.parent
+    default = bench_runner.default_output_dir("shared")
+    checked = subprocess.run(["git", "-C", repo, "check-ignore", "-q", default / "summary.csv"])
+    assert checked.returncode == 0, f"git does not ignore {default}"
+    assert default.parts[0] != "results"
 
 
 def test_summary_csv_prefix_output(tmp_path, dataset, fake_llms):

@@ -1,12 +1,14 @@
-"""CSV reports: per-request rows appended as requests finish (flushed within 0.1 s, and on close);
-summaries written atomically.
+"""CSV reports: per-request rows appended as requests finish (handed to the OS whole, within 0.1 s,
+and on close); summaries written atomically.
 
-An interrupted bench therefore keeps every finished request's row, and a summary file is
-either the previous complete one or the new complete one, never half written.
+An interrupted bench therefore keeps every finished request's row, a killed one (``kill -9``) every
+row flushed before it, whole, and a summary file is either the previous complete one or the new
+complete one, never half written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import operator
 import os
@@ -18,7 +20,8 @@ from typing import IO
 
 from kvtool.bench.metrics import CSV_COLUMNS, ENGINE, MISS_COLUMNS, RequestMetrics
 from kvtool.errors import KvtoolError
-from kvtool.files import atomic_write
+from kvtool.files import FileWriteError, atomic_write
+from kvtool.signals import stop_signals_held
 
 SUMMARY_FILE = "summary.csv"
 _csv_values = operator.attrgetter(*CSV_COLUMNS)  # a RequestMetrics' CSV cells, in order, in one call
@@ -57,23 +60,41 @@ def requests_file_name(label: str | None) -> str:
     return "requests.csv" if not label else f"requests-{safe_label(label)}.csv"
 
 
+class _Lines(list):
+    """Where csv.writer puts each row: one whole line (terminator included) per writerow call."""
+
+    write = list.append
+
+
 class RequestCsvWriter:
-    """Appends one row per finished request to a CSV file, flushed to the OS at most ``flush_seconds``
-    after it was written, and on close (which an interrupted or failed bench reaches too)."""
+    """Appends one row per finished request to a CSV file. Rows reach the OS whole, at most
+    ``flush_seconds`` after they were written and on close (which an interrupted or failed bench
+    reaches too), so the file holds complete rows only, even after ``kill -9``.
+
+    A write the OS refuses (a full disk, a quota) cuts the file back to its last complete row and
+    raises a FileWriteError naming the file; the rows not written stay in memory (``num_rows``
+    counts every row given)."""
 
     def __init__(self, path: str | os.PathLike, *, flush_seconds: float = 0.1) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("w", newline="", encoding="utf-8")
-        self._writer = csv.writer(self._file)
+        self._pending = _Lines()   # whole lines not yet handed to the OS
+        self._writer = csv.writer(self._pending)
+        self._fd: int | None = None
+        self._size = 0             # bytes of complete rows in the file
+        self._num_written = 0      # rows in the file
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
+        except OSError as error:
+            raise FileWriteError(self.path, error, "nothing written") from None
         self._writer.writerow(CSV_COLUMNS)
-        self._file.flush()
         self._flush_seconds = flush_seconds
         self._flushed_at = time.monotonic()
+        self.flush()
         self.num_rows = 0
 
     def write(self, metrics: RequestMetrics) -> None:
-        if self._file is None:
+        if self._fd is None:
             raise RuntimeError(f"{self.path} is closed")
         cells = list(_csv_values(metrics))
         for i in _FLOAT_CELLS:
@@ -87,13 +108,49 @@ class RequestCsvWriter:
         # the replay loop between engine steps and show up in the latencies.
         now = time.monotonic()
         if now - self._flushed_at >= self._flush_seconds:
-            self._file.flush()
+            self.flush()
             self._flushed_at = now
 
+    def flush(self) -> None:
+        """Hands the rows written since the last flush to the OS, whole: one write of complete lines
+        (repeated only for what a short write left), with stop signals held back so that Ctrl-C or
+        SIGTERM cannot cut it; a failure cuts the file back to its last complete row."""
+        if not self._pending or self._fd is None:
+            return
+        data = "".join(self._pending).encode("utf-8")
+        with stop_signals_held():
+            try:
+                view, done = memoryview(data), 0
+                while done < len(data):
+                    done += os.write(self._fd, view[done:])
+            except OSError as error:
+                self._cut_back()
+                rows = self._num_written - 1  # the header is a line of the file, not a row
+                kept = (f"it ends at its last complete row, {rows:,} row{'s' if rows != 1 else ''}; "
+                        f"{len(self._pending):,} more not written" if self._num_written else "nothing written")
+                self._close_fd()
+                raise FileWriteError(self.path, error, kept) from None
+            self._size += len(data)
+            self._num_written += len(self._pending)
+            self._pending.clear()
+
+    def _cut_back(self) -> None:
+        """The file back to its last complete row (a failed write may have left part of one)."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._size)
+            os.lseek(self._fd, self._size, os.SEEK_SET)
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Flushes what is pending (a FileWriteError when the OS refuses it) and closes the file."""
+        try:
+            self.flush()
+        finally:
+            self._close_fd()
 
     def __enter__(self) -> RequestCsvWriter:
         return self

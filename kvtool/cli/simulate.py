@@ -20,6 +20,7 @@ from kvtool.cli import engine_flags
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.options import flag
+from kvtool.signals import stop_signals
 from kvtool.simulate.published import DEVICES
 
 SIMULATION = "Simulation"
@@ -46,7 +47,7 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
 
     plan, model, dataset, config, sets = params["plan"], params["model"], params["dataset"], params["config"], \
         params["set_"] or []
-    try:
+    with stop_signals() as stop, bench_command.stopped_early(console, stop):  # SIGTERM stops as Ctrl-C does
         with user_errors():
             flags = engine_flags.engine_flag_values(ctx.params)
             if plan is not None and model is not None:
@@ -65,9 +66,6 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
                 rows, interrupted, written, failure = bench_command._run_single(
                     plan, model, dataset, params["output"], params["label"], flags, params["plan_cache_dir"],
                     console, llm_factory=factory)
-    except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
-        raise typer.Exit(bench_command.EXIT_INTERRUPTED) from None
 
     def sweep_report(rows, wide):
         if len(rows) < 2:
@@ -75,7 +73,7 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
         print_sweep(rows, wide)
         return [plot_sweep(rows, Path(written[-1]).parent / "sweep.png")]
 
-    bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report)
+    bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report, stop=stop)
 
 
 def _sweep_scenario(sweep, flags, config, sets, plan, model, dataset):
