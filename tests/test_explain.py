@@ -49,7 +49,8 @@ def test_explain_splits_the_misses_and_simulates_a_host_cache(abab_report, profi
     assert f"{evicted / missed:.0%} of missed blocks ({evicted}) had been evicted from the primary pool" in text
     assert f"{16 / missed:.0%} of missed blocks (16) were seen for the first time" in text
     # The what-if: a host cache big enough for what was evicted, simulated; the hit rate goes up.
-    match = re.search(r"With a host cache of [\d.,]+ [KMG]?B \(simulated\), the hit rate goes from ([\d.]+) to "
+    # Sizes as every screen shows them (binary units), rounded up to one a user would type.
+    match = re.search(r"With a host cache of [\d.,]+ (?:[KMG]iB|B) \(simulated\), the hit rate goes from ([\d.]+) to "
                       r"([\d.]+) and TTFT p50 from ([\d,]+) to ([\d,]+) ms", text)
     assert match, text
     before, after = float(match.group(1)), float(match.group(2))

@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.bench.metrics import RequestMetrics, summarize
+from kvtool.bench.differences import config_fields, differing_fields, variant_names
+from kvtool.bench.metrics import MISS_COLUMNS, RequestMetrics, summarize
 from kvtool.bench.repeats import Spread, as_number, group_by_label, median_row, spread, verdict
-from kvtool.bench.report import format_hit_rate, read_csv, request_metrics_from_row, rows_by_label
+from kvtool.bench.report import (SUMMARY_FILE, format_hit_rate, read_report, request_metrics_from_row,
+                                 rows_by_label)
 from kvtool.errors import KvtoolError
 from kvtool.units import format_bytes
 
@@ -57,26 +59,33 @@ _NOISY_COLUMNS = frozenset({"label", "started_at", "requests_csv", "duration_s",
 @dataclass
 class CompareVariant:
     """One column of the comparison: a name, its summary values (medians when it ran several times),
-    its runs' rows and (when known) its requests, every run's pooled."""
+    its runs' rows and (when known) its requests, every run's pooled. ``cut_short``: a run without a
+    summary row (killed before writing it), its figures summarized from its per-request rows."""
 
     name: str
     row: dict[str, str]
     requests: list[RequestMetrics] | None
     source: Path
     runs: list[dict] = field(default_factory=list)
+    cut_short: bool = False
+    notes: list[str] = field(default_factory=list)  # what the screen must say about its files
 
     @property
     def num_runs(self) -> int:
         return len(self.runs) or 1
 
     def status(self) -> str:
-        """'' for a complete run without errors, else e.g. 'interrupted, 3 errors'."""
+        """'' for a complete run without errors, else e.g. 'interrupted, 3 errors' or 'cut short'."""
+        if self.cut_short:
+            return "cut short, no summary"
         runs = self.runs or [self.row]
         interrupted = sum(str(run.get("interrupted")) == "True" for run in runs)
         errors = sum(int(as_number(run.get("num_errors")) or 0) for run in runs)
         parts = []
         if interrupted:
-            parts.append("interrupted" if len(runs) == 1 else f"{interrupted} of {len(runs)} runs interrupted")
+            by = {str(run.get("interrupted_by")) for run in runs if run.get("interrupted_by")}
+            signal = f" by {'/'.join(sorted(by))}" if by else ""
+            parts.append(f"interrupted{signal}" if len(runs) == 1 else f"{interrupted} of {len(runs)} runs interrupted")
         if errors:
             parts.append(f"{errors} error{'s' if errors > 1 else ''}")
         return ", ".join(parts)
@@ -106,66 +115,120 @@ def _is_per_request(columns: Sequence[str]) -> bool:
     return "request_id" in columns and "ttft_ms" in columns
 
 
-def _summary_from_requests(label: str, requests: list[RequestMetrics]) -> dict[str, str]:
+def summary_from_requests(label: str, requests: list[RequestMetrics]) -> dict:
+    """A summary row from per-request rows: the metrics, and the missed blocks by reason summed (the
+    reused blocks and the configuration are only in a summary)."""
     row = {"label": label, "engine": "/".join(sorted({r.engine for r in requests}))}
     row.update({k: "" if v is None else v for k, v in summarize(requests).as_row().items()})
+    for column in MISS_COLUMNS:
+        counts = [getattr(r, column) for r in requests if r.ok and getattr(r, column) is not None]
+        row[column] = sum(counts) if counts else ""
     return row
 
 
-def load_variants(paths: Sequence[str | os.PathLike]) -> list[CompareVariant]:
-    """Every variant of the given reports, in order; duplicate labels get their file's name added."""
-    variants: list[CompareVariant] = []
-    for path in map(Path, paths):
-        rows = read_csv(path)
-        if not rows:
-            raise KvtoolError(f"report {path} has a header but no rows")
-        columns = list(rows[0])
-        if _is_per_request(columns):
-            for label, group in rows_by_label(rows).items():
-                try:
-                    requests = [request_metrics_from_row(row) for row in group]
-                except (KeyError, ValueError) as error:
-                    raise KvtoolError(f"{path}: a row is not a kvtool per-request row ({error})") from None
-                variants.append(CompareVariant(label or path.stem, _summary_from_requests(label, requests),
-                                               requests, path))
-        elif "ttft_ms_mean" in columns and "repeat" in columns:
-            for runs in group_by_label(rows):
-                requests = [r for run in runs for r in (_requests_beside(path, run) or [])]
-                variants.append(CompareVariant(runs[0].get("label") or path.stem, median_row(runs),
-                                               requests or None, path, [dict(run) for run in runs]))
-        elif "ttft_ms_mean" in columns:
-            for row in rows:
-                variants.append(CompareVariant(row.get("label") or path.stem, dict(row),
-                                               _requests_beside(path, row), path, [dict(row)]))
-        else:
-            raise KvtoolError(f"{path} is neither a kvtool summary CSV (ttft_ms_mean column) nor a per-request CSV "
-                              "(request_id and ttft_ms columns)")
-    counts: dict[str, int] = {}
-    for variant in variants:
-        counts[variant.name] = counts.get(variant.name, 0) + 1
-    seen: dict[str, int] = {}
-    for variant in variants:
-        if counts[variant.name] > 1:
-            base = f"{variant.name} ({variant.source.stem})"
-            seen[base] = seen.get(base, 0) + 1
-            variant.name = base if seen[base] == 1 else f"{base} #{seen[base]}"
+def _request_variants(path: Path, *, cut_short: bool) -> list[CompareVariant]:
+    """A variant per label of a per-request CSV (a cut-short last row left out, with a note)."""
+    report = read_report(path, allow_cut=True)
+    if not report.rows:
+        raise KvtoolError(f"report {path} has a header but no rows" + (f" ({report.cut_note(path)})"
+                                                                        if report.cut_line else ""))
+    if not _is_per_request(list(report.rows[0])):
+        raise KvtoolError(f"{path} is not a kvtool per-request CSV (request_id and ttft_ms columns)")
+    variants = []
+    for label, group in rows_by_label(report.rows).items():
+        try:
+            requests = [request_metrics_from_row(row) for row in group]
+        except (KeyError, ValueError) as error:
+            raise KvtoolError(f"{path}: a row is not a kvtool per-request row ({error})") from None
+        notes = [report.cut_note(path)] if report.cut_line else []
+        if cut_short:
+            notes.insert(0, f"no summary row: the run was cut short (killed, or its disk filled) before writing "
+                            f"one; its figures come from the {len(requests):,} complete rows of {path} (cache "
+                            "counters and configuration unknown)")
+        variants.append(CompareVariant(label or path.stem, summary_from_requests(label, requests), requests, path,
+                                       cut_short=cut_short, notes=notes))
     return variants
 
 
-def _requests_beside(summary_path: Path, row: dict[str, str]) -> list[RequestMetrics] | None:
+def _summary_variants(path: Path, rows: list[dict[str, str]], with_requests: bool) -> list[CompareVariant]:
+    """A variant per label of a summary CSV (the runs of a repeated one as one), with its requests."""
+    variants = []
+    columns = list(rows[0])
+    groups = group_by_label(rows) if "repeat" in columns else [[row] for row in rows]
+    for runs in groups:
+        notes: list[str] = []
+        requests = [r for run in runs for r in (_requests_beside(path, run, notes) or [])] if with_requests else []
+        row = median_row(runs) if "repeat" in columns else dict(runs[0])
+        variants.append(CompareVariant(runs[0].get("label") or path.stem, row, requests or None, path,
+                                       [dict(run) for run in runs], notes=notes))
+    return variants
+
+
+def _report_variants(path: Path, with_requests: bool) -> list[CompareVariant]:
+    if path.is_dir():
+        return _directory_variants(path, with_requests)
+    report = read_report(path, allow_cut=True)
+    if report.rows and _is_per_request(list(report.rows[0])):
+        return _request_variants(path, cut_short=False)
+    if report.cut_line is not None:  # summaries are written whole: a cut one was damaged after
+        read_report(path)  # the error naming the line
+    if not report.rows:
+        raise KvtoolError(f"report {path} has a header but no rows")
+    if "ttft_ms_mean" not in report.rows[0]:
+        raise KvtoolError(f"{path} is neither a kvtool summary CSV (ttft_ms_mean column) nor a per-request CSV "
+                          "(request_id and ttft_ms columns)")
+    return _summary_variants(path, report.rows, with_requests)
+
+
+def _directory_variants(directory: Path, with_requests: bool) -> list[CompareVariant]:
+    """A run or scenario directory (kvtool bench --output DIR): its summary's variants, and a cut-short
+    variant for each per-request file no summary row names (a run killed before its summary)."""
+    summary = directory / SUMMARY_FILE
+    variants = _report_variants(summary, with_requests) if summary.is_file() else []
+    named = {run.get("requests_csv") for variant in variants for run in variant.runs}
+    for requests_csv in sorted(directory.glob("requests*.csv")):
+        if requests_csv.name not in named:
+            variants += _request_variants(requests_csv, cut_short=True)
+    if not variants:
+        raise KvtoolError(f"{directory} holds no {SUMMARY_FILE} and no requests*.csv: give a directory kvtool bench "
+                          "or simulate wrote (its --output), or the CSV files themselves")
+    return variants
+
+
+def load_variants(paths: Sequence[str | os.PathLike], *, with_requests: bool = True) -> list[CompareVariant]:
+    """Every variant of the given reports (summary CSVs, per-request CSVs, run or scenario directories),
+    in order, named so that each name is distinct and says what sets it apart
+    (kvtool.bench.differences.variant_names). ``with_requests=False``: a summary's per-request files
+    are not read (a variant cut short before its summary is still read from its own)."""
+    variants = [variant for path in map(Path, paths) for variant in _report_variants(path, with_requests)]
+    names = variant_names([v.row for v in variants], [v.source for v in variants])
+    for variant, name in zip(variants, names):
+        variant.name = name
+    return variants
+
+
+def _requests_beside(summary_path: Path, row: dict[str, str], notes: list[str]) -> list[RequestMetrics] | None:
     name = row.get("requests_csv")
     if not name:
         return None
     path = summary_path.parent / name
     if not path.is_file():
         return None
+    report = read_report(path, allow_cut=True)
+    if report.cut_line is not None:
+        notes.append(report.cut_note(path))
     label = row.get("label", "")
-    return [request_metrics_from_row(r) for r in read_csv(path) if r.get("label", "") == label] or None
+    return [request_metrics_from_row(r) for r in report.rows if r.get("label", "") == label] or None
 
 
 def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
-    """Metric rows (those any variant has), then the configuration columns whose values differ."""
+    """The configuration fields whose values differ (kvtool.bench.differences), the metric rows (those
+    any variant has), then the other columns whose values differ."""
     rows = []
+    differing = differing_fields([v.row for v in variants])
+    for config in differing:
+        values = tuple(config.value(v.row) for v in variants)
+        rows.append(CompareRow(config.name, config.column, values, (None,) * len(values)))
     for column, name in METRICS:
         values = tuple(_number(v.row.get(column)) for v in variants)
         if all(value is None for value in values):
@@ -175,12 +238,12 @@ def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
                        for value in values)
         spreads = tuple(spread(v.runs, column) if v.num_runs > 1 else None for v in variants)
         rows.append(CompareRow(name, column, values, ratios, spreads))
-    metric_columns = {column for column, _ in METRICS}
-    config_columns: dict[str, None] = {}
+    shown = {column for column, _ in METRICS} | {config.column for config in config_fields([v.row for v in variants])}
+    other_columns: dict[str, None] = {}
     for variant in variants:
-        config_columns.update(dict.fromkeys(variant.row))
-    for column in config_columns:
-        if column in metric_columns or column in _NOISY_COLUMNS or "_ms_" in column:
+        other_columns.update(dict.fromkeys(variant.row))
+    for column in other_columns:
+        if column in shown or column in _NOISY_COLUMNS or "_ms_" in column:
             continue
         values = tuple(variant.row.get(column, "") for variant in variants)
         if len({value for value in values if value != ""}) > 1:  # variants without the column do not count
@@ -189,7 +252,7 @@ def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
     return rows
 
 
-# What must match for a comparison to mean what it seems to: the header says where variants differ.
+# What must match for a comparison to mean what it seems to: the header says what the variants share.
 SETUP: tuple[tuple[str, str], ...] = (("model", "model"), ("dataset", "dataset"), ("tokens_per_block", "block size"),
                                       ("kv_primary_tokens", "primary pool"), ("kv_host_bytes", "host pool"),
                                       ("device", "device"))
@@ -197,10 +260,10 @@ SETUP: tuple[tuple[str, str], ...] = (("model", "model"), ("dataset", "dataset")
 
 def _setup_value(row: dict, column: str) -> str | None:
     value = row.get(column)
+    if column == "model" and value in (None, "") and row.get("plan_path"):
+        value = row["plan_path"]
     if value in (None, ""):
         return None
-    if column == "model" and not row.get("model") and row.get("plan_path"):
-        value = row["plan_path"]
     if column == "dataset":
         digest = row.get("dataset_sha256") or ""
         return f"{Path(str(value)).name} (sha256 {digest[:12]})" if digest else Path(str(value)).name
@@ -214,17 +277,17 @@ def _setup_value(row: dict, column: str) -> str | None:
 
 
 def setup_differences(variants: Sequence[CompareVariant]) -> tuple[list[tuple[str, str]], list[tuple[str, list]]]:
-    """(what every variant shares: [(name, value)], where they differ: [(name, [value per variant])]);
-    a value no report records is left out."""
-    same, different = [], []
+    """(what every variant shares: [(name, value)], where they differ: [(name, [value per variant])]):
+    every configuration field whose recorded values differ (kvtool.bench.differences.differing_fields:
+    flags, build options, model, dataset and its sha256, engine, endpoint, simulation, device, pools);
+    a value a report does not record is None."""
+    rows = [v.row for v in variants]
+    same = []
     for column, name in SETUP:
-        values = [_setup_value(v.row, column) for v in variants]
-        if all(value is None for value in values):
-            continue
-        if len(set(values)) == 1:
-            same.append((name, values[0]))
-        else:
-            different.append((name, values))
+        values = {_setup_value(row, column) for row in rows}
+        if len(values) == 1 and None not in values:
+            same.append((name, values.pop()))
+    different = [(config.name, [config.value(row) for row in rows]) for config in differing_fields(rows)]
     return same, different
 
 

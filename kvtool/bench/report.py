@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import operator
 import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import NamedTuple
 
 from kvtool.bench.metrics import CSV_COLUMNS, ENGINE, MISS_COLUMNS, RequestMetrics
 from kvtool.errors import KvtoolError
@@ -173,23 +174,65 @@ def write_summary_csv(path: str | os.PathLike, rows: Sequence[Mapping[str, objec
     return path
 
 
-def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
-    """Rows of a CSV report as dicts of strings; a missing or empty file is a clear error."""
+class CsvReport(NamedTuple):
+    """A CSV report's complete rows, and the line of a last row cut short (None: none was)."""
+
+    rows: list[dict[str, str]]
+    cut_line: int | None
+
+    def cut_note(self, path: str | os.PathLike) -> str:
+        """'requests.csv line 588 is cut short ...' ('' when no row was)."""
+        if self.cut_line is None:
+            return ""
+        return (f"{path} line {self.cut_line} is cut short (the run was killed or its disk filled while writing it): "
+                "that row is left out")
+
+
+def read_report(path: str | os.PathLike, *, allow_cut: bool = False) -> CsvReport:
+    """The rows of a CSV report as dicts of strings. A row whose number of cells is not the header's, or
+    a last line without its line end, is an error naming the file and line; with ``allow_cut`` such a
+    last line (an appended file whose writer was killed, or a full disk) is left out and reported in
+    ``cut_line`` instead. A missing or empty file is a clear error."""
     path = Path(path)
     if not path.is_file():
         raise KvtoolError(f"report {path} does not exist or is not a file")
     try:
-        with path.open(newline="", encoding="utf-8") as source:
-            reader = csv.DictReader(source)
-            if not reader.fieldnames:
-                raise KvtoolError(f"report {path} is empty (no header row)")
-            return list(reader)
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise KvtoolError(f"report {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): give a "
                           "summary.csv or requests.csv that kvtool bench wrote") from None
+    ended = text.endswith(("\n", "\r"))
+    last_line = text.count("\n") + (not ended)
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, None)
+        if not header:
+            raise KvtoolError(f"report {path} is empty (no header row)")
+        rows: list[dict[str, str]] = []
+        cut_line = None
+        for cells in reader:
+            if not cells:
+                continue  # a blank line
+            last = reader.line_num == last_line
+            if len(cells) != len(header) or (last and not ended):
+                why = ("no line end" if last and not ended and len(cells) == len(header)
+                       else f"{len(cells)} cells where the header has {len(header)}")
+                if last and not ended and allow_cut:
+                    cut_line = reader.line_num
+                    break
+                raise KvtoolError(f"report {path} line {reader.line_num} is cut short or damaged ({why}): kvtool writes "
+                                  "whole rows, so the file was cut or edited after; repair or remove that line, or "
+                                  "rerun the bench")
+            rows.append(dict(zip(header, cells)))
     except csv.Error as error:
         raise KvtoolError(f"report {path} is not a CSV file ({error}): give a summary.csv or requests.csv that "
                           "kvtool bench wrote") from None
+    return CsvReport(rows, cut_line)
+
+
+def read_csv(path: str | os.PathLike) -> list[dict[str, str]]:
+    """The rows of a complete CSV report (read_report without allow_cut)."""
+    return read_report(path).rows
 
 
 def _optional_float(text: str | None) -> float | None:
