@@ -148,6 +148,8 @@ def test_ctrl_c_keeps_finished_rows_writes_the_summary_and_exits_130(tmp_path, d
     (["--model", "preset:x", "--dataset", "{dataset}", "--context-chunking-policy", "lifo"],
      "--context_chunking_policy 'lifo' is unknown"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--kv_host_cache_bytes", "lots"], "byte size 'lots'"),
+    (["--model", "preset:x", "--dataset", "{dataset}", "--kv_host_cache_bytes", "-1"],
+     "--kv_host_cache_bytes: must be >= 0 bytes, got -1"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--tokens_per_block", 24], "must be a power of 2"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--mode", "sequential", "--concurrency", 3],
      "contradicts concurrency 3"),

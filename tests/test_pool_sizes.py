@@ -58,7 +58,8 @@ def test_a_host_cache_smaller_than_one_block_is_an_error():
 
 def test_a_host_cache_beyond_memory_is_a_limit_the_workload_may_never_reach():
     available = 24 * GiB
-    with pytest.raises(KvtoolError, match=rf"exceeds the {available - 10 * MiB:,} bytes \([\d.]+ GiB\) of host memory available"):
+    with pytest.raises(KvtoolError,
+                       match=rf"exceeds the {available - 10 * MiB:,} bytes \([\d.]+ GiB\) of host memory available"):
         sizes(max_tokens=160, host=45_000_000_000, available=available)  # no workload known: refused
     fits = sizes(max_tokens=160, host=45_000_000_000, available=available, workload=300)
     assert fits.num_secondary_blocks == 45_000_000_000 // MiB

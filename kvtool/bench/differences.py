@@ -146,8 +146,8 @@ def config_fields(rows: Sequence[Mapping]) -> list[ConfigField]:
     for row in rows:
         columns.update(dict.fromkeys(row))
     fields = [field for field in FLAG_FIELDS if field.column in columns]
-    for prefix in ("plan_", "build_"):
-        fields += [ConfigField(column, f"build {column.removeprefix(prefix)}",
+    for prefix, what in (("plan_", "plan"), ("build_", "build")):
+        fields += [ConfigField(column, f"{what} {column.removeprefix(prefix)}",
                                short=lambda v, name=column.removeprefix(prefix): f"{name} {v}")
                    for column in columns if column.startswith(prefix) and column not in _KNOWN]
     fields += [field for field in OTHER_FIELDS if field.column in columns]

@@ -220,9 +220,9 @@ def read_report(path: str | os.PathLike, *, allow_cut: bool = False) -> CsvRepor
                 if last and not ended and allow_cut:
                     cut_line = reader.line_num
                     break
-                raise KvtoolError(f"report {path} line {reader.line_num} is cut short or damaged ({why}): kvtool writes "
-                                  "whole rows, so the file was cut or edited after; repair or remove that line, or "
-                                  "rerun the bench")
+                raise KvtoolError(f"report {path} line {reader.line_num} is cut short or damaged ({why}): kvtool "
+                                  "writes whole rows, so the file was cut or edited after; repair or remove that "
+                                  "line, or rerun the bench")
             rows.append(dict(zip(header, cells)))
     except csv.Error as error:
         raise KvtoolError(f"report {path} is not a CSV file ({error}): give a summary.csv or requests.csv that "

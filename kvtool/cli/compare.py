@@ -65,7 +65,8 @@ def _print_setup(console: Console, variants) -> None:
     # Names made of what differs say which value is whose: then the values alone, in column order.
     named = not all(default_label(v.row) for v in variants)
     for name, values in different:
-        shown = ", ".join(f"{v.name}: {value or '?'}" if named else (value or "?") for v, value in zip(variants, values))
+        shown = ", ".join(f"{v.name}: {value or '?'}" if named else (value or "?")
+                          for v, value in zip(variants, values))
         console.print(f"[yellow]differs[/]: {name} ({escape(shown)})", highlight=False, soft_wrap=True)
 
 

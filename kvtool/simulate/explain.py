@@ -139,14 +139,14 @@ def explain_runs(runs: Sequence[Mapping], *, report_dir: Path, profile: str | No
     reused, missed = _figures(runs, "reused_blocks"), _figures(runs, "missed_blocks")
     totals = [r + m for r, m in zip(reused, missed)]
     p50s = [value for value in (as_number(run.get("ttft_ms_p50")) for run in runs) if value is not None]
-    p50 = _span(p50s, _ms) if p50s else "-"
-    if len(p50s) > 1 and "-" in p50:
-        p50 += f" (median {_ms(as_number(row.get('ttft_ms_p50')))})"
+    p50 = f"{_span(p50s, _ms)} ms" if p50s else "-"
+    if len(set(map(_ms, p50s))) > 1:
+        p50 += f", median {_ms(as_number(row.get('ttft_ms_p50')))} ms"
     rates = [value for value in (as_number(run.get("cache_hit_rate")) for run in runs) if value is not None]
     count = "requests" if len(runs) == 1 else f"requests each, over {len(runs)} runs"
     sentences = [f"{label}: {_span(_figures(runs, 'num_requests'), _count)} {count}; {_span(reused, _count)} of "
                  f"{_span(totals, _count)} full prompt blocks were reused (hit rate "
-                 f"{_span(rates, _rate) if rates else '-'}); TTFT p50 {p50} ms ({kind})."]
+                 f"{_span(rates, _rate) if rates else '-'}); TTFT p50 {p50} ({kind})."]
     if not any(missed):
         return sentences
     if row.get("missed_never_seen_blocks") in (None, ""):
@@ -191,8 +191,9 @@ def explain_requests(variant, *, report_dir: Path) -> list[str]:
     summary = "its summary.csv has no row for it" if (report_dir / SUMMARY_FILE).is_file() else "no summary.csv"
     why = (f"the run was cut short: {summary} (it was killed, or its disk filled, before writing one)"
            if variant.cut_short else f"per-request rows only ({source.name})")
-    sentences = [f"{row.get('label') or variant.name}: {why}. From the {_count(as_number(row.get('num_requests')) or 0)} "
-                 f"complete rows of {source}: {_count(as_number(row.get('missed_blocks')) or 0)} full prompt blocks "
+    num_rows = f"{len(variant.requests or []):,}"
+    sentences = [f"{row.get('label') or variant.name}: {why}. From the {num_rows} complete rows of {source}: "
+                 f"{_count(as_number(row.get('missed_blocks')) or 0)} full prompt blocks "
                  f"were missed, {_count(as_number(row.get('total_reused_tokens')) or 0)} prompt tokens reused; TTFT "
                  f"p50 {_ms(as_number(row.get('ttft_ms_p50')))} ms (measured as far as it ran)."]
     sentences += [f"({note}.)" for note in variant.notes if "is cut short" in note]
