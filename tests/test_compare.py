@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtool.bench.compare import (compare_rows, format_ratio, load_variants, plot_ttft, setup_differences,
-                                  verdicts)
+from kvtool.bench.compare import (compare_rows, format_metric, format_ratio, load_variants, plot_ttft,
+                                  setup_differences, verdicts)
 from kvtool.bench.metrics import request_metrics
 from kvtool.bench.report import RequestCsvWriter, write_summary_csv
 from kvtool.errors import KvtoolError
@@ -172,3 +172,9 @@ def test_miss_reasons_are_metric_rows_and_summaries_written_before_them_still_co
     assert never_seen.name == "missed: never seen" and never_seen.values == (None, 3.0)
     assert row_named(rows, "missed_last_token_blocks").values == (None, 1.0)
     assert all(row.column != "missed_partial_blocks" for row in rows)  # neither report has it
+
+
+def test_sizes_show_in_binary_units_as_on_every_screen():
+    assert format_metric("offloaded_bytes", 1.5 * 2**30) == "1.5 GiB"
+    assert format_metric("onboarded_bytes", 0.0) == "0 B"
+    assert format_metric("offloaded_blocks", 2048.0) == "2,048"
