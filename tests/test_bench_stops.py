@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import test_explain
 from test_cli_bench import FakeLlmFactory, invoke, read_rows
+from test_cli_compare import compared_cut_short
 
 from kvtool.bench import runner as bench_runner
 from kvtool.bench.datasets import write_jsonl
@@ -94,14 +95,7 @@ def test_kill_9_leaves_whole_rows_and_compare_and_explain_say_the_run_was_cut_sh
     assert not (out / "summary.csv").exists()
     num_rows = assert_whole_rows(out / "requests.csv")
 
-    compared = invoke("compare", out)
-    assert compared.exit_code == 0, compared.output
-    text = " ".join(compared.output.split())
-    assert "(cut short, no summary)" in text
-    assert (f"no summary row: the run was cut short (killed, or its disk filled) before writing one; its figures come "
-            f"from the {num_rows:,} complete rows of {out / 'requests.csv'}") in text
-    requests_line = next(line for line in compared.output.splitlines() if line.startswith("│ requests "))
-    assert f" {num_rows:,} " in requests_line
+    compared_cut_short(out, "tiny-llama", num_rows)
 
     explained = invoke("explain", out)
     assert explained.exit_code == 0, explained.output

@@ -136,17 +136,25 @@ def test_four_runs_list_every_field_that_differs_and_are_named_by_the_fewest(tmp
                        "differs: --max_batch_size (2, 4, 2, 4)"]
 
 
+def compared_cut_short(run, name, num_rows):
+    """`kvtool compare RUN` on a run without a summary: marked cut short, its figures from its rows."""
+    result = invoke("compare", run)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"{name} (cut short, no summary)" in text
+    assert (f"no summary row: the run was cut short (killed, or its disk filled) before writing one; its figures come "
+            f"from the {num_rows:,} complete rows of {run / 'requests.csv'}") in text
+    requests_line = next(line for line in result.output.splitlines() if line.startswith("│ requests "))
+    assert f" {num_rows:,} " in requests_line
+    return text
+
+
 def test_a_run_directory_without_a_summary_is_shown_cut_short_and_a_cut_row_is_named(tmp_path, dataset, fake_llms):
     run = bench_run(tmp_path / "run", dataset)
     (run / "summary.csv").unlink()  # as `kill -9` leaves it, or a disk that filled up
     requests = run / "requests.csv"
     requests.write_bytes(requests.read_bytes()[:-20])  # and its last row only partly written
-    result = invoke("compare", run)
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    assert "tiny-llama (cut short, no summary)" in text
-    assert (f"no summary row: the run was cut short (killed, or its disk filled) before writing one; its figures come "
-            f"from the 5 complete rows of {requests}") in text
+    text = compared_cut_short(run, "tiny-llama", 5)
     assert f"{requests} line 7 is cut short (the run was killed or its disk filled while writing it): that row is " \
            "left out" in text
 
