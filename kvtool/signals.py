@@ -52,9 +52,9 @@ class StopRecord:
 def stop_signals() -> Iterator[StopRecord]:
     """While the block runs, the first SIGTERM raises ``Stopped`` (a KeyboardInterrupt, as Ctrl-C raises)
     in the main thread, and the record says it came; a repeated one is ignored while the run stops and
-    writes its summary. The previous handler is put back after. A SIGTERM the
-    process was started ignoring stays ignored, and outside the main thread (where Python cannot set
-    handlers) nothing changes."""
+    writes its summary. The previous handler is put back after. A SIGTERM the process was started
+    ignoring stays ignored, and outside the main thread (where Python cannot set handlers) nothing
+    changes."""
     record = StopRecord()
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN):

@@ -116,9 +116,10 @@ def test_two_runs_of_one_plan_differing_only_in_reuse_are_named_by_it(tmp_path, 
     assert "ratios against reuse on" in result.output
     first_row = next(line for line in result.output.splitlines() if line.startswith("│"))
     assert first_row.split("│")[1].strip() == "--enable_kv_cache_reuse"  # heads the table
-    # A label given with --label wins.
+    # A label given with --label stays.
     named = bench_run(tmp_path / "named", dataset, "--disable_kv_cache_reuse", "--label", "baseline")
-    assert header_cells(invoke("compare", on, named).output)[1:3] == ["reuse on", "baseline"]
+    assert header_cells(invoke("compare", on, off, named).output)[1:] == ["reuse on", "reuse off", "ratio", "baseline",
+                                                                          "ratio"]
 
 
 def test_four_runs_list_every_field_that_differs_and_are_named_by_the_fewest(tmp_path, dataset, fake_llms):

@@ -16,7 +16,7 @@ def run(label="sm32", **columns):
 
 
 def names(rows, sources=None):
-    return variant_names(rows, sources or [Path(f"out/{i}/summary.csv") for i in range(len(rows))])
+    return variant_names(rows, sources or [Path(f"out/{i}/summary.csv") for i in range(len(rows))]).names
 
 
 def test_default_labels_give_way_to_what_differs():
@@ -52,6 +52,17 @@ def test_chosen_labels_stay_and_repeated_ones_get_what_differs_then_their_place(
     sources = [Path("out/a/summary.csv"), Path("out/a/summary.csv"), Path("out/b/summary.csv"),
                Path("out/b/summary.csv")]
     assert names(rows, sources) == ["on (host off)", "off (a)", "on (host 1.0 GiB)", "off (b)"]
+
+
+def test_a_default_label_no_other_run_shares_stays():
+    assert names([run(), run("sm64", model="plans/sm64", plan_path="plans/sm64", tokens_per_block="64")]) == [
+        "sm32", "sm64"]
+    assert names([run("in-process"), run("sm32@endpoint", model="sm32", engine="vllm@endpoint")]) == [
+        "in-process", "sm32@endpoint"]
+    # Two plans run with reuse on and off: names alike across the plans get the plan added.
+    rows = [run(), run(enable_kv_cache_reuse="False")]
+    rows += [{**row, "label": "sm64", "model": "plans/sm64", "plan_path": "plans/sm64"} for row in rows]
+    assert names(rows) == ["reuse on (sm32)", "reuse off (sm32)", "reuse on (sm64)", "reuse off (sm64)"]
 
 
 def test_the_same_configuration_twice_is_told_apart_by_directory_or_file():

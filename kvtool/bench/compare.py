@@ -69,6 +69,7 @@ class CompareVariant:
     runs: list[dict] = field(default_factory=list)
     cut_short: bool = False
     notes: list[str] = field(default_factory=list)  # what the screen must say about its files
+    name_from_config: bool = False  # the name is what sets it apart ('reuse off'), its default label replaced
 
     @property
     def num_runs(self) -> int:
@@ -202,8 +203,8 @@ def load_variants(paths: Sequence[str | os.PathLike], *, with_requests: bool = T
     are not read (a variant cut short before its summary is still read from its own)."""
     variants = [variant for path in map(Path, paths) for variant in _report_variants(path, with_requests)]
     names = variant_names([v.row for v in variants], [v.source for v in variants])
-    for variant, name in zip(variants, names):
-        variant.name = name
+    for variant, name, derived in zip(variants, *names):
+        variant.name, variant.name_from_config = name, derived
     return variants
 
 

@@ -2,8 +2,8 @@
 and the short names that tell variants apart ('reuse off', 'host 42.0 GiB', 'block 16').
 
 A report's label is kept when it was chosen (--label, a scenario's variant names). A default label
-(the plan's name, the same for every run of one plan) gives way to what differs: the configuration
-fields, taken in the order below, that first tell the variants apart.
+(the plan's name, the same for every run of one plan) that several runs share gives way to what
+differs: the configuration fields, taken in the order below, that first tell those runs apart.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from kvtool.bench.config import FLAGS
 from kvtool.units import format_bytes
@@ -206,20 +207,31 @@ def default_label(row: Mapping) -> bool:
     return label in (_model(model), f"{model}@endpoint")
 
 
-def variant_names(rows: Sequence[Mapping], sources: Sequence[Path]) -> list[str]:
-    """A distinct, short name per row: its label when chosen, else what differs ('reuse off'); labels
-    that repeat get what differs between their rows added, and then their file's place."""
-    fields = telling_apart(rows, differing_fields(rows))
-    names = []
-    for row in rows:
-        label = str(row.get("label") or "")
-        derived = describe(row, fields) if default_label(row) else ""
-        names.append(derived or label or "run")
+class VariantNames(NamedTuple):
+    names: list[str]
+    derived: list[bool]  # whether a name is only what sets its row apart (its default label replaced)
+
+
+def variant_names(rows: Sequence[Mapping], sources: Sequence[Path]) -> VariantNames:
+    """A distinct, short name per row. A label that several rows share gives way to what tells them
+    apart ('reuse on', 'reuse off') when it is kvtool's default, and gets it added when it was chosen
+    ('on (host off)'); names still alike get that added, then their files' places, then a number."""
+    names = [str(row.get("label") or "run") for row in rows]
+    derived = [False] * len(rows)
     for group in _repeated(names):
         among = [rows[i] for i in group]
-        extra = telling_apart(among, differing_fields(among))
+        fields = telling_apart(among, differing_fields(among))
         for i in group:
-            detail = describe(rows[i], extra)
+            detail = describe(rows[i], fields)
+            if detail and default_label(rows[i]):
+                names[i], derived[i] = detail, True
+            elif detail:
+                names[i] = f"{names[i]} ({detail})"
+    for group in _repeated(names):  # alike across groups: 'reuse on' of two plans
+        among = [rows[i] for i in group]
+        fields = telling_apart(among, differing_fields(among))
+        for i in group:
+            detail = describe(rows[i], fields)
             if detail:
                 names[i] = f"{names[i]} ({detail})"
     for group in _repeated(names):
@@ -229,7 +241,7 @@ def variant_names(rows: Sequence[Mapping], sources: Sequence[Path]) -> list[str]
     for group in _repeated(names):
         for number, i in enumerate(group[1:], start=2):
             names[i] = f"{names[i]} #{number}"
-    return names
+    return VariantNames(names, derived)
 
 
 def _repeated(names: Sequence[str]) -> list[list[int]]:

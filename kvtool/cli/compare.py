@@ -12,7 +12,6 @@ from rich.table import Table
 
 from kvtool.bench.compare import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
                                   plot_ttft, setup_differences, verdicts)
-from kvtool.bench.differences import default_label
 from kvtool.bench.report import write_summary_csv
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
@@ -63,7 +62,7 @@ def _print_setup(console: Console, variants) -> None:
         console.print("same for all: " + "; ".join(f"{name} {value}" for name, value in same), highlight=False,
                       soft_wrap=True)
     # Names made of what differs say which value is whose: then the values alone, in column order.
-    named = not all(default_label(v.row) for v in variants)
+    named = not all(v.name_from_config for v in variants)
     for name, values in different:
         shown = ", ".join(f"{v.name}: {value or '?'}" if named else (value or "?")
                           for v, value in zip(variants, values))
