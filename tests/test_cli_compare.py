@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 
 import test_cli_bench
+from test_cli_bench import read_rows
 from typer.testing import CliRunner
 
 from kvtool.bench.metrics import request_metrics
@@ -116,7 +117,10 @@ def test_two_runs_of_one_plan_differing_only_in_reuse_are_named_by_it(tmp_path, 
     assert "ratios against reuse on" in result.output
     first_row = next(line for line in result.output.splitlines() if line.startswith("│"))
     assert first_row.split("│")[1].strip() == "--enable_kv_cache_reuse"  # heads the table
-    # A label given with --label stays.
+    # A label given with --label stays (the summary says where a label came from).
+    named = bench_run(tmp_path / "named", dataset, "--disable_kv_cache_reuse", "--label", "tiny-llama")
+    assert [read_rows(run / "summary.csv")[0]["label_source"] for run in (on, named)] == ["default", "--label"]
+    assert header_cells(invoke("compare", on, named).output)[1:3] == ["reuse on", "tiny-llama (reuse off)"]
     named = bench_run(tmp_path / "named", dataset, "--disable_kv_cache_reuse", "--label", "baseline")
     assert header_cells(invoke("compare", on, off, named).output)[1:] == ["reuse on", "reuse off", "ratio", "baseline",
                                                                           "ratio"]

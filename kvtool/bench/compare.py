@@ -52,8 +52,8 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("onboarded_bytes", "onboarded bytes"),
 )
 # Configuration columns never worth a row (they differ on every run, or the header shows them).
-_NOISY_COLUMNS = frozenset({"label", "started_at", "requests_csv", "duration_s", "repeat", "num_runs",
-                            "dataset_sha256"})  # the header shows the dataset with its sha256
+_NOISY_COLUMNS = frozenset({"label", "label_source", "started_at", "requests_csv", "duration_s", "repeat",
+                            "num_runs", "dataset_sha256"})  # the header shows the dataset with its sha256
 
 
 @dataclass

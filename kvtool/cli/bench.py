@@ -163,7 +163,8 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
     try:
         result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
                                   requests_csv=requests_csv, console=console,
-                                  config_columns={"model": str(plan if plan is not None else model)})
+                                  config_columns={"model": str(plan if plan is not None else model),
+                                                  "label_source": "--label" if label else "default"})
     finally:
         llm.shutdown()
     written, failure = _write_summary(summary_csv, [result.row], requests_csv, result.failure)
