@@ -221,7 +221,7 @@ def explain(report: Path, *, profile: str | None = None, label: str | None = Non
     """A paragraph (list of sentences) per variant of a report: a run or scenario directory, or its
     summary.csv (only ``label``'s variant when given). The runs of a repeated variant make one
     paragraph; a run cut short before its summary is told from its per-request rows."""
-    from kvtool.bench.compare import load_variants
+    from kvtool.bench.variants import load_variants
 
     report = Path(report)
     variants = load_variants([report], with_requests=False)
