@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtool.bench.differences import default_label, differing_fields, telling_apart, variant_names
+from kvtool.bench.config import FLAGS
+from kvtool.bench.differences import FLAG_FIELDS, default_label, differing_fields, telling_apart, variant_names
 
 
 def run(label="sm32", **columns):
@@ -84,3 +85,7 @@ def test_telling_apart_takes_fields_in_order_until_every_row_is_distinct():
             run(enable_kv_cache_reuse="False", kv_host_cache_bytes="1024")]
     chosen = telling_apart(rows, differing_fields(rows))
     assert [field.column for field in chosen] == ["enable_kv_cache_reuse", "kv_host_cache_bytes"]
+
+
+def test_every_bench_flag_is_a_configuration_field():
+    assert {flag.column or flag.name for flag in FLAGS} == {field.column for field in FLAG_FIELDS}

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from kvtool.bench.config import FLAGS
 from kvtool.units import format_bytes
 
 UNKNOWN = "?"  # a value the report does not record (written by an older kvtool, or per-request data only)
@@ -80,8 +79,9 @@ def _flag(column: str, shown: Callable[[str], str] = str, short: Callable[[str],
     return ConfigField(column, f"--{column}", shown, short, default="default")
 
 
-# Bench flags, in the order variant names use them (the ones users sweep most first).
-_FLAG_FIELDS = {field.column: field for field in (
+# Every bench flag's summary column (kvtool.bench.config.FLAGS, which imports torch: report code must
+# not), in the order variant names use them (the ones users sweep most first).
+FLAG_FIELDS: tuple[ConfigField, ...] = (
     _flag("enable_kv_cache_reuse", _on_off, lambda v: f"reuse {_on_off(v)}"),
     _flag("kv_host_cache_bytes", _size, lambda v: f"host {_size(v)}"),
     _flag("tokens_per_block", short=lambda v: f"block {v}"),
@@ -102,10 +102,7 @@ _FLAG_FIELDS = {field.column: field for field in (
     _flag("warmup", short=lambda v: f"warmup {v}"),
     _flag("warmup_counts_in_stats", _on_off, lambda v: f"warm-up counted {_on_off(v)}"),
     ConfigField("num_requests_limit", "--num_requests", _count, lambda v: f"{_count(v)} requests", "default"),
-)}
-# Every flag column is a configuration field, the ones above with their short forms.
-FLAG_FIELDS: tuple[ConfigField, ...] = (
-    *_FLAG_FIELDS.values(), *(_flag(f.column or f.name) for f in FLAGS if (f.column or f.name) not in _FLAG_FIELDS))
+)
 
 
 def _model(text: str) -> str:
