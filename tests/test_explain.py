@@ -82,14 +82,14 @@ def test_a_repeated_scenario_is_one_paragraph_per_variant_with_its_runs_ranges(t
     scenario.write_text(yaml.safe_dump({
         "dataset": {"generator": "abab", "prompt_len": 128, "num_rounds": 3, "output_len": 2},
         "bench": {"mode": "sequential", "max_tokens_in_paged_kv_cache": 160},
-        "repeat": 3,
+        "repeat": 2,
         "sweep": [{"label": "small-pool"}, {"label": "host", "kv_host_cache_bytes": "1MiB"}]}))
     out = tmp_path / "repeated"
     result = invoke("bench", "--config", scenario, "--plan", tiny_llama_plan, "--output", out)
     assert result.exit_code == 0, result.output
     with open(out / "summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 6
+    assert len(rows) == 4
     explained = invoke("explain", out, "--profile", profile)
     assert explained.exit_code == 0, explained.output
     paragraphs = [" ".join(p.split()) for p in explained.output.split("\n\n") if p.strip()]
@@ -97,7 +97,7 @@ def test_a_repeated_scenario_is_one_paragraph_per_variant_with_its_runs_ranges(t
     small_pool = paragraphs[0]
     p50s = sorted(float(r["ttft_ms_p50"]) for r in rows if r["label"] == "small-pool")
     span = f"{p50s[0]:,.0f} ms" if f"{p50s[0]:,.0f}" == f"{p50s[-1]:,.0f}" else f"{p50s[0]:,.0f}-{p50s[-1]:,.0f} ms"
-    assert small_pool.startswith(f"small-pool: 6 requests each, over 3 runs; 4 of 48 full prompt blocks were "
+    assert small_pool.startswith(f"small-pool: 6 requests each, over 2 runs; 4 of 48 full prompt blocks were "
                                  f"reused (hit rate 0.08); TTFT p50 {span}")
     # The what-ifs are simulated once for the variant, not once per run.
     assert small_pool.count("(simulated)") == 2 and small_pool.count("(Simulated with") == 1
