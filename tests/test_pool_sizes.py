@@ -51,7 +51,7 @@ def test_a_max_tokens_no_memory_could_hold_names_the_flag_and_both_sizes():
 
 def test_a_host_cache_smaller_than_one_block_is_an_error():
     with pytest.raises(KvtoolError, match=r"--kv_host_cache_bytes\) of 1,000 bytes is smaller than one KV block of 16 "
-                                          r"tokens \(1,048,576 bytes \(1.0 MiB\)\)"):
+                                          r"tokens, 1,048,576 bytes \(1.0 MiB\): give at least"):
         sizes(max_tokens=160, host=1000)
     assert sizes(max_tokens=160, host=0).num_secondary_blocks == 0
 

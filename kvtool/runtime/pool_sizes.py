@@ -86,7 +86,7 @@ def _host_blocks(block_bytes: int, tokens_per_block: int, host_cache_size: int, 
     flag = "host_cache_size (--kv_host_cache_bytes)"
     if host_cache_size < block_bytes:
         raise KvtoolError(f"{flag} of {format_byte_count(host_cache_size)} is smaller than one KV block of "
-                          f"{tokens_per_block} tokens ({format_byte_count(block_bytes)}): give at least "
+                          f"{tokens_per_block} tokens, {format_byte_count(block_bytes)}: give at least "
                           f"{block_bytes:,} bytes, or 0 for no offloading")
     num_blocks = host_cache_size // block_bytes
     if num_blocks * block_bytes <= available_bytes:
