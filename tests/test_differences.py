@@ -89,3 +89,11 @@ def test_telling_apart_takes_fields_in_order_until_every_row_is_distinct():
 
 def test_every_bench_flag_is_a_configuration_field():
     assert {flag.column or flag.name for flag in FLAGS} == {field.column for field in FLAG_FIELDS}
+
+
+def test_a_simulated_run_beside_a_measured_one_is_named_so():
+    measured = run("reuse", engine="kvtool")
+    simulated = run("reuse", engine="kvtool simulate (h100 (estimated))")  # older reports: no `simulated` column
+    assert names([measured, simulated]) == ["reuse (measured)", "reuse (simulated)"]
+    assert names([measured, {**simulated, "engine": "kvtool", "simulated": "True"}]) == [
+        "reuse (measured)", "reuse (simulated)"]

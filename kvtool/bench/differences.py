@@ -68,10 +68,12 @@ class ConfigField:
     def describe(self, row: Mapping) -> str | None:
         """The value in a variant's name ('reuse off'); None when the row does not record it."""
         text = _text(row.get(self.column))
-        if text is None:
-            if self.default is None or self.column not in row:
-                return None
+        if text is None and self.of_row is not None:  # made up of other columns ('measured': no column)
+            text = self.of_row(row)
+        elif text is None and self.default is not None and self.column in row:
             text = self.default
+        if text is None:
+            return None
         return self.short(text) if self.short is not None else f"{self.name} {self.shown(text)}"
 
 
@@ -117,17 +119,25 @@ def _dataset(row: Mapping) -> str | None:
     return f"{Path(name).name} (sha256 {digest[:12]})" if digest else Path(name).name
 
 
+def _simulated(row: Mapping) -> str | None:
+    """'simulated' or 'measured' (a summary without the column is a measured run's; kvtool simulate
+    names itself in the engine column too)."""
+    if str(row.get("simulated")) == "True" or str(row.get("engine", "")).startswith("kvtool simulate"):
+        return "simulated"
+    return "measured" if "simulated" in row or "engine" in row else None
+
+
 # After the flags: what was served, on what, with which data; then the pools the run created.
 OTHER_FIELDS: tuple[ConfigField, ...] = (
     ConfigField("model", "model", short=_model),
     ConfigField("dataset", "dataset", short=lambda v: Path(v).stem, of_row=_dataset),
     ConfigField("scenario", "scenario", short=str),
+    ConfigField("simulated", "simulated", short=lambda v: "simulated" if v in ("True", "simulated") else "measured",
+                of_row=_simulated),
+    ConfigField("cost_profile", "cost profile", short=str),
     ConfigField("engine", "engine", short=str),
     ConfigField("endpoint", "endpoint", short=str),
     ConfigField("api", "--api", short=lambda v: f"{v} api"),
-    ConfigField("simulated", "simulated", lambda v: "simulated" if v == "True" else "measured",
-                lambda v: "simulated" if v == "True" else "measured"),
-    ConfigField("cost_profile", "cost profile", short=str),
     ConfigField("device", "device", short=str),
     ConfigField("kv_primary_tokens", "primary pool", lambda v: f"{_count(v)} tokens",
                 lambda v: f"primary {_count(v)} tokens"),
@@ -148,7 +158,8 @@ def config_fields(rows: Sequence[Mapping]) -> list[ConfigField]:
         fields += [ConfigField(column, f"{what} {column.removeprefix(prefix)}",
                                short=lambda v, name=column.removeprefix(prefix): f"{name} {v}")
                    for column in columns if column.startswith(prefix) and column not in _KNOWN]
-    fields += [field for field in OTHER_FIELDS if field.column in columns]
+    fields += [field for field in OTHER_FIELDS
+               if field.column in columns or any(field.value(row) is not None for row in rows)]
     if "model" not in columns and "plan_path" in columns:
         fields.append(ConfigField("plan_path", "plan", short=_model))
     if "model" not in columns and "plan_path" not in columns:
