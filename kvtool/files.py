@@ -17,7 +17,7 @@ from kvtool.errors import KvtoolError
 # What to do about a write that failed, by its errno.
 _FIXES = {
     errno.ENOSPC: "free space on that file system, or give --output a directory on another one",
-    errno.EDQUOT: "free space within your disk quota, or give --output a directory on another file system",
+    getattr(errno, "EDQUOT", -1): "free space within your disk quota, or give --output a directory on another file system",
     errno.EFBIG: "the file grew past the size this process may write (ulimit -f) or its file system allows: "
                  "raise the limit, or give --output a directory on another file system",
     errno.EROFS: "give --output a directory on a writable file system",
@@ -80,7 +80,7 @@ def atomic_write(path: str | os.PathLike, *, newline: str | None = None, fsync: 
     try:
         handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
-        raise FileWriteError(path, error, "nothing written") from None
+        raise FileWriteError(path, error, _kept(path)) from None
     try:
         os.fchmod(handle, new_file_mode())
         with os.fdopen(handle, "w", newline=newline, encoding="utf-8") as out:
@@ -93,9 +93,12 @@ def atomic_write(path: str | os.PathLike, *, newline: str | None = None, fsync: 
         with contextlib.suppress(OSError):
             Path(tmp_name).unlink(missing_ok=True)
         if isinstance(error, OSError) and not error.filename:  # the write's own error: name the file
-            kept = "the previous file is kept" if path.exists() else "nothing written"
-            raise FileWriteError(path, error, kept) from None
+            raise FileWriteError(path, error, _kept(path)) from None
         raise
+
+
+def _kept(path: Path) -> str:
+    return "the previous file is kept" if path.exists() else "nothing written"
 
 
 def staging_dir(target: Path, label: str) -> Path:
