@@ -24,8 +24,8 @@ from kvtool.bench.precheck import check_requests
 from kvtool.bench.repeats import as_number, group_by_label, median_row
 from kvtool.bench.replay import Replayer, bench_requests
 from kvtool.bench.report import RequestCsvWriter, format_hit_rate
-from kvtool.files import FileWriteError
 from kvtool.bench.workload import max_num_blocks
+from kvtool.files import FileWriteError
 from kvtool.runtime.request import Request
 from kvtool.signals import signal_name
 from kvtool.units import format_bytes
