@@ -50,16 +50,15 @@ def test_a_max_tokens_no_memory_could_hold_names_the_flag_and_both_sizes():
 
 
 def test_a_host_cache_smaller_than_one_block_is_an_error():
-    with pytest.raises(KvtoolError, match=r"--kv_host_cache_bytes\) of 1,000 bytes is smaller than one KV block of 16 "
-                                          r"tokens, 1,048,576 bytes \(1.0 MiB\): give at least"):
+    with pytest.raises(KvtoolError, match=r"--kv_host_cache_bytes\) of 1,000 bytes is smaller than one KV block "
+                                          r"\(1,048,576 bytes, 16 tokens\)"):
         sizes(max_tokens=160, host=1000)
     assert sizes(max_tokens=160, host=0).num_secondary_blocks == 0
 
 
 def test_a_host_cache_beyond_memory_is_a_limit_the_workload_may_never_reach():
     available = 24 * GiB
-    with pytest.raises(KvtoolError,
-                       match=rf"exceeds the {available - 10 * MiB:,} bytes \([\d.]+ GiB\) of host memory available"):
+    with pytest.raises(KvtoolError, match=f"exceeds the {available - 10 * MiB:,} bytes of host memory available"):
         sizes(max_tokens=160, host=45_000_000_000, available=available)  # no workload known: refused
     fits = sizes(max_tokens=160, host=45_000_000_000, available=available, workload=300)
     assert fits.num_secondary_blocks == 45_000_000_000 // MiB
@@ -67,8 +66,7 @@ def test_a_host_cache_beyond_memory_is_a_limit_the_workload_may_never_reach():
     too_much = 30 * GiB // MiB
     with pytest.raises(KvtoolError) as error:
         sizes(max_tokens=160, host=45_000_000_000, available=available, workload=too_much)
-    assert (f"can fill {30 * GiB:,} bytes (30.0 GiB) of it, {6 * GiB + 10 * MiB:,} bytes (6.0 GiB) more than "
-            "available") in str(error.value)
+    assert f"can fill {30 * GiB:,} bytes of it, {6 * GiB + 10 * MiB:,} more than available" in str(error.value)
 
 
 def test_on_a_cpu_the_host_pool_shares_memory_with_the_primary_pool():

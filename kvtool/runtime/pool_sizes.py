@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
-from kvtool.units import format_byte_count, format_bytes
+from kvtool.units import format_bytes
 
 CPU_PRIMARY_POOL_CAP_BYTES = 256 << 20  # on a CPU, "free device memory" is host memory: cap the default
 
@@ -59,8 +59,8 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
         if asked_bytes > free_memory_bytes:
             there = "host memory are available" if on_cpu else "device memory are free"
             raise KvtoolError(
-                f"max_tokens (--max_tokens_in_paged_kv_cache) {max_tokens:,} needs {format_byte_count(asked_bytes)} "
-                f"of KV cache but only {format_byte_count(free_memory_bytes)} of {there}: choose at most "
+                f"max_tokens (--max_tokens_in_paged_kv_cache) {max_tokens:,} needs {asked_bytes:,} bytes of KV cache "
+                f"but only {free_memory_bytes:,} bytes of {there}: choose at most "
                 f"{free_memory_bytes // block_bytes * tokens_per_block:,} tokens")
         num_blocks = min(asked_blocks, budget_blocks)
         if num_blocks < asked_blocks:
@@ -70,8 +70,8 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
                 f"{num_blocks * tokens_per_block:,} tokens, the smaller of the two (as in TensorRT-LLM)")
     if num_blocks < 1:
         raise KvtoolError(
-            f"the KV cache gets no block: one block takes {format_byte_count(block_bytes)} but the budget "
-            f"is {format_byte_count(int(fraction * free_memory_bytes))} (free_gpu_memory_fraction={fraction}, "
+            f"the KV cache gets no block: one block takes {block_bytes:,} bytes but the budget is "
+            f"{int(fraction * free_memory_bytes):,} bytes (free_gpu_memory_fraction={fraction}, "
             f"max_tokens={max_tokens}): raise max_tokens / free_gpu_memory_fraction")
     return num_blocks
 
@@ -85,23 +85,19 @@ def _host_blocks(block_bytes: int, tokens_per_block: int, host_cache_size: int, 
         return 0
     flag = "host_cache_size (--kv_host_cache_bytes)"
     if host_cache_size < block_bytes:
-        raise KvtoolError(f"{flag} of {format_byte_count(host_cache_size)} is smaller than one KV block of "
-                          f"{tokens_per_block} tokens, {format_byte_count(block_bytes)}: give at least "
-                          f"{block_bytes:,} bytes, or 0 for no offloading")
+        raise KvtoolError(f"{flag} of {host_cache_size:,} bytes is smaller than one KV block ({block_bytes:,} bytes, "
+                          f"{tokens_per_block} tokens): give at least {block_bytes:,} bytes, or 0 for no offloading")
     num_blocks = host_cache_size // block_bytes
     if num_blocks * block_bytes <= available_bytes:
         return num_blocks
-    too_big = (f"{flag} of {format_byte_count(host_cache_size)} exceeds the {format_byte_count(available_bytes)} of "
-               "host memory available")
+    too_big = f"{flag} of {host_cache_size:,} bytes exceeds the {available_bytes:,} bytes of host memory available"
     if num_workload_blocks is None:
         raise KvtoolError(f"{too_big}: choose at most {available_bytes:,} bytes")
     reachable = min(num_blocks, num_workload_blocks) * block_bytes
     if reachable > available_bytes:
-        raise KvtoolError(f"{too_big}, and this workload can fill {format_byte_count(reachable)} of it, "
-                          f"{format_byte_count(reachable - available_bytes)} more than available: choose at most "
-                          f"{available_bytes:,} bytes")
-    notes.append(f"--kv_host_cache_bytes {format_byte_count(host_cache_size)} is more than the "
-                 f"{format_bytes(available_bytes)} of host memory "
+        raise KvtoolError(f"{too_big}, and this workload can fill {reachable:,} bytes of it, "
+                          f"{reachable - available_bytes:,} more than available: choose at most {available_bytes:,} bytes")
+    notes.append(f"--kv_host_cache_bytes {host_cache_size:,} is more than the {format_bytes(available_bytes)} of host memory "
                  f"available, but it is a limit (allocated as blocks are offloaded) and this workload can put at most "
                  f"{min(num_blocks, num_workload_blocks):,} blocks ({format_bytes(reachable)}) there: going ahead")
     return num_blocks
