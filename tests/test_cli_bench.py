@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -106,10 +108,19 @@ def test_defaults_and_default_output_directory(tmp_path, dataset, fake_llms, mon
     (model, config, _), = fake_llms
     assert model == str(tmp_path / "myplan")
     assert config == BenchConfig()  # the API dataclasses' defaults
-    run_dir, = (tmp_path / "results").iterdir()
+    run_dir, = (tmp_path / "out").iterdir()
     assert run_dir.name.startswith("shared-")
     summary, = read_rows(run_dir / "summary.csv")
     assert summary["label"] == "myplan" and summary["replay"] == "offline"
+
+
+def test_the_default_output_directory_is_one_git_ignores_in_this_repository():
+    # results/ holds committed results: a run without --output must not land where `git add -A` takes it.
+    repo = Path(__file__).resolve().parent.parent
+    default = bench_runner.default_output_dir("shared")
+    checked = subprocess.run(["git", "-C", repo, "check-ignore", "-q", default / "summary.csv"])
+    assert checked.returncode == 0, f"git does not ignore {default}"
+    assert default.parts[0] != "results"
 
 
 def test_summary_csv_prefix_output(tmp_path, dataset, fake_llms):
@@ -138,6 +149,8 @@ def test_ctrl_c_keeps_finished_rows_writes_the_summary_and_exits_130(tmp_path, d
     (["--model", "preset:x", "--dataset", "{dataset}", "--context-chunking-policy", "lifo"],
      "--context_chunking_policy 'lifo' is unknown"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--kv_host_cache_bytes", "lots"], "byte size 'lots'"),
+    (["--model", "preset:x", "--dataset", "{dataset}", "--kv_host_cache_bytes", "-1"],
+     "--kv_host_cache_bytes: must be >= 0 bytes, got -1"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--tokens_per_block", 24], "must be a power of 2"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--mode", "sequential", "--concurrency", 3],
      "contradicts concurrency 3"),

@@ -68,9 +68,9 @@ def test_a_host_cache_beyond_memory_runs_when_the_dataset_cannot_fill_it(tmp_pat
     result = bench("--plan", tiny_llama_plan, "--dataset", data, "--output", out, "--mode", "sequential",
                    "--max_tokens_in_paged_kv_cache", 256, "--kv_host_cache_bytes", "1GiB")
     assert result.exit_code == 0, result.output
-    assert ("--kv_host_cache_bytes 1,073,741,824 is more than the 1.8 MiB of host memory available, but it is a "
-            "limit (allocated as blocks are offloaded) and this workload can put at most 44 blocks (704.0 KiB) "
-            "there: going ahead") in result.text
+    assert ("--kv_host_cache_bytes 1,073,741,824 bytes (1.0 GiB) is more than the 1.8 MiB of host memory "
+            "available, but it is a limit (allocated as blocks are offloaded) and this workload can put at most 44 "
+            "blocks (704.0 KiB) there: going ahead") in result.text
     row = summary(out)
     assert row["kv_host_blocks"] == str((1 << 30) // BLOCK_BYTES) and row["num_errors"] == "0"
     # What the run really kept (everything it computed stays cached, in one tier or the other) is within the bound.
@@ -84,8 +84,9 @@ def test_a_host_cache_the_dataset_could_overfill_is_refused_by_how_much(tmp_path
     result = bench("--plan", tiny_llama_plan, "--dataset", data, "--output", tmp_path / "out",
                    "--max_tokens_in_paged_kv_cache", 256, "--kv_host_cache_bytes", "1GiB")
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert (f"exceeds the {112 * BLOCK_BYTES:,} bytes of host memory available, and this workload can fill "
-            f"{132 * BLOCK_BYTES:,} bytes of it, {20 * BLOCK_BYTES:,} more than available") in result.text
+    assert (f"exceeds the {112 * BLOCK_BYTES:,} bytes (1.8 MiB) of host memory available, and this workload can fill "
+            f"{132 * BLOCK_BYTES:,} bytes (2.1 MiB) of it, {20 * BLOCK_BYTES:,} bytes (320.0 KiB) more than "
+            "available") in result.text
     assert not (tmp_path / "out").exists()
 
 

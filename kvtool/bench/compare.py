@@ -1,21 +1,22 @@
 """Side-by-side comparison of bench reports, and a plot of their TTFT distributions.
 
-Inputs are summary CSVs (every row a variant; rows of one label numbered by ``repeat`` are the
-runs of one variant: kvtool.bench.repeats) and per-request CSVs (every label a variant,
-summarized with kvtool.bench.metrics.summarize). A summary row's per-request file
-(``requests_csv``, beside the summary) is read when present, for the plot.
+The variants come from kvtool.bench.variants (summary CSVs, per-request CSVs, run directories); the
+table starts with the configuration fields that differ between them (kvtool.bench.differences),
+then every metric, with ratios against the first.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvtool.bench.metrics import LATENCY_METRICS, RequestMetrics, percentile_columns, summarize
-from kvtool.bench.repeats import Spread, as_number, group_by_label, median_row, spread, verdict
-from kvtool.bench.report import format_hit_rate, read_csv, request_metrics_from_row, rows_by_label
+from kvtool.bench.differences import config_fields, differing_fields
+from kvtool.bench.metrics import LATENCY_METRICS, percentile_columns
+from kvtool.bench.repeats import Spread, spread, verdict
+from kvtool.bench.report import format_hit_rate
+from kvtool.bench.variants import CompareVariant, load_variants  # noqa: F401 - compare's readers import both here
 from kvtool.errors import KvtoolError
 from kvtool.units import format_bytes
 
@@ -55,36 +56,8 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("onboarded_bytes", "onboarded bytes"),
 )
 # Configuration columns never worth a row (they differ on every run, or the header shows them).
-_NOISY_COLUMNS = frozenset({"label", "started_at", "requests_csv", "duration_s", "repeat", "num_runs",
-                            "dataset_sha256"})  # the header shows the dataset with its sha256
-
-
-@dataclass
-class CompareVariant:
-    """One column of the comparison: a name, its summary values (medians when it ran several times),
-    its runs' rows and (when known) its requests, every run's pooled."""
-
-    name: str
-    row: dict[str, str]
-    requests: list[RequestMetrics] | None
-    source: Path
-    runs: list[dict] = field(default_factory=list)
-
-    @property
-    def num_runs(self) -> int:
-        return len(self.runs) or 1
-
-    def status(self) -> str:
-        """'' for a complete run without errors, else e.g. 'interrupted, 3 errors'."""
-        runs = self.runs or [self.row]
-        interrupted = sum(str(run.get("interrupted")) == "True" for run in runs)
-        errors = sum(int(as_number(run.get("num_errors")) or 0) for run in runs)
-        parts = []
-        if interrupted:
-            parts.append("interrupted" if len(runs) == 1 else f"{interrupted} of {len(runs)} runs interrupted")
-        if errors:
-            parts.append(f"{errors} error{'s' if errors > 1 else ''}")
-        return ", ".join(parts)
+_NOISY_COLUMNS = frozenset({"label", "label_source", "started_at", "requests_csv", "duration_s", "repeat",
+                            "num_runs", "dataset_sha256"})  # the header shows the dataset with its sha256
 
 
 @dataclass(frozen=True)
@@ -107,67 +80,6 @@ def _number(text) -> float | str | None:
         return str(text)
 
 
-def _is_per_request(columns: Sequence[str]) -> bool:
-    return "request_id" in columns and "ttft_ms" in columns
-
-
-def _summary_from_requests(label: str, requests: list[RequestMetrics]) -> dict[str, str]:
-    row = {"label": label, "engine": "/".join(sorted({r.engine for r in requests}))}
-    row.update({k: "" if v is None else v for k, v in summarize(requests).as_row().items()})
-    return row
-
-
-def load_variants(paths: Sequence[str | os.PathLike]) -> list[CompareVariant]:
-    """Every variant of the given reports, in order; duplicate labels get their file's name added."""
-    variants: list[CompareVariant] = []
-    for path in map(Path, paths):
-        rows = read_csv(path)
-        if not rows:
-            raise KvtoolError(f"report {path} has a header but no rows")
-        columns = list(rows[0])
-        if _is_per_request(columns):
-            for label, group in rows_by_label(rows).items():
-                try:
-                    requests = [request_metrics_from_row(row) for row in group]
-                except (KeyError, ValueError) as error:
-                    raise KvtoolError(f"{path}: a row is not a kvtool per-request row ({error})") from None
-                variants.append(CompareVariant(label or path.stem, _summary_from_requests(label, requests),
-                                               requests, path))
-        elif "ttft_ms_mean" in columns and "repeat" in columns:
-            for runs in group_by_label(rows):
-                requests = [r for run in runs for r in (_requests_beside(path, run) or [])]
-                variants.append(CompareVariant(runs[0].get("label") or path.stem, median_row(runs),
-                                               requests or None, path, [dict(run) for run in runs]))
-        elif "ttft_ms_mean" in columns:
-            for row in rows:
-                variants.append(CompareVariant(row.get("label") or path.stem, dict(row),
-                                               _requests_beside(path, row), path, [dict(row)]))
-        else:
-            raise KvtoolError(f"{path} is neither a kvtool summary CSV (ttft_ms_mean column) nor a per-request CSV "
-                              "(request_id and ttft_ms columns)")
-    counts: dict[str, int] = {}
-    for variant in variants:
-        counts[variant.name] = counts.get(variant.name, 0) + 1
-    seen: dict[str, int] = {}
-    for variant in variants:
-        if counts[variant.name] > 1:
-            base = f"{variant.name} ({variant.source.stem})"
-            seen[base] = seen.get(base, 0) + 1
-            variant.name = base if seen[base] == 1 else f"{base} #{seen[base]}"
-    return variants
-
-
-def _requests_beside(summary_path: Path, row: dict[str, str]) -> list[RequestMetrics] | None:
-    name = row.get("requests_csv")
-    if not name:
-        return None
-    path = summary_path.parent / name
-    if not path.is_file():
-        return None
-    label = row.get("label", "")
-    return [request_metrics_from_row(r) for r in read_csv(path) if r.get("label", "") == label] or None
-
-
 def compared_metrics(variants: Sequence[CompareVariant]) -> list[tuple[str, str]]:
     """METRICS, each latency metric with the percentiles the reports hold (p50, p90, p99, and any
     other that bench --percentiles added: ttft_ms_p99.9)."""
@@ -184,8 +96,13 @@ def compared_metrics(variants: Sequence[CompareVariant]) -> list[tuple[str, str]
 
 
 def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
-    """Metric rows (those any variant has), then the configuration columns whose values differ."""
+    """The configuration fields whose values differ (kvtool.bench.differences), the metric rows (those
+    any variant has), then the other columns whose values differ."""
     rows = []
+    differing = differing_fields([v.row for v in variants])
+    for config in differing:
+        values = tuple(config.value(v.row) for v in variants)
+        rows.append(CompareRow(config.name, config.column, values, (None,) * len(values)))
     for column, name in compared_metrics(variants):
         values = tuple(_number(v.row.get(column)) for v in variants)
         if all(value is None for value in values):
@@ -195,12 +112,12 @@ def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
                        for value in values)
         spreads = tuple(spread(v.runs, column) if v.num_runs > 1 else None for v in variants)
         rows.append(CompareRow(name, column, values, ratios, spreads))
-    metric_columns = {column for column, _ in METRICS}
-    config_columns: dict[str, None] = {}
+    shown = {column for column, _ in METRICS} | {config.column for config in config_fields([v.row for v in variants])}
+    other_columns: dict[str, None] = {}
     for variant in variants:
-        config_columns.update(dict.fromkeys(variant.row))
-    for column in config_columns:
-        if column in metric_columns or column in _NOISY_COLUMNS or "_ms_" in column:
+        other_columns.update(dict.fromkeys(variant.row))
+    for column in other_columns:
+        if column in shown or column in _NOISY_COLUMNS or "_ms_" in column:
             continue
         values = tuple(variant.row.get(column, "") for variant in variants)
         if len({value for value in values if value != ""}) > 1:  # variants without the column do not count
@@ -209,7 +126,7 @@ def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
     return rows
 
 
-# What must match for a comparison to mean what it seems to: the header says where variants differ.
+# What must match for a comparison to mean what it seems to: the header says what the variants share.
 SETUP: tuple[tuple[str, str], ...] = (("model", "model"), ("dataset", "dataset"), ("tokens_per_block", "block size"),
                                       ("kv_primary_tokens", "primary pool"), ("kv_host_bytes", "host pool"),
                                       ("device", "device"))
@@ -217,10 +134,10 @@ SETUP: tuple[tuple[str, str], ...] = (("model", "model"), ("dataset", "dataset")
 
 def _setup_value(row: dict, column: str) -> str | None:
     value = row.get(column)
+    if column == "model" and value in (None, "") and row.get("plan_path"):
+        value = row["plan_path"]
     if value in (None, ""):
         return None
-    if column == "model" and not row.get("model") and row.get("plan_path"):
-        value = row["plan_path"]
     if column == "dataset":
         digest = row.get("dataset_sha256") or ""
         return f"{Path(str(value)).name} (sha256 {digest[:12]})" if digest else Path(str(value)).name
@@ -234,17 +151,17 @@ def _setup_value(row: dict, column: str) -> str | None:
 
 
 def setup_differences(variants: Sequence[CompareVariant]) -> tuple[list[tuple[str, str]], list[tuple[str, list]]]:
-    """(what every variant shares: [(name, value)], where they differ: [(name, [value per variant])]);
-    a value no report records is left out."""
-    same, different = [], []
+    """(what every variant shares: [(name, value)], where they differ: [(name, [value per variant])]):
+    every configuration field whose recorded values differ (kvtool.bench.differences.differing_fields:
+    flags, build options, model, dataset and its sha256, engine, endpoint, simulation, device, pools);
+    a value a report does not record is None."""
+    rows = [v.row for v in variants]
+    same = []
     for column, name in SETUP:
-        values = [_setup_value(v.row, column) for v in variants]
-        if all(value is None for value in values):
-            continue
-        if len(set(values)) == 1:
-            same.append((name, values[0]))
-        else:
-            different.append((name, values))
+        values = {_setup_value(row, column) for row in rows}
+        if len(values) == 1 and None not in values:
+            same.append((name, values.pop()))
+    different = [(config.name, [config.value(row) for row in rows]) for config in differing_fields(rows)]
     return same, different
 
 
@@ -269,9 +186,12 @@ def verdicts(variants: Sequence[CompareVariant], columns: Sequence[tuple[str, st
 
 
 def format_metric(column: str, value) -> str:
-    """A cell of the table: the cache hit rate as the bench table shows it, other values by format_value."""
+    """A cell of the table: the cache hit rate and shares as the bench table shows them (82.4%), sizes in
+    binary units (1.5 GiB), other values by format_value."""
     if column in ("cache_hit_rate", "slo_attainment", "token_hit_rate") and isinstance(value, float):
         return format_hit_rate(value)
+    if column.endswith("_bytes") and isinstance(value, float):
+        return format_bytes(value)
     return format_value(value)
 
 

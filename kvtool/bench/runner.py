@@ -27,7 +27,9 @@ from kvtool.bench.replay import Replayer, bench_requests
 from kvtool.bench.report import RequestCsvWriter, format_hit_rate
 from kvtool.bench.slo import describe_bounds
 from kvtool.bench.workload import max_num_blocks
+from kvtool.files import FileWriteError
 from kvtool.runtime.request import Request
+from kvtool.signals import signal_name
 from kvtool.units import format_bytes
 from kvtool.version import __version__, git_revision
 
@@ -80,10 +82,13 @@ def create_llm(model: str, config: BenchConfig, dataset: Dataset | None = None, 
     return LLM(model=plan, num_workload_blocks=num_workload_blocks, **config.llm_kwargs())
 
 
+DEFAULT_OUTPUT_ROOT = Path("out")  # scratch output, ignored by git (results/ holds committed results)
+
+
 def default_output_dir(stem: str, now: datetime.datetime | None = None) -> Path:
-    """results/<stem>-<YYYYmmdd-HHMMSS>."""
+    """out/<stem>-<YYYYmmdd-HHMMSS>: a run without --output never lands in a committed directory."""
     now = now or datetime.datetime.now()
-    return Path("results") / f"{stem}-{now:%Y%m%d-%H%M%S}"
+    return DEFAULT_OUTPUT_ROOT / f"{stem}-{now:%Y%m%d-%H%M%S}"
 
 
 def plan_columns(plan: BenchPlan) -> dict:
@@ -157,9 +162,10 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
 
     Every request is checked first (kvtool.bench.precheck: a DatasetError lists those that cannot
     run). A request the engine still refuses becomes an error row and the run goes on. A
-    KeyboardInterrupt, or an error that stops the engine, ends the replay early: the result holds
-    what finished, interrupted=True and the error (``failure``, for the caller to raise once the
-    summary is written).
+    KeyboardInterrupt (Ctrl-C, or SIGTERM under kvtool.signals.stop_signals: ``interrupted_by``
+    names it), or an error that stops the engine or the per-request file (a full disk), ends the
+    replay early: the result holds what finished, interrupted=True and the error (``failure``, for
+    the caller to raise once the summary is written).
 
     ``engine_name`` and ``endpoint`` name what served the requests in every row (an endpoint's LLM,
     kvtool.bench.endpoint, has no plan or pools of its own to report). ``summary`` adds percentiles
@@ -183,9 +189,10 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
 
     replayer = Replayer(engine, replay, clock=clock, sleep=sleep)
     finished: list[RequestMetrics] = []
-    interrupted, failure = False, None
+    interrupted, failure, stopped_by = False, None, None
     started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    with _old_objects_frozen(), RequestCsvWriter(requests_csv) as writer, _ProgressBar(console) as progress:
+    writer = RequestCsvWriter(requests_csv)
+    with _old_objects_frozen(), _ProgressBar(console) as progress:
         try:
             if warmup:
                 task = progress.add_task(f"{label} warm-up", len(warmup))
@@ -202,13 +209,18 @@ def run_bench(llm: BenchLLM, dataset: Dataset, config: BenchConfig, *, label: st
                 progress.advance(task)
 
             replayer.run(measured, on_finish)
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM under kvtool.signals.stop_signals
+            interrupted, stopped_by = True, signal_name(stop)
         except Exception as error:  # noqa: BLE001 - the summary of what finished is written, then it is raised
             interrupted, failure = True, error
+        finally:
+            try:
+                writer.close()
+            except FileWriteError as error:  # the rows flushed last: the file ends at its last complete row
+                failure = failure or error
 
     row = {"label": label, "engine": engine_name, "endpoint": endpoint, "interrupted": interrupted,
-           "run_error": None if failure is None else str(failure),
+           "interrupted_by": stopped_by, "run_error": None if failure is None else str(failure),
            "started_at": started_at, "dataset": str(dataset.path), "dataset_sha256": dataset.sha256,
            "num_dataset_requests": len(dataset), "num_measured_requests": len(measured),
            **(plan_columns(llm.plan) if llm.plan is not None else {}), **(config_columns or {}),

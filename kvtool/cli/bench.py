@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -23,8 +25,10 @@ from kvtool.cli import engine_flags
 from kvtool.cli.options import flag, toggle
 from kvtool.cli.paths import check_writable_dir, check_writable_file
 from kvtool.config import ConfigError
+from kvtool.errors import KvtoolError
+from kvtool.files import FileWriteError
+from kvtool.signals import StopRecord, stop_signals
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_REQUESTS_FAILED = 3  # the run finished and its reports are written, but requests failed (see --allow_errors)
 
 
@@ -89,7 +93,7 @@ def bench(
         WORKLOAD)] = None,
     num_requests: Annotated[int | None, flag("num_requests", "Measure at most N requests.", WORKLOAD)] = None,
     output: Annotated[Path | None, flag("output", "Output directory or summary .csv path (default "
-                                        "results/<dataset or scenario>-<time>).", OUTPUT)] = None,
+                                        "out/<dataset or scenario>-<time>).", OUTPUT)] = None,
     label: Annotated[str | None, flag("label", "Variant name in the reports (default: the plan/preset name).",
                                       OUTPUT)] = None,
     percentiles: Annotated[str | None, flag("percentiles", "More latency percentiles: --percentiles 95,99.9 (p50, "
@@ -107,7 +111,7 @@ def bench(
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
     # The parameters named as bench flags are the flags (kvtool.bench.config.FLAGS maps them).
     console = Console(stderr=True)
-    try:
+    with stop_signals() as stop, stopped_early(console, stop):  # SIGTERM stops as Ctrl-C does
         with user_errors():
             flags = engine_flags.engine_flag_values(ctx.params)
             reporting = report_outputs(ctx.params)
@@ -129,11 +133,20 @@ def bench(
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
                 rows, interrupted, written, failure = _run_single(plan, model, dataset, output, label, flags,
                                                                   plan_cache_dir, console, summary=reporting.summary)
-    except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    report_run(rows, interrupted, written, failure, console, reporting=reporting)
+    report_run(rows, interrupted, written, failure, console, reporting=reporting, stop=stop)
     _exit_if_requests_failed(rows, written, allow_errors, console)
+
+
+@contextlib.contextmanager
+def stopped_early(console: Console, stop: StopRecord) -> Iterator[None]:
+    """Ctrl-C or SIGTERM that ends the block (before any request finished: a run that started returns
+    its summary instead): says so, and exits 130 or 143 (128 + the signal's number)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        console.print(f"[bold yellow]interrupted[/] ({stop.name}) before any request finished: nothing written; "
+                      f"exit code {stop.exit_code}", highlight=False)
+        raise typer.Exit(stop.exit_code) from None
 
 
 def report_outputs(params) -> ReportOutputs:
@@ -147,13 +160,16 @@ def report_outputs(params) -> ReportOutputs:
 
 
 def report_run(rows, interrupted, written, failure, console: Console, *, more_tables=None,
-               reporting: ReportOutputs | None = None, title: str = "kvtool bench summary") -> None:
+               reporting: ReportOutputs | None = None, title: str = "kvtool bench summary",
+               stop: StopRecord | None = None) -> None:
     """After a run: the summary table (``title``; and ``more_tables(rows, console)``'s), the files written (with
     ``reporting``: the JSON and HTML reports too), and how it ended (an error that stopped it is
-    raised, Ctrl-C exits 130)."""
+    raised; Ctrl-C exits 130, SIGTERM 143)."""
+    stop = stop or StopRecord()
     if not rows:
-        console.print("[bold yellow]interrupted[/] before any variant finished: nothing written")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        console.print(f"[bold yellow]interrupted[/] ({stop.name}) before any variant finished: nothing written; "
+                      f"exit code {stop.exit_code}", highlight=False)
+        raise typer.Exit(stop.exit_code)
     # Wide enough for every variant's numbers (a sweep has many columns): at least the terminal's width.
     width = 36 + sum(max(len(str(row.get("label", ""))) + 14, 16) for row in rows)
     wide = Console(width=max(Console().width, width))
@@ -168,14 +184,14 @@ def report_run(rows, interrupted, written, failure, console: Console, *, more_ta
     if report_error is not None:
         print_error(report_error)
     if failure is not None:
-        console.print("[bold red]stopped by an error[/]: the reports hold the requests that finished "
-                      "(summary marked interrupted=True, run_error says why)")
+        console.print("[bold red]stopped by an error[/]: the table above and the files written hold the requests "
+                      "that finished (a summary written says interrupted=True, run_error says why)")
         with user_errors():
             raise failure
     if interrupted:
-        console.print("[bold yellow]interrupted[/]: the reports hold the requests that finished "
-                      "(summary marked interrupted=True)")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        console.print(f"[bold yellow]interrupted[/] ({stop.name}): the reports hold the requests that finished "
+                      f"(summary marked interrupted=True); exit code {stop.exit_code}", highlight=False)
+        raise typer.Exit(stop.exit_code)
     if report_error is not None:
         raise typer.Exit(2)
 
@@ -204,11 +220,25 @@ def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, cons
     try:
         result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
                                   requests_csv=requests_csv, console=console, summary=summary,
-                                  config_columns={"model": str(plan if plan is not None else model)})
+                                  config_columns={"model": str(plan if plan is not None else model),
+                                                  "label_source": "--label" if label else "default"})
     finally:
         llm.shutdown()
-    write_summary_csv(summary_csv, [result.row])
-    return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
+    written, failure = _write_summary(summary_csv, [result.row], requests_csv, result.failure)
+    return [result.row], result.interrupted, written, failure
+
+
+def _write_summary(summary_csv: Path, rows, requests_csv: Path, failure):
+    """(files written, the error to report): a summary that cannot be written (a full disk) is an error
+    beside the run's own, and its figures stay on the screen."""
+    try:
+        write_summary_csv(summary_csv, rows)
+    except FileWriteError as error:
+        if failure is None:
+            return [requests_csv], error
+        return [requests_csv], (failure.joined(error) if isinstance(failure, FileWriteError)
+                                else KvtoolError(f"{failure}; {error}"))
+    return [requests_csv, summary_csv], failure
 
 
 # EndpointOptions' and EndpointAccess' fields -> their flags (the key's: where it came from).

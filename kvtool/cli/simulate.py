@@ -21,6 +21,7 @@ from kvtool.cli.build import DType
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.options import flag
+from kvtool.signals import stop_signals
 from kvtool.simulate.published import DEVICES
 
 SIMULATION = "Simulation"
@@ -55,7 +56,7 @@ def simulate(ctx: typer.Context, profile: Profile = None, dtype: SimulatedDType 
 
     plan, model, dataset, config, sets = params["plan"], params["model"], params["dataset"], params["config"], \
         params["set_"] or []
-    try:
+    with stop_signals() as stop, bench_command.stopped_early(console, stop):  # SIGTERM stops as Ctrl-C does
         with user_errors():
             flags = engine_flags.engine_flag_values(ctx.params)
             reporting = bench_command.report_outputs(params)
@@ -77,9 +78,6 @@ def simulate(ctx: typer.Context, profile: Profile = None, dtype: SimulatedDType 
                 rows, interrupted, written, failure = bench_command._run_single(
                     plan, model, dataset, params["output"], params["label"], flags, params["plan_cache_dir"],
                     console, llm_factory=factory, summary=reporting.summary)
-    except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
-        raise typer.Exit(bench_command.EXIT_INTERRUPTED) from None
 
     def sweep_report(rows, wide):
         if len(rows) < 2:
@@ -88,7 +86,7 @@ def simulate(ctx: typer.Context, profile: Profile = None, dtype: SimulatedDType 
         return [plot_sweep(rows, Path(written[-1]).parent / "sweep.png")]
 
     bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report,
-                             reporting=reporting, title=summary_title(rows))
+                             reporting=reporting, title=summary_title(rows), stop=stop)
 
 
 def summary_title(rows) -> str:

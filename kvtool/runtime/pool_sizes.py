@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
-from kvtool.units import format_bytes
+from kvtool.units import format_byte_count, format_bytes
 
 CPU_PRIMARY_POOL_CAP_BYTES = 256 << 20  # on a CPU, "free device memory" is host memory: cap the default
 
@@ -51,8 +51,9 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
     budget_bytes = int(fraction * free_memory_bytes)
     budget_blocks = budget_bytes // block_bytes
     memory = "available host memory" if on_cpu else "free device memory"
-    budget = f"{budget_bytes:,} bytes ({FRACTION_FLAG} {fraction} of the {free_memory_bytes:,} bytes of {memory})"
-    block = f"one block of {tokens_per_block} tokens takes {block_bytes:,} bytes"
+    budget = (f"{format_byte_count(budget_bytes)}: {FRACTION_FLAG} {fraction} of the "
+              f"{format_byte_count(free_memory_bytes)} of {memory}")
+    block = f"one block of {tokens_per_block} tokens takes {format_byte_count(block_bytes)}"
     smaller_blocks = "or a smaller --tokens_per_block"
     if max_tokens is None:
         if on_cpu and budget_blocks * block_bytes > CPU_PRIMARY_POOL_CAP_BYTES:
@@ -73,8 +74,8 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
         if asked_bytes > free_memory_bytes:
             there = "host memory are available" if on_cpu else "device memory are free"
             raise KvtoolError(
-                f"{MAX_TOKENS_FLAG} {max_tokens:,} needs {asked_bytes:,} bytes of KV cache "
-                f"but only {free_memory_bytes:,} bytes of {there}: choose at most "
+                f"{MAX_TOKENS_FLAG} {max_tokens:,} needs {format_byte_count(asked_bytes)} of KV cache "
+                f"but only {format_byte_count(free_memory_bytes)} of {there}: choose at most "
                 f"{free_memory_bytes // block_bytes * tokens_per_block:,} tokens")
         num_blocks = min(asked_blocks, budget_blocks)
         if 0 < num_blocks < asked_blocks:
@@ -83,7 +84,7 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
                 f"{fraction} of the {format_bytes(free_memory_bytes)} of {memory} allows: the pool holds "
                 f"{num_blocks * tokens_per_block:,} tokens, the smaller of the two (as in TensorRT-LLM)")
     if num_blocks < 1:
-        raise KvtoolError(f"the KV cache gets no block: {block} but the budget is {budget}: raise {FRACTION_FLAG}, "
+        raise KvtoolError(f"the KV cache gets no block: {block} but the budget is {budget}; raise {FRACTION_FLAG}, "
                           f"{smaller_blocks}")
     return num_blocks
 
@@ -97,19 +98,23 @@ def _host_blocks(block_bytes: int, tokens_per_block: int, host_cache_size: int, 
         return 0
     flag = "--kv_host_cache_bytes"
     if host_cache_size < block_bytes:
-        raise KvtoolError(f"{flag} of {host_cache_size:,} bytes is smaller than one KV block ({block_bytes:,} bytes, "
-                          f"{tokens_per_block} tokens): give at least {block_bytes:,} bytes, or 0 for no offloading")
+        raise KvtoolError(f"{flag} of {format_byte_count(host_cache_size)} is smaller than one KV block of "
+                          f"{tokens_per_block} tokens, {format_byte_count(block_bytes)}: give at least "
+                          f"{block_bytes:,} bytes, or 0 for no offloading")
     num_blocks = host_cache_size // block_bytes
     if num_blocks * block_bytes <= available_bytes:
         return num_blocks
-    too_big = f"{flag} of {host_cache_size:,} bytes exceeds the {available_bytes:,} bytes of host memory available"
+    too_big = (f"{flag} of {format_byte_count(host_cache_size)} exceeds the {format_byte_count(available_bytes)} of "
+               "host memory available")
     if num_workload_blocks is None:
         raise KvtoolError(f"{too_big}: choose at most {available_bytes:,} bytes")
     reachable = min(num_blocks, num_workload_blocks) * block_bytes
     if reachable > available_bytes:
-        raise KvtoolError(f"{too_big}, and this workload can fill {reachable:,} bytes of it, "
-                          f"{reachable - available_bytes:,} more than available: choose at most {available_bytes:,} bytes")
-    notes.append(f"--kv_host_cache_bytes {host_cache_size:,} is more than the {format_bytes(available_bytes)} of host memory "
+        raise KvtoolError(f"{too_big}, and this workload can fill {format_byte_count(reachable)} of it, "
+                          f"{format_byte_count(reachable - available_bytes)} more than available: choose at most "
+                          f"{available_bytes:,} bytes")
+    notes.append(f"--kv_host_cache_bytes {format_byte_count(host_cache_size)} is more than the "
+                 f"{format_bytes(available_bytes)} of host memory "
                  f"available, but it is a limit (allocated as blocks are offloaded) and this workload can put at most "
                  f"{min(num_blocks, num_workload_blocks):,} blocks ({format_bytes(reachable)}) there: going ahead")
     return num_blocks

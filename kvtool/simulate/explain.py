@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +18,10 @@ from rich.console import Console
 
 from kvtool.bench.config import BenchConfig, flags_from_row
 from kvtool.bench.datasets import load_dataset
-from kvtool.bench.repeats import as_number
-from kvtool.bench.report import SUMMARY_FILE, read_csv
+from kvtool.bench.repeats import as_number, median_row
+from kvtool.bench.report import SUMMARY_FILE
 from kvtool.errors import KvtoolError
+from kvtool.units import format_bytes
 
 # (summary column, what the missed blocks of that reason were), in the order they are told.
 REASONS = (
@@ -44,19 +45,15 @@ class WhatIf:
     overrides: Mapping[str, object]
 
 
-def _bytes(num_bytes: float) -> str:
-    for unit, size in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.3g} {unit}"
-    return f"{num_bytes:,.0f} B"
-
-
 def _round_up(num_bytes: float) -> int:
-    """Up to two significant digits: a size a user would type."""
+    """Up to two significant digits of the binary unit format_bytes shows it in: a size a user would type
+    (17.3 MiB -> 18 MiB)."""
     if num_bytes <= 0:
         return 0
-    scale = 10 ** max(0, int(math.floor(math.log10(num_bytes))) - 1)
-    return int(math.ceil(num_bytes / scale) * scale)
+    unit = next((size for size in (1 << 40, 1 << 30, 1 << 20, 1 << 10) if num_bytes >= size), 1)
+    value = num_bytes / unit
+    scale = 10 ** max(0, int(math.floor(math.log10(value))) - 1)
+    return int(math.ceil(value / scale) * scale * unit)
 
 
 def what_ifs(row: Mapping) -> list[WhatIf]:
@@ -78,18 +75,19 @@ def what_ifs(row: Mapping) -> list[WhatIf]:
     if share("missed_evicted_primary_blocks") >= NOTABLE_SHARE and block_bytes:
         # Room on the host for every block that came back missing.
         size = _round_up(max(evicted_primary * block_bytes, host_bytes * 2))
-        out.append(WhatIf(f"with a host cache of {_bytes(size)}", {"kv_host_cache_bytes": size}))
+        out.append(WhatIf(f"with a host cache of {format_bytes(size)}", {"kv_host_cache_bytes": size}))
         if primary_tokens:
             out.append(WhatIf(f"with a primary pool twice as large, {int(2 * primary_tokens):,} tokens",
                               {"max_tokens_in_paged_kv_cache": int(2 * primary_tokens)}))
     evicted_host = as_number(row.get("missed_evicted_host_blocks")) or 0
     if share("missed_evicted_host_blocks") >= NOTABLE_SHARE and host_bytes:
         four_times = _round_up(4 * host_bytes)
-        out.append(WhatIf(f"with a host cache 4x as large, {_bytes(four_times)}", {"kv_host_cache_bytes": four_times}))
+        out.append(WhatIf(f"with a host cache 4x as large, {format_bytes(four_times)}",
+                          {"kv_host_cache_bytes": four_times}))
         # Room for every block that came back missing (an upper bound: a block may have been missed twice).
         room = _round_up(host_bytes + evicted_host * block_bytes)
         if room > four_times:
-            out.append(WhatIf(f"with a host cache of {_bytes(room)}, room for every block evicted from it",
+            out.append(WhatIf(f"with a host cache of {format_bytes(room)}, room for every block evicted from it",
                               {"kv_host_cache_bytes": room}))
     return out
 
@@ -123,32 +121,48 @@ def simulate_row(row: Mapping, overrides: Mapping[str, object], *, report_dir: P
     return result.row
 
 
-def explain_row(row: Mapping, *, report_dir: Path, profile: str | None) -> list[str]:
-    """Sentences for one variant of a report."""
+def _span(values: Sequence[float], show: Callable[[float], str]) -> str:
+    """One run's figure, or the range of several ('12-15'); one figure when every run agrees."""
+    low, high = show(min(values)), show(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+def _figures(runs: Sequence[Mapping], column: str) -> list[float]:
+    return [as_number(run.get(column)) or 0 for run in runs]
+
+
+def explain_runs(runs: Sequence[Mapping], *, report_dir: Path, profile: str | None) -> list[str]:
+    """Sentences for one variant of a report: one run, or the runs of a repeated one (``repeat: N``),
+    their figures as ranges; the what-ifs simulated once, on the runs' median figures and the
+    configuration they share."""
+    row = runs[0] if len(runs) == 1 else median_row(runs)
     label = row.get("label")
-    reused, missed = as_number(row.get("reused_blocks")) or 0, as_number(row.get("missed_blocks")) or 0
     kind = "simulated" if str(row.get("simulated")) == "True" else "measured"
-    p50 = as_number(row.get("ttft_ms_p50"))
-    sentences = [f"{label}: {int(as_number(row.get('num_requests')) or 0):,} requests; {int(reused):,} of "
-                 f"{int(reused + missed):,} full prompt blocks were reused (hit rate {_rate(row.get('cache_hit_rate'))}); "
-                 f"TTFT p50 {_ms(p50)} ms ({kind})."]
-    if not missed:
+    reused, missed = _figures(runs, "reused_blocks"), _figures(runs, "missed_blocks")
+    totals = [r + m for r, m in zip(reused, missed)]
+    p50s = [value for value in (as_number(run.get("ttft_ms_p50")) for run in runs) if value is not None]
+    p50 = f"{_span(p50s, _ms)} ms" if p50s else "-"
+    if len(set(map(_ms, p50s))) > 1:
+        p50 += f", median {_ms(as_number(row.get('ttft_ms_p50')))} ms"
+    rates = [value for value in (as_number(run.get("cache_hit_rate")) for run in runs) if value is not None]
+    count = "requests" if len(runs) == 1 else f"requests each, over {len(runs)} runs"
+    sentences = [f"{label}: {_span(_figures(runs, 'num_requests'), _count)} {count}; {_span(reused, _count)} of "
+                 f"{_span(totals, _count)} full prompt blocks were reused (hit rate "
+                 f"{_span(rates, _rate) if rates else '-'}); TTFT p50 {p50} ({kind})."]
+    if not any(missed):
         return sentences
     if row.get("missed_never_seen_blocks") in (None, ""):
         sentences.append("This report has no miss split (written by an older kvtool): rerun it to see why blocks "
                          "were missed.")
         return sentences
-    for column, what in REASONS:
-        count = as_number(row.get(column)) or 0
-        if count:
-            sentences.append(f"{count / missed:.0%} of missed blocks ({int(count):,}) {what}.")
+    sentences += _reasons(runs)
     changes = what_ifs(row)
     if not changes:
         return sentences
-    baseline = simulate_row(row, {}, report_dir=report_dir, profile=profile)
+    baseline = simulate_row(runs[0], {}, report_dir=report_dir, profile=profile)
     profile_name = baseline.get("cost_profile")
     for change in changes:
-        predicted = simulate_row(row, change.overrides, report_dir=report_dir, profile=profile)
+        predicted = simulate_row(runs[0], change.overrides, report_dir=report_dir, profile=profile)
         sentences.append(
             f"{change.description[0].upper()}{change.description[1:]} (simulated), the hit rate goes from "
             f"{_rate(baseline.get('cache_hit_rate'))} to {_rate(predicted.get('cache_hit_rate'))} and TTFT p50 from "
@@ -156,6 +170,44 @@ def explain_row(row: Mapping, *, report_dir: Path, profile: str | None) -> list[
     sentences.append(f"(Simulated with the {profile_name} step cost model; its baseline predicts TTFT p50 "
                      f"{_ms(as_number(baseline.get('ttft_ms_p50')))} ms for this configuration.)")
     return sentences
+
+
+def _reasons(runs: Sequence[Mapping]) -> list[str]:
+    """'67% of missed blocks (386) had been ...' per reason, as ranges over several runs."""
+    missed = _figures(runs, "missed_blocks")
+    sentences = []
+    for column, what in REASONS:
+        counts = _figures(runs, column)
+        if any(counts):
+            shares = [count / total if total else 0.0 for count, total in zip(counts, missed)]
+            share = _span([round(100 * s) for s in shares], lambda v: f"{v:.0f}")
+            sentences.append(f"{share}% of missed blocks ({_span(counts, _count)}) {what}.")
+    return sentences
+
+
+def explain_requests(variant, *, report_dir: Path) -> list[str]:
+    """Sentences for a variant known only by its per-request rows (a run cut short before its summary):
+    what they show, marked as such; no what-ifs, which need the configuration only a summary records."""
+    row = variant.row
+    source = variant.source
+    summary = "its summary.csv has no row for it" if (report_dir / SUMMARY_FILE).is_file() else "no summary.csv"
+    why = (f"the run was cut short: {summary} (it was killed, or its disk filled, before writing one)"
+           if variant.cut_short else f"per-request rows only ({source.name})")
+    num_rows = f"{len(variant.requests or []):,}"
+    sentences = [f"{row.get('label') or variant.name}: {why}. From the {num_rows} complete rows of {source}: "
+                 f"{_count(as_number(row.get('missed_blocks')) or 0)} full prompt blocks "
+                 f"were missed, {_count(as_number(row.get('total_reused_tokens')) or 0)} prompt tokens reused; TTFT "
+                 f"p50 {_ms(as_number(row.get('ttft_ms_p50')))} ms (measured as far as it ran)."]
+    sentences += [f"({note}.)" for note in variant.notes if "is cut short" in note]
+    if as_number(row.get("missed_blocks")):
+        sentences += _reasons([row])
+    sentences.append("What-ifs need the run's configuration, which only its summary records: rerun the bench to see "
+                     "them.")
+    return sentences
+
+
+def _count(value: float) -> str:
+    return f"{round(value):,}"
 
 
 def _rate(value) -> str:
@@ -167,13 +219,18 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def explain(report_dir: Path, *, profile: str | None = None, label: str | None = None) -> list[list[str]]:
-    """A paragraph (list of sentences) per variant of the report in ``report_dir`` (or only ``label``'s)."""
-    report_dir = Path(report_dir)
-    summary = report_dir / SUMMARY_FILE if report_dir.is_dir() else report_dir
-    rows = read_csv(summary)
+def explain(report: Path, *, profile: str | None = None, label: str | None = None) -> list[list[str]]:
+    """A paragraph (list of sentences) per variant of a report: a run or scenario directory, or its
+    summary.csv (only ``label``'s variant when given). The runs of a repeated variant make one
+    paragraph; a run cut short before its summary is told from its per-request rows."""
+    from kvtool.bench.variants import load_variants
+
+    report = Path(report)
+    variants = load_variants([report], with_requests=False)
     if label is not None:
-        rows = [r for r in rows if r.get("label") == label]
-        if not rows:
-            raise KvtoolError(f"no variant labelled {label!r} in {summary}")
-    return [explain_row(row, report_dir=summary.parent, profile=profile) for row in rows]
+        variants = [v for v in variants if v.row.get("label") == label]
+        if not variants:
+            raise KvtoolError(f"no variant labelled {label!r} in {report}")
+    report_dir = report if report.is_dir() else report.parent
+    return [explain_runs(v.runs, report_dir=report_dir, profile=profile) if v.runs
+            else explain_requests(v, report_dir=report_dir) for v in variants]
