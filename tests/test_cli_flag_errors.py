@@ -60,7 +60,7 @@ def test_build_names_the_flag(tmp_path, args, message):
     (["--plan", "{plan}", "--max_seq_len", 5000], "--max_seq_len 5000 is outside what the plan was built for "
                                                   "(1..1024)"),
     (["--plan", "{plan}", "--tokens_per_block", 32], "--tokens_per_block 32 does not match the plan"),
-    (["--plan", "{plan}", "--kv_cache_free_gpu_mem_fraction", 1e-9], "(--kv_cache_free_gpu_mem_fraction 1e-09 of "
+    (["--plan", "{plan}", "--kv_cache_free_gpu_mem_fraction", 1e-9], ": --kv_cache_free_gpu_mem_fraction 1e-09 of "
                                                                      "the"),
     (["--plan", "{plan}", "--max_num_tokens", 8, "--enable_chunked_context"],
      "--max_num_tokens (8) must be >= --tokens_per_block (16) with --enable_chunked_context"),
