@@ -83,7 +83,7 @@ def test_unknown_keys_are_named_with_the_file_and_the_allowed_keys(tmp_path, cha
 
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["bench"].update(scheduler_policy="fastest"), "scheduler_policy 'fastest' is unknown"),
-    (lambda d: d.update(build={"tokens_per_block": 24}), "tokens_per_block must be a power of 2"),
+    (lambda d: d.update(build={"tokens_per_block": 24}), "build.tokens_per_block must be a power of 2"),
     (lambda d: d["sweep"].append({"label": "on"}), "label 'on' is used twice"),
     (lambda d: d.update(plan="plans/x"), "either `model:`"),
     (lambda d: d.pop("dataset"), "no `dataset:`"),

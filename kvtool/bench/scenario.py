@@ -18,6 +18,7 @@ import yaml
 from kvtool.bench import generators
 from kvtool.bench.datasets import write_jsonl
 from kvtool.bench.config import FLAG_NAMES, BenchConfig
+from kvtool.config import ConfigError
 from kvtool.errors import KvtoolError
 
 DEFAULT_MODEL = "preset:tiny-llama"
@@ -294,7 +295,10 @@ def scenario_from_document(document, path: Path, *, sets: Sequence[str] = (), mo
         try:
             config = BenchConfig.from_flags(flags)
             if variant_plan is None:
-                BuildOptions(**build)
+                try:
+                    BuildOptions(**build)
+                except ConfigError as error:  # named as the file spells it: build.<option>
+                    raise ValueError(f"build.{error.field} {error.problem}") from None
             if spec.generator is not None:
                 generators.check_parameters(spec.generator, spec.parameters)
         except (TypeError, ValueError) as error:
