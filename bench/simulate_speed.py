@@ -18,9 +18,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvtool.bench import generators
+from kvtool.workloads import generators
 from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.runner import run_bench
 from kvtool.plan import BuildOptions, resolve_model
 from kvtool.runtime.device import host_description

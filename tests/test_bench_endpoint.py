@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from kvtool import KvCacheConfig
 from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
 from kvtool.bench.replay import ReplayOptions, poisson_due_times
 from kvtool.bench.runner import run_bench

@@ -23,9 +23,9 @@ from test_cli_bench import FakeLlmFactory, invoke, read_rows
 from test_cli_compare import compared_cut_short
 
 from kvtool.bench import runner as bench_runner
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.metrics import CSV_COLUMNS
-from kvtool.bench.report import RequestCsvWriter
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.metrics import CSV_COLUMNS
+from kvtool.reports.csv_report import RequestCsvWriter
 
 KVTOOL = str(Path(sys.executable).parent / "kvtool")
 profile = test_explain.profile  # a fixture: a cost model file

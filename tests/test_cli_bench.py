@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from kvtool.bench import runner as bench_runner
 from kvtool.bench import sweep
 from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads.datasets import write_jsonl
 from kvtool.cli import app
 from kvtool.config import CapacitySchedulerPolicy, ContextChunkingPolicy
 

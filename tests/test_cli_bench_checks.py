@@ -10,9 +10,9 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.replay import bench_requests
-from kvtool.bench.workload import max_num_blocks
+from kvtool.workloads.blocks import max_num_blocks
 from kvtool.cli import app
 from kvtool.plan import load_plan
 

@@ -8,8 +8,8 @@ import test_cli_bench
 from test_cli_bench import read_rows
 from typer.testing import CliRunner
 
-from kvtool.bench.metrics import request_metrics
-from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.reports.metrics import request_metrics
+from kvtool.reports.csv_report import RequestCsvWriter, write_summary_csv
 from kvtool.cli import app
 from kvtool.runtime.request import Request
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import load_dataset
+from kvtool.workloads.datasets import load_dataset
 from kvtool.cli import app
 
 runner = CliRunner()

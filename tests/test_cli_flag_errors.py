@@ -11,7 +11,7 @@ import socket
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads.datasets import write_jsonl
 from kvtool.cli import app
 
 cli = CliRunner()

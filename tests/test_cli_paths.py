@@ -12,8 +12,8 @@ from bench_fakes import FakeLLM
 from typer.testing import CliRunner
 
 from kvtool.bench import runner as bench_runner
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.report import write_summary_csv
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.csv_report import write_summary_csv
 from kvtool.cli import app
 
 cli = CliRunner()

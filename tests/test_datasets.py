@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.errors import DatasetError
 
 
@@ -150,8 +150,8 @@ def test_largest_int32_token_id_is_read_and_left_to_the_vocabulary_check(tmp_pat
 
 
 def test_sharegpt_and_text_files_with_a_byte_order_mark_import(tmp_path):
-    from kvtool.bench.sharegpt import import_sharegpt
-    from kvtool.bench.text_workloads import TextSource
+    from kvtool.workloads.sharegpt import import_sharegpt
+    from kvtool.workloads.text import TextSource
     from kvtool.models.tokenizer import ByteLevelTokenizer
 
     conversations = [{"id": "a", "conversations": [{"from": "human", "value": "Hi there"},
@@ -167,7 +167,7 @@ def test_sharegpt_and_text_files_with_a_byte_order_mark_import(tmp_path):
 
 
 def test_a_sharegpt_file_that_is_not_utf8_names_the_file(tmp_path):
-    from kvtool.bench.sharegpt import import_sharegpt
+    from kvtool.workloads.sharegpt import import_sharegpt
 
     path = tmp_path / "latin1.json"
     path.write_bytes('[{"conversations": [{"from": "human", "value": "caf\xe9"}]}]'.encode("latin-1"))

@@ -1,11 +1,11 @@
-"""kvtool.bench.differences: what differs between summary rows, and the names that tell variants apart."""
+"""kvtool.reports.differences: what differs between summary rows, and the names that tell variants apart."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from kvtool.bench.config import FLAGS
-from kvtool.bench.differences import FLAG_FIELDS, default_label, differing_fields, telling_apart, variant_names
+from kvtool.reports.differences import FLAG_FIELDS, default_label, differing_fields, telling_apart, variant_names
 
 
 def run(label="sm32", **columns):

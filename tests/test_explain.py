@@ -10,7 +10,7 @@ import pytest
 import yaml
 from test_cli_bench import invoke
 
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads.datasets import write_jsonl
 from kvtool.simulate.cost_model import CostModel
 
 

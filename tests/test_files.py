@@ -9,8 +9,8 @@ import stat
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.report import write_summary_csv
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.csv_report import write_summary_csv
 from kvtool.cli import app
 from kvtool.files import FileWriteError, atomic_write
 from kvtool.plan import BuildOptions, build_plan

@@ -16,7 +16,7 @@ from headless_browser import find_chromium, open_page
 from test_cli_bench import invoke, read_rows
 from test_report_outputs import dataset, fake_llms  # noqa: F401 - fixtures
 
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads.datasets import write_jsonl
 
 needs_chromium = pytest.mark.skipif(find_chromium() is None,
                                     reason="chromium is not installed (make setup installs Debian's chromium)")

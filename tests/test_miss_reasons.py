@@ -17,8 +17,8 @@ from step_limit import StepLimit
 from typer.testing import CliRunner
 
 from kvtool._core import CacheConfig, KVCacheManager, MissReasons, Scheduler, SchedulerConfig
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.metrics import CSV_COLUMNS, MISS_COLUMNS
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.metrics import CSV_COLUMNS, MISS_COLUMNS
 from kvtool.bench.runner import _MISS_NAMES, summary_table
 from kvtool.cli import app
 from kvtool.runtime.request import MISS_REASONS

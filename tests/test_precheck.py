@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.precheck import check_requests
 from kvtool.bench.replay import bench_requests
 from kvtool.config import KvCacheConfig

@@ -12,7 +12,7 @@ import csv
 import pytest
 from bench_fakes import FakeClock, FakeEngine, FakeLLM, FakeTokenizer
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.precheck import request_problems
 from kvtool.bench.replay import ReplayOptions, Replayer, bench_requests, poisson_due_times, session_key

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from kvtool.bench.datasets import DatasetRecord
-from kvtool.bench.metrics import CSV_COLUMNS, MISS_COLUMNS, request_metrics
-from kvtool.bench.report import (
+from kvtool.workloads.datasets import DatasetRecord
+from kvtool.reports.metrics import CSV_COLUMNS, MISS_COLUMNS, request_metrics
+from kvtool.reports.csv_report import (
     RequestCsvWriter,
     format_cell,
     output_paths,

@@ -14,7 +14,7 @@ import pytest
 from test_cli_bench import invoke, read_rows
 
 from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.runner import run_bench
 from kvtool.plan import load_plan
 from kvtool.simulate.cost_model import (TERMS, CostModel, StepShape, fit_coefficients, load_profile,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from bench_fakes import FakeTokenizer
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.replay import bench_requests
-from kvtool.bench.workload import max_num_blocks
+from kvtool.workloads.blocks import max_num_blocks
 
 
 def requests_of(tmp_path, lines):

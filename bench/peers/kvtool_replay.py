@@ -12,9 +12,9 @@ import dataclasses
 from common import replay_arguments, write_outputs
 
 from kvtool import LLM
-from kvtool.bench.datasets import load_dataset
+from kvtool.workloads.datasets import load_dataset
 from kvtool.bench.config import BenchConfig
-from kvtool.bench.report import write_summary_csv
+from kvtool.reports.csv_report import write_summary_csv
 from kvtool.bench.runner import run_bench
 
 

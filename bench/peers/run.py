@@ -36,8 +36,8 @@ sys.path.insert(0, str(HERE))
 
 from common import load_requests, read_outputs  # noqa: E402
 
-from kvtool.bench.metrics import summarize  # noqa: E402
-from kvtool.bench.report import RequestCsvWriter, read_csv, request_metrics_from_row, write_summary_csv  # noqa: E402
+from kvtool.reports.metrics import summarize  # noqa: E402
+from kvtool.reports.csv_report import RequestCsvWriter, read_csv, request_metrics_from_row, write_summary_csv  # noqa: E402
 
 MODEL = "gguf:smollm2-135m"
 TEXT = REPO / "examples" / "text" / "ordinary_things.txt"
@@ -73,8 +73,8 @@ def slug(name: str) -> str:
 
 def prepare(work: Path, args) -> tuple[Path, Path, Path]:
     """(plan, checkpoint, dataset) under ``work``; each is made once and reused."""
-    from kvtool.bench.generators import GeneratorOptions
-    from kvtool.bench.text_workloads import TextSource, text_system_prompt
+    from kvtool.workloads.generators import GeneratorOptions
+    from kvtool.workloads.text import TextSource, text_system_prompt
     from kvtool.models.gguf import dequantize_gguf, resolve_gguf
     from kvtool.plan import BuildOptions, build_plan, load_plan
 

@@ -1,3 +1,3 @@
-"""Benchmarking front end: datasets (datasets, generators, sharegpt, dataset_stats), the replay
-driver (replay), metrics and CSV reports (metrics, report), a bench run (options, runner, device),
-YAML scenarios and sweeps (scenario, sweep) and side-by-side comparison (compare)."""
+"""Benchmark runs: a dataset replayed through an engine or an endpoint (replay, runner, endpoint,
+http_stream), the pre-check of every request (precheck), YAML scenarios and sweeps (scenario, sweep).
+Datasets are kvtool.workloads'; metrics and report files kvtool.reports'."""

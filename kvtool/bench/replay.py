@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtool.bench.datasets import Dataset, DatasetRecord
+from kvtool.workloads.datasets import Dataset, DatasetRecord
 from kvtool.bench.interface import BenchEngine
 from kvtool.config import SamplingParams, check
 from kvtool.errors import DatasetError

@@ -15,18 +15,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtool.bench.datasets import Dataset
-from kvtool.bench.device import device_columns
+from kvtool.workloads.datasets import Dataset
+from kvtool.reports.device import device_columns
 from kvtool.bench.interface import BenchLLM, BenchPlan
-from kvtool.bench.metrics import (ENGINE, LATENCY_METRICS, RequestMetrics, SummaryOptions, percentile_columns,
+from kvtool.reports.metrics import (ENGINE, LATENCY_METRICS, RequestMetrics, SummaryOptions, percentile_columns,
                                   request_metrics, summarize)
 from kvtool.bench.config import BenchConfig
 from kvtool.bench.precheck import check_requests
-from kvtool.bench.repeats import as_number, group_by_label, median_row
+from kvtool.reports.repeats import as_number, group_by_label, median_row
 from kvtool.bench.replay import Replayer, bench_requests
-from kvtool.bench.report import RequestCsvWriter, format_hit_rate
-from kvtool.bench.slo import describe_bounds
-from kvtool.bench.workload import max_num_blocks
+from kvtool.reports.csv_report import RequestCsvWriter, format_hit_rate
+from kvtool.reports.slo import describe_bounds
+from kvtool.workloads.blocks import max_num_blocks
 from kvtool.files import FileWriteError
 from kvtool.runtime.request import Request
 from kvtool.signals import signal_name
@@ -47,7 +47,7 @@ class BenchResult:
 def bench_plan(model: str, config: BenchConfig, dataset: Dataset | None = None, *, cache_dir: Path | None = None):
     """(plan, num_workload_blocks) of a run: a plan directory as built, or a checkpoint/preset built on
     the fly into cache_dir with the block size and limits the flags ask for; with the dataset and a
-    host cache, the most KV blocks the dataset can create (kvtool.bench.workload), so that a host cache
+    host cache, the most KV blocks the dataset can create (kvtool.workloads.blocks), so that a host cache
     larger than the available memory is accepted when the dataset cannot fill more than that."""
     from kvtool.plan import is_built_plan, resolve_model
 

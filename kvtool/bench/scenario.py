@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from kvtool.bench import generators
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads import generators
+from kvtool.workloads.datasets import write_jsonl
 from kvtool.bench.config import FLAG_NAMES, BenchConfig
 from kvtool.config import ConfigError
 from kvtool.errors import KvtoolError

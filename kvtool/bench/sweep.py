@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvtool.bench.datasets import Dataset, load_dataset
+from kvtool.workloads.datasets import Dataset, load_dataset
 from kvtool.bench.interface import BenchLLM
-from kvtool.bench.metrics import SummaryOptions
+from kvtool.reports.metrics import SummaryOptions
 from kvtool.bench.config import BenchConfig
-from kvtool.bench.report import SUMMARY_FILE, requests_file_name, write_summary_csv
+from kvtool.reports.csv_report import SUMMARY_FILE, requests_file_name, write_summary_csv
 from kvtool.bench.runner import create_llm, run_bench
 from kvtool.bench.scenario import Scenario, Variant
 

@@ -12,11 +12,11 @@ import typer
 from rich.console import Console
 
 from kvtool.bench import runner, sweep
-from kvtool.bench.datasets import load_dataset
+from kvtool.workloads.datasets import load_dataset
 from kvtool.bench.config import ENGINE_FLAG_NAMES, BenchConfig
-from kvtool.bench.metrics import SummaryOptions
-from kvtool.bench.report import output_paths, write_summary_csv
-from kvtool.bench.report_outputs import ReportOutputs
+from kvtool.reports.metrics import SummaryOptions
+from kvtool.reports.csv_report import output_paths, write_summary_csv
+from kvtool.reports.outputs import ReportOutputs
 from kvtool.bench.scenario import load_scenario
 from kvtool.cli import app
 from kvtool.cli.errors import USER_ERRORS, print_error, user_errors
@@ -310,7 +310,7 @@ def _exit_if_requests_failed(rows, written, allow_errors, console: Console) -> N
     --allow_errors (the reports are written by then)."""
     from rich.markup import escape
 
-    from kvtool.bench.request_errors import failed_requests
+    from kvtool.reports.request_errors import failed_requests
 
     request_files = {str(row.get("requests_csv")) for row in rows}
     failed = failed_requests(rows, [path for path in written if Path(path).name in request_files])

@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvtool.bench.compare import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
+from kvtool.reports.compare import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
                                   plot_ttft, setup_differences, verdicts)
-from kvtool.bench.report import write_summary_csv
+from kvtool.reports.csv_report import write_summary_csv
 from kvtool.cli import app
 from kvtool.cli.errors import user_errors
 from kvtool.cli.help import KvtoolCommand
@@ -61,9 +61,9 @@ def _status_note(variant) -> str:
 
 
 def _write_html(path: Path, rows, variants) -> Path:
-    """The comparison as one self-contained HTML page (kvtool.bench.html_report.compare_page): the lines
+    """The comparison as one self-contained HTML page (kvtool.reports.html.compare_page): the lines
     printed around the table, the table, the TTFT plot, missed blocks by reason, errors, every column."""
-    from kvtool.bench.html_report import compare_page, write_html
+    from kvtool.reports.html import compare_page, write_html
 
     recorder = Console(record=True, file=io.StringIO(), width=100_000)
     _print_setup(recorder, variants)

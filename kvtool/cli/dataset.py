@@ -12,11 +12,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.bench import generators
-from kvtool.bench.dataset_stats import LengthStats, dataset_stats
-from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.sharegpt import approximate_token_count, import_sharegpt
-from kvtool.bench.text_workloads import TextSource, text_abab, text_multi_turn, text_system_prompt
+from kvtool.workloads import generators
+from kvtool.workloads.stats import LengthStats, dataset_stats
+from kvtool.workloads.datasets import load_dataset, write_jsonl
+from kvtool.workloads.sharegpt import approximate_token_count, import_sharegpt
+from kvtool.workloads.text import TextSource, text_abab, text_multi_turn, text_system_prompt
 from kvtool.cli import app
 from kvtool.cli.errors import USER_ERRORS, error_message, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand

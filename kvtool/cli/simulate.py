@@ -44,7 +44,7 @@ def simulate(ctx: typer.Context, profile: Profile = None, dtype: SimulatedDType 
     the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
     shapes with the build options asked for: no weights are written or read."""
     from kvtool.simulate.profiles import create_simulated_llm, simulation_variant_plan
-    from kvtool.simulate.sweep_report import print_sweep, plot_sweep
+    from kvtool.reports.sweep import print_sweep, plot_sweep
 
     console = Console(stderr=True)
     dtype = dtype.value if dtype is not None else None

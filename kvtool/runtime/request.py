@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from kvtool.bench.datasets import DatasetRecord
+    from kvtool.workloads.datasets import DatasetRecord
     from kvtool.config import SamplingParams
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from rich.console import Console
 
 from kvtool.bench.config import BenchConfig, flags_from_row
-from kvtool.bench.datasets import load_dataset
-from kvtool.bench.repeats import as_number, median_row
-from kvtool.bench.report import SUMMARY_FILE
+from kvtool.workloads.datasets import load_dataset
+from kvtool.reports.repeats import as_number, median_row
+from kvtool.reports.csv_report import SUMMARY_FILE
 from kvtool.errors import KvtoolError
 from kvtool.units import format_bytes
 
@@ -223,7 +223,7 @@ def explain(report: Path, *, profile: str | None = None, label: str | None = Non
     """A paragraph (list of sentences) per variant of a report: a run or scenario directory, or its
     summary.csv (only ``label``'s variant when given). The runs of a repeated variant make one
     paragraph; a run cut short before its summary is told from its per-request rows."""
-    from kvtool.bench.variants import load_variants
+    from kvtool.reports.variants import load_variants
 
     report = Path(report)
     variants = load_variants([report], with_requests=False)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtool.bench.generators import GeneratorOptions, Line, check_positive, Sampler
+from kvtool.workloads.generators import GeneratorOptions, Line, check_positive, Sampler
 from kvtool.errors import KvtoolError
 
 QUESTION = 'In one sentence, what does the text say about this: "{}"?'

@@ -1,7 +1,7 @@
 """Side-by-side comparison of bench reports, and a plot of their TTFT distributions.
 
-The variants come from kvtool.bench.variants (summary CSVs, per-request CSVs, run directories); the
-table starts with the configuration fields that differ between them (kvtool.bench.differences),
+The variants come from kvtool.reports.variants (summary CSVs, per-request CSVs, run directories); the
+table starts with the configuration fields that differ between them (kvtool.reports.differences),
 then every metric, with ratios against the first.
 """
 
@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtool.bench.differences import config_fields, differing_fields
-from kvtool.bench.metrics import LATENCY_METRICS, percentile_columns
-from kvtool.bench.repeats import Spread, spread, verdict
-from kvtool.bench.report import format_hit_rate
-from kvtool.bench.variants import CompareVariant, load_variants  # noqa: F401 - compare's readers import both here
+from kvtool.reports.differences import config_fields, differing_fields
+from kvtool.reports.metrics import LATENCY_METRICS, percentile_columns
+from kvtool.reports.repeats import Spread, spread, verdict
+from kvtool.reports.csv_report import format_hit_rate
+from kvtool.reports.variants import CompareVariant, load_variants  # noqa: F401 - compare's readers import both here
 from kvtool.errors import KvtoolError
 from kvtool.units import format_bytes
 
@@ -96,7 +96,7 @@ def compared_metrics(variants: Sequence[CompareVariant]) -> list[tuple[str, str]
 
 
 def compare_rows(variants: Sequence[CompareVariant]) -> list[CompareRow]:
-    """The configuration fields whose values differ (kvtool.bench.differences), the metric rows (those
+    """The configuration fields whose values differ (kvtool.reports.differences), the metric rows (those
     any variant has), then the other columns whose values differ."""
     rows = []
     differing = differing_fields([v.row for v in variants])
@@ -152,7 +152,7 @@ def _setup_value(row: dict, column: str) -> str | None:
 
 def setup_differences(variants: Sequence[CompareVariant]) -> tuple[list[tuple[str, str]], list[tuple[str, list]]]:
     """(what every variant shares: [(name, value)], where they differ: [(name, [value per variant])]):
-    every configuration field whose recorded values differ (kvtool.bench.differences.differing_fields:
+    every configuration field whose recorded values differ (kvtool.reports.differences.differing_fields:
     flags, build options, model, dataset and its sha256, engine, endpoint, simulation, device, pools);
     a value a report does not record is None."""
     rows = [v.row for v in variants]
@@ -168,7 +168,7 @@ def setup_differences(variants: Sequence[CompareVariant]) -> tuple[list[tuple[st
 def verdicts(variants: Sequence[CompareVariant], columns: Sequence[tuple[str, str]] = (
         ("ttft_ms_p50", "TTFT p50"), ("ttft_ms_mean", "TTFT mean"))) -> list[str]:
     """For each variant after the first: how its TTFT compares with the first's, and whether the runs
-    show it (kvtool.bench.repeats.verdict)."""
+    show it (kvtool.reports.repeats.verdict)."""
     lines = []
     baseline = variants[0]
     for column, name in columns:

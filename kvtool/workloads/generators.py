@@ -1,7 +1,7 @@
 """Synthetic workloads, so no one has to download a dataset to measure KV-cache reuse.
 
 Every generator returns the lines of a JSON Lines dataset (dicts in the format of
-kvtool.bench.datasets) with token ids drawn uniformly from ``[min_token_id, max_token_id)``.
+kvtool.workloads.datasets) with token ids drawn uniformly from ``[min_token_id, max_token_id)``.
 Lengths are in tokens; with ``length_spread`` s > 0 each length L is drawn uniformly from
 ``[L(1-s), L(1+s)]`` (rounded, at least 1). The same seed gives the same file.
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.bench.report import format_hit_rate
-from kvtool.bench.repeats import as_number
+from kvtool.reports.csv_report import format_hit_rate
+from kvtool.reports.repeats import as_number
 
 
 def _ms(value) -> str:

@@ -1,5 +1,5 @@
 """What a bench or simulate run reports beyond its CSVs, from the reporting flags: --percentiles and --slo
-(more summary columns), --report_json PATH (kvtool.bench.json_report) and --html (kvtool.bench.html_report).
+(more summary columns), --report_json PATH (kvtool.reports.json_report) and --html (kvtool.reports.html).
 
 These are not engine configuration, so they stay out of the flag table (kvtool.bench.config): they
 change what the reports hold, never how a request runs.
@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtool.bench.metrics import PERCENTILES, SummaryOptions, parse_percentiles
-from kvtool.bench.slo import parse_slo
+from kvtool.reports.metrics import PERCENTILES, SummaryOptions, parse_percentiles
+from kvtool.reports.slo import parse_slo
 
 HTML_FILE = "report.html"
 
@@ -38,7 +38,7 @@ class ReportOutputs:
         CSVs, any plots) are done; the paths written."""
         paths = []
         if self.report_json is not None:
-            from kvtool.bench.json_report import report_document, write_report_json
+            from kvtool.reports.json_report import report_document, write_report_json
 
             simulated = any(str(row.get("simulated")) == "True" for row in rows)
             slo = self.summary.slo
@@ -68,9 +68,9 @@ def html_path(summary_csv: Path) -> Path:
 
 
 def write_run_html(rows: Sequence[Mapping], summary_csv: Path, pngs: Sequence[Path] = ()) -> Path:
-    """The run's HTML page beside its summary CSV (kvtool.bench.html_report.bench_page)."""
-    from kvtool.bench.compare import load_variants
-    from kvtool.bench.html_report import bench_page, write_html
+    """The run's HTML page beside its summary CSV (kvtool.reports.html.bench_page)."""
+    from kvtool.reports.compare import load_variants
+    from kvtool.reports.html import bench_page, write_html
     from kvtool.bench.runner import summary_table
 
     page = bench_page(rows, summary_table=summary_table(list(rows)), variants=load_variants([summary_csv]),

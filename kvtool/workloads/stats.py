@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtool.bench.datasets import Dataset
-from kvtool.bench.metrics import LatencyStats
+from kvtool.workloads.datasets import Dataset
+from kvtool.reports.metrics import LatencyStats
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvtool.bench.metrics import RequestMetrics
+from kvtool.reports.metrics import RequestMetrics
 
 # The objectives, by the name --slo takes (vLLM's `e2el` accepted too), and the RequestMetrics field each bounds.
 _NAMES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "e2el": "e2e_ms"}

@@ -15,8 +15,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvtool.bench.metrics import LATENCY_METRICS, percentile_columns
-from kvtool.bench.repeats import group_by_label, median_row
+from kvtool.reports.metrics import LATENCY_METRICS, percentile_columns
+from kvtool.reports.repeats import group_by_label, median_row
 from kvtool.files import atomic_write
 
 FORMAT_VERSION = 1

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from kvtool.bench.metrics import CSV_COLUMNS, ENGINE, MISS_COLUMNS, RequestMetrics
+from kvtool.reports.metrics import CSV_COLUMNS, ENGINE, MISS_COLUMNS, RequestMetrics
 from kvtool.errors import KvtoolError
 from kvtool.files import FileWriteError, atomic_write
 from kvtool.signals import stop_signals_held

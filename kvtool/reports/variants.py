@@ -1,7 +1,7 @@
 """The variants of bench reports, as kvtool compare and kvtool explain read them: a summary CSV (every
 row a variant; rows of one label numbered by ``repeat`` are the runs of one variant:
-kvtool.bench.repeats), a per-request CSV (every label a variant, summarized with
-kvtool.bench.metrics.summarize), or a run or scenario directory (its summary, and a variant cut short
+kvtool.reports.repeats), a per-request CSV (every label a variant, summarized with
+kvtool.reports.metrics.summarize), or a run or scenario directory (its summary, and a variant cut short
 for each per-request file its summary has no row for). A summary row's per-request file
 (``requests_csv``, beside the summary) is read when present, for the plot.
 """
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.bench.differences import variant_names
-from kvtool.bench.metrics import MISS_COLUMNS, RequestMetrics, summarize
-from kvtool.bench.repeats import as_number, group_by_label, median_row
-from kvtool.bench.report import SUMMARY_FILE, read_report, request_metrics_from_row, rows_by_label
+from kvtool.reports.differences import variant_names
+from kvtool.reports.metrics import MISS_COLUMNS, RequestMetrics, summarize
+from kvtool.reports.repeats import as_number, group_by_label, median_row
+from kvtool.reports.csv_report import SUMMARY_FILE, read_report, request_metrics_from_row, rows_by_label
 from kvtool.errors import KvtoolError
 
 
@@ -143,7 +143,7 @@ def _directory_variants(directory: Path, with_requests: bool) -> list[CompareVar
 def load_variants(paths: Sequence[str | os.PathLike], *, with_requests: bool = True) -> list[CompareVariant]:
     """Every variant of the given reports (summary CSVs, per-request CSVs, run or scenario directories),
     in order, named so that each name is distinct and says what sets it apart
-    (kvtool.bench.differences.variant_names). ``with_requests=False``: a summary's per-request files
+    (kvtool.reports.differences.variant_names). ``with_requests=False``: a summary's per-request files
     are not read (a variant cut short before its summary is still read from its own)."""
     variants = [variant for path in map(Path, paths) for variant in _report_variants(path, with_requests)]
     names = variant_names([v.row for v in variants], [v.source for v in variants])

@@ -4,7 +4,7 @@ Times come from the Request (time.perf_counter seconds); reports give them in se
 bench start (``arrival_s``, ``first_token_s``, ``finish_s``) and latencies in milliseconds. The
 definitions (arrival, TTFT, TPOT, ITL, E2E, throughput, percentiles) are in
 docs/architecture.md#how-bench-measures and the README; goodput under service-level objectives in
-kvtool.bench.slo.
+kvtool.reports.slo.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kvtool.runtime.request import MISS_REASONS, Request
 
 if TYPE_CHECKING:
-    from kvtool.bench.slo import Slo
+    from kvtool.reports.slo import Slo
 
 MS_PER_S = 1000.0
 PERCENTILES = (50, 90, 99)
@@ -149,7 +149,7 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class SummaryOptions:
     """What a summary reports beyond the defaults: more percentiles (--percentiles), goodput under
-    service-level objectives (--slo: a kvtool.bench.slo.Slo)."""
+    service-level objectives (--slo: a kvtool.reports.slo.Slo)."""
 
     percentiles: tuple[float, ...] = PERCENTILES
     slo: Slo | None = None
@@ -215,7 +215,7 @@ class BenchMetrics:
     tpot_ms: LatencyStats
     itl_ms: LatencyStats
     e2e_ms: LatencyStats
-    # With service-level objectives (kvtool.bench.slo): the share of measured requests (errors
+    # With service-level objectives (kvtool.reports.slo): the share of measured requests (errors
     # included) that met all of them, and how many did per second; None without.
     slo_attainment: float | None = None
     goodput_requests_per_s: float | None = None

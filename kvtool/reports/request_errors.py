@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtool.bench.report import read_csv
+from kvtool.reports.csv_report import read_csv
 
 NO_MESSAGE = "unfinished, no error given"  # a row that is not ok and holds no error (cannot happen today)
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
