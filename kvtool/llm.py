@@ -45,6 +45,9 @@ class GenerationOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None
+    # What ran and what happened (kvtool.runtime.request.Request): token times, reuse figures, pauses.
+    # The engine forgets a request once it finishes; this is where its record stays.
+    request: Request | None = field(default=None, repr=False, compare=False)
 
 
 def _kernel_library(device: torch.device, kernel_cache: Path):
@@ -185,12 +188,16 @@ class LLM:
         if result.error is not None:
             yield result
             return
-        while not result.finished:
-            for request in self.engine.step():
-                if request.request_id == result.request_id:
-                    _update(result, request, self.tokenizer, decode=streaming or request.finished)
-                    if streaming or result.finished:
-                        yield result
+        try:
+            while not result.finished:
+                for request in self.engine.step():
+                    if request.request_id == result.request_id:
+                        _update(result, request, self.tokenizer, decode=streaming or request.finished)
+                        if streaming or result.finished:
+                            yield result
+        except GeneratorExit:  # the caller stopped reading: the request stops too, its blocks are freed
+            self.engine.abort_request(result.request_id)
+            raise
 
     def _submit(self, prompt, params: SamplingParams, extra_ids) -> GenerationOutput:
         if isinstance(prompt, str):
@@ -211,7 +218,7 @@ class LLM:
         except ValueError as refused:
             error = str(refused)
         result = GenerationOutput(request.request_id, text, token_ids, [CompletionOutput(0, "", [], None)],
-                                  error=error, finished=error is not None)
+                                  error=error, finished=error is not None, request=request)
         if error is not None:
             result.outputs[0].finish_reason = "error"
         return result

@@ -265,6 +265,10 @@ void bind_scheduler(nb::module_& m) {
       .def("finish_request", &Scheduler::finish_request, "request_id"_a,
            "Finishes a request early (EOS, stop string, abort) and releases its blocks; no-op when "
            "already finished. KeyError for an unknown id.")
+      .def("remove_request", &Scheduler::remove_request, "request_id"_a,
+           "Forgets a request, finishing it first if it is not: its stats and generated tokens are dropped "
+           "and its id becomes unknown. A long-lived caller removes each request once it has read what it "
+           "needs. KeyError for an unknown id.")
       .def(
           "schedule", [](Scheduler& self) { return to_python(self.schedule()); },
           "Schedules the next step. Run its copy_ops, then the forward of its requests, then call "
@@ -281,6 +285,8 @@ void bind_scheduler(nb::module_& m) {
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
       .def("num_queued_requests", &Scheduler::num_queued_requests, "Waiting requests, paused ones included.")
       .def("num_running_requests", &Scheduler::num_running_requests, "Requests holding blocks (context or generation).")
+      .def("num_requests", &Scheduler::num_requests,
+           "Requests the scheduler keeps a record of: unfinished ones and finished ones not removed yet.")
       .def("request_state", &Scheduler::request_state, "request_id"_a, "KeyError for an unknown id.")
       .def("request_stats", &Scheduler::request_stats, "request_id"_a, "KeyError for an unknown id.")
       .def(

@@ -2,7 +2,8 @@
 
 The replay, the engine and the metrics share this object: the caller fills in what to run, the
 engine what happened. The C++ scheduler keeps its own state of the same request, by ``request_id``
-(docs/architecture.md#a-requests-path).
+(docs/architecture.md#a-requests-path), until it finishes: then the engine and the scheduler forget
+it, and the caller's Request is its only record.
 """
 
 from __future__ import annotations

@@ -159,8 +159,6 @@ class EngineLoop:
 
     def _forget(self, request_id: int) -> None:
         self._streams.pop(request_id, None)
-        # The engine keeps every request it was given (a bench reads them back); a server would grow without end.
-        self.engine.requests.pop(request_id, None)
 
     def _fail_all(self, message: str) -> None:
         for request_id, stream in list(self._streams.items()):
