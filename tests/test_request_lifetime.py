@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import torch
 from serve_helpers import tiny_llm
+from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, run_steps
 
 from kvtool import KvCacheConfig, SamplingParams, SchedulerConfig, _core
 from kvtool.runtime.engine import Engine
 from kvtool.runtime.request import Request
 from kvtool.serve import create_app
-from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, run_steps
 
 State = _core.RequestState
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

@@ -18,6 +18,7 @@ import torch
 from kvtool import _core
 from kvtool.errors import KvtoolError
 from kvtool.layers.sampler import make_generator, sample
+from kvtool.runtime.detokenizer import IncrementalDetokenizer
 from kvtool.runtime.model_runner import ModelRunner
 from kvtool.runtime.request import Request
 
@@ -64,6 +65,8 @@ class Engine:
                                    priority=params.priority)
         if request.arrival_time is None:
             request.arrival_time = self.clock()
+        if request.detokenizer is None and params.stop and not params.ignore_eos and self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)  # to find them
         self._running[request_id] = request
         self._generators[request_id] = self._make_generator(params, request_id)
 
@@ -155,20 +158,17 @@ class Engine:
             request.miss_reasons = stats.missed.to_dict()
         request.output_token_ids.append(token_id)
         request.token_times.append(now)
-        reason = "length" if reached_length else self._stop_reason(request, token_id)
+        completes_stop_string = request.detokenizer is not None and request.detokenizer.append(token_id)
+        reason = "length" if reached_length else self._stop_reason(request, token_id, completes_stop_string)
         if reason is not None:
             self._finish(request, reason, now)
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+    def _stop_reason(self, request: Request, token_id: int, completes_stop_string: bool) -> str | None:
         params = request.sampling_params
         if params.ignore_eos:
             return None
-        if token_id in self.eos_token_ids or token_id in params.stop_token_ids:
+        if token_id in self.eos_token_ids or token_id in params.stop_token_ids or completes_stop_string:
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-            if any(stop in text for stop in params.stop):
-                return "stop"
         return None
 
     def _finish(self, request: Request, reason: str, now: float) -> None:

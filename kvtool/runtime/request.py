@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from kvtool.bench.datasets import DatasetRecord
     from kvtool.config import SamplingParams
+    from kvtool.runtime.detokenizer import IncrementalDetokenizer
 
 
 # Why a full prompt block was not reused, one reason per block, in kvtool._core.MissReasons' order
@@ -49,6 +50,9 @@ class Request:
     line: DatasetRecord | None = None
     name: str = ""
     where: str = ""
+    # The output's text, which the engine feeds each token: give one to read the text (the LLM API and
+    # kvtool serve do); the engine makes one itself for stop strings. None: no text is decoded.
+    detokenizer: IncrementalDetokenizer | None = None
     # Filled in by the engine.
     request_id: int = -1
     output_token_ids: list[int] = field(default_factory=list)
