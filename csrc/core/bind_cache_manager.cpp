@@ -111,13 +111,7 @@ void bind_outputs(ManagerClass& c) {
 }  // namespace
 
 void bind_cache_manager(nb::module_& m) {
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const UnknownSequenceError& e) {
-      PyErr_SetString(PyExc_KeyError, e.what());
-    }
-  });
+  translate_to_key_error<UnknownSequenceError>();
   ManagerClass c(m, "KVCacheManager",
                  "Block pools, prefix index, reuse, LRU eviction and host offload. Decides where every block "
                  "lives and returns copy operations; never touches KV data.");

@@ -150,13 +150,7 @@ void bind_queries(SchedulerClass& c) {
 }  // namespace
 
 void bind_scheduler(nb::module_& m) {
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const UnknownRequestError& e) {
-      PyErr_SetString(PyExc_KeyError, e.what());
-    }
-  });
+  translate_to_key_error<UnknownRequestError>();
   SchedulerClass c(m, "Scheduler",
                    "Request states, capacity policy, micro-batch limits and chunked context over a "
                    "KV cache manager it owns. Each step: schedule() -> run the batch -> complete_step().");

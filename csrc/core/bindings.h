@@ -4,7 +4,21 @@
 
 #include <nanobind/nanobind.h>
 
+#include <exception>
+
 namespace kvtool {
+
+// Python sees the C++ error type Error (an unknown id) as KeyError.
+template <typename Error>
+void translate_to_key_error() {
+  nanobind::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    }
+  });
+}
 
 // KV cache manager
 void bind_cache_enums(nanobind::module_& m);    // PoolKind, KvCacheEventKind (bind_cache_config.cpp)
