@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         """The text so far. While unfinished, without a last character still incomplete and the
         characters that may start a stop string; ``finished``: all of it, up to the first stop string."""
         self._catch_up()
-        if self.stopped:
+        if self.stopped or (finished and self._read == len(self.token_ids)):
             return self._text
         if finished:
             pending, _ = self._pending_text()  # an incomplete last character decodes to U+FFFD
