@@ -27,18 +27,20 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or ()) if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self.token_ids: list[int] = []
         self.stopped = False  # a stop string was found: the text ends before it and stays as it is
-        self._text = ""  # of token_ids[:_read]
-        # token_ids[_prefix:_read] decode to the end of _text: the context the next window starts with.
-        self._prefix = 0
-        self._read = 0
+        self._text = ""
+        # The tokens a decode still needs: the first _num_known decode to the end of _text (the context
+        # the next window starts with), the rest are not in _text yet. Earlier tokens are let go.
+        self._window: list[int] = []
+        self._num_known = 0
 
     def append(self, token_id: int) -> bool:
         """Adds an output token; True when it completes the first stop string. Without stop strings the
         text is decoded only when read."""
-        self.token_ids.append(token_id)
-        if not self.stop or self.stopped:
+        if self.stopped:
+            return False  # the text is final
+        self._window.append(token_id)
+        if not self.stop:
             return False
         self._catch_up()
         return self.stopped
@@ -47,7 +49,7 @@ class IncrementalDetokenizer:
         """The text so far. While unfinished, without a last character still incomplete and the
         characters that may start a stop string; ``finished``: all of it, up to the first stop string."""
         self._catch_up()
-        if self.stopped or (finished and self._read == len(self.token_ids)):
+        if self.stopped or (finished and self._num_known == len(self._window)):
             return self._text
         if finished:
             pending, _ = self._pending_text()  # an incomplete last character decodes to U+FFFD
@@ -55,17 +57,17 @@ class IncrementalDetokenizer:
         return self._text[:max(0, len(self._text) - self._hold)]
 
     def _pending_text(self) -> tuple[str, bool]:
-        """The text the tokens after ``_read`` add, and whether it is complete (no trailing U+FFFD)."""
+        """The text the tokens not in ``_text`` add, and whether it is complete (no trailing U+FFFD)."""
         decode = self.tokenizer.decode
-        known = decode(self.token_ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        text = decode(self.token_ids[self._prefix:])
+        known = decode(self._window[:self._num_known]) if self._num_known else ""
+        text = decode(self._window)
         pending = text[len(known):]
         return pending, not pending.endswith(REPLACEMENT_CHARACTER)
 
     def _catch_up(self) -> None:
         """Decodes the tokens appended since the last call; their text waits while its last character is
         incomplete, unless a stop string ends before that character."""
-        if self.stopped or self._read == len(self.token_ids):
+        if self.stopped or self._num_known == len(self._window):
             return
         pending, complete = self._pending_text()
         if not complete:
@@ -78,7 +80,8 @@ class IncrementalDetokenizer:
         self.stopped = len(cut) < len(text)
         if complete or self.stopped:
             self._text = cut
-            self._prefix, self._read = self._read, len(self.token_ids)
+            self._window = self._window[self._num_known:]  # the new tokens are the next window's context
+            self._num_known = len(self._window)
 
     def _cut_at_stop(self, text: str, start: int) -> str:
         """``text`` up to its first stop string, searching only where one could end at or after ``start``
