@@ -65,7 +65,7 @@ def _request(llm: LLM, prompt: list[int], params: SamplingParams):
     out = llm.generate(prompt, params)
     if out.error is not None:
         raise RuntimeError(out.error)
-    return llm.engine.requests[out.request_id]
+    return out.request
 
 
 def ttft_ms(llm: LLM, prompt: list[int]) -> float:

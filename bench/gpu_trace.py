@@ -32,7 +32,7 @@ def _ttft_ms(llm: LLM, prompt: list[int]) -> float:
     out = llm.generate(prompt, ONE_TOKEN)
     if out.error is not None:
         raise RuntimeError(out.error)
-    request = llm.engine.requests[out.request_id]
+    request = out.request
     return (request.first_token_time - request.arrival_time) * 1e3
 
 
@@ -95,7 +95,7 @@ def main() -> None:
             _synchronize()
             wall = time.perf_counter() - start
         runner.decode_graphs, runner.mixed_graphs = saved
-        request = llm.engine.requests[out.request_id]
+        request = out.request
         tpot = (request.finish_time - request.first_token_time) / 16 * 1e3
         lines.append(f"decode, CUDA graphs {'on' if graphs and saved[0] is not None else 'off'}: TPOT {tpot:.2f} ms "
                      f"(16 steps; request wall {wall * 1e3:.1f} ms)")

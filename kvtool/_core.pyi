@@ -694,6 +694,11 @@ class Scheduler:
         Finishes a request early (EOS, stop string, abort) and releases its blocks; no-op when already finished. KeyError for an unknown id.
         """
 
+    def remove_request(self, request_id: int) -> None:
+        """
+        Forgets a request, finishing it first if it is not: its stats and generated tokens are dropped and its id becomes unknown. A long-lived caller removes each request once it has read what it needs. KeyError for an unknown id.
+        """
+
     def schedule(self) -> ScheduledBatch:
         """
         Schedules the next step. Run its copy_ops, then the forward of its requests, then call complete_step. RuntimeError if the previous non-empty batch was not completed.
@@ -711,6 +716,11 @@ class Scheduler:
 
     def num_running_requests(self) -> int:
         """Requests holding blocks (context or generation)."""
+
+    def num_requests(self) -> int:
+        """
+        Requests the scheduler keeps a record of: unfinished ones and finished ones not removed yet.
+        """
 
     def request_state(self, request_id: int) -> RequestState:
         """KeyError for an unknown id."""

@@ -16,6 +16,7 @@ from kvtool.plan.kernels import plan_kernel_cache
 from kvtool.plan import BuildOptions, Plan, is_built_plan, resolve_model
 from kvtool.runtime.device import (available_host_memory_bytes, default_device, default_dtype, describe_device,
                                    free_device_memory_bytes)
+from kvtool.runtime.detokenizer import IncrementalDetokenizer
 from kvtool.runtime.engine import Engine
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 from kvtool.runtime.pool_sizes import size_pools
@@ -45,6 +46,9 @@ class GenerationOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None
+    # What ran and what happened (kvtool.runtime.request.Request): token times, reuse figures, pauses.
+    # The engine forgets a request once it finishes; this is where its record stays.
+    request: Request | None = field(default=None, repr=False, compare=False)
 
 
 def _kernel_library(device: torch.device, kernel_cache: Path):
@@ -175,8 +179,8 @@ class LLM:
         by_id = {r.request_id: r for r in results if r.error is None}
         while self.engine.has_unfinished_requests():
             for request in self.engine.step():
-                if request.request_id in by_id:
-                    _update(by_id[request.request_id], request, self.tokenizer, decode=request.finished)
+                if request.finished and request.request_id in by_id:
+                    _update(by_id[request.request_id], request)
         return results[0] if single else results
 
     def generate_async(self, prompt, sampling_params: SamplingParams | None = None, *,
@@ -186,12 +190,15 @@ class LLM:
         if result.error is not None:
             yield result
             return
-        while not result.finished:
-            for request in self.engine.step():
-                if request.request_id == result.request_id:
-                    _update(result, request, self.tokenizer, decode=streaming or request.finished)
-                    if streaming or result.finished:
+        try:
+            while not result.finished:
+                for request in self.engine.step():
+                    if request.request_id == result.request_id and (streaming or request.finished):
+                        _update(result, request)
                         yield result
+        except GeneratorExit:  # the caller stopped reading: the request stops too, its blocks are freed
+            self.engine.abort_request(result.request_id)
+            raise
 
     def _submit(self, prompt, params: SamplingParams, extra_ids) -> GenerationOutput:
         if isinstance(prompt, str):
@@ -205,14 +212,15 @@ class LLM:
                            "%d-token prompt: generating at most %d", params.max_tokens, room, self.max_seq_len,
                            len(token_ids), room)
             params = replace(params, max_tokens=room)
-        request = Request(token_ids, params, None if extra_ids is None else list(extra_ids))
+        request = Request(token_ids, params, None if extra_ids is None else list(extra_ids),
+                          detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
         error = None
         try:
             self.engine.add_request(request)
         except ValueError as refused:
             error = str(refused)
         result = GenerationOutput(request.request_id, text, token_ids, [CompletionOutput(0, "", [], None)],
-                                  error=error, finished=error is not None)
+                                  error=error, finished=error is not None, request=request)
         if error is not None:
             result.outputs[0].finish_reason = "error"
         return result
@@ -235,11 +243,12 @@ class LLM:
         self.shutdown()
 
 
-def _update(result: GenerationOutput, request: Request, tokenizer, *, decode: bool) -> None:
+def _update(result: GenerationOutput, request: Request) -> None:
+    """The output as the request stands: read when it finishes, or at each token when streaming (the text
+    decodes incrementally: each token once over the whole request)."""
     completion = result.outputs[0]
     completion.token_ids = list(request.output_token_ids)
-    if decode:  # detokenizing every step would cost O(n^2) over a long output
-        completion.text = tokenizer.decode(completion.token_ids)
+    completion.text = request.detokenizer.text(finished=request.finished)  # without a stop string (vLLM's)
     completion.finish_reason = request.finish_reason
     result.finished = request.finished
 

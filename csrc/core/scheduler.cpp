@@ -71,6 +71,11 @@ Request& Scheduler::Impl::record(int64_t request_id) {
   return it->second;
 }
 
+Request* Scheduler::Impl::find(int64_t request_id) {
+  auto it = requests.find(request_id);
+  return it == requests.end() ? nullptr : &it->second;
+}
+
 const Request& Scheduler::Impl::record(int64_t request_id) const {
   auto it = requests.find(request_id);
   if (it == requests.end()) throw UnknownRequestError(request_name(request_id) + " is unknown to the scheduler");
@@ -205,6 +210,12 @@ void Scheduler::finish_request(int64_t request_id) {
   impl_->finish(r);
 }
 
+void Scheduler::remove_request(int64_t request_id) {
+  Request& r = impl_->record(request_id);
+  if (r.state != RequestState::kFinished) impl_->finish(r);
+  impl_->requests.erase(request_id);
+}
+
 ScheduledBatch Scheduler::schedule() {
   Impl& s = *impl_;
   if (s.has_outstanding_batch) {
@@ -256,7 +267,8 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
     }
   }
   for (const ScheduledWork& w : s.outstanding_work) {
-    if (w.samples && sampled.count(w.request_id) == 0 && is_running(s.record(w.request_id).state)) {
+    const Request* r = s.find(w.request_id);  // nullptr: removed after schedule()
+    if (w.samples && sampled.count(w.request_id) == 0 && r != nullptr && is_running(r->state)) {
       throw std::invalid_argument("complete_step: " + request_name(w.request_id) + " sampled in " + step_name +
                                   " but no token was reported for it");
     }
@@ -264,8 +276,9 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
 
   std::vector<int64_t> finished_request_ids;
   for (const ScheduledWork& w : s.outstanding_work) {
-    Request& r = s.record(w.request_id);
-    if (!is_running(r.state)) continue;  // finished with finish_request after schedule()
+    Request* found = s.find(w.request_id);
+    if (found == nullptr || !is_running(found->state)) continue;  // finished or removed after schedule()
+    Request& r = *found;
     s.cache_manager.mark_computed(r.request_id, w.num_computed_tokens_after);
     r.num_computed_tokens = w.num_computed_tokens_after;
     if (!w.samples) continue;  // a context chunk that is not the last one
@@ -291,6 +304,8 @@ bool Scheduler::has_unfinished_requests() const { return !impl_->waiting.empty()
 int32_t Scheduler::num_queued_requests() const { return static_cast<int32_t>(impl_->waiting.size()); }
 
 int32_t Scheduler::num_running_requests() const { return static_cast<int32_t>(impl_->running.size()); }
+
+int32_t Scheduler::num_requests() const { return static_cast<int32_t>(impl_->requests.size()); }
 
 RequestState Scheduler::request_state(int64_t request_id) const { return impl_->record(request_id).state; }
 

@@ -18,6 +18,7 @@ import torch
 from kvtool import _core
 from kvtool.errors import KvtoolError
 from kvtool.layers.sampler import make_generator, sample
+from kvtool.runtime.detokenizer import IncrementalDetokenizer
 from kvtool.runtime.model_runner import ModelRunner
 from kvtool.runtime.request import Request
 
@@ -47,7 +48,8 @@ class Engine:
         self.bytes_per_token = bytes_per_token
         self.tokenizer = tokenizer
         self.max_seq_len = scheduler_config.max_seq_len
-        self.requests: dict[int, Request] = {}  # every request added, by request_id
+        # Unfinished requests only: a finished one is dropped here and in the scheduler, so a long-lived
+        # engine (kvtool serve) keeps no state of what it served; the caller holds its Request.
         self._running: dict[int, Request] = {}
         self._generators: dict[int, torch.Generator | None] = {}
 
@@ -63,7 +65,9 @@ class Engine:
                                    priority=params.priority)
         if request.arrival_time is None:
             request.arrival_time = self.clock()
-        self.requests[request_id] = self._running[request_id] = request
+        if request.detokenizer is None and params.stop and not params.ignore_eos and self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)  # to find them
+        self._running[request_id] = request
         self._generators[request_id] = self._make_generator(params, request_id)
 
     def request_problem(self, request: Request) -> str | None:
@@ -95,9 +99,15 @@ class Engine:
         return None if request.extra_ids is None else np.asarray(request.extra_ids, dtype=np.uint64)
 
     def abort_request(self, request_id: int) -> None:
+        """Finishes an unfinished request with finish_reason "abort" (its blocks are freed); nothing
+        for one that already finished."""
         if request_id in self._running:
-            self.scheduler.finish_request(request_id)
             self._finish(self._running[request_id], "abort", self.clock())
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine holds: the unfinished ones (a finished request is forgotten)."""
+        return len(self._running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -118,7 +128,7 @@ class Engine:
             return []
         now = self.clock()
         for request_id in batch.paused_request_ids:
-            self.requests[request_id].num_pauses += 1
+            self._running[request_id].num_pauses += 1
         request_ids = np.asarray([r.request_id for r in sampling], dtype=np.int64)
         finished_ids = set(self.scheduler.complete_step(request_ids, np.asarray(token_ids, dtype=np.int32)))
         for request, token_id in zip(sampling, token_ids):
@@ -148,25 +158,22 @@ class Engine:
             request.miss_reasons = stats.missed.to_dict()
         request.output_token_ids.append(token_id)
         request.token_times.append(now)
-        reason = "length" if reached_length else self._stop_reason(request, token_id)
-        if reason is not None and not reached_length:
-            self.scheduler.finish_request(request.request_id)
+        completes_stop_string = request.detokenizer is not None and request.detokenizer.append(token_id)
+        reason = "length" if reached_length else self._stop_reason(request, token_id, completes_stop_string)
         if reason is not None:
             self._finish(request, reason, now)
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+    def _stop_reason(self, request: Request, token_id: int, completes_stop_string: bool) -> str | None:
         params = request.sampling_params
         if params.ignore_eos:
             return None
-        if token_id in self.eos_token_ids or token_id in params.stop_token_ids:
+        if token_id in self.eos_token_ids or token_id in params.stop_token_ids or completes_stop_string:
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-            if any(stop in text for stop in params.stop):
-                return "stop"
         return None
 
     def _finish(self, request: Request, reason: str, now: float) -> None:
+        """Ends the request (the scheduler frees its blocks if it still holds them) and forgets it."""
+        self.scheduler.remove_request(request.request_id)
         del self._running[request.request_id], self._generators[request.request_id]
         request.finish_time = now
         request.finish_reason = reason

@@ -200,7 +200,7 @@ class _Response:
         self.stream: Stream | None = None
         self.response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.now_s()
-        self.text = TextAssembler(state.tokenizer, request.sampling_params.stop)
+        self.text = TextAssembler(request, state.tokenizer)
         self.last_event = False  # events() set it before yielding the answer's last event
 
     def submit(self) -> Stream:
@@ -227,7 +227,7 @@ class _Response:
             raise ApiError(self.stream.error, status=self.stream.error_status)
         self._observe()
         output_ids = list(request.output_token_ids)
-        text = self.text.full_text(output_ids)
+        text = self.text.full_text()
         ids = {"token_ids": output_ids, "prompt_token_ids": list(request.prompt_token_ids)} \
             if self.body.return_token_ids else {}
         if self.chat:
@@ -259,7 +259,7 @@ class _Response:
                     return  # nobody reads the rest
                 num_tokens = len(request.output_token_ids)
                 output_ids = request.output_token_ids[:num_tokens]
-                piece = self.text.delta(output_ids, finished=finished)
+                piece = self.text.delta(finished=finished)
                 reason = self._finish_reason() if finished else None
                 ids = {}
                 if self.body.return_token_ids:

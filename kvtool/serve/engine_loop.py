@@ -165,8 +165,6 @@ class EngineLoop:
 
     def _forget(self, request_id: int) -> None:
         self._streams.pop(request_id, None)
-        # The engine keeps every request it was given (a bench reads them back); a server would grow without end.
-        self.engine.requests.pop(request_id, None)
 
     def end_all(self, message: str, *, status: int) -> None:
         """Ends every request with ``message`` (its stream's error, with ``status``), and every request

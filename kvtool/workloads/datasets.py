@@ -43,15 +43,6 @@ class DatasetRecord:
     cache_salt: str | None = None
     request_id: str | None = None
 
-    @property
-    def is_session_turn(self) -> bool:
-        return self.session_id is not None
-
-    @property
-    def num_new_tokens(self) -> int | None:
-        """Length of this line's token ids (None for text prompts: unknown until tokenized)."""
-        return None if self.input_ids is None else len(self.input_ids)
-
 
 @dataclass(frozen=True)
 class Dataset:
@@ -71,10 +62,6 @@ class Dataset:
     @property
     def num_sessions(self) -> int:
         return len({r.session_id for r in self.records if r.session_id is not None})
-
-    @property
-    def has_text_prompts(self) -> bool:
-        return any(r.prompt is not None for r in self.records)
 
 
 def _is_int(value) -> bool:
