@@ -153,3 +153,25 @@ def test_summary_states_each_target_met_or_missed_from_the_files_of_a_run(tmp_pa
     assert lines["6. transformers (sdpa_paged) on the same GPU"].endswith("not measured (step peer) |")
     assert lines["   A,B,A,B: TTFT recompute / onboard"].endswith("| met |")
     assert lines["GPU tests (pytest -m gpu)"].endswith("not measured (step test) |")
+
+
+def test_gpu_check_packs_its_output_after_each_step_and_starts_none_past_its_deadline(tmp_path):
+    # A lent machine hands back a few files from its output folder and nothing of a call cut off at its
+    # limit but what is there: OUT goes into one archive after every step, and no step but the summary
+    # starts past the deadline, so the summary lands inside the call.
+    import subprocess
+    import tarfile
+
+    out, archive = tmp_path / "out", tmp_path / "handed-back" / "gpu-check.tgz"
+    archive.parent.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(out), "GPU_CHECK_STEPS": "info bench summary",
+           "GPU_CHECK_DEADLINE_S": "0", "GPU_CHECK_ARCHIVE": str(archive)}
+    result = subprocess.run(["bash", str(BENCH.parent / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr  # skipped steps are no pass
+    steps = (out / "steps.log").read_text()
+    assert "info skipped" in steps and "bench skipped" in steps and "summary took" in steps
+    with tarfile.open(archive) as packed:
+        names = {Path(name).name for name in packed.getnames()}
+    assert {"steps.log", "summary.md"} <= names
+    assert not list(archive.parent.glob("*.part"))
