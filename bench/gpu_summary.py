@@ -211,14 +211,28 @@ def test_line(out: Path) -> Line:
     return Line("GPU tests (pytest -m gpu)", tail[0].strip("= "), "all pass", verdict(failed is None and "passed" in tail[0]))
 
 
+def guarded(group: str, build) -> list[Line]:
+    """``build()``'s lines; a row it cannot read (a figure missing or not a number) costs one line, not
+    the summary of the whole run."""
+    try:
+        lines = build()
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        return [Line(group, f"could not read the files: {type(error).__name__}: {error}", "", "missed")]
+    return lines if isinstance(lines, list) else [lines]
+
+
 def summarize(out: Path) -> str:
     e2e = read_result(out, "gpu_e2e.csv", "gpu_e2e")
     suite = read_result(out, "gpu_suite.csv", "gpu_suite")
     device = (e2e or suite or [{}])[0].get("device", "") or _device_from_env(out)
-    lines = [test_line(out), *reuse_lines(e2e), *step_lines(read_result(out, "gpu_steps.csv", "gpu_e2e")),
-             tpot_line(e2e), *kernel_lines(suite), *copy_lines(suite, out),
-             *peer_lines(e2e, read_result(out, "gpu_peer.csv", "peer")),
-             *simulate_lines(read_result(out, "gpu_simulate.csv", "simulate")), *other_target_lines(e2e, suite)]
+    groups = [("GPU tests", lambda: test_line(out)), ("1. reuse", lambda: reuse_lines(e2e)),
+              ("2. steps", lambda: step_lines(read_result(out, "gpu_steps.csv", "gpu_e2e"))),
+              ("3. TPOT", lambda: tpot_line(e2e)), ("4. kernels", lambda: kernel_lines(suite)),
+              ("5. copies", lambda: copy_lines(suite, out)),
+              ("6. peer", lambda: peer_lines(e2e, read_result(out, "gpu_peer.csv", "peer"))),
+              ("7. simulate", lambda: simulate_lines(read_result(out, "gpu_simulate.csv", "simulate"))),
+              ("other targets", lambda: other_target_lines(e2e, suite))]
+    lines = [line for group, build in groups for line in guarded(group, build)]
     met = sum(line.verdict == "met" for line in lines)
     missed = sum(line.verdict == "missed" for line in lines)
     text = [f"# kvtool gpu-check: {device or 'device unknown'}", "",
@@ -235,9 +249,9 @@ def _device_from_env(out: Path) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: python bench/gpu_summary.py OUT", file=sys.stderr)
-        return 2
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if sys.argv[1:] in (["-h"], ["--help"]) else 2
     out = Path(sys.argv[1])
     text = summarize(out)
     (out / "summary.md").write_text(text, encoding="utf-8")

@@ -93,6 +93,23 @@ def test_consecutive_ids_across_a_host_chunk_boundary_are_two_transfers():
     assert runs[1, 1] == host.block(4).data_ptr()
 
 
+def test_a_run_never_spans_two_host_chunks_even_when_they_sit_back_to_back(monkeypatch):
+    # Two separately allocated chunks can be adjacent in memory; one transfer must stay inside one
+    # allocation, so blocks 2-5 (chunk 0: 2, 3; chunk 1: 4, 5) are two transfers all the same.
+    memory = torch.zeros(8, 2, 8, dtype=torch.float16)  # 32-byte blocks
+    host_chunks = [memory[:4], memory[4:]]
+    device_pool = torch.zeros(8, 2, 8, dtype=torch.float16)
+    monkeypatch.setattr(block_copy, "_resolve_pools", lambda s, d, a, b: (_Pool.of(s, "src_pool"),
+                                                                          _Pool.of(d, "dst_pool"), None, 32))
+    offload = block_copy.prepare_dma_copy(device_pool, host_chunks, [0, 1, 2, 3], [2, 3, 4, 5])
+    base, host = device_pool.data_ptr(), memory.data_ptr()
+    assert offload.runs.tolist() == [[base, host + 2 * 32, 2], [base + 2 * 32, host + 4 * 32, 2]]
+    onboard = block_copy.prepare_dma_copy(host_chunks, device_pool, [2, 3, 4, 5], [0, 1, 2, 3])
+    assert onboard.runs[:, 2].tolist() == [2, 2]
+    within = block_copy.prepare_dma_copy(device_pool, host_chunks, [0, 1, 2], [4, 5, 6])
+    assert within.runs[:, 2].tolist() == [3]
+
+
 def test_copies_descending_on_both_sides_join_into_one_transfer(monkeypatch):
     # Blocks freed last-in first-out come back in descending order: 7, 6, 5 -> 12, 11, 10 is one run.
     pool = torch.zeros(16, 2, 8, dtype=torch.float16)

@@ -153,3 +153,38 @@ def test_summary_states_each_target_met_or_missed_from_the_files_of_a_run(tmp_pa
     assert lines["6. transformers (sdpa_paged) on the same GPU"].endswith("not measured (step peer) |")
     assert lines["   A,B,A,B: TTFT recompute / onboard"].endswith("| met |")
     assert lines["GPU tests (pytest -m gpu)"].endswith("not measured (step test) |")
+
+
+def test_a_figure_the_summary_cannot_read_costs_one_line_not_the_summary(tmp_path):
+    # A variant the simulation check could not measure leaves an empty error: the other targets still show.
+    (tmp_path / "simulate").mkdir()
+    (tmp_path / "simulate" / "gpu_simulate.csv").write_text("scenario,variant,profile,error_p50,error_p90\n"
+                                                            "reuse,reuse-on,calibrated,,0.1\n")
+    write_rows_csv(tmp_path / "gpu_e2e" / "gpu_e2e.csv", [
+        gpu_e2e.E2ERow("A,B,A,B: TTFT recompute / onboard", "speed-up", 9.0, "x", 3.0, 9.0, 8.0)], {"device": "H100"})
+    lines = {line[2:].split(" | ")[0]: line for line in gpu_summary.summarize(tmp_path).splitlines()
+             if line.startswith("| ")}
+    assert "could not read the files: TypeError" in lines["7. simulate"] and lines["7. simulate"].endswith("| missed |")
+    assert lines["   A,B,A,B: TTFT recompute / onboard"].endswith("| met |")
+
+
+def test_gpu_check_packs_its_output_after_each_step_and_starts_none_past_its_deadline(tmp_path):
+    # A lent machine hands back a few files from its output folder and nothing of a call cut off at its
+    # limit but what is there: OUT goes into one archive after every step, and no step but the summary
+    # starts past the deadline, so the summary lands inside the call.
+    import subprocess
+    import tarfile
+
+    out, archive = tmp_path / "out", tmp_path / "handed-back" / "gpu-check.tgz"
+    archive.parent.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(out), "GPU_CHECK_STEPS": "info bench summary",
+           "GPU_CHECK_DEADLINE_S": "0", "GPU_CHECK_ARCHIVE": str(archive)}
+    result = subprocess.run(["bash", str(BENCH.parent / "scripts" / "gpu_check.sh")], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr  # skipped steps are no pass
+    steps = (out / "steps.log").read_text()
+    assert "info skipped" in steps and "bench skipped" in steps and "summary took" in steps
+    with tarfile.open(archive) as packed:
+        names = {Path(name).name for name in packed.getnames()}
+    assert {"steps.log", "summary.md"} <= names
+    assert not list(archive.parent.glob("*.part"))

@@ -132,6 +132,18 @@ class _Pool:
             addresses[selected] = address(chunk, name) + index[selected] * bytes_per_block
         return addresses
 
+    def chunk_of(self, block_ids: Sequence[int]) -> np.ndarray:
+        """[len(block_ids)] int64: the allocation each block lives in (its chunk; each block its own for a
+        holder without chunks)."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if self.tensor is not None:
+            return np.zeros_like(ids)
+        if self.chunks is not None:
+            return ids // self.chunks[0].shape[0]
+        if hasattr(self.holder, "chunk"):
+            return ids // self.holder.blocks_per_chunk
+        return ids
+
     def _chunk(self, chunk_index: int, name: str) -> torch.Tensor:
         """[blocks, ...] tensor holding chunk ``chunk_index`` (the whole pool for one tensor)."""
         if self.tensor is not None:
@@ -213,17 +225,25 @@ def _check_byte_range(byte_offset: int, num_bytes: int | None, bytes_per_block: 
     return num_bytes
 
 
-def dma_runs(src_addresses: np.ndarray, dst_addresses: np.ndarray, bytes_per_block: int) -> np.ndarray:
+def dma_runs(src_addresses: np.ndarray, dst_addresses: np.ndarray, bytes_per_block: int,
+             src_allocations: np.ndarray | None = None, dst_allocations: np.ndarray | None = None) -> np.ndarray:
     """[num_runs, 3] int64 (source address, destination address, blocks): consecutive copy ops whose
     blocks are back to back on both sides (consecutive ids within one tensor or host chunk) form one
-    run, one copy-engine transfer. (prepare_dma_copy sorts a batch by source address first.)"""
+    run, one copy-engine transfer. (prepare_dma_copy sorts a batch by source address first.)
+
+    ``*_allocations``: which allocation (host chunk) each block lives in; a run never spans two, even
+    where two chunks happen to be adjacent in memory (one transfer must stay inside one pinned or
+    device allocation)."""
     src, dst = np.asarray(src_addresses, np.int64), np.asarray(dst_addresses, np.int64)
     if src.shape != dst.shape or src.ndim != 1:
         raise ValueError(f"source ({src.shape}) and destination ({dst.shape}) addresses must be equal-length lists")
     if src.size == 0:
         return np.zeros((0, 3), np.int64)
-    starts = np.flatnonzero(np.concatenate([[True], (np.diff(src) != bytes_per_block) |
-                                            (np.diff(dst) != bytes_per_block)]))
+    breaks = (np.diff(src) != bytes_per_block) | (np.diff(dst) != bytes_per_block)
+    for allocations in (src_allocations, dst_allocations):
+        if allocations is not None:
+            breaks |= np.diff(np.asarray(allocations, np.int64)) != 0
+    starts = np.flatnonzero(np.concatenate([[True], breaks]))
     counts = np.diff(np.append(starts, src.size))
     return np.stack([src[starts], dst[starts], counts], axis=1)
 
@@ -275,11 +295,12 @@ def _dma_copy(src: _Pool, dst: _Pool, src_block_ids: Sequence[int], dst_block_id
 
     src_addresses = src.block_addresses(src_block_ids, bytes_per_block, "src_pool", address)
     dst_addresses = dst.block_addresses(dst_block_ids, bytes_per_block, "dst_pool", address)
+    src_chunks, dst_chunks = src.chunk_of(src_block_ids), dst.chunk_of(dst_block_ids)
     # The copies of a batch are independent: in source order, ids descending on both sides (blocks
     # freed last-in first-out come back that way) join into runs too.
     order = np.argsort(src_addresses, kind="stable")
-    return DmaBlockCopy(dma_runs(src_addresses[order], dst_addresses[order], bytes_per_block), bytes_per_block,
-                        device)
+    runs = dma_runs(src_addresses[order], dst_addresses[order], bytes_per_block, src_chunks[order], dst_chunks[order])
+    return DmaBlockCopy(runs, bytes_per_block, device)
 
 
 class PreparedBlockCopy:

@@ -155,7 +155,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, *, residual: torch.Tensor | None = None,
+                kernels=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``kernels`` (the fused CUDA path): ``forward_fused``, entered here so that the module's
+        hooks run as for any layer call (ModelRunner's per-layer copy waits are forward pre-hooks)."""
+        if kernels is not None:
+            return self.forward_fused(x, residual, cos, sin, kv_cache, meta, kernels)
         x = x + self.attention(self.input_norm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_norm(x))
 
@@ -226,7 +231,9 @@ class LlamaModel(nn.Module):
                        kv_caches: list[torch.Tensor]) -> torch.Tensor:
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache, meta, self.fused_kernels)
+            # Through layer(...), not layer.forward_fused: a layer whose KV copies land during the step
+            # must wait for them first (ModelRunner's forward pre-hooks), as on the unfused path.
+            x, residual = layer(x, cos, sin, kv_cache, meta, residual=residual, kernels=self.fused_kernels)
         add_rms_norm(self.fused_kernels, x, residual, self.norm.weight, self.norm.eps)
         return x
 
