@@ -250,3 +250,18 @@ def test_bad_flags_are_one_line_errors(tmp_path, flags, expected):
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({**MOONCAKE_ROW, "hash_ids": [0, 1000 + i]}) for i in range(300)) + "\n")
     assert expected in import_error(trace, "--output", tmp_path / "d.jsonl", *flags)
+
+
+def test_stats_of_an_imported_trace_count_the_blocks_earlier_prompts_had(trace_slice, tmp_path):
+    from kvtool.workloads.stats import dataset_stats
+
+    path, _ = trace_slice
+    import_ok(path, "--format", "mooncake", "--output", tmp_path / "d.jsonl", "--shrink", 16)
+    dataset = load_dataset(tmp_path / "d.jsonl")
+    seen, shared = set(), 0  # the definition: every prefix of whole blocks, as a tuple
+    for record in dataset.records:
+        prefixes = [record.input_ids[:end] for end in range(16, len(record.input_ids) + 1, 16)]
+        shared += 16 * sum(prefix in seen for prefix in prefixes)
+        seen.update(prefixes)
+    stats = dataset_stats(dataset, tokens_per_block=16)
+    assert stats.shared_prefix_tokens == shared > 0
