@@ -79,6 +79,10 @@ def test_trace_mode_needs_an_arrival_time_on_every_request_not_waiting_for_a_tur
     # A later turn whose previous turn is measured waits for it; alone in the run, it needs a time.
     with pytest.raises(DatasetError, match="line 2: no arrival_time_s"):
         ReplayOptions(mode="trace", warmup=1).split(requests)
+    # A time scale needs times to scale.
+    with pytest.raises(DatasetError, match="--time_scale 0.5 scales the dataset's arrival_time_s, but no measured "
+                                           "request has one"):
+        ReplayOptions(time_scale=0.5, warmup=2, num_requests=1).split(requests)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -190,6 +190,17 @@ def test_plain_csv_and_json_lines_of_arrival_times_and_prompts(tmp_path):
 MOONCAKE_ROW = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
 
 
+def test_rows_without_hash_ids_get_blocks_of_their_own(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    rows = [MOONCAKE_ROW, {"timestamp": 5, "input_length": 600, "output_length": 2},
+            {"timestamp": 7, "input_length": 100, "output_length": 2}]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    import_ok(trace, "--format", "mooncake", "--output", tmp_path / "d.jsonl")
+    records = load_dataset(tmp_path / "d.jsonl").records
+    assert [len(r.input_ids) for r in records] == [600, 600, 100]
+    assert all(common_prefix(a.input_ids, b.input_ids) == 0 for a in records for b in records if a is not b)
+
+
 @pytest.mark.parametrize("row, expected", [
     ({**MOONCAKE_ROW, "hash_ids": [0]}, "'input_length' 600 takes 2 blocks of --block_size 512 tokens, but "
                                         "'hash_ids' has 1"),

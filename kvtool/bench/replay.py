@@ -76,16 +76,19 @@ class ReplayOptions:
 
     def split(self, items: Sequence) -> tuple[list, list]:
         """(warm-up, measured) items of a run. In trace mode every measured request that does not wait
-        for a previous turn must have an arrival time: a DatasetError names the first without one."""
+        for a previous turn must have an arrival time (a DatasetError names the first without one);
+        a time_scale needs one at least."""
         measured = list(items[self.warmup:])
         if self.num_requests is not None:
             measured = measured[:self.num_requests]
-        if self.mode == "trace":
-            untimed = next((r for r in entry_requests(measured) if r.line is None or r.line.arrival_time_s is None),
-                           None)
-            if untimed is not None:
-                raise DatasetError(f"{untimed.where}: no arrival_time_s, but --mode trace replays each request at its "
-                                   "arrival time: import a trace with `kvtool dataset import`, or use --mode offline")
+        timed = [r.line is not None and r.line.arrival_time_s is not None for r in entry_requests(measured)]
+        if self.mode == "trace" and not all(timed):
+            untimed = entry_requests(measured)[timed.index(False)]
+            raise DatasetError(f"{untimed.where}: no arrival_time_s, but --mode trace replays each request at its "
+                               "arrival time: import a trace with `kvtool dataset import`, or use --mode offline")
+        if self.time_scale != 1 and not any(timed):
+            raise DatasetError(f"--time_scale {self.time_scale:g} scales the dataset's arrival_time_s, but no measured "
+                               "request has one: leave out --time_scale, or import a trace with `kvtool dataset import`")
         return list(items[:self.warmup]), measured
 
     def describe(self) -> str:

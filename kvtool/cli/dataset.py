@@ -268,7 +268,9 @@ def import_trace_command(
             special_ids = (*config.eos_token_ids, *([config.bos_token_id] if config.bos_token_id is not None else []))
             max_seq_len = max_seq_len or built.build_options.max_seq_len
             tokenizer = built.tokenizer
-            count_tokens = lambda text: len(tokenizer.encode(text))  # noqa: E731
+
+            def count_tokens(text: str) -> int:
+                return len(tokenizer.encode(text))
         options = TraceImportOptions(block_size=block_size, shrink=shrink, vocab_size=vocab_size,
                                      special_token_ids=special_ids, max_seq_len=max_seq_len,
                                      skip_too_long=bool(skip_too_long), max_output_tokens=max_output_tokens,
