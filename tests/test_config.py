@@ -57,7 +57,8 @@ def test_every_flag_sets_its_field():
               "scheduler_policy": "static_batch", "context_chunking_policy": "equal_progress",
               "enable_chunked_context": True, "max_batch_size": 3, "max_num_tokens": 100, "max_seq_len": 200,
               "enforce_eager": True, "tokens_per_block": 8, "mode": "offline", "concurrency": 2,
-              "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5}
+              "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5,
+              "time_scale": 1.0}  # (other scales contradict request_rate: tests/test_trace_replay.py)
     assert set(values) == {flag.name for flag in FLAGS}
     config = BenchConfig.from_flags(values)
     assert config == BenchConfig(

@@ -112,6 +112,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("mode", REPLAY, "mode"),
     Flag("concurrency", REPLAY, "concurrency"),
     Flag("request_rate", REPLAY, "request_rate"),
+    Flag("time_scale", REPLAY, "time_scale"),
     Flag("seed", REPLAY, "seed"),
     Flag("warmup", REPLAY, "warmup"),
     Flag("warmup_counts_in_stats", REPLAY, "warmup_counts_in_stats"),

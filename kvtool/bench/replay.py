@@ -3,6 +3,13 @@
 Each request is handed to the engine once it is due (offline: at the start; request rate: a seeded
 Poisson process; a line's ``arrival_time_s``) and the in-flight limit allows (sequential: 1;
 concurrency N). A later session turn waits for the previous turn and extends its prompt with it.
+
+``trace`` replays a recorded trace (`kvtool dataset import`): every request not waiting for a
+previous turn must have an ``arrival_time_s``, the earliest is due at the start and each other that
+many seconds after it, times ``time_scale`` (0.5: twice as fast), with no in-flight limit unless
+--concurrency caps it. Offline and sequential replays honour arrival times too where lines have them
+(as offsets from the start, a line without one due at the start), so ``trace`` differs by
+requiring them, starting at the first, and naming what the run measures.
 The rules, and what "arrival" means for TTFT: docs/architecture.md#how-bench-measures.
 """
 
@@ -20,7 +27,7 @@ from kvtool.config import SamplingParams, check
 from kvtool.errors import DatasetError
 from kvtool.runtime.request import Request
 
-MODES = ("offline", "sequential")
+MODES = ("offline", "sequential", "trace")
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class ReplayOptions:
     warmup: int = 0
     warmup_counts_in_stats: bool = False  # keep the warm-up's cache counters
     num_requests: int | None = None
+    time_scale: float = 1.0  # arrival times are multiplied by it
 
     def __post_init__(self) -> None:
         mode = str(self.mode).lower()
@@ -48,6 +56,15 @@ class ReplayOptions:
               "drop one of them")
         check(self.request_rate is None or self.request_rate > 0, self, "request_rate",
               f"must be > 0 requests per second, got {self.request_rate}")
+        check(mode != "trace" or self.request_rate is None, self, "mode",
+              f"trace replays the dataset's arrival times; it contradicts request_rate {self.request_rate}: drop one "
+              "of them")
+        check(isinstance(self.time_scale, (int, float)) and not isinstance(self.time_scale, bool)
+              and 0 < self.time_scale < float("inf"), self, "time_scale",
+              f"must be a number > 0 (0.5 replays twice as fast, 2 half as fast), got {self.time_scale!r}")
+        check(self.time_scale == 1 or self.request_rate is None, self, "time_scale",
+              f"scales the dataset's arrival times, but request_rate {self.request_rate} draws its own: drop one of "
+              "them")
         check(self.warmup >= 0, self, "warmup", f"must be >= 0 requests, got {self.warmup}")
         check(self.num_requests is None or self.num_requests >= 1, self, "num_requests",
               f"must be a positive integer, got {self.num_requests}")
@@ -58,16 +75,30 @@ class ReplayOptions:
         return 1 if self.mode == "sequential" else self.concurrency
 
     def split(self, items: Sequence) -> tuple[list, list]:
-        """(warm-up, measured) items of a run."""
+        """(warm-up, measured) items of a run. In trace mode every measured request that does not wait
+        for a previous turn must have an arrival time (a DatasetError names the first without one);
+        a time_scale needs one at least."""
         measured = list(items[self.warmup:])
         if self.num_requests is not None:
             measured = measured[:self.num_requests]
+        timed = [r.line is not None and r.line.arrival_time_s is not None for r in entry_requests(measured)]
+        if self.mode == "trace" and not all(timed):
+            untimed = entry_requests(measured)[timed.index(False)]
+            raise DatasetError(f"{untimed.where}: no arrival_time_s, but --mode trace replays each request at its "
+                               "arrival time: import a trace with `kvtool dataset import`, or use --mode offline")
+        if self.time_scale != 1 and not any(timed):
+            raise DatasetError(f"--time_scale {self.time_scale:g} scales the dataset's arrival_time_s, but no measured "
+                               "request has one: leave out --time_scale, or import a trace with `kvtool dataset import`")
         return list(items[:self.warmup]), measured
 
     def describe(self) -> str:
         parts = [self.mode] if self.concurrency is None else [f"concurrency={self.concurrency}"]
+        if self.mode == "trace" and self.concurrency is not None:
+            parts.insert(0, "trace")
         if self.request_rate is not None:
             parts.append(f"rate={self.request_rate:g}/s")
+        if self.time_scale != 1:
+            parts.append(f"time_scale={self.time_scale:g}")
         return ",".join(parts)
 
 
@@ -127,6 +158,13 @@ def session_key(request: Request) -> tuple[str, int] | None:
     return None if line is None or line.session_id is None else (line.session_id, line.turn)
 
 
+def entry_requests(requests: Sequence[Request]) -> list[Request]:
+    """The requests issued on their own: all but the session turns whose previous turn is among
+    ``requests`` (those are issued when it finishes)."""
+    in_run = {session_key(r) for r in requests if session_key(r) is not None}
+    return [r for r in requests if session_key(r) is None or (session_key(r)[0], session_key(r)[1] - 1) not in in_run]
+
+
 class RequestRefused(DatasetError):
     """The engine refused a request in the middle of a run (the replay records an error row)."""
 
@@ -153,16 +191,11 @@ class Replayer:
         has been called for every request finished before it.
         """
         start = self.clock()
-        in_run = {session_key(r) for r in requests if session_key(r) is not None}
-        entries: list[Request] = []
-        followups: dict[tuple[str, int], Request] = {}  # keyed by the turn they wait for
-        for request in requests:
-            key = session_key(request)
-            previous = None if key is None else (key[0], key[1] - 1)
-            if previous in in_run:
-                followups[previous] = request
-            else:
-                entries.append(request)
+        entries = entry_requests(requests)
+        entry_ids = set(map(id, entries))
+        # The later turns, keyed by the turn they wait for.
+        followups: dict[tuple[str, int], Request] = {
+            (session_key(r)[0], session_key(r)[1] - 1): r for r in requests if id(r) not in entry_ids}
         # (seconds after the start it is due, or None: when handed over; the request), in file order.
         due = sorted(zip(self._due_times(entries, timed), entries), key=lambda p: 0.0 if p[0] is None else p[0])
         queue = deque(due)
@@ -210,7 +243,9 @@ class Replayer:
         arrivals = [None if r.line is None else r.line.arrival_time_s for r in entries]
         if all(arrival is None for arrival in arrivals):
             return arrivals
-        return [0.0 if arrival is None else arrival for arrival in arrivals]
+        first = min(a for a in arrivals if a is not None) if self.options.mode == "trace" else 0.0
+        scale = self.options.time_scale
+        return [0.0 if arrival is None else (arrival - first) * scale for arrival in arrivals]
 
     def _with_history(self, request: Request) -> None:
         """Prepends a later session turn's conversation so far to its new tokens."""

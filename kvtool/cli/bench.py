@@ -81,10 +81,12 @@ def bench(
     set_: Annotated[list[str] | None, flag("set", "Override a scenario value: --set bench.max_batch_size=4 "
                                             "(repeatable; needs --config).", WORKLOAD)] = None,
     mode: Annotated[str | None, flag("mode", "offline (default: all queued at the start) | sequential (one at a "
-                                     "time).", WORKLOAD)] = None,
+                                     "time) | trace (each at its arrival_time_s).", WORKLOAD)] = None,
     concurrency: Annotated[int | None, flag("concurrency", "Keep N requests in flight.", WORKLOAD)] = None,
     request_rate: Annotated[float | None, flag("request_rate", "Poisson arrivals at R requests/s (seeded).",
                                                WORKLOAD)] = None,
+    time_scale: Annotated[float | None, flag("time_scale", "Multiply the dataset's arrival times (0.5: twice as fast).",
+                                             WORKLOAD)] = None,
     seed: Annotated[int | None, flag("seed", "Seed of the Poisson arrivals (default 0).", WORKLOAD)] = None,
     warmup: Annotated[int | None, flag("warmup", "Run the first N dataset requests first, uncounted.",
                                        WORKLOAD)] = None,

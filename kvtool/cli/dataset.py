@@ -1,4 +1,5 @@
-"""`kvtool dataset ...`: generate synthetic workloads, import ShareGPT, describe a dataset file."""
+"""`kvtool dataset ...`: generate synthetic workloads, import ShareGPT and request traces, describe a
+dataset file."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvtool.workloads.stats import LengthStats, dataset_stats
 from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.workloads.sharegpt import approximate_token_count, import_sharegpt
 from kvtool.workloads.text import TextSource, text_abab, text_multi_turn, text_system_prompt
+from kvtool.workloads.traces import DEFAULT_VOCAB_SIZE, TRACE_FORMATS, TraceImportOptions, import_trace
 from kvtool.cli import app
 from kvtool.cli.errors import USER_ERRORS, error_message, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand
@@ -225,6 +227,56 @@ def import_sharegpt_command(
         typer.echo(f"wrote {result.num_turns} turns in {result.num_sessions} sessions to {output} "
                    f"(skipped {result.num_skipped_conversations} conversations without a human-then-answer pair; "
                    f"answer lengths {method})")
+
+
+@dataset_app.command("import", cls=KvtoolCommand)
+def import_trace_command(
+    ctx: typer.Context,
+    source: Annotated[Path, typer.Argument(help="A request trace: Mooncake / AIPerf JSON Lines of hash ids, the Azure "
+                                           "LLM inference CSV, or a CSV / JSON Lines of arrival times and prompts.",
+                                           show_default=False)],
+    output: Output,
+    trace_format: Annotated[str, flag("format", f"{' | '.join(TRACE_FORMATS)}: the trace's format (ShareGPT: "
+                                      "`kvtool dataset import-sharegpt`).", show_default=False)],
+    block_size: Annotated[int, flag("block_size", "mooncake: tokens per hash id in the trace (the trace's block "
+                                    "size, not kvtool's --tokens_per_block).")] = 512,
+    shrink: Annotated[int, flag("shrink", "mooncake, azure: divide every prompt by F (a hash id becomes "
+                                "block_size / F tokens), keeping which prompts share which blocks.")] = 1,
+    vocab_size: Annotated[int | None, flag("vocab_size", f"Token ids made from hash ids are below it (default "
+                                           f"{DEFAULT_VOCAB_SIZE}: valid in every common vocabulary).")] = None,
+    plan: Annotated[Path | None, flag("plan", "Take the vocabulary (ids stay below its special tokens), "
+                                      "max_seq_len and tokenizer (to measure text prompts) from this plan.")] = None,
+    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output tokens (default: the --plan's; "
+                                            "none without one).")] = None,
+    skip_too_long: Annotated[bool, toggle("skip_too_long", "Leave out (and count) requests longer than "
+                                          "max_seq_len instead of stopping with an error.")] = False,
+    max_output_tokens: Annotated[int | None, flag("max_output_tokens", "Cap each request's output tokens.")] = None,
+    output_len: Annotated[int | None, flag("output_len", "csv: output tokens of rows without an output "
+                                           "length.")] = None,
+) -> None:
+    """A request trace -> a dataset whose lines carry their arrival_time_s (replay it with --mode trace)."""
+    with _user_errors(ctx):
+        special_ids, count_tokens = (), None
+        if plan is not None:
+            if vocab_size is not None:
+                raise ValueError("give --vocab_size or --plan (whose vocabulary applies), not both")
+            from kvtool.plan import load_plan  # noqa: PLC0415 - torch-free, but only needed here
+
+            built = load_plan(plan, verify_checksum=False)
+            config = built.model_config
+            vocab_size = config.vocab_size
+            special_ids = (*config.eos_token_ids, *([config.bos_token_id] if config.bos_token_id is not None else []))
+            max_seq_len = max_seq_len or built.build_options.max_seq_len
+            tokenizer = built.tokenizer
+
+            def count_tokens(text: str) -> int:
+                return len(tokenizer.encode(text))
+        options = TraceImportOptions(block_size=block_size, shrink=shrink, vocab_size=vocab_size,
+                                     special_token_ids=special_ids, max_seq_len=max_seq_len,
+                                     skip_too_long=bool(skip_too_long), max_output_tokens=max_output_tokens,
+                                     output_len=output_len, count_tokens=count_tokens)
+        result = import_trace(source, trace_format.lower(), output, options)
+        typer.echo(result.describe(output, options.max_seq_len))
 
 
 def _plan_tokenizer(plan: Path):

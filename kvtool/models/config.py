@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 _HF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -45,7 +45,8 @@ class ModelConfig:
     bias (Llama/Qwen3 checkpoints with ``attention_bias: true`` have both). ``qk_norm`` is Qwen3's
     per-head RMSNorm of q and k before RoPE. ``rope_scaling`` is None or a dict with ``rope_type``
     in ``ROPE_TYPES`` (llama3: factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings; linear: factor).
+    original_max_position_embeddings; linear: factor; yarn: factor, original_max_position_embeddings
+    and Hugging Face's optional keys, kvtool.models.yarn).
     """
 
     family: str
@@ -99,6 +100,11 @@ class ModelConfig:
             elif rope_type == "linear":
                 _check(float(self.rope_scaling.get("factor", 0)) > 0,
                        f"ModelConfig.rope_scaling: linear scaling needs a positive 'factor', got {self.rope_scaling}")
+            elif rope_type == "yarn":
+                missing = [key for key in ("factor", "original_max_position_embeddings")
+                           if not isinstance(self.rope_scaling.get(key), (int, float)) or self.rope_scaling[key] <= 0]
+                _check(not missing, f"ModelConfig.rope_scaling: yarn scaling needs a positive {missing}, got "
+                       f"{self.rope_scaling}")
             else:
                 missing = [key for key in _LLAMA3_KEYS if key not in self.rope_scaling]
                 _check(not missing,

@@ -25,6 +25,7 @@ from kvtool.kernels.silu_mul import silu_mul
 from kvtool.layers.attention import AttentionBackend
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.models.config import ModelConfig
+from kvtool.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 
 class Embedding(nn.Module):
@@ -53,12 +54,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with llama3 or linear scaling applied."""
+    """[head_dim // 2] float32 inverse frequencies, with llama3, linear or yarn scaling applied."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(dim, config.rope_theta, scaling)
     if scaling["rope_type"] == "linear":
         return inv_freq / float(scaling["factor"])
     # llama3: leave high frequencies alone, divide low ones by `factor`, blend in between.
@@ -76,15 +79,24 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed_sin [num_tokens, 1, head_dim] for the rotate-half RoPE layout, once per step.
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What the cos and sin tables are multiplied by (yarn scales the rotated q and k; else 1)."""
+    scaling = config.rope_scaling
+    return yarn_attention_factor(scaling) if scaling is not None and scaling["rope_type"] == "yarn" else 1.0
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed_sin [num_tokens, 1, head_dim] for the rotate-half RoPE layout, once per step,
+    times ``scale`` (rope_attention_factor).
 
     signed_sin is sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin.
     """
     freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [num_tokens, head_dim // 2]
     sin = freqs.sin()
     cos = freqs.cos()
+    if scale != 1.0:
+        sin, cos = sin * scale, cos * scale
     return torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(1).to(dtype)
 
 
@@ -206,6 +218,7 @@ class LlamaModel(nn.Module):
                                                                          bias=False)
         # Not a weight: recomputed from the config, and on CPU even when built on the meta device.
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        self.rope_attention_factor = rope_attention_factor(config)
         self.fused_kernels = None  # a kvtool.kernels KernelLibrary once use_fused_kernels is called
 
     def use_fused_kernels(self, library) -> None:
@@ -220,7 +233,7 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"LlamaModel.forward got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.rope_inv_freq, meta.positions, x.dtype)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, meta.positions, x.dtype, self.rope_attention_factor)
         if self.fused_kernels is not None:
             return self._forward_fused(x, cos, sin, meta, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -100,6 +100,7 @@ FLAG_FIELDS: tuple[ConfigField, ...] = (
     _flag("mode", short=str),
     _flag("concurrency", short=lambda v: f"concurrency {v}"),
     _flag("request_rate", short=lambda v: f"{v} req/s"),
+    _flag("time_scale", short=lambda v: f"time x{v}"),
     _flag("seed", short=lambda v: f"seed {v}"),
     _flag("warmup", short=lambda v: f"warmup {v}"),
     _flag("warmup_counts_in_stats", _on_off, lambda v: f"warm-up counted {_on_off(v)}"),

@@ -72,8 +72,8 @@ def _is_number(value) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
-class _LineChecker:
-    """Builds the error message for one line: '<file> line <n>: <what is wrong>'."""
+class LineChecker:
+    """Checks the fields of one line and builds its error message: '<file> line <n>: <what is wrong>'."""
 
     def __init__(self, path: Path, line_number: int) -> None:
         self.path = path
@@ -93,11 +93,12 @@ class _LineChecker:
             raise self.fail(f"'{key}' must be {bounds}, got {value}")
         return value
 
-    def id_list(self, obj: Mapping, key: str) -> tuple[int, ...] | None:
+    def id_list(self, obj: Mapping, key: str, limit: int | None = None) -> tuple[int, ...] | None:
+        """A list of non-negative integers below ``limit`` (default: the key's ID_LIMITS)."""
         if key not in obj:
             return None
         value = obj[key]
-        limit = ID_LIMITS[key]
+        limit = ID_LIMITS[key] if limit is None else limit
         if not isinstance(value, list):
             raise self.fail(f"'{key}' must be a list of non-negative integers, got {type(value).__name__}")
         if value and set(map(type, value)) == {int} and min(value) >= 0 and max(value) < limit:
@@ -124,7 +125,7 @@ class _LineChecker:
 
 def parse_line(obj, path: Path, line_number: int) -> DatasetRecord:
     """Validates one decoded JSON line; raises DatasetError naming the line."""
-    check = _LineChecker(path, line_number)
+    check = LineChecker(path, line_number)
     if not isinstance(obj, dict):
         raise check.fail(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(ALLOWED_KEYS))

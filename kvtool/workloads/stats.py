@@ -55,7 +55,18 @@ class DatasetStats:
 def dataset_stats(dataset: Dataset, *, tokens_per_block: int = 32) -> DatasetStats:
     if tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
-    seen_blocks: set[tuple[int, ...]] = set()
+    # A prefix of whole blocks is known by its last block's id, chained to its parent's: linear in the
+    # prompt's length (a tuple per prefix was quadratic: minutes and gigabytes for a 12k-token trace).
+    block_ids: dict[tuple, int] = {}
+
+    def prefix_ids(tokens: list[int]) -> list[int]:
+        ids, parent = [], -1
+        for end in range(tokens_per_block, len(tokens) + 1, tokens_per_block):
+            parent = block_ids.setdefault((parent, tuple(tokens[end - tokens_per_block:end])), len(block_ids))
+            ids.append(parent)
+        return ids
+
+    seen_blocks: set[int] = set()
     history: dict[str, list[int]] = {}
     prompt_lengths, new_lengths, output_lengths = [], [], []
     shared = total = num_text = 0
@@ -73,19 +84,16 @@ def dataset_stats(dataset: Dataset, *, tokens_per_block: int = 32) -> DatasetSta
             prompt = history[record.session_id] + prompt
         prompt_lengths.append(len(prompt))
         total += len(prompt)
-        for end in range(tokens_per_block, len(prompt) + 1, tokens_per_block):
-            key = tuple(prompt[:end])
-            if key in seen_blocks:
-                shared += tokens_per_block
-            seen_blocks.add(key)
+        ids = prefix_ids(prompt)
+        shared += tokens_per_block * sum(block in seen_blocks for block in ids)
+        seen_blocks.update(ids)
         if record.session_id is not None:
             # The generated answer: tokens no other prompt has (negative ids), then the next turn follows.
             answer = list(range(next_placeholder, next_placeholder - record.output_tokens, -1))
             next_placeholder -= record.output_tokens
             history[record.session_id] = prompt + answer
             # The engine keeps the full blocks of the answer too (their KV is computed while decoding).
-            for end in range(tokens_per_block, len(history[record.session_id]) + 1, tokens_per_block):
-                seen_blocks.add(tuple(history[record.session_id][:end]))
+            seen_blocks.update(prefix_ids(history[record.session_id]))
     return DatasetStats(
         num_lines=len(dataset), num_sessions=dataset.num_sessions,
         num_session_turns=sum(1 for r in dataset.records if r.session_id is not None), num_text_prompts=num_text,
