@@ -45,7 +45,7 @@ from gpu_steps import write_reports as write_step_reports
 from kvtool import LLM, KvCacheConfig, SamplingParams
 from kvtool.config import EngineConfig
 from kvtool.plan import BuildOptions, Plan, resolve_model
-from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP
+from kvtool.plan.build_options import DEFAULT_MAX_SEQ_LEN_CAP
 from kvtool.plan.resolve import on_the_fly_build_options
 from kvtool.runtime.device import default_dtype
 

@@ -25,7 +25,7 @@ from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.plan import BuildOptions, resolve_model
 from kvtool.runtime.device import host_description
 from kvtool.simulate.cost_model import CostModel
-from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.simulated_llm import SimulatedLLM
 from kvtool.version import git_revision
 
 WORKLOAD = ("2,048-token prompts (16 system prompts of 1,984 tokens, 64-token questions), 64 in flight, "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvtool.config import EngineConfig
 from kvtool.errors import KvtoolError
-from kvtool.plan.options import BuildOptions
+from kvtool.plan.build_options import BuildOptions
 from kvtool.runtime.clock import WALL_CLOCK
 from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.request import MISS_REASONS, Request

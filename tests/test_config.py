@@ -8,7 +8,7 @@ from kvtool import _core
 from kvtool.config import (CapacitySchedulerPolicy, ContextChunkingPolicy, EngineConfig, KvCacheConfig,
                            ReplayOptions, SamplingParams, SchedulerConfig)
 from kvtool.flags import CONFIG_FLAGS, as_row, configs
-from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
+from kvtool.plan.build_options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
 
 
 def test_the_cpp_cache_config_defaults_are_the_python_ones():

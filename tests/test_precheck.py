@@ -14,7 +14,7 @@ from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.errors import DatasetError
 from kvtool.plan import BuildOptions
 from kvtool.simulate.cost_model import CostModel
-from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.simulated_llm import SimulatedLLM
 from kvtool.simulate.shapes import ModelShapes
 
 

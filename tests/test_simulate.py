@@ -19,7 +19,7 @@ from kvtool.flags import configs
 from kvtool.plan import load_plan
 from kvtool.simulate.cost_model import (TERMS, CostModel, StepShape, fit_coefficients, load_profile,
                                         profile_path, save_profile, step_shape)
-from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.simulated_llm import SimulatedLLM
 from kvtool.simulate.profiles import this_device
 from kvtool.simulate.published import estimate
 

@@ -164,7 +164,7 @@ def _dataset_spec(check: _Checker, raw, where: str, base_dir: Path) -> DatasetSp
 
 def _default_build_limits() -> dict[str, int]:
     """The runtime limits a plan built with default BuildOptions admits."""
-    from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
+    from kvtool.plan.build_options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
 
     defaults = BuildOptions()
     return {"max_batch_size": defaults.max_batch_size, "max_num_tokens": defaults.max_num_tokens,
@@ -264,7 +264,7 @@ def scenario_from_document(document, path: Path, *, sets: Sequence[str] = (), mo
     if dataset is not None:
         document["dataset"] = {"path": str(dataset)}
 
-    from kvtool.plan.options import BuildOptions  # torch loads only when a scenario is used
+    from kvtool.plan.build_options import BuildOptions  # torch loads only when a scenario is used
 
     flag_names = FLAG_NAMES
     build_keys = tuple(f.name for f in fields(BuildOptions))

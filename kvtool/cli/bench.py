@@ -15,9 +15,9 @@ from kvtool.bench import runner, sweep
 from kvtool.bench.scenario import load_scenario
 from kvtool.bench.target import Target
 from kvtool.cli import app
-from kvtool.cli.errors import USER_ERRORS, print_error, user_errors
+from kvtool.cli.user_errors import USER_ERRORS, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import flag, flags_of, with_flags
+from kvtool.cli.typer_options import flag, flags_of, with_flags
 from kvtool.cli.paths import check_writable_dir, check_writable_file
 from kvtool.config import ConfigError
 from kvtool.errors import KvtoolError

@@ -12,9 +12,9 @@ import typer
 from rich.console import Console
 
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import flag, flags_of, with_flags
+from kvtool.cli.typer_options import flag, flags_of, with_flags
 from kvtool.config import ConfigError
 from kvtool.flags import ENGINE_FLAGS, FlagValues, configs
 

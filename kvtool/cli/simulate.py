@@ -15,9 +15,9 @@ from kvtool.bench.scenario import load_scenario, scenario_from_document, sweep_v
 from kvtool.cli import app
 from kvtool.cli import bench as bench_command
 from kvtool.cli.build import DType
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import flag, flags_of, with_flags
+from kvtool.cli.typer_options import flag, flags_of, with_flags
 from kvtool.flags import ENGINE_FLAGS, MODEL, RUN_FLAGS, FlagValues
 from kvtool.signals import stop_signals
 from kvtool.simulate.published import DEVICES
@@ -42,7 +42,7 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
     the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
     shapes with the build options asked for: no weights are written or read."""
-    from kvtool.reports.sweep import plot_sweep, print_sweep
+    from kvtool.reports.sweep_table import plot_sweep, print_sweep
     from kvtool.simulate.profiles import create_simulated_llm, source_plan
 
     flags = engine | run

@@ -16,16 +16,16 @@ import torch
 from kvtool.config import ConfigError
 from kvtool.errors import PlanError
 from kvtool.layers.attention import AttentionBackend
-from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
+from kvtool.models.model_config import ModelConfig, torch_dtype, weight_shapes
 from kvtool.models.gguf import GGUF_PREFIX, is_gguf_source, resolve_gguf
 from kvtool.models.llama import LlamaModel
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import Tokenizer, load_tokenizer
-from kvtool.plan.build import build_plan
+from kvtool.plan.builder import build_plan
 from kvtool.plan.cache import default_cache_dir
 from kvtool.plan.format import (FORMAT_VERSION, PLAN_FILE, file_checksum, has_verified_checksum, manifest_digest,
                                 record_verified_checksum)
-from kvtool.plan.options import BuildOptions
+from kvtool.plan.build_options import BuildOptions
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 

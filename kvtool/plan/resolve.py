@@ -8,7 +8,7 @@ from pathlib import Path
 from kvtool.config import EngineConfig
 from kvtool.errors import KvtoolError
 from kvtool.plan.load import Plan, is_built_plan, resolve_model
-from kvtool.plan.options import BuildOptions
+from kvtool.plan.build_options import BuildOptions
 
 
 def on_the_fly_build_options(config: EngineConfig, build_options: BuildOptions | None = None, *,

@@ -69,7 +69,7 @@ def html_path(summary_csv: Path) -> Path:
 
 def write_run_html(rows: Sequence[Mapping], summary_csv: Path, pngs: Sequence[Path] = ()) -> Path:
     """The run's HTML page beside its summary CSV (kvtool.reports.html.bench_page)."""
-    from kvtool.reports.compare import load_variants
+    from kvtool.reports.compare_table import load_variants
     from kvtool.reports.html import bench_page, write_html
     from kvtool.reports.summary_table import summary_table
 

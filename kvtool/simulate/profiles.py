@@ -144,7 +144,7 @@ def create_simulated_llm(model, engine, replay=None, dataset=None, *, profile: s
                          dtype: str | None = None, cache_dir: Path | None = None):
     """What kvtool.bench.runner.create_llm is for a real run: the plan (see simulation_plan) and a
     SimulatedLLM over it configured by ``engine``, with the profile's cost model."""
-    from kvtool.simulate.llm import SimulatedLLM
+    from kvtool.simulate.simulated_llm import SimulatedLLM
 
     plan, num_workload_blocks = simulation_plan(model, engine, replay, dataset, profile=profile, dtype=dtype,
                                                 cache_dir=cache_dir)

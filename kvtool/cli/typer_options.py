@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.flags import FLAG_BY_NAME, Flag, FlagValues, either  # noqa: F401 - either: the commands' own pairs
 
 
