@@ -46,7 +46,7 @@ from kvtool import LLM, KvCacheConfig, SamplingParams
 from kvtool.config import EngineConfig
 from kvtool.plan import BuildOptions, Plan, resolve_model
 from kvtool.plan.build_options import DEFAULT_MAX_SEQ_LEN_CAP
-from kvtool.plan.resolve import on_the_fly_build_options
+from kvtool.plan.load import on_the_fly_build_options
 from kvtool.runtime.device import default_dtype
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -178,7 +178,7 @@ def plan_build_options(dtype: str, tokens_per_block: int, max_len: int, *, like_
     if not like_bench:
         return BuildOptions(dtype=dtype, tokens_per_block=tokens_per_block, max_batch_size=1, max_seq_len=max_len,
                             max_num_tokens=max_len)
-    # As kvtool.plan.resolve builds a model for an engine: the device's dtype unless another is asked for.
+    # As kvtool.plan.load builds a model for an engine: the device's dtype unless another is asked for.
     return on_the_fly_build_options(EngineConfig(tokens_per_block=tokens_per_block, max_batch_size=1,
                                                  max_seq_len=max_len, max_num_tokens=max_len), dtype=dtype)
 

@@ -13,7 +13,7 @@ the table into typer options; this module imports neither typer nor torch (`kvto
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -139,12 +139,9 @@ def either(on: bool | None, off: bool | None, on_name: str, off_name: str) -> bo
     return True if on else False if off else None
 
 
-class FlagValues(Mapping[str, Any]):
+class FlagValues(dict):
     """What a command was given for its flags of the table: every one by name (None: not given), an on/off
-    pair as one value under the first flag's name. ``a | b`` joins two commands' groups."""
-
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        self._values = dict(values)
+    pair as one value under the first flag's name. ``a | b`` joins two groups of a command."""
 
     @classmethod
     def of_options(cls, options: Mapping[str, Any], names: tuple[str, ...]) -> FlagValues:
@@ -158,22 +155,12 @@ class FlagValues(Mapping[str, Any]):
                 values[name] = either(options.get(name), options.get(flag.off), name, flag.off)
         return cls(values)
 
-    def __getitem__(self, name: str) -> Any:
-        return self._values[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __or__(self, other: FlagValues) -> FlagValues:
-        return FlagValues({**self._values, **other._values})
+    def __or__(self, other: Mapping[str, Any]) -> FlagValues:
+        return FlagValues({**self, **other})
 
     def config_flags(self) -> dict[str, Any]:
         """The flags given that set configuration (the table's order): a scenario's overrides, configs()'s input."""
-        return {flag.name: self._values[flag.name] for flag in CONFIG_FLAGS
-                if self._values.get(flag.name) is not None}
+        return {flag.name: self[flag.name] for flag in CONFIG_FLAGS if self.get(flag.name) is not None}
 
 
 def configs(flags: Mapping[str, Any]) -> tuple[EngineConfig, ReplayOptions]:

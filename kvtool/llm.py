@@ -14,7 +14,7 @@ from kvtool.config import EngineConfig, KvCacheConfig, SamplingParams, Scheduler
 from kvtool.layers.cpu_linear import pack_linears
 from kvtool.plan import BuildOptions, Plan
 from kvtool.plan.kernels import plan_kernel_cache
-from kvtool.plan.resolve import engine_plan
+from kvtool.plan.load import engine_plan
 from kvtool.runtime.assemble import assemble_engine
 from kvtool.runtime.clock import WALL_CLOCK
 from kvtool.runtime.device import default_device, describe_device

@@ -45,10 +45,10 @@ class BenchResult:
 def create_llm(model: str, engine: EngineConfig, replay: ReplayOptions, dataset: Dataset | None = None, *,
                cache_dir: Path | None = None):
     """kvtool.LLM for a run: a plan directory as built, or a checkpoint/preset built on the fly into
-    cache_dir (kvtool.plan.resolve), configured by ``engine``; with the dataset and a host cache, told
+    cache_dir (kvtool.plan.load), configured by ``engine``; with the dataset and a host cache, told
     the most KV blocks the replay can create (kvtool.workloads.blocks.workload_blocks)."""
     from kvtool import LLM  # torch and the C++ extension load only when a bench really runs
-    from kvtool.plan.resolve import engine_plan
+    from kvtool.plan.load import engine_plan
 
     plan = engine_plan(model, engine, cache_dir=cache_dir)
     return LLM(model=plan, config=engine, num_workload_blocks=workload_blocks(plan, engine, replay, dataset))

@@ -100,7 +100,7 @@ def serve(
         serve_config.check_certificate()
         check_port_free(host, port)  # now, not after the model is loaded
         from kvtool import LLM
-        from kvtool.plan.resolve import engine_plan
+        from kvtool.plan.load import engine_plan
         from kvtool.serve import create_app
         from kvtool.serve.server import run_server
 

@@ -104,27 +104,6 @@ def simulated_model(model: str, options, cache_dir: Path | None = None):
     return ModelShapes.of(model, options)
 
 
-def simulation_plan(model, engine, replay=None, dataset=None, *, profile: str | None = None, dtype: str | None = None,
-                    cache_dir: Path | None = None):
-    """(plan, num_workload_blocks) as a real run's (kvtool.plan.resolve, kvtool.workloads.blocks), without
-    building: a plan directory as built (built_plan); a preset, checkpoint or GGUF file with the build options
-    ``engine`` (an EngineConfig) asks for (simulated_model), in ``dtype``, else the one the profile's device
-    implies (profile_dtype). ``replay``: how ``dataset`` is replayed (its warm-up and measured lines)."""
-    from kvtool.plan.load import is_built_plan
-    from kvtool.plan.resolve import on_the_fly_build_options
-    from kvtool.simulate.shapes import ModelShapes
-    from kvtool.workloads.blocks import workload_blocks
-
-    if isinstance(model, ModelShapes):
-        plan = model
-    elif is_built_plan(model):
-        plan = built_plan(model, dtype)
-    else:
-        options = on_the_fly_build_options(engine, dtype=dtype or profile_dtype(profile))
-        plan = simulated_model(str(model), options, cache_dir)
-    return plan, workload_blocks(plan, engine, replay, dataset)
-
-
 def source_plan(plan_dir: Path | None, model: str | None, build: Mapping[str, object], *,
                 cache_dir: Path | None = None, profile: str | None = None, dtype: str | None = None):
     """A scenario variant's plan for a simulation: its `plan:` directory as built, or its `model:` with its
@@ -142,10 +121,23 @@ def source_plan(plan_dir: Path | None, model: str | None, build: Mapping[str, ob
 
 def create_simulated_llm(model, engine, replay=None, dataset=None, *, profile: str | None = None,
                          dtype: str | None = None, cache_dir: Path | None = None):
-    """What kvtool.bench.runner.create_llm is for a real run: the plan (see simulation_plan) and a
-    SimulatedLLM over it configured by ``engine``, with the profile's cost model."""
+    """What kvtool.bench.runner.create_llm is for a real run, without building: a SimulatedLLM configured by
+    ``engine`` (an EngineConfig), with the profile's cost model, over a plan directory as built (built_plan),
+    or a preset, checkpoint or GGUF file with the build options ``engine`` asks for (simulated_model), in
+    ``dtype``, else the one the profile's device implies (profile_dtype). With ``dataset`` (replayed as
+    ``replay``) and a host cache, told the most KV blocks the replay can create, as a real run is."""
+    from kvtool.plan.load import is_built_plan
+    from kvtool.plan.load import on_the_fly_build_options
+    from kvtool.simulate.shapes import ModelShapes
     from kvtool.simulate.simulated_llm import SimulatedLLM
+    from kvtool.workloads.blocks import workload_blocks
 
-    plan, num_workload_blocks = simulation_plan(model, engine, replay, dataset, profile=profile, dtype=dtype,
-                                                cache_dir=cache_dir)
-    return SimulatedLLM(plan, resolve_profile(profile, plan), engine, num_workload_blocks=num_workload_blocks)
+    if isinstance(model, ModelShapes):
+        plan = model
+    elif is_built_plan(model):
+        plan = built_plan(model, dtype)
+    else:
+        plan = simulated_model(str(model), on_the_fly_build_options(engine, dtype=dtype or profile_dtype(profile)),
+                               cache_dir)
+    return SimulatedLLM(plan, resolve_profile(profile, plan), engine,
+                        num_workload_blocks=workload_blocks(plan, engine, replay, dataset))
