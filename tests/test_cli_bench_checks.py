@@ -56,7 +56,7 @@ def test_the_pools_created_are_printed_and_recorded(tmp_path, tiny_llama_plan):
 def two_mib_of_host_memory(monkeypatch):
     """As if the machine had 2 MiB of memory available: with a 16-block primary pool (256 KiB), 112 host
     blocks fit."""
-    monkeypatch.setattr("kvtool.llm.available_host_memory_bytes", lambda: 2 << 20)
+    monkeypatch.setattr("kvtool.runtime.model_runner.available_host_memory_bytes", lambda: 2 << 20)
 
 
 def test_a_host_cache_beyond_memory_runs_when_the_dataset_cannot_fill_it(tmp_path, tiny_llama_plan,

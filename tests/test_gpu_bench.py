@@ -41,8 +41,8 @@ def qwen3_8b_llm():
     finally:
         torch.set_default_dtype(default)
     shape = BlockShape(config.num_layers, 32, config.num_kv_heads, config.head_dim, torch.bfloat16)
-    return SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(model=model,
-                                                                         pools=SimpleNamespace(shape=shape))))
+    return SimpleNamespace(engine=SimpleNamespace(executor=SimpleNamespace(model=model,
+                                                                           pools=SimpleNamespace(shape=shape))))
 
 
 def test_qwen3_8b_reads_15_gb_of_weights_and_computes_1_9_tflop_for_the_128_token_hit():

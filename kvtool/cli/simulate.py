@@ -43,7 +43,7 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
     the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
     shapes with the build options asked for: no weights are written or read."""
     from kvtool.reports.sweep_table import plot_sweep, print_sweep
-    from kvtool.simulate.profiles import create_simulated_llm, source_plan
+    from kvtool.simulate.profiles import create_simulated_llm, profile_dtype, source_plan
 
     flags = engine | run
     console = Console(stderr=True)
@@ -56,8 +56,9 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
         return llm
 
     def plan_resolver(variant):
-        return source_plan(variant.plan, variant.model, variant.build, cache_dir=flags["plan_cache_dir"],
-                           profile=profile, dtype=dtype)
+        # A `build:` section without a dtype builds in the profile's device's (bfloat16 on a GPU).
+        options = variant.build_options(dtype=profile_dtype(profile))
+        return source_plan(variant.plan, variant.model, options, cache_dir=flags["plan_cache_dir"], dtype=dtype)
 
     with stop_signals() as stop, bench_command.stopped_early(console, stop):  # SIGTERM stops as Ctrl-C does
         with user_errors():

@@ -5,7 +5,6 @@ or reads weights: a simulation of a 16 GB model writes and reads none of them.""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from pathlib import Path
 
 from kvtool.errors import KvtoolError, PlanError
@@ -104,19 +103,13 @@ def simulated_model(model: str, options, cache_dir: Path | None = None):
     return ModelShapes.of(model, options)
 
 
-def source_plan(plan_dir: Path | None, model: str | None, build: Mapping[str, object], *,
-                cache_dir: Path | None = None, profile: str | None = None, dtype: str | None = None):
-    """A scenario variant's plan for a simulation: its `plan:` directory as built, or its `model:` with its
-    `build:` options (simulated_model); the dtype is ``dtype`` (--dtype), else the `build:` section's, else
-    the profile's (profile_dtype)."""
-    from kvtool.plan import BuildOptions
-
+def source_plan(plan_dir: Path | None, model: str | None, options, *, cache_dir: Path | None = None,
+                dtype: str | None = None):
+    """A scenario variant's plan for a simulation: its `plan:` directory as built (built_plan), or its `model:`
+    with ``options`` (its `build:` options; simulated_model) in ``dtype`` where given (--dtype)."""
     if plan_dir is not None:
         return built_plan(plan_dir, dtype)
-    options = BuildOptions(**{"dtype": profile_dtype(profile), **build})
-    if dtype is not None:
-        options = dataclasses.replace(options, dtype=dtype)
-    return simulated_model(model, options, cache_dir)
+    return simulated_model(model, options if dtype is None else dataclasses.replace(options, dtype=dtype), cache_dir)
 
 
 def create_simulated_llm(model, engine, replay=None, dataset=None, *, profile: str | None = None,
