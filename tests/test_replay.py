@@ -177,7 +177,7 @@ def test_later_followups_go_before_new_requests_under_a_concurrency_limit(tmp_pa
     assert [index(f) for f in h.finished] == [0, 2, 1]
 
 
-def test_bench_requests_are_greedy_ignore_eos_and_carry_priority_and_salt(tmp_path):
+def test_dataset_requests_are_greedy_ignore_eos_and_carry_priority_and_salt(tmp_path):
     h = Harness()
     h.run(dataset_of(tmp_path, [req([11, 12], out=5, priority=90, cache_salt="alice"), req([13], out=1)]))
     first, second = (f.sampling_params for f in sorted(h.finished, key=index))
