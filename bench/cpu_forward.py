@@ -51,7 +51,7 @@ def main() -> None:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
 
     llm = LLM(model=args.plan, max_batch_size=1, kv_cache_config=KvCacheConfig(enable_block_reuse=False))
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     tpb = runner.tokens_per_block
     rng = random.Random(0)
     token_ids = np.array([rng.randrange(100, 10_000) for _ in range(args.prompt_len + 1)], dtype=np.int32)

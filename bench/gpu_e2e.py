@@ -43,9 +43,10 @@ from gpu_steps import measure_steps
 from gpu_steps import write_reports as write_step_reports
 
 from kvtool import LLM, KvCacheConfig, SamplingParams
-from kvtool.llm import on_the_fly_build_options
+from kvtool.config import EngineConfig
 from kvtool.plan import BuildOptions, Plan, resolve_model
-from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP
+from kvtool.plan.build_options import DEFAULT_MAX_SEQ_LEN_CAP
+from kvtool.plan.load import on_the_fly_build_options
 from kvtool.runtime.device import default_dtype
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -124,14 +125,14 @@ class ModelCosts(NamedTuple):
 
 
 def model_costs(llm: LLM) -> ModelCosts:
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     config = model.config
     tied = model.lm_head is None
     weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                        if tied or not name.startswith("embed_tokens."))
     linear_params = sum(p.numel() for name, p in model.named_parameters()
                         if name.startswith("layers.") and name.endswith("_proj.weight"))
-    shape = llm.engine.runner.pools.shape
+    shape = llm.engine.executor.pools.shape
     return ModelCosts(weight_bytes, linear_params, config.vocab_size * config.hidden_size, config.num_layers,
                       config.num_heads, config.head_dim, shape.bytes_per_token)
 
@@ -177,9 +178,9 @@ def plan_build_options(dtype: str, tokens_per_block: int, max_len: int, *, like_
     if not like_bench:
         return BuildOptions(dtype=dtype, tokens_per_block=tokens_per_block, max_batch_size=1, max_seq_len=max_len,
                             max_num_tokens=max_len)
-    # As kvtool.bench.runner.build_options: the device's dtype unless another is asked for.
-    return on_the_fly_build_options(BuildOptions(dtype=dtype), KvCacheConfig(tokens_per_block=tokens_per_block),
-                                    max_batch_size=1, max_seq_len=max_len, max_num_tokens=max_len)
+    # As kvtool.plan.load builds a model for an engine: the device's dtype unless another is asked for.
+    return on_the_fly_build_options(EngineConfig(tokens_per_block=tokens_per_block, max_batch_size=1,
+                                                 max_seq_len=max_len, max_num_tokens=max_len), dtype=dtype)
 
 
 def bench_command(model: str, options: BuildOptions) -> str:
@@ -249,7 +250,7 @@ def measure(model: str | Plan = "preset:qwen3-8b", dtype: str = "bfloat16", *, p
         rows.append(E2ERow(f"{prefix_len}-token shared prompt + {question_len}-token question, reuse "
                            f"{'on' if reuse else 'off'}", "median TTFT", medians[reuse], "ms"))
         if reuse:
-            runner = llm.engine.runner
+            runner = llm.engine.executor
             mixed, runner.mixed_graphs = runner.mixed_graphs, None
             if mixed is not None:  # the hit's step launched kernel by kernel: what its graph saves
                 # New questions: a repeated one would be a fully cached prompt (one token), not this step.

@@ -61,7 +61,7 @@ def hf_config_dict(config) -> dict:
 
 
 def hf_tensors(name: str, tensor: torch.Tensor, config) -> list[tuple[str, torch.Tensor]]:
-    """A plan tensor as the transformers tensor(s) it came from (the inverse of kvtool.plan.build's mapping)."""
+    """A plan tensor as the transformers tensor(s) it came from (the inverse of kvtool.plan.builder's mapping)."""
     if not name.startswith("layers."):
         return [(name if name == "lm_head.weight" else "model." + name, tensor)]
     _, index, rest = name.split(".", 2)

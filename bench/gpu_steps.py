@@ -116,7 +116,7 @@ def measure_steps(llm, *, context_len: int = 2048, question_len: int = 128, pref
     when the LLM's cached blocks are no longer needed."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     saved = runner.decode_graphs, runner.mixed_graphs
     rows = []
     try:

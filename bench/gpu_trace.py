@@ -79,11 +79,11 @@ def main() -> None:
         f"TTFT rounds 1-2 (ms): {warm}; traced round 3 (ms): {traced}",
         f"onboarded blocks in round 3: {after['onboarded_blocks'] - stats['onboarded_blocks']}, offloaded: "
         f"{after['offloaded_blocks'] - stats['offloaded_blocks']}, host pool allocated "
-        f"{llm.engine.runner.pools.host.num_allocated_bytes:,} B"])
+        f"{llm.engine.executor.pools.host.num_allocated_bytes:,} B"])
 
     decode = SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)
     lines = []
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     for graphs in (True, False):
         saved = runner.decode_graphs, runner.mixed_graphs
         if not graphs:

@@ -1,13 +1,16 @@
 """User-facing configuration, named as in TensorRT-LLM's LLM API, validated on construction.
 
 These dataclasses (with kvtool.plan.BuildOptions) are the one definition of every rule and default:
-the CLI maps its flags onto their fields (kvtool.bench.config), and ``to_core`` hands them to the
-C++ runtime, whose own defaults a test checks against them.
+an engine is configured by one EngineConfig (its KvCacheConfig, SchedulerConfig and runtime limits)
+wherever it runs (the LLM API, bench, serve, simulate), a bench run adds its ReplayOptions; the
+command line maps its flags onto their fields (kvtool.flags), and ``to_core`` hands them to the C++
+runtime, whose own defaults a test checks against them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from kvtool import _core
 
@@ -21,7 +24,7 @@ DEFAULT_PRIORITY = 35
 
 class ConfigError(ValueError):
     """A configuration field with a bad value. ``owner`` and ``field`` name it, so that a caller
-    that set it from a flag can name the flag instead (kvtool.bench.config)."""
+    that set it from a flag can name the flag instead (kvtool.flags)."""
 
     def __init__(self, owner: str, field_name: str, problem: str) -> None:
         super().__init__(f"{owner}.{field_name} {problem}")
@@ -78,7 +81,9 @@ class KvCacheConfig:
 
     enable_block_reuse: bool = True
     max_tokens: int | None = None
-    tokens_per_block: int | None = None  # None: the plan's value
+    # TensorRT-LLM's spelling of the block size, which is a build option in kvtool: EngineConfig takes
+    # it over as its tokens_per_block (and leaves None here), so nothing else reads it.
+    tokens_per_block: int | None = None
     host_cache_size: int = 0
     free_gpu_memory_fraction: float = 0.9
     max_attention_window: int | None = None
@@ -165,3 +170,107 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine is configured with, wherever it runs (kvtool.LLM, `kvtool bench`, `serve`,
+    `simulate`): the KV cache, the scheduler, the runtime limits (None: the plan's; more than the plan
+    was built for is refused), the block size asked for and CUDA graphs.
+
+    ``tokens_per_block`` is a build option: a model built on the fly is built with it, a built plan of
+    another block size is refused (None: the plan's). A KvCacheConfig's tokens_per_block (TensorRT-LLM's
+    spelling) is taken over here. ``enforce_eager``: no CUDA graphs (vLLM's --enforce-eager).
+    """
+
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_seq_len: int | None = None
+    tokens_per_block: int | None = None
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, self, name, f"must be a positive integer, got {value}")
+        check(isinstance(self.enforce_eager, bool), self, "enforce_eager",
+              f"must be true or false, got {self.enforce_eager!r}")
+        check_tokens_per_block(self, self.tokens_per_block)
+        asked = self.kv_cache_config.tokens_per_block
+        if asked is not None:
+            check(self.tokens_per_block in (None, asked), self, "tokens_per_block",
+                  f"{self.tokens_per_block} and KvCacheConfig.tokens_per_block {asked} disagree: give the block "
+                  "size once")
+            object.__setattr__(self, "tokens_per_block", asked)
+            object.__setattr__(self, "kv_cache_config", replace(self.kv_cache_config, tokens_per_block=None))
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return not self.enforce_eager
+
+
+MODES = ("offline", "sequential", "trace")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How a bench run hands its dataset to the engine (kvtool.bench.replay), and which lines it
+    measures: the first ``warmup`` run first, uncounted, then at most ``num_requests``."""
+
+    mode: str = "offline"
+    concurrency: int | None = None
+    request_rate: float | None = None
+    seed: int = 0
+    warmup: int = 0
+    warmup_counts_in_stats: bool = False  # keep the warm-up's cache counters
+    num_requests: int | None = None
+    time_scale: float = 1.0  # arrival times are multiplied by it
+
+    def __post_init__(self) -> None:
+        mode = str(self.mode).lower()
+        check(mode in MODES, self, "mode", f"{self.mode!r} is unknown: use one of {list(MODES)} "
+              "(and --concurrency N / --request_rate R for the other replay patterns)")
+        object.__setattr__(self, "mode", mode)
+        check(self.concurrency is None or self.concurrency >= 1, self, "concurrency",
+              f"must be >= 1, got {self.concurrency}")
+        check(mode != "sequential" or self.concurrency in (None, 1), self, "mode",
+              f"sequential keeps one request in flight; it contradicts concurrency {self.concurrency}: "
+              "drop one of them")
+        check(self.request_rate is None or self.request_rate > 0, self, "request_rate",
+              f"must be > 0 requests per second, got {self.request_rate}")
+        check(mode != "trace" or self.request_rate is None, self, "mode",
+              f"trace replays the dataset's arrival times; it contradicts request_rate {self.request_rate}: drop one "
+              "of them")
+        check(isinstance(self.time_scale, (int, float)) and not isinstance(self.time_scale, bool)
+              and 0 < self.time_scale < float("inf"), self, "time_scale",
+              f"must be a number > 0 (0.5 replays twice as fast, 2 half as fast), got {self.time_scale!r}")
+        check(self.time_scale == 1 or self.request_rate is None, self, "time_scale",
+              f"scales the dataset's arrival times, but request_rate {self.request_rate} draws its own: drop one of "
+              "them")
+        check(self.warmup >= 0, self, "warmup", f"must be >= 0 requests, got {self.warmup}")
+        check(self.num_requests is None or self.num_requests >= 1, self, "num_requests",
+              f"must be a positive integer, got {self.num_requests}")
+
+    @property
+    def max_in_flight(self) -> int | None:
+        """The in-flight limit (None: unlimited)."""
+        return 1 if self.mode == "sequential" else self.concurrency
+
+    def split(self, items: Sequence) -> tuple[list, list]:
+        """(warm-up, measured) items of a run."""
+        measured = list(items[self.warmup:])
+        if self.num_requests is not None:
+            measured = measured[:self.num_requests]
+        return list(items[:self.warmup]), measured
+
+    def describe(self) -> str:
+        parts = [self.mode] if self.concurrency is None else [f"concurrency={self.concurrency}"]
+        if self.mode == "trace" and self.concurrency is not None:
+            parts.insert(0, "trace")
+        if self.request_rate is not None:
+            parts.append(f"rate={self.request_rate:g}/s")
+        if self.time_scale != 1:
+            parts.append(f"time_scale={self.time_scale:g}")
+        return ",".join(parts)

@@ -18,10 +18,9 @@ from typer.testing import CliRunner
 
 from kvtool.bench import runner as bench_runner
 from kvtool.bench import sweep
-from kvtool.bench.config import BenchConfig
 from kvtool.workloads.datasets import write_jsonl
 from kvtool.cli import app
-from kvtool.config import CapacitySchedulerPolicy, ContextChunkingPolicy
+from kvtool.config import CapacitySchedulerPolicy, ContextChunkingPolicy, EngineConfig, ReplayOptions
 
 cli = CliRunner()
 
@@ -43,15 +42,16 @@ def dataset(tmp_path):
 
 
 class FakeLlmFactory(list):
-    """Stands in for kvtool.LLM creation: records (model, config, llm); settings go to every FakeLLM."""
+    """Stands in for kvtool.LLM creation: records (model, engine config, replay options, llm); settings go
+    to every FakeLLM."""
 
     def __init__(self):
         super().__init__()
         self.settings = {}
 
-    def __call__(self, model, config, dataset=None, cache_dir=None):
-        llm = FakeLLM(enable_block_reuse=config.kv_cache_config.enable_block_reuse, **self.settings)
-        self.append((model, config, llm))
+    def __call__(self, model, engine, replay, dataset=None, cache_dir=None):
+        llm = FakeLLM(enable_block_reuse=engine.kv_cache_config.enable_block_reuse, config=engine, **self.settings)
+        self.append((model, engine, replay, llm))
         return llm
 
 
@@ -73,16 +73,16 @@ def test_bench_writes_request_and_summary_csvs_with_every_flag(tmp_path, dataset
                     "--tokens-per-block", 32, "--concurrency", 2, "--warmup", 1, "--num_requests", 4,
                     "--label", "variant-a")
     assert result.exit_code == 0, result.output
-    (model, config, llm), = fake_llms
+    (model, config, replay, llm), = fake_llms
     assert model == "preset:tiny-llama" and llm.shut_down
     kv = config.kv_cache_config
     assert (kv.enable_block_reuse, kv.host_cache_size, kv.max_tokens, kv.free_gpu_memory_fraction,
-            kv.max_attention_window, kv.tokens_per_block) == (False, 512_000_000, 4096, 0.5, 1024, 32)
+            kv.max_attention_window, config.tokens_per_block) == (False, 512_000_000, 4096, 0.5, 1024, 32)
     sched = config.scheduler_config
     assert (sched.capacity_scheduler_policy, sched.context_chunking_policy, sched.enable_chunked_context) == (
         CapacitySchedulerPolicy.MAX_UTILIZATION, ContextChunkingPolicy.EQUAL_PROGRESS, True)
     assert (config.max_batch_size, config.max_num_tokens, config.max_seq_len) == (4, 256, 512)
-    assert (config.replay.concurrency, config.replay.warmup, config.replay.num_requests) == (2, 1, 4)
+    assert (replay.concurrency, replay.warmup, replay.num_requests) == (2, 1, 4)
 
     requests = read_rows(out / "requests.csv")
     assert [row["request_id"] for row in requests] == ["1", "2", "3", "4"]  # 1 warm-up, 4 measured
@@ -105,9 +105,9 @@ def test_defaults_and_default_output_directory(tmp_path, dataset, fake_llms, mon
     monkeypatch.chdir(tmp_path)
     result = invoke("bench", "--plan", tmp_path / "myplan", "--dataset", dataset)
     assert result.exit_code == 0, result.output
-    (model, config, _), = fake_llms
+    (model, config, replay, _), = fake_llms
     assert model == str(tmp_path / "myplan")
-    assert config == BenchConfig()  # the API dataclasses' defaults
+    assert (config, replay) == (EngineConfig(), ReplayOptions())  # the API dataclasses' defaults
     run_dir, = (tmp_path / "out").iterdir()
     assert run_dir.name.startswith("shared-")
     summary, = read_rows(run_dir / "summary.csv")
@@ -192,8 +192,8 @@ def test_config_runs_every_variant_into_one_summary(tmp_path, fake_llms):
     result = invoke("bench", "--config", scenario_file(tmp_path), "--output", out, "--set", "bench.warmup=1",
                     "--max_batch_size", 2)
     assert result.exit_code == 0, result.output
-    assert [(model, config.kv_cache_config.enable_block_reuse, config.replay.warmup, config.max_batch_size)
-            for model, config, _ in fake_llms] == [("plans/on", True, 1, 2), ("plans/off", False, 1, 2)]
+    assert [(model, config.kv_cache_config.enable_block_reuse, replay.warmup, config.max_batch_size)
+            for model, config, replay, _ in fake_llms] == [("plans/on", True, 1, 2), ("plans/off", False, 1, 2)]
     rows = read_rows(out / "summary.csv")
     assert [row["label"] for row in rows] == ["on", "off"]
     assert {row["scenario"] for row in rows} == {"mini"}

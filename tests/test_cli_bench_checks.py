@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.workloads.datasets import load_dataset, write_jsonl
-from kvtool.bench.replay import bench_requests
+from kvtool.workloads.requests import dataset_requests
 from kvtool.workloads.blocks import max_num_blocks
 from kvtool.cli import app
 from kvtool.plan import load_plan
@@ -56,14 +56,14 @@ def test_the_pools_created_are_printed_and_recorded(tmp_path, tiny_llama_plan):
 def two_mib_of_host_memory(monkeypatch):
     """As if the machine had 2 MiB of memory available: with a 16-block primary pool (256 KiB), 112 host
     blocks fit."""
-    monkeypatch.setattr("kvtool.llm.available_host_memory_bytes", lambda: 2 << 20)
+    monkeypatch.setattr("kvtool.runtime.model_runner.available_host_memory_bytes", lambda: 2 << 20)
 
 
 def test_a_host_cache_beyond_memory_runs_when_the_dataset_cannot_fill_it(tmp_path, tiny_llama_plan,
                                                                          two_mib_of_host_memory):
     data = random_prompts(tmp_path, 4)  # 4 requests x 11 blocks: 44 blocks at most
     plan = load_plan(tiny_llama_plan)
-    assert max_num_blocks(bench_requests(load_dataset(data), tokenizer=plan.tokenizer), 16) == 44
+    assert max_num_blocks(dataset_requests(load_dataset(data), tokenizer=plan.tokenizer), 16) == 44
     out = tmp_path / "out"
     result = bench("--plan", tiny_llama_plan, "--dataset", data, "--output", out, "--mode", "sequential",
                    "--max_tokens_in_paged_kv_cache", 256, "--kv_host_cache_bytes", "1GiB")

@@ -18,7 +18,7 @@ cli = CliRunner()
 
 # A Python name where a flag belongs: a class's field, a keyword argument, a field name without its --.
 PYTHON_NAMES = re.compile(
-    r"\b(BuildOptions|KvCacheConfig|SchedulerConfig|BenchConfig|ReplayOptions)\b"
+    r"\b(BuildOptions|KvCacheConfig|SchedulerConfig|EngineConfig|ReplayOptions)\b"
     r"|\b(free_gpu_memory_fraction|host_cache_size|max_new_tokens|enable_block_reuse|max_attention_window)\b"
     r"|(?<![-\w'])(tokens_per_block|max_seq_len|max_num_tokens|max_batch_size|max_tokens|dtype|num_requests"
     r"|enable_chunked_context)(?![\w'])")

@@ -1,10 +1,10 @@
-"""kvtool.reports.compare: variants from summary and per-request CSVs, ratios, the TTFT plot."""
+"""kvtool.reports.compare_table: variants from summary and per-request CSVs, ratios, the TTFT plot."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtool.reports.compare import (compare_rows, format_metric, format_ratio, load_variants, plot_ttft,
+from kvtool.reports.compare_table import (compare_rows, format_metric, format_ratio, load_variants, plot_ttft,
                                   setup_differences, verdicts)
 from kvtool.reports.metrics import request_metrics
 from kvtool.reports.csv_report import RequestCsvWriter, write_summary_csv

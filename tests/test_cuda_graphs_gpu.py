@@ -27,7 +27,7 @@ def target(hf_checkpoint, tmp_path_factory):
 
 def record_mixed_replays(llm) -> list[tuple[int, int]]:
     """(step tokens, bucket tokens) of every mixed-graph replay from now on."""
-    graphs = llm.engine.runner.mixed_graphs
+    graphs = llm.engine.executor.mixed_graphs
     assert graphs is not None, "LLM on a GPU captures prefill / mixed graphs"
     replayed, run = [], graphs.run
     graphs.run = lambda step, layout: replayed.append((step.num_tokens, layout.num_tokens)) or run(step, layout)
@@ -62,10 +62,10 @@ def test_prompt_logits_from_a_graph_match_the_eager_step(target):
     request = StepRequest(np.asarray(prompt, dtype=np.int32), np.arange(7, dtype=np.int32), 0, True, True)
     llm = target.llm()
     replayed = record_mixed_replays(llm)
-    graph_logits = llm.engine.runner.execute([request]).clone()
+    graph_logits = llm.engine.executor.execute([request]).clone()
     assert replayed == [(100, 128)]
-    llm.engine.runner.mixed_graphs = None  # the same step launched kernel by kernel
-    eager_logits = llm.engine.runner.execute([request])
+    llm.engine.executor.mixed_graphs = None  # the same step launched kernel by kernel
+    eager_logits = llm.engine.executor.execute([request])
     llm.shutdown()
     torch.testing.assert_close(graph_logits, eager_logits, atol=2e-2, rtol=2e-2)
 
@@ -75,11 +75,11 @@ def test_fused_kernels_give_the_logits_of_the_unfused_torch_ops(target):
     blocks = np.arange(-(-len(prompt) // 16), dtype=np.int32)
     request = StepRequest(np.asarray(prompt, dtype=np.int32), blocks, 0, True, True)
     llm = target.llm(cuda_graphs=False)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     assert model.fused_kernels is not None, "the runner enables the fused kernels on kvtool's CUDA attention"
-    fused = llm.engine.runner.execute([request]).clone()
+    fused = llm.engine.executor.execute([request]).clone()
     model.fused_kernels = None
-    unfused = llm.engine.runner.execute([request])
+    unfused = llm.engine.executor.execute([request])
     llm.shutdown()
     torch.testing.assert_close(fused, unfused, atol=2e-2, rtol=2e-2)
 

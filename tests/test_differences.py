@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtool.bench.config import FLAGS
+from kvtool.flags import CONFIG_FLAGS
 from kvtool.reports.differences import FLAG_FIELDS, default_label, differing_fields, telling_apart, variant_names
 
 
@@ -88,7 +88,7 @@ def test_telling_apart_takes_fields_in_order_until_every_row_is_distinct():
 
 
 def test_every_bench_flag_is_a_configuration_field():
-    assert {flag.column or flag.name for flag in FLAGS} == {field.column for field in FLAG_FIELDS}
+    assert {flag.column or flag.name for flag in CONFIG_FLAGS} == {field.column for field in FLAG_FIELDS}
 
 
 def test_a_simulated_run_beside_a_measured_one_is_named_so():

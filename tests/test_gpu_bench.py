@@ -41,8 +41,8 @@ def qwen3_8b_llm():
     finally:
         torch.set_default_dtype(default)
     shape = BlockShape(config.num_layers, 32, config.num_kv_heads, config.head_dim, torch.bfloat16)
-    return SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(model=model,
-                                                                         pools=SimpleNamespace(shape=shape))))
+    return SimpleNamespace(engine=SimpleNamespace(executor=SimpleNamespace(model=model,
+                                                                           pools=SimpleNamespace(shape=shape))))
 
 
 def test_qwen3_8b_reads_15_gb_of_weights_and_computes_1_9_tflop_for_the_128_token_hit():
@@ -101,7 +101,7 @@ def test_transformers_peer_runs_the_plans_own_weights(tiny_qwen3_plan):
     peer = gpu_peer_transformers.load_hf_model(plan, device="cpu", attn_implementation="sdpa")
     prompt = list(range(100, 160))
     llm = LLM(model=str(tiny_qwen3_plan))
-    ours = llm.engine.runner.execute([StepRequest(np.array(prompt, np.int32), np.arange(4, dtype=np.int32), 0, True,
+    ours = llm.engine.executor.execute([StepRequest(np.array(prompt, np.int32), np.arange(4, dtype=np.int32), 0, True,
                                                   True)])[0]
     llm.shutdown()
     with torch.no_grad():

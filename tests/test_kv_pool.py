@@ -117,9 +117,9 @@ def test_host_cache_larger_than_available_memory_is_refused_with_both_numbers():
 
 def test_start_up_does_not_grow_with_host_cache_size():
     llm = LLM(model="preset:tiny-llama", kv_cache_config=KvCacheConfig(host_cache_size=2 << 30))
-    assert llm.engine.runner.pools.host.num_allocated_bytes == 0
+    assert llm.engine.executor.pools.host.num_allocated_bytes == 0
     llm.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
-    assert llm.engine.runner.pools.host.num_allocated_bytes == 0  # nothing was evicted
+    assert llm.engine.executor.pools.host.num_allocated_bytes == 0  # nothing was evicted
 
 
 def test_host_chunks_are_allocated_ahead_of_the_chunk_in_use_on_a_background_thread():

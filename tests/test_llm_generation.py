@@ -169,7 +169,7 @@ def test_greedy_outputs_identical_with_cuda_graphs_on_and_off(target, reference_
         pytest.skip("CUDA graphs replay decode steps on a GPU only")
     eager, _ = greedy_tokens(target, shared_prefix_prompts(), max_batch_size=max_batch_size, cuda_graphs=False)
     llm = target.llm(max_batch_size=max_batch_size)
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.executor.decode_graphs
     assert llm.cuda_graphs and graphs is not None
     replayed = []
     run = graphs.run
@@ -189,7 +189,7 @@ def test_prompt_logits_match_transformers(setup, tolerance, hf_checkpoint, tmp_p
     llm = target.llm()
     num_blocks = -(-len(prompt) // TOKENS_PER_BLOCK)
     request = StepRequest(np.asarray(prompt, dtype=np.int32), np.arange(num_blocks, dtype=np.int32), 0, True, True)
-    ours = llm.engine.runner.execute([request])[0].cpu()  # [vocab] float32
+    ours = llm.engine.executor.execute([request])[0].cpu()  # [vocab] float32
     llm.shutdown()
     with torch.no_grad():
         reference = hf_checkpoint(setup.model).model(torch.tensor([prompt])).logits[0, -1].float()

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from kvtool._core import CacheConfig, KVCacheManager, MissReasons, Scheduler, SchedulerConfig
 from kvtool.workloads.datasets import write_jsonl
 from kvtool.reports.metrics import CSV_COLUMNS, MISS_COLUMNS
-from kvtool.bench.runner import _MISS_NAMES, summary_table
+from kvtool.reports.summary_table import _MISS_NAMES, summary_table
 from kvtool.cli import app
 from kvtool.runtime.request import MISS_REASONS
 

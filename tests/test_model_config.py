@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
 from kvtool.models.presets import preset_config, preset_names
 
 # meta-llama/Llama-3.1-8B config.json as transformers 4.x writes it (rope_theta + rope_scaling).

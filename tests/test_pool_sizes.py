@@ -106,7 +106,7 @@ def test_the_llm_reports_the_pools_it_created(monkeypatch):
     llm = LLM(model="preset:tiny-llama", max_seq_len=256,
               kv_cache_config=KvCacheConfig(max_tokens=4096, tokens_per_block=16, host_cache_size=1 << 20))
     created = llm.pool_sizes
-    assert created.num_primary_blocks * 16 == 4096 == llm.engine.runner.pools.num_primary_blocks * 16
+    assert created.num_primary_blocks * 16 == 4096 == llm.engine.executor.pools.num_primary_blocks * 16
     assert created.as_row() == {"kv_primary_blocks": 256, "kv_primary_tokens": 4096, "kv_primary_bytes": 4 << 20,
                                 "kv_host_blocks": 64, "kv_host_tokens": 1024, "kv_host_bytes": 1 << 20}
     assert created.describe("cpu") == ("KV cache: primary 256 blocks x 16 tokens = 4,096 tokens (4.0 MiB, cpu); "

@@ -9,12 +9,12 @@ import pytest
 
 from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.precheck import check_requests
-from kvtool.bench.replay import bench_requests
-from kvtool.config import KvCacheConfig
+from kvtool.workloads.requests import dataset_requests
+from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.errors import DatasetError
 from kvtool.plan import BuildOptions
 from kvtool.simulate.cost_model import CostModel
-from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.simulated_llm import SimulatedLLM
 from kvtool.simulate.shapes import ModelShapes
 
 
@@ -22,13 +22,13 @@ from kvtool.simulate.shapes import ModelShapes
 def engine():
     shapes = ModelShapes.of("preset:tiny-llama", BuildOptions(tokens_per_block=16, max_seq_len=256))
     llm = SimulatedLLM(shapes, CostModel(device="cpu: test", coefficients={"step": 1e-3}),
-                       kv_cache_config=KvCacheConfig(max_tokens=1024))
+                       EngineConfig(kv_cache_config=KvCacheConfig(max_tokens=1024)))
     return llm.engine
 
 
 def requests_of(tmp_path, lines):
     path = write_jsonl(tmp_path / "d.jsonl", lines)
-    return path, bench_requests(load_dataset(path), tokenizer=None)
+    return path, dataset_requests(load_dataset(path), tokenizer=None)
 
 
 def test_a_token_id_outside_the_vocabulary_names_the_file_and_line(tmp_path, engine):

@@ -17,7 +17,7 @@ sys.modules["torch"] = None
 from kvtool.workloads.datasets import load_dataset
 from kvtool.reports.metrics import RequestMetrics, summarize
 from kvtool.reports.csv_report import RequestCsvWriter, write_summary_csv
-from kvtool.reports.compare import load_variants
+from kvtool.reports.compare_table import load_variants
 from kvtool.runtime.request import Request
 from kvtool.errors import DatasetError
 print("imported")

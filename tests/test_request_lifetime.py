@@ -25,6 +25,7 @@ from serve_helpers import tiny_llm
 from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, run_steps
 
 from kvtool import KvCacheConfig, SamplingParams, SchedulerConfig, _core
+from kvtool.layers.sampler import make_generator, sample
 from kvtool.runtime.engine import Engine
 from kvtool.runtime.request import Request
 from kvtool.serve import create_app
@@ -128,17 +129,20 @@ def test_a_queued_request_removed_never_runs():
 # -- the engine, 100,000 requests -----------------------------------------------------------
 
 class _ArgmaxZeroRunner:
-    """A runner whose forward costs nothing: zero logits, so greedy sampling gives token 0."""
+    """An executor whose forward costs nothing: zero logits, so greedy sampling gives token 0."""
 
     device = torch.device("cpu")
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def execute_batch(self, batch):
+    def execute_step(self, batch, requests, generators):
         if not len(batch):
             return None
-        return torch.zeros(sum(r.samples for r in batch.requests), self.vocab_size)
+        return sample(torch.zeros(len(requests), self.vocab_size), [r.sampling_params for r in requests], generators)
+
+    def make_generator(self, params, request_id: int):
+        return make_generator(params, request_id, self.device)
 
 
 def _engine_with_a_free_forward(vocab_size: int = 64) -> Engine:

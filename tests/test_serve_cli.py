@@ -8,7 +8,7 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from kvtool.bench.config import ENGINE_FLAG_NAMES
+from kvtool.flags import ENGINE_FLAG_NAMES
 from kvtool.cli import app
 
 

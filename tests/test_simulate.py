@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from test_cli_bench import invoke, read_rows
 
-from kvtool.bench.config import BenchConfig
 from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.runner import run_bench
+from kvtool.flags import configs
 from kvtool.plan import load_plan
 from kvtool.simulate.cost_model import (TERMS, CostModel, StepShape, fit_coefficients, load_profile,
                                         profile_path, save_profile, step_shape)
-from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.simulated_llm import SimulatedLLM
 from kvtool.simulate.profiles import this_device
 from kvtool.simulate.published import estimate
 
@@ -104,10 +104,9 @@ def test_published_estimate_of_an_8b_model_on_h100_is_memory_bound_and_labelled_
 
 def _simulate(plan_dir, lines, tmp_path, coefficients, **flags):
     dataset = load_dataset(write_jsonl(tmp_path / "data.jsonl", lines))
-    config = BenchConfig.from_flags(flags)
-    llm = SimulatedLLM(load_plan(plan_dir), CostModel(device="cpu: test", coefficients=coefficients),
-                       **config.llm_kwargs())
-    result = run_bench(llm, dataset, config, label="sim", requests_csv=tmp_path / "requests.csv")
+    engine, replay = configs(flags)
+    llm = SimulatedLLM(load_plan(plan_dir), CostModel(device="cpu: test", coefficients=coefficients), engine)
+    result = run_bench(llm, dataset, replay, label="sim", requests_csv=tmp_path / "requests.csv")
     return result, {r.request_id: r for r in result.requests}
 
 

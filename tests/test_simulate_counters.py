@@ -53,8 +53,8 @@ def test_simulated_counters_equal_the_real_run(scenario_file, profile, tmp_path)
     real = run_scenario(scenario, tmp_path / "real", console=quiet, llm_factory=create_llm,
                         plan_resolver=resolve_variant_plan)
     simulated = run_scenario(scenario, tmp_path / "simulated", console=quiet,
-                             llm_factory=lambda model, config, dataset: create_simulated_llm(
-                                 model, config, dataset, profile=profile),
+                             llm_factory=lambda model, engine, replay, dataset: create_simulated_llm(
+                                 model, engine, replay, dataset, profile=profile),
                              plan_resolver=resolve_variant_plan)
     assert real.failure is None and simulated.failure is None
     assert [r["label"] for r in real.rows] == [r["label"] for r in simulated.rows]

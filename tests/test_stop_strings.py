@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,18 +108,15 @@ class CountingTokenizer(ByteLevelTokenizer):
 
 
 class _LetterRunner:
-    """A free forward whose greedy token cycles through 'a'..'z' (the logits favour the next letter)."""
+    """An executor with a free forward whose token cycles through 'a'..'z' by position."""
 
-    device = torch.device("cpu")
-
-    def execute_batch(self, batch):
+    def execute_step(self, batch, requests, generators):
         if not len(batch):
             return None
-        logits = torch.zeros(len(batch.requests), 512)
-        for row, r in enumerate(batch.requests):
-            position = r.num_cached_tokens + r.num_tokens
-            logits[row, ord("a") + position % 26] = 1.0
-        return logits
+        return [ord("a") + (r.num_cached_tokens + r.num_tokens) % 26 for r in batch.requests if r.samples]
+
+    def make_generator(self, params, request_id: int):
+        return None
 
 
 def _letter_engine(tokenizer) -> Engine:

@@ -14,8 +14,10 @@ from trace_data import mooncake_slice
 from typer.testing import CliRunner
 
 from kvtool import KvCacheConfig
-from kvtool.bench.config import BenchConfig
-from kvtool.bench.replay import ReplayOptions, bench_requests
+from kvtool.bench.replay import check_arrival_times
+from kvtool.config import ReplayOptions
+from kvtool.flags import as_row, configs
+from kvtool.workloads.requests import dataset_requests
 from kvtool.cli import app
 from kvtool.errors import DatasetError
 
@@ -69,20 +71,25 @@ def test_trace_mode_needs_an_arrival_time_on_every_request_not_waiting_for_a_tur
         {"session_id": "a", "turn": 0, "input_ids": [5] * 4, "output_tokens": 1, "arrival_time_s": 0.5},
         {"session_id": "a", "turn": 1, "input_ids": [6] * 4, "output_tokens": 1},  # follows turn 0
         req([7] * 4), req([8] * 4, arrival_time_s=1.0)])
-    requests = bench_requests(dataset, tokenizer=None)
+    requests = dataset_requests(dataset, tokenizer=None)
+    def check(options: ReplayOptions):
+        warmup, measured = options.split(requests)
+        check_arrival_times(options, measured)
+        return warmup, measured
+
     with pytest.raises(DatasetError, match=rf"{dataset.path} line 3: no arrival_time_s, but --mode trace replays each "
                                            "request at its arrival time"):
-        ReplayOptions(mode="trace").split(requests)
+        check(ReplayOptions(mode="trace"))
     # Warm-up runs untimed: only the measured requests need a time.
-    warmup, measured = ReplayOptions(mode="trace", warmup=3).split(requests)
+    warmup, measured = check(ReplayOptions(mode="trace", warmup=3))
     assert len(warmup) == 3 and len(measured) == 1
     # A later turn whose previous turn is measured waits for it; alone in the run, it needs a time.
     with pytest.raises(DatasetError, match="line 2: no arrival_time_s"):
-        ReplayOptions(mode="trace", warmup=1).split(requests)
+        check(ReplayOptions(mode="trace", warmup=1))
     # A time scale needs times to scale.
     with pytest.raises(DatasetError, match="--time_scale 0.5 scales the dataset's arrival_time_s, but no measured "
                                            "request has one"):
-        ReplayOptions(time_scale=0.5, warmup=2, num_requests=1).split(requests)
+        check(ReplayOptions(time_scale=0.5, warmup=2, num_requests=1))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -96,14 +103,14 @@ def test_trace_mode_needs_an_arrival_time_on_every_request_not_waiting_for_a_tur
 ])
 def test_contradicting_replay_flags_name_the_flag(flags, message):
     with pytest.raises(ValueError) as error:
-        BenchConfig.from_flags(flags)
+        configs(flags)
     assert message in str(error.value)
 
 
 def test_the_summary_records_the_mode_and_time_scale():
-    config = BenchConfig.from_flags({"mode": "Trace", "time_scale": 0.25, "concurrency": 4})
-    row = config.as_row()
-    assert (row["mode"], row["time_scale"], config.replay.describe()) == ("trace", 0.25, "trace,concurrency=4,"
+    engine, replay = configs({"mode": "Trace", "time_scale": 0.25, "concurrency": 4})
+    row = as_row(engine, replay)
+    assert (row["mode"], row["time_scale"], replay.describe()) == ("trace", 0.25, "trace,concurrency=4,"
                                                                                           "time_scale=0.25")
 
 

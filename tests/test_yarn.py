@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
 from kvtool.models.llama import rope_attention_factor, rope_inv_freq
 from kvtool.models.presets import preset_config
 

@@ -12,10 +12,10 @@ import dataclasses
 from common import replay_arguments, write_outputs
 
 from kvtool import LLM
-from kvtool.workloads.datasets import load_dataset
-from kvtool.bench.config import BenchConfig
-from kvtool.reports.csv_report import write_summary_csv
 from kvtool.bench.runner import run_bench
+from kvtool.flags import configs
+from kvtool.reports.csv_report import write_summary_csv
+from kvtool.workloads.datasets import load_dataset
 
 
 def main() -> None:
@@ -25,13 +25,13 @@ def main() -> None:
                         help="KvCacheConfig.enable_partial_reuse: copy a partially matching block (default on)")
     args = parser.parse_args()
 
-    config = BenchConfig.from_flags({"enable_kv_cache_reuse": args.reuse == "on", "mode": "sequential",
-                                     "warmup": args.warmup})
-    config = dataclasses.replace(config, kv_cache_config=dataclasses.replace(
-        config.kv_cache_config, enable_partial_reuse=args.partial_reuse == "on"))
+    engine, replay = configs({"enable_kv_cache_reuse": args.reuse == "on", "mode": "sequential",
+                              "warmup": args.warmup})
+    engine = dataclasses.replace(engine, kv_cache_config=dataclasses.replace(
+        engine.kv_cache_config, enable_partial_reuse=args.partial_reuse == "on"))
     args.output.mkdir(parents=True, exist_ok=True)
-    with LLM(model=args.model, **config.llm_kwargs()) as llm:
-        result = run_bench(llm, load_dataset(args.dataset), config, label=args.label,
+    with LLM(model=args.model, config=engine) as llm:
+        result = run_bench(llm, load_dataset(args.dataset), replay, label=args.label,
                            requests_csv=args.output / "requests.csv",
                            config_columns={"model": args.model, "enable_partial_reuse": args.partial_reuse == "on"})
     write_summary_csv(args.output / "summary.csv", [result.row])

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvtool.bench.interface import BenchEngine
+from kvtool.bench.target import TargetEngine
 from kvtool.errors import DatasetError
 from kvtool.runtime.request import Request
 
 MAX_LISTED = 5  # problems listed in the error; the rest are counted
 
 
-def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[str]:
+def request_problems(requests: Sequence[Request], engine: TargetEngine) -> list[str]:
     """'<file> line N: why' for every request the engine would refuse, in dataset order."""
     problems = []
     history: dict[str, int] = {}  # session_id -> tokens of its last turn's prompt and answer
@@ -42,7 +42,7 @@ def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[s
     return problems
 
 
-def check_requests(requests: Sequence[Request], engine: BenchEngine, *, source: str) -> None:
+def check_requests(requests: Sequence[Request], engine: TargetEngine, *, source: str) -> None:
     """Raises a DatasetError listing the first few requests that cannot run (nothing has run yet)."""
     problems = request_problems(requests, engine)
     if not problems:

@@ -11,11 +11,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvtool.reports.compare import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
+from kvtool.reports.compare_table import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
                                   plot_ttft, setup_differences, verdicts)
 from kvtool.reports.csv_report import write_summary_csv
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.paths import check_writable_file
 

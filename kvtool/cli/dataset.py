@@ -20,9 +20,9 @@ from kvtool.workloads.sharegpt import approximate_token_count, import_sharegpt
 from kvtool.workloads.text import TextSource, text_abab, text_multi_turn, text_system_prompt
 from kvtool.workloads.traces import DEFAULT_VOCAB_SIZE, TRACE_FORMATS, TraceImportOptions, import_trace
 from kvtool.cli import app
-from kvtool.cli.errors import USER_ERRORS, error_message, print_error, user_errors
+from kvtool.cli.user_errors import USER_ERRORS, error_message, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import either, flag, toggle
+from kvtool.cli.typer_options import either, flag, toggle
 from kvtool.cli.paths import check_writable_file
 
 dataset_app = typer.Typer(help="Generate or import benchmark datasets (JSON Lines) and describe them.",

@@ -11,12 +11,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from kvtool.bench.config import ENGINE_FLAG_NAMES, BenchConfig
-from kvtool.cli import app, engine_flags
-from kvtool.cli.errors import user_errors
+from kvtool.cli import app
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import flag
+from kvtool.cli.typer_options import flag, flags_of, with_flags
 from kvtool.config import ConfigError
+from kvtool.flags import ENGINE_FLAGS, FlagValues, configs
 
 SERVER = "Server"
 API_KEY_ENV = "KVTOOL_API_KEY"
@@ -64,26 +64,10 @@ def _serve_config(ctx: typer.Context, *, host: str, port: int, served_model_name
 
 
 @app.command(cls=KvtoolCommand)
+@with_flags
 def serve(
     ctx: typer.Context,
-    plan: engine_flags.Plan = None,
-    model: engine_flags.Model = None,
-    tokens_per_block: engine_flags.TokensPerBlock = None,
-    plan_cache_dir: engine_flags.PlanCacheDir = None,
-    enable_kv_cache_reuse: engine_flags.EnableKvCacheReuse = None,
-    disable_kv_cache_reuse: engine_flags.DisableKvCacheReuse = None,
-    max_tokens_in_paged_kv_cache: engine_flags.MaxTokensInPagedKvCache = None,
-    kv_cache_free_gpu_mem_fraction: engine_flags.KvCacheFreeGpuMemFraction = None,
-    kv_host_cache_bytes: engine_flags.KvHostCacheBytes = None,
-    max_attention_window_size: engine_flags.MaxAttentionWindowSize = None,
-    scheduler_policy: engine_flags.SchedulerPolicy = None,
-    enable_chunked_context: engine_flags.EnableChunkedContext = None,
-    disable_chunked_context: engine_flags.DisableChunkedContext = None,
-    context_chunking_policy: engine_flags.ContextChunkingPolicy = None,
-    max_batch_size: engine_flags.MaxBatchSize = None,
-    max_num_tokens: engine_flags.MaxNumTokens = None,
-    max_seq_len: engine_flags.MaxSeqLen = None,
-    enforce_eager: engine_flags.EnforceEager = None,
+    engine: FlagValues = flags_of(ENGINE_FLAGS),
     host: Annotated[str, flag("host", "Address to listen on (0.0.0.0: every interface).", SERVER)] = "127.0.0.1",
     port: Annotated[int, flag("port", "TCP port.", SERVER)] = 8000,
     served_model_name: Annotated[str | None, flag("served_model_name", "The model name clients send (default: "
@@ -101,13 +85,13 @@ def serve(
 ) -> None:
     """Serve a plan over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     console = Console(stderr=True)
+    plan, model = engine["plan"], engine["model"]
     with user_errors():
-        flags = engine_flags.engine_flag_values(ctx.params, ENGINE_FLAG_NAMES)
         if plan is not None and model is not None:
             raise ValueError("give --plan DIR or --model preset:NAME, not both")
         if plan is None and model is None:
             raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
-        config = BenchConfig.from_flags(flags)
+        config, _ = configs(engine.config_flags())
         name = served_model_name or (Path(plan).name if plan is not None else str(model).removeprefix("preset:"))
         serve_config = _serve_config(ctx, host=host, port=port, served_model_name=name,
                                      shutdown_timeout=shutdown_timeout,
@@ -115,11 +99,13 @@ def serve(
                                      ssl_certfile=ssl_certfile)
         serve_config.check_certificate()
         check_port_free(host, port)  # now, not after the model is loaded
-        from kvtool.bench.runner import create_llm
+        from kvtool import LLM
+        from kvtool.plan.load import engine_plan
         from kvtool.serve import create_app
         from kvtool.serve.server import run_server
 
-        llm = create_llm(str(plan if plan is not None else model), config, cache_dir=plan_cache_dir)
+        llm = LLM(engine_plan(plan if plan is not None else model, config, cache_dir=engine["plan_cache_dir"]),
+                  config=config)
     for line in (llm.pool_sizes.describe(llm.device_description.split(":")[0]), *llm.pool_sizes.notes):
         console.print(line, highlight=False, soft_wrap=True)
     console.print(f"serving {name!r} on {serve_config.scheme}://{host}:{port}/v1 ({serve_config.describe_limits()}; "

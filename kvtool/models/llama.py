@@ -24,7 +24,7 @@ from kvtool.kernels.rope_append import rope_append
 from kvtool.kernels.silu_mul import silu_mul
 from kvtool.layers.attention import AttentionBackend
 from kvtool.layers.attention_metadata import AttentionMetadata
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
 from kvtool.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 

@@ -3,7 +3,7 @@ values) plus tiny ones for tests and a small one for CPU benchmarks."""
 
 from __future__ import annotations
 
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
 
 PRESET_PREFIX = "preset:"
 

@@ -8,8 +8,8 @@ __all__ = ["BuildOptions", "FORMAT_VERSION", "Plan", "build_plan", "default_cach
            "resolve_model"]
 
 # Each name is imported from its module when first asked for: building and loading need torch, which
-# takes seconds to import, and the CLI imports kvtool.plan.options before it knows what it will run.
-_MODULES = {"BuildOptions": "options", "FORMAT_VERSION": "format", "Plan": "load", "build_plan": "build",
+# takes seconds to import, and the CLI imports kvtool.plan.build_options before it knows what it will run.
+_MODULES = {"BuildOptions": "build_options", "FORMAT_VERSION": "format", "Plan": "load", "build_plan": "builder",
             "default_cache_dir": "cache", "is_built_plan": "load", "load_plan": "load", "resolve_model": "load"}
 
 

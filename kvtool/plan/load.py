@@ -1,5 +1,6 @@
-"""Loading plans: `load_plan` validates a plan directory; `resolve_model` is what `LLM(model=...)`
-calls to turn a plan directory, a checkpoint directory or ``preset:NAME`` into a Plan."""
+"""Loading plans: `load_plan` validates a plan directory; `resolve_model` turns a plan directory, a
+checkpoint directory, a GGUF file or ``preset:NAME`` into a Plan; `engine_plan` is the plan an engine
+runs: built as its EngineConfig asks (the block size, limits above a default build's)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,20 @@ from typing import Any
 
 import torch
 
-from kvtool.config import ConfigError
-from kvtool.errors import PlanError
+from kvtool.config import ConfigError, EngineConfig
+from kvtool.errors import KvtoolError, PlanError
 from kvtool.layers.attention import AttentionBackend
-from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
 from kvtool.models.gguf import GGUF_PREFIX, is_gguf_source, resolve_gguf
 from kvtool.models.llama import LlamaModel
 from kvtool.models.presets import PRESET_PREFIX, preset_config
+from kvtool.models.model_config import ModelConfig, torch_dtype, weight_shapes
 from kvtool.models.tokenizer import Tokenizer, load_tokenizer
-from kvtool.plan.build import build_plan
+from kvtool.plan.build_options import BuildOptions
+from kvtool.plan.builder import build_plan
 from kvtool.plan.cache import default_cache_dir
 from kvtool.plan.format import (FORMAT_VERSION, PLAN_FILE, file_checksum, has_verified_checksum, manifest_digest,
                                 record_verified_checksum)
-from kvtool.plan.options import BuildOptions
+from kvtool.runtime.device import default_dtype
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -214,6 +216,31 @@ def resolve_model(model: str | Plan, *, options: BuildOptions | None = None, cac
             shutil.rmtree(plan_dir, ignore_errors=True)
     build_plan(model, plan_dir, options)
     return load_plan(plan_dir)
+
+
+def on_the_fly_build_options(config: EngineConfig, build_options: BuildOptions | None = None, *,
+                             dtype: str | None = None) -> BuildOptions:
+    """What a model built on the fly is built with: ``build_options`` (default: BuildOptions() in
+    ``dtype``, else the device's: bfloat16 on a GPU, float32 on a CPU), with the block size the config
+    asks for and its runtime limits where they exceed those options."""
+    if build_options is None:
+        build_options = BuildOptions(dtype=dtype or default_dtype())
+    wanted, given = config.tokens_per_block, build_options.tokens_per_block
+    if wanted is not None and wanted != given and given != BuildOptions().tokens_per_block:
+        # The LLM API's spelling of the block size asked for (EngineConfig takes it from KvCacheConfig).
+        raise KvtoolError(f"KvCacheConfig.tokens_per_block={wanted} and BuildOptions.tokens_per_block={given} "
+                          "disagree: give the block size once")
+    return build_options.admitting(tokens_per_block=wanted, max_batch_size=config.max_batch_size,
+                                   max_seq_len=config.max_seq_len, max_num_tokens=config.max_num_tokens)
+
+
+def engine_plan(model: str | Path | Plan, config: EngineConfig, *, build_options: BuildOptions | None = None,
+                cache_dir: Path | None = None) -> Plan:
+    """A Plan or plan directory as built (kvtool.runtime.assemble checks the config against it); a
+    checkpoint, GGUF file or preset built on the fly into ``cache_dir`` (see on_the_fly_build_options)."""
+    if is_built_plan(model):
+        return resolve_model(model)
+    return resolve_model(str(model), options=on_the_fly_build_options(config, build_options), cache_dir=cache_dir)
 
 
 def _cache_path(source_key: dict[str, Any], options: BuildOptions, cache_dir: Path | None) -> Path:

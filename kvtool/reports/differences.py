@@ -81,8 +81,8 @@ def _flag(column: str, shown: Callable[[str], str] = str, short: Callable[[str],
     return ConfigField(column, f"--{column}", shown, short, default="default")
 
 
-# Every bench flag's summary column (kvtool.bench.config.FLAGS, which imports torch: report code must
-# not), in the order variant names use them (the ones users sweep most first).
+# Every configuration flag's summary column (kvtool.flags.CONFIG_FLAGS, which needs the C++ extension: report
+# code must not), in the order variant names use them (the ones users sweep most first).
 FLAG_FIELDS: tuple[ConfigField, ...] = (
     _flag("enable_kv_cache_reuse", _on_off, lambda v: f"reuse {_on_off(v)}"),
     _flag("kv_host_cache_bytes", _size, lambda v: f"host {_size(v)}"),

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from kvtool.reports.compare import METRICS, CompareVariant, plot_ttft
+from kvtool.reports.compare_table import METRICS, CompareVariant, plot_ttft
 from kvtool.reports.csv_report import format_cell
 from kvtool.reports.repeats import as_number
 from kvtool.errors import KvtoolError
@@ -90,7 +90,7 @@ def paragraphs_html(lines: Iterable[str], css_class: str = "") -> str:
 
 
 def ttft_plot_png(variants: Sequence[CompareVariant]) -> bytes | None:
-    """kvtool.reports.compare.plot_ttft's PNG (the box plot and CDF `kvtool compare --plot` writes), or
+    """kvtool.reports.compare_table.plot_ttft's PNG (the box plot and CDF `kvtool compare --plot` writes), or
     None when no variant has per-request data."""
     if not any(v.requests for v in variants):
         return None
@@ -211,7 +211,7 @@ def _variant_rows(variants: Sequence[CompareVariant]) -> list[Mapping]:
 def bench_page(rows: Sequence[Mapping], *, summary_table: Table, variants: Sequence[CompareVariant],
                pngs: Sequence[Path] = ()) -> str:
     """The page of a bench (or simulate) run: ``rows`` are its summary rows, ``summary_table`` the
-    end-of-run table, ``variants`` the run read back from its CSVs (kvtool.reports.compare.load_variants:
+    end-of-run table, ``variants`` the run read back from its CSVs (kvtool.reports.compare_table.load_variants:
     the per-request rows, for the TTFT plot and the errors), ``pngs`` other plots it wrote (sweep.png)."""
     simulated = any(str(row.get("simulated")) == "True" for row in rows)
     title = "kvtool simulate report (simulated)" if simulated else "kvtool bench report"

@@ -1,8 +1,8 @@
 """What a bench or simulate run reports beyond its CSVs, from the reporting flags: --percentiles and --slo
 (more summary columns), --report_json PATH (kvtool.reports.json_report) and --html (kvtool.reports.html).
 
-These are not engine configuration, so they stay out of the flag table (kvtool.bench.config): they
-change what the reports hold, never how a request runs.
+These are not engine configuration, so they set no configuration field (kvtool.flags): they change
+what the reports hold, never how a request runs.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def html_path(summary_csv: Path) -> Path:
 
 def write_run_html(rows: Sequence[Mapping], summary_csv: Path, pngs: Sequence[Path] = ()) -> Path:
     """The run's HTML page beside its summary CSV (kvtool.reports.html.bench_page)."""
-    from kvtool.reports.compare import load_variants
+    from kvtool.reports.compare_table import load_variants
     from kvtool.reports.html import bench_page, write_html
-    from kvtool.bench.runner import summary_table
+    from kvtool.reports.summary_table import summary_table
 
     page = bench_page(rows, summary_table=summary_table(list(rows)), variants=load_variants([summary_csv]),
                       pngs=pngs)

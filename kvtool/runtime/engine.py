@@ -1,7 +1,8 @@
-"""The executor loop: schedule (C++) -> copies and forward (the runner) -> sample -> report back to C++.
+"""The executor loop: schedule (C++) -> copies, forward and sampling (the executor) -> report back to C++.
 
 One Engine serves one plan on one device. It owns the scheduler (which owns the KV cache
-manager) and the model runner, and fills in each Request as it runs.
+manager) and the executor that runs its steps (kvtool.runtime.assemble builds the two), and fills
+in each Request as it runs.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import torch
 
 from kvtool import _core
 from kvtool.errors import KvtoolError
-from kvtool.layers.sampler import make_generator, sample
 from kvtool.runtime.detokenizer import IncrementalDetokenizer
-from kvtool.runtime.model_runner import ModelRunner
 from kvtool.runtime.request import Request
 
 
@@ -31,12 +30,13 @@ def cache_salt_id(cache_salt: str | None) -> int:
 
 
 class Engine:
-    """Runs requests through the C++ scheduler and the model, step by step."""
+    """Runs requests through the C++ scheduler and an executor (kvtool.runtime.assemble.Executor: the
+    model, or a simulation's cost model), step by step."""
 
-    def __init__(self, runner: ModelRunner, cache_config: _core.CacheConfig,
-                 scheduler_config: _core.SchedulerConfig, *, vocab_size: int, eos_token_ids: list[int],
-                 bytes_per_token: int, tokenizer=None, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.runner = runner
+    def __init__(self, executor, cache_config: _core.CacheConfig, scheduler_config: _core.SchedulerConfig, *,
+                 vocab_size: int, eos_token_ids: list[int], bytes_per_token: int, tokenizer=None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.executor = executor
         self.clock = clock  # token and finish times; kvtool.simulate passes its simulated clock
         # Prompt token ids are checked against the vocabulary where C++ converts them: a 2k-token
         # list is not copied to numpy first (40 µs, a simulated request's whole budget).
@@ -137,15 +137,11 @@ class Engine:
 
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
-        batch order), or None when the batch has no request. kvtool.simulate replaces this."""
-        logits = self.runner.execute_batch(batch)
-        if logits is None:
-            return None
-        return sample(logits, [r.sampling_params for r in sampling],
-                      [self._generators[r.request_id] for r in sampling])  # syncs: tokens are on the host
+        batch order), or None when the batch has no request."""
+        return self.executor.execute_step(batch, sampling, [self._generators[r.request_id] for r in sampling])
 
     def _make_generator(self, params, request_id: int) -> torch.Generator | None:
-        return make_generator(params, request_id, self.runner.device)
+        return self.executor.make_generator(params, request_id)
 
     def _on_token(self, request: Request, token_id: int, now: float, reached_length: bool) -> None:
         if request.first_token_time is None:

@@ -1,4 +1,5 @@
-"""Runs a scheduled batch: its block copies, then the forward of its requests; returns logits."""
+"""Runs a scheduled batch: its block copies, then the forward of its requests; returns logits, or (as an
+engine's executor, kvtool.runtime.assemble.Executor) the tokens sampled from them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.layers.attention_metadata import AttentionMetadata
+from kvtool.layers.sampler import make_generator, sample
+from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
 from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs, MixedGraphs
-from kvtool.runtime.kv_pool import KvCachePools
+from kvtool.runtime.device import available_host_memory_bytes, free_device_memory_bytes
+from kvtool.runtime.kv_pool import BlockShape, KvCachePools
+from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, HostStep, flatten_step
 
 
@@ -26,22 +32,53 @@ class StepRequest(NamedTuple):
 
 
 class ModelRunner:
-    """Owns the model and the KV pools of one engine; executes scheduled batches."""
+    """Owns the model and the KV pools of one engine; executes scheduled batches. The pools are created
+    when the engine is assembled (``start``), sized from the memory left after the model's weights."""
 
-    def __init__(self, model: torch.nn.Module, pools: KvCachePools, tokens_per_block: int,
-                 device: torch.device, *, fused_kernels: bool = True) -> None:
-        """``fused_kernels``: on a GPU whose attention runs on kvtool's kernels, the model's forward
-        uses the fused ones too (``use_fused_kernels``, kvtool/models/llama.py)."""
+    def __init__(self, model: torch.nn.Module, device: torch.device, *, kernels=None,
+                 fused_kernels: bool = True) -> None:
+        """``kernels``: kvtool's CUDA KernelLibrary (None: torch's paths), which the pools' copies use.
+        ``fused_kernels``: on a GPU whose attention runs on kvtool's kernels, the model's forward uses
+        the fused ones too (``use_fused_kernels``, kvtool/models/llama.py)."""
         self.model = model
-        self.pools = pools
-        self.tokens_per_block = tokens_per_block
         self.device = device
-        self.kv_caches = pools.layer_caches()
+        self.kernels = kernels
+        self.fused_kernels = fused_kernels
+        self.pools: KvCachePools | None = None  # set by start
+        self.tokens_per_block = 0
+        self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.mixed_graphs: MixedGraphs | None = None
-        library = fused_kernel_library(model, self.kv_caches[0]) if fused_kernels else None
+
+    # -- the executor of an engine (kvtool.runtime.assemble.Executor) ----------------------------
+    def pool_budget(self, kv_cache_config: KvCacheConfig) -> PoolBudget:
+        """The device's free memory (after the weights) for the primary pool, the host's for the host pool."""
+        return PoolBudget(free_device_memory_bytes(self.device), available_host_memory_bytes(),
+                          on_cpu=self.device.type == "cpu")
+
+    def start(self, shape: BlockShape, pool_sizes: PoolSizes, config: EngineConfig, limits: RuntimeLimits) -> None:
+        """Creates the pools, warms up, and on a GPU captures the CUDA graphs (unless config.enforce_eager)."""
+        self.tokens_per_block = shape.tokens_per_block
+        self.pools = KvCachePools(shape, pool_sizes.num_primary_blocks, pool_sizes.num_secondary_blocks, self.device,
+                                  self.kernels, layered_copy_min_bytes=config.kv_cache_config.layered_copy_min_bytes)
+        self.kv_caches = self.pools.layer_caches()
+        library = fused_kernel_library(self.model, self.kv_caches[0]) if self.fused_kernels else None
         if library is not None:
-            model.use_fused_kernels(library)
+            self.model.use_fused_kernels(library)
+        self.warm_up(min(limits.max_num_tokens, limits.max_seq_len - 1, 4 * self.tokens_per_block))
+        if config.cuda_graphs and graphs_can_capture(self.model, self.kv_caches[0]):
+            self.enable_cuda_graphs(limits.max_batch_size, limits.max_seq_len, limits.max_num_tokens)
+
+    def execute_step(self, batch, requests, generators) -> list[int] | None:
+        """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
+        logits = self.execute_batch(batch)
+        if logits is None:
+            return None
+        # sample() syncs: the tokens are on the host.
+        return sample(logits, [r.sampling_params for r in requests], generators)
+
+    def make_generator(self, params, request_id: int) -> torch.Generator | None:
+        return make_generator(params, request_id, self.device)
 
     def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int,
                            max_num_tokens: int = MAX_GRAPH_TOKENS) -> None:
@@ -175,6 +212,17 @@ class ModelRunner:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def graphs_can_capture(model: torch.nn.Module, kv_cache: torch.Tensor) -> bool:
+    """Steps are captured on kvtool's CUDA kernels only: the torch fallback (other head dims, float32
+    caches) reads sequence lengths on the host, which a graph cannot replay."""
+    if kv_cache.device.type != "cuda":
+        return False
+    from kvtool.layers.cuda_attention import CudaPagedAttention  # noqa: PLC0415 - GPU only
+
+    backend = model.layers[0].attention.backend
+    return isinstance(backend, CudaPagedAttention) and backend.supports(kv_cache)
 
 
 def fused_kernel_library(model: torch.nn.Module, kv_cache: torch.Tensor):

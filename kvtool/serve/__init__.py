@@ -1,6 +1,6 @@
 """kvtool serve: an OpenAI-compatible HTTP server over kvtool's engine (routes in app.py, the engine
 task in engine_loop.py, request and answer bodies in protocol.py, reading bodies in body.py, API
-keys in auth.py, the drain on shutdown in drain.py, /metrics in metrics.py, uvicorn in server.py)."""
+keys in auth.py, the drain on shutdown in drain.py, /metrics in prometheus.py, uvicorn in server.py)."""
 
 from kvtool.serve.server import ServeConfig
 

@@ -25,7 +25,7 @@ from kvtool.serve.body import BodyReader, parse
 from kvtool.serve.detokenize import TextAssembler
 from kvtool.serve.drain import SHUTTING_DOWN, Drain, RequestGate
 from kvtool.serve.engine_loop import EngineLoop, Stream
-from kvtool.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvtool.serve.prometheus import CONTENT_TYPE, ServerMetrics
 from kvtool.serve.prompts import ApiError, PromptBuilder
 from kvtool.serve.server import ServeConfig
 

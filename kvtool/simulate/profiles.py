@@ -1,5 +1,5 @@
 """Which cost model a simulation uses, what it simulates (a built plan, or a model's shapes with the
-build options asked for), and the SimulatedLLM a bench run or sweep gets. Nothing here builds a plan
+build options asked for), and the SimulatedLLM a bench run or sweep replays through. Nothing here builds a plan
 or reads weights: a simulation of a 16 GB model writes and reads none of them."""
 
 from __future__ import annotations
@@ -103,51 +103,34 @@ def simulated_model(model: str, options, cache_dir: Path | None = None):
     return ModelShapes.of(model, options)
 
 
-def simulation_plan(model, config, dataset=None, *, profile: str | None = None, dtype: str | None = None,
-                    cache_dir: Path | None = None):
-    """(plan, num_workload_blocks) as kvtool.bench.runner.bench_plan gives them, without building: a plan
-    directory as built (built_plan); a preset, checkpoint or GGUF file with the build options the flags ask
-    for (simulated_model), in ``dtype``, else the one the profile's device implies (profile_dtype)."""
-    from kvtool.bench.runner import workload_blocks
-    from kvtool.llm import on_the_fly_build_options
-    from kvtool.plan import BuildOptions
+def source_plan(plan_dir: Path | None, model: str | None, options, *, cache_dir: Path | None = None,
+                dtype: str | None = None):
+    """A scenario variant's plan for a simulation: its `plan:` directory as built (built_plan), or its `model:`
+    with ``options`` (its `build:` options; simulated_model) in ``dtype`` where given (--dtype)."""
+    if plan_dir is not None:
+        return built_plan(plan_dir, dtype)
+    return simulated_model(model, options if dtype is None else dataclasses.replace(options, dtype=dtype), cache_dir)
+
+
+def create_simulated_llm(model, engine, replay=None, dataset=None, *, profile: str | None = None,
+                         dtype: str | None = None, cache_dir: Path | None = None):
+    """What kvtool.bench.runner.create_llm is for a real run, without building: a SimulatedLLM configured by
+    ``engine`` (an EngineConfig), with the profile's cost model, over a plan directory as built (built_plan),
+    or a preset, checkpoint or GGUF file with the build options ``engine`` asks for (simulated_model), in
+    ``dtype``, else the one the profile's device implies (profile_dtype). With ``dataset`` (replayed as
+    ``replay``) and a host cache, told the most KV blocks the replay can create, as a real run is."""
     from kvtool.plan.load import is_built_plan
+    from kvtool.plan.load import on_the_fly_build_options
     from kvtool.simulate.shapes import ModelShapes
+    from kvtool.simulate.simulated_llm import SimulatedLLM
+    from kvtool.workloads.blocks import workload_blocks
 
     if isinstance(model, ModelShapes):
         plan = model
     elif is_built_plan(model):
         plan = built_plan(model, dtype)
     else:
-        options = on_the_fly_build_options(
-            BuildOptions(dtype=dtype or profile_dtype(profile)), config.kv_cache_config,
-            max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len, max_num_tokens=config.max_num_tokens)
-        plan = simulated_model(str(model), options, cache_dir)
-    return plan, workload_blocks(plan, config, dataset)
-
-
-def simulation_variant_plan(variant, cache_dir: Path | None = None, *, profile: str | None = None,
-                            dtype: str | None = None):
-    """A scenario variant's plan for a simulation: its `plan:` as built, or its `model:` with the variant's
-    build options (simulated_model); the dtype is ``dtype`` (--dtype), else the `build:` section's, else
-    the profile's (profile_dtype)."""
-    from kvtool.bench.sweep import variant_build_options
-
-    if variant.plan is not None:
-        return built_plan(variant.plan, dtype)
-    options = variant_build_options(variant, dtype=profile_dtype(profile))
-    if dtype is not None:
-        options = dataclasses.replace(options, dtype=dtype)
-    return simulated_model(variant.model, options, cache_dir)
-
-
-def create_simulated_llm(model, config, dataset=None, *, profile: str | None = None, dtype: str | None = None,
-                         cache_dir: Path | None = None):
-    """What kvtool.bench.runner.create_llm is for a real run: the plan (see simulation_plan) and a
-    SimulatedLLM over it with the bench flags and the profile's cost model."""
-    from kvtool.simulate.llm import SimulatedLLM
-
-    plan, num_workload_blocks = simulation_plan(model, config, dataset, profile=profile, dtype=dtype,
-                                                cache_dir=cache_dir)
-    return SimulatedLLM(plan, resolve_profile(profile, plan), num_workload_blocks=num_workload_blocks,
-                        **config.llm_kwargs())
+        plan = simulated_model(str(model), on_the_fly_build_options(engine, dtype=dtype or profile_dtype(profile)),
+                               cache_dir)
+    return SimulatedLLM(plan, resolve_profile(profile, plan), engine,
+                        num_workload_blocks=workload_blocks(plan, engine, replay, dataset))

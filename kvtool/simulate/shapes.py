@@ -9,10 +9,10 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.models.config import ModelConfig, torch_dtype
+from kvtool.models.model_config import ModelConfig, torch_dtype
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import ByteLevelTokenizer, HuggingFaceTokenizer, Tokenizer, has_hf_tokenizer
-from kvtool.plan.options import BuildOptions
+from kvtool.plan.build_options import BuildOptions
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ModelShapes:
         if is_preset(model):
             config, tokenizer_dir = preset_config(model), None
         else:
-            from kvtool.plan.build import read_checkpoint_config
+            from kvtool.plan.builder import read_checkpoint_config
 
             directory = Path(model)
             config = read_checkpoint_config(directory)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtool.runtime.request import Request
+from kvtool.workloads.requests import dataset_requests
 
 
 def max_num_blocks(requests: Sequence[Request], tokens_per_block: int) -> int:
@@ -44,3 +45,14 @@ def max_num_blocks(requests: Sequence[Request], tokens_per_block: int) -> int:
         if session_id is not None:
             session_lengths[session_id] = total
     return len(block_index) + num_unknown
+
+
+def workload_blocks(plan, config, replay, dataset) -> int | None:
+    """The most KV blocks replaying ``dataset`` (a kvtool.workloads.datasets.Dataset, or None) as ``replay``
+    (kvtool.config.ReplayOptions: its warm-up and measured lines) through ``plan`` can create, when the
+    host cache ``config`` (an EngineConfig) asks for makes it matter (else None): a host cache larger
+    than the available memory is accepted when the dataset cannot fill more than that."""
+    if dataset is None or not config.kv_cache_config.host_cache_size:
+        return None
+    warmup, measured = replay.split(dataset_requests(dataset, tokenizer=plan.tokenizer))
+    return max_num_blocks(warmup + measured, plan.build_options.tokens_per_block)

@@ -23,7 +23,7 @@ import torch
 
 from kvtool.errors import PlanError
 from kvtool.files import staging_dir
-from kvtool.models.config import ModelConfig, torch_dtype, weight_shapes
+from kvtool.models.model_config import ModelConfig, torch_dtype, weight_shapes
 from kvtool.models.gguf import dequantize_gguf, is_gguf_source, resolve_gguf
 from kvtool.models.presets import PRESET_PREFIX, preset_config
 from kvtool.models.tokenizer import write_tokenizer
@@ -31,7 +31,7 @@ from kvtool.plan.format import (CHECKSUM_ALGORITHM, FORMAT_VERSION, TOKENIZER_DI
                                 record_verified_checksum, write_manifest, write_safetensors_streaming)
 from kvtool.kernels.tensors import kernels_apply
 from kvtool.plan.kernels import compile_plan_kernels
-from kvtool.plan.options import BuildOptions
+from kvtool.plan.build_options import BuildOptions
 from kvtool.version import __version__
 
 _PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvtool.bench.config import BenchConfig, flags_from_row
-from kvtool.workloads.datasets import load_dataset
-from kvtool.reports.repeats import as_number, median_row
-from kvtool.reports.csv_report import SUMMARY_FILE
 from kvtool.errors import KvtoolError
+from kvtool.flags import configs, flags_from_row
+from kvtool.reports.csv_report import SUMMARY_FILE
+from kvtool.reports.repeats import as_number, median_row
 from kvtool.units import format_bytes
+from kvtool.workloads.datasets import load_dataset
 
 # (summary column, what the missed blocks of that reason were), in the order they are told.
 REASONS = (
@@ -103,7 +103,7 @@ def simulate_row(row: Mapping, overrides: Mapping[str, object], *, report_dir: P
     plan = str(row.get("plan_path") or "")
     if is_built_plan(plan):
         flags.pop("tokens_per_block", None)  # a built plan's own (a model simulated from its shapes needs it)
-    config = BenchConfig.from_flags(flags)
+    engine, replay = configs(flags)
     dataset_path = Path(str(row.get("dataset")))
     if not dataset_path.is_file() and (report_dir / dataset_path.name).is_file():
         dataset_path = report_dir / dataset_path.name
@@ -114,9 +114,9 @@ def simulate_row(row: Mapping, overrides: Mapping[str, object], *, report_dir: P
         raise KvtoolError(f"the plan {plan or '(none: an endpoint run)'} of this report is not here: what-ifs need "
                           "it; rebuild it with `kvtool build` (or explain a report of a kvtool bench run)")
     dataset = load_dataset(dataset_path)
-    llm = create_simulated_llm(plan, config, dataset, profile=profile, dtype=row.get("plan_dtype") or None)
+    llm = create_simulated_llm(plan, engine, replay, dataset, profile=profile, dtype=row.get("plan_dtype") or None)
     with tempfile.TemporaryDirectory() as scratch:
-        result = run_bench(llm, dataset, config, label=str(row.get("label")), requests_csv=Path(scratch) / "r.csv",
+        result = run_bench(llm, dataset, replay, label=str(row.get("label")), requests_csv=Path(scratch) / "r.csv",
                            console=Console(quiet=True))
     return result.row
 

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-if TYPE_CHECKING:  # the engine (and torch) stay out of `bench --endpoint`, which reads COUNTERS
+from kvtool.reports.cache_counters import COUNTERS
+
+if TYPE_CHECKING:  # the engine (and torch) load only when a server runs
     from kvtool.serve.engine_loop import EngineCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -23,26 +25,6 @@ PREFIX = "kvtool"
 # Seconds: from a fully cached prompt on a GPU to long prompts on a busy CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-# (engine.get_stats() key, help); the metric is kvtool_<key>. Counters only grow while the server runs.
-COUNTERS = (
-    ("reused_blocks", "Full prompt blocks found in the cache"),
-    ("missed_blocks", "Full prompt blocks computed"),
-    ("early_reused_blocks", "Blocks reused while the request computing them still ran"),
-    ("partial_reused_blocks", "Blocks whose first tokens were copied from a cached block"),
-    ("offloaded_blocks", "Blocks moved from the primary pool to host memory"),
-    ("onboarded_blocks", "Blocks moved from host memory back to the primary pool"),
-    ("evicted_blocks", "Cached blocks evicted"),
-    ("offloaded_bytes", "KV bytes offloaded to host memory"),
-    ("onboarded_bytes", "KV bytes onboarded from host memory"),
-    # Why the missed blocks were missed (docs/architecture.md#kv-cache-rules): bench --endpoint sums them too.
-    ("missed_never_seen_blocks", "Missed full prompt blocks seen for the first time"),
-    ("missed_evicted_primary_blocks", "Missed blocks evicted from the primary pool without a host copy"),
-    ("missed_evicted_host_blocks", "Missed blocks evicted from the host pool"),
-    ("missed_identity_blocks", "Missed blocks cached under another cache salt, LoRA task or extra ids"),
-    ("missed_partial_blocks", "Missed blocks reused partly (their first tokens copied)"),
-    ("missed_last_token_blocks", "Missed blocks that were cached but hold the prompt's last token"),
-    ("missed_reuse_off_blocks", "Missed blocks while block reuse is off"),
-)
 GAUGES = (
     ("primary_blocks", "Blocks of the primary pool"),
     ("primary_free_blocks", "Primary blocks holding nothing"),

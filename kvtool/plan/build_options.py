@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvtool.config import ConfigError, check, check_tokens_per_block
-from kvtool.models.config import check_dtype_name
+from kvtool.models.model_config import check_dtype_name
 
 DEFAULT_MAX_SEQ_LEN_CAP = 4096  # max_seq_len of a model with longer position embeddings
 
