@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstddef>
+#include <cstring>
 #include <iterator>
 #include <string>
 
@@ -30,7 +31,22 @@ nb::ndarray<nb::numpy, const T, nb::ndim<1>> field_view(const CopyOpArrays& a, s
                                                       {static_cast<int64_t>(sizeof(CopyOp) / sizeof(T))});
 }
 
-const char* pool_name(PoolKind pool) { return pool == PoolKind::kPrimary ? "PRIMARY" : "SECONDARY"; }
+const char* pool_name(PoolKind pool) {
+  static const char* const names[] = {"PRIMARY", "SECONDARY", "DISK", "REMOTE"};
+  return names[static_cast<int>(pool)];
+}
+
+// A 32-byte digest from bytes (b"" is all zero).
+BlockDigest to_digest(const nb::bytes& b, const char* name) {
+  BlockDigest d{};
+  if (b.size() == 0) return d;
+  if (b.size() != d.size()) {
+    throw std::invalid_argument(std::string(name) + " must be 32 bytes (a SHA-256 digest) or empty; got " +
+                                std::to_string(b.size()) + " bytes");
+  }
+  std::memcpy(d.data(), b.c_str(), d.size());
+  return d;
+}
 
 }  // namespace
 
@@ -43,9 +59,13 @@ void bind_cache_manager(nb::module_& m) {
     }
   });
 
-  nb::enum_<PoolKind>(m, "PoolKind", "Where a block lives: PRIMARY (GPU/CPU pool) or SECONDARY (host tier).")
+  nb::enum_<PoolKind>(m, "PoolKind",
+                      "Where a block lives: PRIMARY (GPU/CPU pool), SECONDARY (host tier), or the third tier: DISK "
+                      "(files of this engine) or REMOTE (a store shared by engines).")
       .value("PRIMARY", PoolKind::kPrimary)
-      .value("SECONDARY", PoolKind::kSecondary);
+      .value("SECONDARY", PoolKind::kSecondary)
+      .value("DISK", PoolKind::kDisk)
+      .value("REMOTE", PoolKind::kRemote);
 
   nb::enum_<KvCacheEventKind>(m, "KvCacheEventKind", "What happened to a cached block.")
       .value("STORED", KvCacheEventKind::kStored)
@@ -61,18 +81,22 @@ void bind_cache_manager(nb::module_& m) {
           [](CacheConfig* self, int32_t tokens_per_block, int32_t num_primary_blocks,
              int32_t num_secondary_blocks, bool enable_block_reuse, bool enable_partial_reuse,
              int32_t secondary_offload_min_priority, int32_t max_attention_window,
-             int32_t event_buffer_max_size) {
+             int32_t event_buffer_max_size, int32_t num_tier3_blocks, PoolKind tier3_pool, nb::bytes plan_digest) {
             new (self) CacheConfig{tokens_per_block,      num_primary_blocks,
                                    num_secondary_blocks,  enable_block_reuse,
                                    enable_partial_reuse,  secondary_offload_min_priority,
-                                   max_attention_window,  event_buffer_max_size};
+                                   max_attention_window,  event_buffer_max_size,
+                                   num_tier3_blocks,      tier3_pool,
+                                   to_digest(plan_digest, "plan_digest")};
           },
           nb::kw_only(), "tokens_per_block"_a = defaults.tokens_per_block,
           "num_primary_blocks"_a = defaults.num_primary_blocks, "num_secondary_blocks"_a = defaults.num_secondary_blocks,
           "enable_block_reuse"_a = defaults.enable_block_reuse, "enable_partial_reuse"_a = defaults.enable_partial_reuse,
           "secondary_offload_min_priority"_a = defaults.secondary_offload_min_priority,
           "max_attention_window"_a = defaults.max_attention_window,
-          "event_buffer_max_size"_a = defaults.event_buffer_max_size)
+          "event_buffer_max_size"_a = defaults.event_buffer_max_size,
+          "num_tier3_blocks"_a = defaults.num_tier3_blocks, "tier3_pool"_a = defaults.tier3_pool,
+          "plan_digest"_a = nb::bytes(""))
       .def_rw("tokens_per_block", &CacheConfig::tokens_per_block, "Tokens per block, a power of 2.")
       .def_rw("num_primary_blocks", &CacheConfig::num_primary_blocks, "Blocks of the primary pool (> 0).")
       .def_rw("num_secondary_blocks", &CacheConfig::num_secondary_blocks,
@@ -85,6 +109,14 @@ void bind_cache_manager(nb::module_& m) {
               "Sliding window in tokens; 0 attends to the whole sequence.")
       .def_rw("event_buffer_max_size", &CacheConfig::event_buffer_max_size,
               "KV cache events kept (oldest dropped); 0 records none.")
+      .def_rw("num_tier3_blocks", &CacheConfig::num_tier3_blocks,
+              "Blocks of the third tier (disk slots or remote index entries); 0: none. Needs a host tier.")
+      .def_rw("tier3_pool", &CacheConfig::tier3_pool, "PoolKind.DISK (private files) or PoolKind.REMOTE (shared store).")
+      .def_prop_rw(
+          "plan_digest",
+          [](const CacheConfig& c) { return nb::bytes(reinterpret_cast<const char*>(c.plan_digest.data()), c.plan_digest.size()); },
+          [](CacheConfig& c, nb::bytes b) { c.plan_digest = to_digest(b, "plan_digest"); },
+          "32-byte identity of the KV (model, dtype, shapes) in every third-tier key; required for REMOTE.")
       .def("validate", &CacheConfig::validate, "Raises ValueError naming a bad field.")
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(tokens_per_block=" + std::to_string(c.tokens_per_block) +
@@ -130,6 +162,15 @@ void bind_cache_manager(nb::module_& m) {
       .def_prop_ro(
           "num_tokens", [](const CopyOpArrays& a) { return field_view<int32_t>(a, offsetof(CopyOp, num_tokens)); },
           nb::rv_policy::reference_internal, "int32 [num_ops]: tokens from the start of each block")
+      .def_prop_ro(
+          "tier3_keys",
+          [](const CopyOpArrays& a) {
+            nb::list keys;
+            for (const BlockDigest& k : a.tier3_keys) keys.append(nb::bytes(reinterpret_cast<const char*>(k.data()), k.size()));
+            return keys;
+          },
+          "list[bytes]: the 32-byte key of each operation into or out of the third tier (DISK / REMOTE), in "
+          "operation order.")
       .def("__len__", [](const CopyOpArrays& a) { return a.size(); })
       .def(
           "to_list", [](const CopyOpArrays& a) { return a.ops; },
@@ -171,19 +212,36 @@ void bind_cache_manager(nb::module_& m) {
   for (size_t k = 0; k < std::size(kMissReasonFields); ++k) {
     miss_reasons.def_ro(kMissReasonFields[k].name, kMissReasonFields[k].count, miss_reason_docs[k]);
   }
+  const char* const tier3_miss_reason_docs[] = {
+      "Spilled to the disk tier, then dropped from it.",
+      "Spilled to the remote store, then dropped from the manager's index or gone from the store.",
+      "Staging it from the third tier failed (read error, store down or slow, a value that does not verify).",
+      "In the third tier, but not staged into the host tier before the request was added.",
+  };
+  static_assert(std::size(kTier3MissReasonFields) == std::size(tier3_miss_reason_docs), "one docstring per reason");
+  for (size_t k = 0; k < std::size(kTier3MissReasonFields); ++k) {
+    miss_reasons.def_ro(kTier3MissReasonFields[k].name, kTier3MissReasonFields[k].count, tier3_miss_reason_docs[k]);
+  }
   miss_reasons.def(nb::init<>(), "Every count 0.")
       .def_prop_ro("total", &MissReasons::total, "Missed blocks, every reason.")
       .def(
           "to_dict",
-          [](const MissReasons& r) {
+          [](const MissReasons& r, bool tier3) {
             nb::dict d;
             for (const auto& field : kMissReasonFields) d[field.name] = r.*field.count;
+            for (const auto& field : kTier3MissReasonFields) {
+              if (tier3) d[field.name] = r.*field.count;
+            }
             return d;
           },
-          "{reason: blocks}, every reason in declaration order.")
+          nb::kw_only(), "tier3"_a = false,
+          "{reason: blocks}, every reason in declaration order; the third tier's too with tier3=True.")
       .def("__eq__",
            [](const MissReasons& a, const MissReasons& b) {
              for (const auto& field : kMissReasonFields) {
+               if (a.*field.count != b.*field.count) return false;
+             }
+             for (const auto& field : kTier3MissReasonFields) {
                if (a.*field.count != b.*field.count) return false;
              }
              return true;
@@ -193,6 +251,9 @@ void bind_cache_manager(nb::module_& m) {
         for (const auto& field : kMissReasonFields) {
           if (out.back() != '(') out += ", ";
           out += std::string(field.name) + "=" + std::to_string(r.*field.count);
+        }
+        for (const auto& field : kTier3MissReasonFields) {  // shown only when a third tier missed some
+          if (r.*field.count != 0) out += ", " + std::string(field.name) + "=" + std::to_string(r.*field.count);
         }
         return out + ")";
       });
@@ -252,14 +313,22 @@ void bind_cache_manager(nb::module_& m) {
               "Token slots copied secondary -> primary.")
       .def_ro("primary", &CacheStats::primary)
       .def_ro("secondary", &CacheStats::secondary)
+      .def_ro("tier3", &CacheStats::tier3, "The third tier's slots (disk) or index entries (remote).")
+      .def_ro("tier3_traffic", &CacheStats::tier3_traffic, "Spills, stagings and failures of the third tier.")
+      .def(
+          "tier", [](const CacheStats& s, PoolKind pool) { return s.tiers[static_cast<int>(pool)]; }, "pool"_a,
+          "TierStats of one tier: hits, arrivals, evictions, token slots copied in and out.")
       .def(
           "to_dict",
-          [](const CacheStats& s) {
+          [](const CacheStats& s, bool tier3) {
             nb::dict d;
             d["reused_blocks"] = s.reused_blocks;
             d["missed_blocks"] = s.missed_blocks;
             for (const auto& field : kMissReasonFields) {
               d[("missed_" + std::string(field.name) + "_blocks").c_str()] = s.missed.*field.count;
+            }
+            for (const auto& field : kTier3MissReasonFields) {
+              if (tier3) d[("missed_" + std::string(field.name) + "_blocks").c_str()] = s.missed.*field.count;
             }
             d["cache_hit_rate"] = s.cache_hit_rate;
             d["early_reused_blocks"] = s.early_reused_blocks;
@@ -279,10 +348,29 @@ void bind_cache_manager(nb::module_& m) {
               d[(p + "_num_cached_blocks").c_str()] = pool->num_cached_blocks;
               d[(p + "_num_used_blocks").c_str()] = pool->num_used_blocks;
             }
+            d["tier3_num_blocks"] = s.tier3.num_blocks;
+            d["tier3_num_free_blocks"] = s.tier3.num_free_blocks;
+            d["tier3_num_cached_blocks"] = s.tier3.num_cached_blocks;
+            for (int pool = 0; pool < kNumPools; ++pool) {
+              const std::string p = pool == 0 ? "primary" : pool == 1 ? "secondary" : pool == 2 ? "disk" : "remote";
+              const TierStats& t = s.tiers[pool];
+              d[(p + "_hit_blocks").c_str()] = t.hit_blocks;
+              d[(p + "_stored_blocks").c_str()] = t.stored_blocks;
+              d[(p + "_evicted_blocks").c_str()] = t.evicted_blocks;
+              d[(p + "_num_tokens_in").c_str()] = t.num_tokens_in;
+              d[(p + "_num_tokens_out").c_str()] = t.num_tokens_out;
+            }
+            d["spilled_blocks"] = s.tier3_traffic.spilled_blocks;
+            d["staged_blocks"] = s.tier3_traffic.staged_blocks;
+            d["fetch_failed_blocks"] = s.tier3_traffic.fetch_failed_blocks;
+            d["lost_blocks"] = s.tier3_traffic.lost_blocks;
+            d["discovered_blocks"] = s.tier3_traffic.discovered_blocks;
             return d;
           },
-          "Flat dict of every counter (miss reasons as missed_<reason>_blocks, pool fields prefixed "
-          "primary_/secondary_), for reports.");
+          nb::kw_only(), "tier3"_a = false,
+          "Flat dict of every counter (miss reasons as missed_<reason>_blocks, the third tier's with "
+          "tier3=True; pool fields prefixed primary_/secondary_/tier3_, per-tier ones "
+          "primary_/secondary_/disk_/remote_), for reports.");
 
   nb::class_<KvCacheEvent>(m, "KvCacheEvent", "A change of the cached blocks (for KV-aware routers).")
       .def_ro("event_id", &KvCacheEvent::event_id)
@@ -338,16 +426,20 @@ void bind_cache_manager(nb::module_& m) {
       .def(
           "add_sequence",
           [](KVCacheManager& self, SequenceId seq_id, IntArrayLike token_ids, int32_t num_tokens,
-             IntArrayLike extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority) {
-            return self.add_sequence(seq_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority),
-                                     num_tokens);
+             IntArrayLike extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority,
+             std::vector<RetentionRange> retention) {
+            return self.add_sequence(
+                seq_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority, std::move(retention)),
+                num_tokens);
           },
           "seq_id"_a, "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
           "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
+          "retention"_a = std::vector<RetentionRange>{},
           "Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 "
           "per token or None), shares its longest cached prefix (onboarding host blocks, copying a "
           "partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. "
-          "priority (0..100) is the retention priority of the blocks it computes. Raises ValueError "
+          "priority (0..100) is the retention priority of the blocks it computes, retention (RetentionRange "
+          "list) that of token ranges, shared blocks included. Raises ValueError "
           "for bad input or a known seq_id, RuntimeError when blocks lack (nothing changes then).")
       .def("can_allocate", &KVCacheManager::can_allocate, "seq_id"_a, "num_tokens"_a,
            "Whether allocate(seq_id, num_tokens) would find enough blocks. KeyError for an unknown id.")
@@ -373,7 +465,12 @@ void bind_cache_manager(nb::module_& m) {
           [](const KVCacheManager& self, SequenceId seq_id) { return to_numpy(self.block_ids(seq_id)); },
           "seq_id"_a, "Primary block table as an int32 array; -1 where the sliding window released a block.")
       .def(
-          "take_copy_ops", [](KVCacheManager& self) { return CopyOpArrays{self.take_copy_ops()}; },
+          "take_copy_ops",
+          [](KVCacheManager& self) {
+            CopyOpArrays out;
+            out.ops = self.take_copy_ops(&out.tier3_keys);
+            return out;
+          },
           "Copy operations emitted since the last call, as CopyOpArrays, in the order they must run.")
       .def("take_events", &KVCacheManager::take_events, "KV cache events recorded since the last call.")
       .def("stats", &KVCacheManager::stats, "Counters and pool occupancy.")
