@@ -42,6 +42,12 @@ def ranges(spec):
     return [RetentionRange(*fields) for fields in spec]
 
 
+def push_out(m, first_id, count):
+    """Requests of new tokens, each filling most of the primary pool: older blocks must go."""
+    for k in range(first_id, first_id + count):
+        run(m, k, prompt(5000 + 100 * k, 4 * T + 1))
+
+
 def conversation(system, k):
     return system + prompt(1000 + 100 * k, 2 * T + 1)
 
@@ -49,8 +55,7 @@ def conversation(system, k):
 def test_system_prompt_range_survives_the_conversations_blocks():
     m = make()
     run(m, 0, conversation(SYSTEM, 0), retention=ranges(KEEP_SYSTEM))
-    for k in range(1, 4):  # conversations of new tokens push older blocks out
-        run(m, k, prompt(5000 + 100 * k, 4 * T + 1))
+    push_out(m, 1, 3)
     assert cached_blocks(m, SYSTEM + [1]) == 2
     assert cached_blocks(m, conversation(SYSTEM, 0)) == 2  # its own blocks (priority 35) went first
 
@@ -58,8 +63,7 @@ def test_system_prompt_range_survives_the_conversations_blocks():
 def test_without_a_range_the_system_prompt_is_evicted_least_recently_used_first():
     m = make()
     run(m, 0, conversation(SYSTEM, 0))
-    for k in range(1, 4):
-        run(m, k, prompt(5000 + 100 * k, 4 * T + 1))
+    push_out(m, 1, 3)
     assert cached_blocks(m, SYSTEM + [1]) == 0
 
 
@@ -70,8 +74,7 @@ def test_priority_reverts_to_the_default_once_its_duration_ran_out():
     run(m, 1, prompt(5000, 4 * T + 1))
     assert cached_blocks(m, SYSTEM + [1]) == 2
     m.set_time(30_000)  # 30 s after its release: back to 35, and the least recently used now
-    for k in range(2, 4):
-        run(m, k, prompt(5000 + 100 * k, 4 * T + 1))
+    push_out(m, 2, 2)
     assert cached_blocks(m, SYSTEM + [1]) == 0
 
 
@@ -84,8 +87,7 @@ def test_duration_counts_from_the_last_release_and_stops_while_referenced():
     m.mark_computed(1, 4 * T + 1)
     m.release(1)  # released at 40 s: priority 90 until 70 s
     m.set_time(69_999)
-    for k in range(2, 4):
-        run(m, k, prompt(5000 + 100 * k, 4 * T + 1))
+    push_out(m, 2, 2)
     assert cached_blocks(m, SYSTEM + [1]) == 2
 
 
@@ -93,8 +95,7 @@ def test_range_of_a_reusing_request_raises_a_shared_blocks_priority():
     m = make()
     run(m, 0, conversation(SYSTEM, 0))  # computed at 35
     run(m, 1, conversation(SYSTEM, 1), retention=ranges(KEEP_SYSTEM))  # reuses the system prompt at 90
-    for k in range(2, 5):
-        run(m, k, prompt(5000 + 100 * k, 4 * T + 1))
+    push_out(m, 2, 3)
     assert cached_blocks(m, SYSTEM + [1]) == 2
 
 
@@ -102,8 +103,7 @@ def test_reusing_request_without_a_range_keeps_a_blocks_priority():
     m = make()
     run(m, 0, conversation(SYSTEM, 0), retention=ranges(KEEP_SYSTEM))
     run(m, 1, conversation(SYSTEM, 1))  # no range: the system prompt stays at 90
-    for k in range(2, 5):
-        run(m, k, prompt(5000 + 100 * k, 4 * T + 1))
+    push_out(m, 2, 3)
     assert cached_blocks(m, SYSTEM + [1]) == 2
 
 

@@ -82,14 +82,20 @@ def fill(engine, start, num_prompts=3):
         engine.run(prompt(start + 100 * k, 4 * T))
 
 
+def spilled(manager, num_blocks=2, remote=None):
+    """An engine whose system prompt of num_blocks blocks (+ 1 token) went down to the third tier."""
+    e = Engine(manager, remote)
+    system = prompt(0, num_blocks * T + 1)
+    e.run(system)
+    fill(e, 1000)
+    return e, system
+
+
 # ---- spilling and staging -----------------------------------------------------------------
 
 @pytest.mark.parametrize("tier3", [PoolKind.DISK, PoolKind.REMOTE])
 def test_block_evicted_from_host_spills_to_the_third_tier_and_is_staged_back(tier3):
-    e = Engine(make(tier3))
-    system = prompt(0, 2 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make(tier3))
     assert e.m.match_prefix(system).num_matched_blocks == 0  # neither in the primary nor the host tier
     stats = e.m.stats()
     assert stats.tier3_traffic.spilled_blocks > 0 and stats.tier3.num_cached_blocks > 0
@@ -105,10 +111,7 @@ def test_block_evicted_from_host_spills_to_the_third_tier_and_is_staged_back(tie
 
 
 def test_staging_fetches_into_the_host_tier_never_into_the_primary_pool():
-    e = Engine(make())
-    system = prompt(0, 2 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make())
     available = e.m.num_available_blocks()
     e.m.stage_tier3(system, 2)
     ops = e.m.take_copy_ops()
@@ -136,10 +139,7 @@ def test_copies_into_and_out_of_the_third_tier_carry_their_block_keys():
 
 
 def test_block_in_the_third_tier_but_not_staged_is_missed_as_not_staged():
-    e = Engine(make())
-    system = prompt(0, 2 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make())
     r = e.run(system, stage=False)
     assert r.num_reused_blocks == 0
     assert (r.missed.not_staged, r.missed.total) == (2, 2)
@@ -148,10 +148,7 @@ def test_block_in_the_third_tier_but_not_staged_is_missed_as_not_staged():
 
 
 def test_staging_is_a_transaction_that_add_sequence_waits_for():
-    e = Engine(make())
-    system = prompt(0, 2 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make())
     e.m.stage_tier3(system, 2)
     assert e.m.staging_open()
     assert e.m.match_prefix(system).num_matched_blocks == 0  # not matchable before it is confirmed
@@ -167,10 +164,7 @@ def test_staging_is_a_transaction_that_add_sequence_waits_for():
 
 @pytest.mark.parametrize("failed_block", [0, 1])
 def test_failed_fetch_is_a_miss_and_the_chain_after_it_goes_too(failed_block):
-    e = Engine(make(num_secondary_blocks=3))
-    system = prompt(0, 3 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make(num_secondary_blocks=3), 3)
     e.stage(system, fail={failed_block})
     stats = e.m.stats()
     assert stats.tier3_traffic.fetch_failed_blocks == 3 - failed_block
@@ -214,10 +208,7 @@ def test_third_tier_evicts_its_least_recently_used_leaf():
 
 
 def test_counters_say_how_many_token_slots_moved_in_and_out_of_each_tier():
-    e = Engine(make())
-    system = prompt(0, 2 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make())
     e.run(system)
     d = e.m.stats().to_dict(tier3=True)
     assert d["disk_num_tokens_in"] == T * d["spilled_blocks"]
@@ -246,10 +237,7 @@ def test_remote_lookup_finds_blocks_another_engine_stored():
 
 
 def test_remote_index_entry_the_store_evicted_is_dropped_at_lookup():
-    e = Engine(make(PoolKind.REMOTE, num_tier3_blocks=16))
-    system = prompt(0, 2 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make(PoolKind.REMOTE, num_tier3_blocks=16))
     keys = e.m.tier3_keys(system)
     del e.kv.remote[keys[1]]  # the store's own memory policy
     assert e.m.tier3_lookup(system).num_known_blocks == 2  # the manager still believes it
@@ -260,10 +248,7 @@ def test_remote_index_entry_the_store_evicted_is_dropped_at_lookup():
 
 
 def test_remote_fetch_of_a_block_evicted_after_the_lookup_is_a_miss():
-    e = Engine(make(PoolKind.REMOTE))
-    system = prompt(0, 2 * T + 1)
-    e.run(system)
-    fill(e, 1000)
+    e, system = spilled(make(PoolKind.REMOTE))
     e.m.stage_tier3(system, 2)
     e.kv.remote.clear()  # between the lookup and the fetch: a restart of the store
     failed = e.sync()

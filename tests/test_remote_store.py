@@ -47,6 +47,16 @@ def remote(server, **kwargs) -> RemoteStore:
     return RemoteStore(server.url, SHAPE.num_bytes, PLAN, **kwargs)
 
 
+def spilled(store, num_secondary_blocks=3):
+    """An engine whose system prompt of three blocks went down to the store."""
+    e = TieredEngine(store, num_secondary_blocks=num_secondary_blocks)
+    system = prompt(0, 3 * T + 1)
+    e.run(system)
+    e.fill(1000)
+    store.flush()
+    return e, system
+
+
 def block(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE.dims, generator=torch.Generator().manual_seed(seed)).to(SHAPE.dtype)
 
@@ -57,11 +67,7 @@ def key(n: int) -> bytes:
 
 def test_evicted_blocks_spill_to_redis_and_come_back_identical(redis_server):
     with remote(redis_server) as store:
-        e = TieredEngine(store, num_secondary_blocks=3)
-        system = prompt(0, 3 * T + 1)
-        e.run(system)
-        e.fill(1000)
-        store.flush()
+        e, system = spilled(store)
         assert redis_server.client().dbsize() >= 3
         r = e.run(system)  # every position is checked against the KV it was computed with
         assert (r.num_reused_blocks, r.missed.total) == (3, 0)
@@ -110,11 +116,7 @@ def test_a_value_under_a_colliding_store_key_is_refused(redis_server):
 
 def test_server_killed_mid_run_degrades_to_misses(redis_server):
     with remote(redis_server) as store:
-        e = TieredEngine(store, num_secondary_blocks=3)
-        system = prompt(0, 3 * T + 1)
-        e.run(system)
-        e.fill(1000)
-        store.flush()
+        e, system = spilled(store)
         redis_server.kill()
         r = e.run(system)  # the lookup fails: nothing is staged, the prompt is computed again
         assert (r.num_reused_blocks, r.missed.not_staged) == (0, 3)
@@ -133,11 +135,7 @@ def test_server_killed_mid_run_degrades_to_misses(redis_server):
 
 def test_server_dying_between_lookup_and_fetch_fails_the_fetch_not_the_step(redis_server):
     with remote(redis_server) as store:
-        e = TieredEngine(store, num_secondary_blocks=3)
-        system = prompt(0, 3 * T + 1)
-        e.run(system)
-        e.fill(1000)
-        store.flush()
+        e, system = spilled(store)
         m = e.manager
         lookup = m.tier3_lookup(system)
         assert store.count_present(lookup.keys) == 3

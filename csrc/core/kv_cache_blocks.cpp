@@ -98,9 +98,11 @@ void KVCacheManager::Impl::add_child(NodeId parent, NodeId n) {
   p.first_child = n;
 }
 
-NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
-                                        const ExtraId* extra_ids, const Sequence& seq, SequenceId seq_id,
-                                        BlockId block, const BlockRetention& retention) {
+// A new node for block `block` of `pool` below parent: keyed, indexed, in the tree. The callers
+// set what depends on how it came (computed by a sequence, or found in the remote store).
+NodeId KVCacheManager::Impl::insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
+                                         const ExtraId* extra_ids, uint64_t lora_task_id, uint64_t cache_salt,
+                                         PoolKind pool, BlockId block, int32_t priority) {
   const NodeId n = free_node_ids.back();
   free_node_ids.pop_back();
   Node& x = nodes[n];
@@ -108,33 +110,44 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   fresh.hash = hash;
   fresh.block_id = block;
   fresh.generation = x.generation;  // the slot keeps counting
-  fresh.priority = static_cast<uint8_t>(retention.priority);
-  fresh.duration_ms = retention.duration_ms;
+  fresh.priority = static_cast<uint8_t>(priority);
+  fresh.pool = pool;
   fresh.live = true;
   fresh.has_extras = any_extra(extra_ids, tpb);
-  fresh.owner_running = true;
-  fresh.lora_task_id = seq.lora_task_id;
-  fresh.cache_salt = seq.cache_salt;
-  fresh.owner = seq_id;
+  fresh.lora_task_id = lora_task_id;
+  fresh.cache_salt = cache_salt;
   x = fresh;
   std::memcpy(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, sizeof(TokenId) * tpb);
   if (x.has_extras) {
     if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
     std::memcpy(&node_extra_ids[static_cast<size_t>(n) * tpb], extra_ids, sizeof(ExtraId) * tpb);
   }
-  primary_node[block] = n;
+  (pool == PoolKind::kPrimary ? primary_node : secondary_node)[block] = n;
   add_child(parent, n);
   key_index.insert(hash, n);
-  ++stats.tiers[0].stored_blocks;
-  if (has_t3) node_digests[n] = block_digest(digest_of(parent), token_ids, extra_ids, tpb, seq.lora_task_id, seq.cache_salt);
   if (config.enable_partial_reuse) {
-    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], seq.identity);
+    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0],
+                                key_identity(lora_task_id, cache_salt));
     const int32_t num_siblings = nodes[parent].num_children - 1;
     if (parent == root || num_siblings > 0) index_partial(n);
     if (parent != root && num_siblings == 1 && !nodes[x.next_sibling].in_partial_index) {
       index_partial(x.next_sibling);  // no longer an only child
     }
   }
+  return n;
+}
+
+NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
+                                        const ExtraId* extra_ids, const Sequence& seq, SequenceId seq_id,
+                                        BlockId block, const BlockRetention& retention) {
+  const NodeId n = insert_node(parent, hash, token_ids, extra_ids, seq.lora_task_id, seq.cache_salt,
+                               PoolKind::kPrimary, block, retention.priority);
+  Node& x = nodes[n];
+  x.duration_ms = retention.duration_ms;
+  x.owner_running = true;
+  x.owner = seq_id;
+  ++stats.tiers[static_cast<int>(PoolKind::kPrimary)].stored_blocks;
+  if (has_t3) node_digests[n] = block_digest(digest_of(parent), token_ids, extra_ids, tpb, seq.lora_task_id, seq.cache_salt);
   on_child_held(parent);  // its block is referenced: held from the start
   emit_event(KvCacheEventKind::kStored, n, true);
   return n;
@@ -145,38 +158,9 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
 NodeId KVCacheManager::Impl::store_discovered_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
                                                    const ExtraId* extra_ids, const SequenceSpec& spec,
                                                    const BlockDigest& digest, BlockId block, int32_t priority) {
-  const NodeId n = free_node_ids.back();
-  free_node_ids.pop_back();
-  Node& x = nodes[n];
-  Node fresh;
-  fresh.hash = hash;
-  fresh.block_id = block;
-  fresh.generation = x.generation;
-  fresh.priority = static_cast<uint8_t>(priority);
-  fresh.pool = PoolKind::kSecondary;
-  fresh.live = true;
-  fresh.has_extras = any_extra(extra_ids, tpb);
-  fresh.lora_task_id = spec.lora_task_id;
-  fresh.cache_salt = spec.cache_salt;
-  x = fresh;
-  std::memcpy(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, sizeof(TokenId) * tpb);
-  if (x.has_extras) {
-    if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
-    std::memcpy(&node_extra_ids[static_cast<size_t>(n) * tpb], extra_ids, sizeof(ExtraId) * tpb);
-  }
+  const NodeId n = insert_node(parent, hash, token_ids, extra_ids, spec.lora_task_id, spec.cache_salt,
+                               PoolKind::kSecondary, block, priority);
   node_digests[n] = digest;
-  secondary_node[block] = n;
-  add_child(parent, n);
-  key_index.insert(hash, n);
-  if (config.enable_partial_reuse) {
-    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0],
-                                key_identity(spec.lora_task_id, spec.cache_salt));
-    const int32_t num_siblings = nodes[parent].num_children - 1;
-    if (parent == root || num_siblings > 0) index_partial(n);
-    if (parent != root && num_siblings == 1 && !nodes[x.next_sibling].in_partial_index) {
-      index_partial(x.next_sibling);
-    }
-  }
   lru_push(n);
   emit_event(KvCacheEventKind::kStored, n, true);
   return n;

@@ -157,6 +157,8 @@ struct KVCacheManager::Impl {
     partial_index.insert(nodes[n].partial_key, n);
     nodes[n].in_partial_index = true;
   }
+  NodeId insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
+                     uint64_t lora_task_id, uint64_t cache_salt, PoolKind pool, BlockId block, int32_t priority);
   NodeId store_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
                     const Sequence& seq, SequenceId seq_id, BlockId block, const BlockRetention& retention);
   // A node for a block found in the remote store, in host block `block` (stage_tier3).

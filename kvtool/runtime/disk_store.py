@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from kvtool._core import PoolKind
-from kvtool.runtime.tier3_store import (HEADER_BYTES, StoreCounters, block_bytes_view, header_problem,
-                                        pack_header)
+from kvtool.runtime.tier3_store import (HEADER_BYTES, StoreCounters, WriteQueue, block_bytes_view,
+                                        header_problem, pack_header)
 
 PAGE_BYTES = 4096
 FILE_BYTES = 1 << 30  # slots are spread over files of about this size
@@ -71,22 +71,16 @@ class DiskStore:
         self.direct_io = direct_io
         self._fds = [self._open_file(f, min(self.slots_per_file, num_blocks - f * self.slots_per_file))
                      for f in range(num_files)]
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._pending: dict[int, mmap.mmap] = {}  # slot -> staged bytes not yet on disk
-        self._queue: list[tuple[int, mmap.mmap]] = []
-        self._in_flight = 0  # writes taken by the writer, not finished
+        self._lock = threading.Lock()  # the slots' state below
         self._free_buffers: list[mmap.mmap] = []
-        self._max_pending = max(2, max_pending_bytes // self.slot_bytes)
-        self._num_buffers = 0
         self._bad_slots: set[int] = set()  # slots whose last write failed
         self._slot_key: dict[int, bytes] = {}
         self._key_slot: dict[bytes, int] = {}
+        self._read_lock = threading.Lock()
+        self._read_buffer: mmap.mmap | None = None  # reused: a fresh mapping page-faults on every read
         self._closed = False
-        self._writer = None
-        if writer_thread:
-            self._writer = threading.Thread(target=self._write_loop, name="kvtool-disk-tier", daemon=True)
-            self._writer.start()
+        self._queue = WriteQueue("kvtool-disk-tier", self._write_batch, max_pending=max_pending_bytes // self.slot_bytes,
+                                 max_batch=4 * MAX_IO_SLOTS, thread=writer_thread, release=self._free_buffer)
 
     # -- files ------------------------------------------------------------------------------
     def _open_directory(self) -> None:
@@ -132,32 +126,24 @@ class DiskStore:
 
     # -- writes -----------------------------------------------------------------------------
     def _buffer(self) -> mmap.mmap:
-        """A page-aligned staging buffer of one slot (anonymous mappings start on a page)."""
-        if self._free_buffers:
-            return self._free_buffers.pop()
-        self._num_buffers += 1
+        """A page-aligned staging buffer of one slot (anonymous mappings start on a page), reused."""
+        with self._lock:
+            if self._free_buffers:
+                return self._free_buffers.pop()
         return mmap.mmap(-1, self.slot_bytes)
 
-    def write(self, slot: int, key: bytes, block: torch.Tensor) -> None:
-        data = block_bytes_view(block)
+    def _free_buffer(self, buf: mmap.mmap) -> None:
         with self._lock:
-            while self._writer is not None and len(self._pending) + self._in_flight >= self._max_pending:
-                self._changed.wait()  # the writer is behind: the step waits rather than grow memory
-            buf = self._buffer()
+            self._free_buffers.append(buf)
+
+    def write(self, slot: int, key: bytes, block: torch.Tensor) -> None:
+        buf = self._buffer()
         buf[:HEADER_BYTES] = pack_header(self.plan_digest, key, self.block_bytes)
-        np.frombuffer(buf, np.uint8, self.block_bytes, HEADER_BYTES)[:] = data
+        np.frombuffer(buf, np.uint8, self.block_bytes, HEADER_BYTES)[:] = block_bytes_view(block)
         with self._lock:
             self._remember(slot, key)
             self.counters.num_writes += 1
-            if self._writer is None:
-                self._write_run([(slot, buf)])
-                self._free_buffers.append(buf)
-                return
-            # A buffer this replaces is freed by the writer: queued, it is skipped; in flight, it is
-            # written first, then this one.
-            self._pending[slot] = buf
-            self._queue.append((slot, buf))
-            self._changed.notify_all()
+        self._queue.put(slot, buf)
 
     def _remember(self, slot: int, key: bytes) -> None:
         old = self._slot_key.pop(slot, None)
@@ -166,27 +152,24 @@ class DiskStore:
         self._slot_key[slot] = key
         self._key_slot[key] = slot
 
-    def _write_loop(self) -> None:
-        while True:
+    def _write_batch(self, batch: list[tuple[int, mmap.mmap]]) -> None:
+        """Writes slots in offset order, each run of adjacent slots in one pwritev."""
+        for run in self._runs(sorted(batch, key=lambda item: item[0])):
+            fd, offset = self._place(run[0][0])
+            try:
+                ok = os.pwritev(fd, [buf for _, buf in run], offset) == len(run) * self.slot_bytes
+            except OSError:
+                ok = False
             with self._lock:
-                while not self._queue and not self._closed:
-                    self._changed.wait()
-                if not self._queue:
-                    return
-                batch = {slot: buf for slot, buf in self._queue}  # the latest write of each slot
-                stale = [buf for _, buf in self._queue if all(buf is not b for b in batch.values())]
-                self._queue = []
-                self._in_flight = len(batch)
-            for run in self._runs(sorted(batch.items())):
-                self._write_run(run)
-            with self._lock:
-                for slot, buf in batch.items():
-                    if self._pending.get(slot) is buf:
-                        del self._pending[slot]
-                    self._free_buffers.append(buf)
-                self._free_buffers.extend(stale)
-                self._in_flight = 0
-                self._changed.notify_all()
+                for slot, _ in run:
+                    if ok:
+                        self._bad_slots.discard(slot)
+                    else:
+                        self._bad_slots.add(slot)  # read back as a miss
+                if ok:
+                    self.counters.num_written_bytes += len(run) * self.block_bytes
+                else:
+                    self.counters.num_write_failures += len(run)
 
     def _runs(self, items):
         """Runs of adjacent slots of one file, in offset order, at most MAX_IO_SLOTS long."""
@@ -199,34 +182,8 @@ class DiskStore:
         if run:
             yield run
 
-    def _write_run(self, run) -> None:
-        fd, offset = self._place(run[0][0])
-        try:
-            written = os.pwritev(fd, [buf for _, buf in run], offset)
-        except OSError:
-            written = 0
-        with_lock = self._writer is None  # the synchronous path holds the lock already
-        ok = written == len(run) * self.slot_bytes
-        if not with_lock:
-            self._lock.acquire()
-        try:
-            for slot, _ in run:
-                if ok:
-                    self._bad_slots.discard(slot)
-                else:
-                    self._bad_slots.add(slot)  # read back as a miss
-            if ok:
-                self.counters.num_written_bytes += len(run) * self.block_bytes
-            else:
-                self.counters.num_write_failures += len(run)
-        finally:
-            if not with_lock:
-                self._lock.release()
-
     def flush(self) -> None:
-        with self._lock:
-            while self._queue or self._in_flight:
-                self._changed.wait()
+        self._queue.flush()
 
     # -- reads ------------------------------------------------------------------------------
     def count_present(self, keys: list[bytes]) -> int:
@@ -241,26 +198,27 @@ class DiskStore:
     def read(self, requests: list[tuple[int, bytes, torch.Tensor]]) -> list[bool]:
         results = [False] * len(requests)
         from_disk = []
-        with self._lock:
-            for i, (slot, key, out) in enumerate(requests):
-                staged = self._pending.get(slot)
-                if staged is not None:  # its write is still queued: the buffer is the slot
-                    results[i] = self._take(staged, key, out)
-                elif 0 <= slot < self.num_blocks and slot not in self._bad_slots:
-                    from_disk.append((slot, i))
-        for run in self._runs(sorted(from_disk)):
-            fd, offset = self._place(run[0][0])
-            buf = mmap.mmap(-1, len(run) * self.slot_bytes)
-            try:
-                num_read = os.preadv(fd, [buf], offset)
-            except OSError:
-                num_read = 0
-            for k, (slot, i) in enumerate(run):
-                if num_read >= (k + 1) * self.slot_bytes:
-                    view = memoryview(buf)[k * self.slot_bytes:(k + 1) * self.slot_bytes]
-                    results[i] = self._take(view, requests[i][1], requests[i][2])
-                    view.release()
-            buf.close()
+        for i, (slot, key, out) in enumerate(requests):
+            queued, ok = self._queue.read_pending(slot, lambda buf: self._take(buf, key, out))
+            if queued:  # its write is still queued: the buffer is the slot
+                results[i] = ok
+            elif 0 <= slot < self.num_blocks and slot not in self._bad_slots:
+                from_disk.append((slot, i))
+        with self._read_lock:
+            for run in self._runs(sorted(from_disk)):
+                fd, offset = self._place(run[0][0])
+                run_bytes = len(run) * self.slot_bytes
+                if self._read_buffer is None:
+                    self._read_buffer = mmap.mmap(-1, MAX_IO_SLOTS * self.slot_bytes)
+                with memoryview(self._read_buffer)[:run_bytes] as buf:
+                    try:
+                        num_read = os.preadv(fd, [buf], offset)
+                    except OSError:
+                        num_read = 0
+                    for k, (slot, i) in enumerate(run):
+                        if num_read >= (k + 1) * self.slot_bytes:
+                            with buf[k * self.slot_bytes:(k + 1) * self.slot_bytes] as view:
+                                results[i] = self._take(view, requests[i][1], requests[i][2])
         with self._lock:
             self.counters.num_reads += len(requests)
             self.counters.num_read_failures += results.count(False)
@@ -279,14 +237,12 @@ class DiskStore:
     def close(self) -> None:
         if self._closed:
             return
-        self.flush()
-        with self._lock:
-            self._closed = True
-            self._changed.notify_all()
-        if self._writer is not None:
-            self._writer.join()
+        self._closed = True
+        self._queue.close()
         for fd in self._fds:
             os.close(fd)
+        if self._read_buffer is not None:
+            self._read_buffer.close()
         os.close(self._lock_fd)  # releases the directory's lock
         self._fds = []
 

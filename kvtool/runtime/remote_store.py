@@ -19,14 +19,14 @@ Needs the ``redis`` package: ``pip install 'kvtool[remote]'``.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import torch
 
 from kvtool._core import PoolKind
-from kvtool.runtime.tier3_store import HEADER_BYTES, StoreCounters, block_bytes_view, header_problem, pack_header
+from kvtool.runtime.tier3_store import (HEADER_BYTES, StoreCounters, WriteQueue, block_bytes_view, header_problem,
+                                        pack_header)
 
 KEY_PREFIX = "kvtool:kv:"
 TIMEOUT_S = 0.5
@@ -75,17 +75,10 @@ class RemoteStore:
         except ValueError as error:
             raise RemoteStoreError(f"remote cache URL {url!r}: {error}") from None
         self._down_until = 0.0
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._pending: dict[bytes, bytes] = {}  # store key -> value not yet sent
-        self._queue: list[bytes] = []
-        self._in_flight = 0
-        self._max_pending = max(2, max_pending_bytes // (HEADER_BYTES + block_bytes))
         self._closed = False
-        self._writer = None
-        if writer_thread:
-            self._writer = threading.Thread(target=self._write_loop, name="kvtool-remote-tier", daemon=True)
-            self._writer.start()
+        self._queue = WriteQueue("kvtool-remote-tier", self._send,
+                                 max_pending=max_pending_bytes // (HEADER_BYTES + block_bytes), max_batch=MAX_BATCH,
+                                 thread=writer_thread)
 
     def store_key(self, key: bytes) -> bytes:
         return self.key_prefix + key[:self.key_bytes].hex().encode()
@@ -118,8 +111,7 @@ class RemoteStore:
             self.counters.num_lookup_failures += 1
             return None
         store_keys = [self.store_key(k) for k in keys]
-        with self._lock:
-            queued = [k in self._pending for k in store_keys]
+        queued = [k in self._queue for k in store_keys]
         try:
             pipe = self._client.pipeline(transaction=False)
             for k in store_keys:
@@ -134,13 +126,12 @@ class RemoteStore:
     def read(self, requests: list[tuple[int, bytes, torch.Tensor]]) -> list[bool]:
         results = [False] * len(requests)
         wanted = []
-        with self._lock:
-            for i, (_, key, out) in enumerate(requests):
-                value = self._pending.get(self.store_key(key))
-                if value is not None:  # its write is still queued
-                    results[i] = self._take(value, key, out)
-                else:
-                    wanted.append(i)
+        for i, (_, key, out) in enumerate(requests):
+            queued, ok = self._queue.read_pending(self.store_key(key), lambda value: self._take(value, key, out))
+            if queued:  # its write is still queued
+                results[i] = ok
+            else:
+                wanted.append(i)
         if wanted and self._available():
             try:
                 values = self._client.mget([self.store_key(requests[i][1]) for i in wanted])
@@ -166,18 +157,8 @@ class RemoteStore:
     # -- writes -----------------------------------------------------------------------------
     def write(self, slot: int, key: bytes, block: torch.Tensor) -> None:
         value = pack_header(self.plan_digest, key, self.block_bytes) + block_bytes_view(block).tobytes()
-        store_key = self.store_key(key)
         self.counters.num_writes += 1
-        if self._writer is None:
-            self._send([(store_key, value)])
-            return
-        with self._lock:
-            while len(self._pending) + self._in_flight >= self._max_pending:
-                self._changed.wait()  # the writer is behind: the step waits rather than grow memory
-            if store_key not in self._pending:
-                self._queue.append(store_key)
-            self._pending[store_key] = value
-            self._changed.notify_all()
+        self._queue.put(self.store_key(key), value)
 
     def _send(self, items: list[tuple[bytes, bytes]]) -> None:
         """SETs a batch in one pipeline; what the server refuses (full memory) or never gets is counted."""
@@ -199,40 +180,14 @@ class RemoteStore:
             else:
                 self.counters.num_written_bytes += len(value) - HEADER_BYTES
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closed:
-                    self._changed.wait()
-                if not self._queue:
-                    return
-                keys, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-                items = [(k, self._pending[k]) for k in keys]
-                self._in_flight = len(items)
-            self._send(items)
-            with self._lock:
-                for store_key, value in items:
-                    if self._pending.get(store_key) is value:
-                        del self._pending[store_key]
-                    elif store_key in self._pending and store_key not in self._queue:
-                        self._queue.append(store_key)  # written again meanwhile: send the newer value
-                self._in_flight = 0
-                self._changed.notify_all()
-
     def flush(self) -> None:
-        with self._lock:
-            while self._queue or self._in_flight:
-                self._changed.wait()
+        self._queue.flush()
 
     def close(self) -> None:
         if self._closed:
             return
-        self.flush()
-        with self._lock:
-            self._closed = True
-            self._changed.notify_all()
-        if self._writer is not None:
-            self._writer.join()
+        self._closed = True
+        self._queue.close()
         self._client.close()
 
     def __enter__(self) -> RemoteStore:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -111,6 +113,91 @@ class Tier3Store(Protocol):
 
     def close(self) -> None:
         """Flushes, then releases the files or the connection."""
+
+
+class WriteQueue:
+    """Writes a store hands over on the step path, done in batches by one background thread (or at
+    once, without one). An entry stays readable (``get``) until written, so a fetch of a block whose
+    write is still queued is served from it; a newer write of the same key replaces a queued one.
+
+    ``write_batch([(key, value), ...])`` does the writes; ``release(value)`` is called for every value
+    once it is written or replaced (a disk store reuses its staging buffers)."""
+
+    def __init__(self, name: str, write_batch: Callable[[list[tuple[Hashable, Any]]], None], *, max_pending: int,
+                 max_batch: int, thread: bool = True, release: Callable[[Any], None] = lambda value: None) -> None:
+        self._write_batch = write_batch
+        self._release = release
+        self._max_pending = max(2, max_pending)
+        self._max_batch = max_batch
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._pending: dict[Hashable, Any] = {}  # key -> value not written yet
+        self._queued: dict[Hashable, None] = {}  # keys of pending values not taken by the writer (in order)
+        self._in_flight = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True) if thread else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if self._thread is None:
+            self._write_batch([(key, value)])
+            self._release(value)
+            return
+        with self._lock:
+            while len(self._pending) + self._in_flight >= self._max_pending:
+                self._changed.wait()  # the writer is behind: the step waits rather than grow memory
+            old = self._pending.get(key)
+            if old is not None and key in self._queued:
+                self._release(old)  # never taken: replaced before it was written
+            self._pending[key] = value
+            self._queued[key] = None
+            self._changed.notify_all()
+
+    def read_pending(self, key: Hashable, read: Callable[[Any], Any]) -> tuple[bool, Any]:
+        """(True, read(value)) when the key's write is still queued (read under the queue's lock: the
+        value is neither written nor reused meanwhile), else (False, None)."""
+        with self._lock:
+            value = self._pending.get(key)
+            return (False, None) if value is None else (True, read(value))
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._pending
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queued and not self._closed:
+                    self._changed.wait()
+                if not self._queued:
+                    return
+                keys = list(self._queued)[:self._max_batch]
+                for key in keys:
+                    del self._queued[key]
+                batch = [(key, self._pending[key]) for key in keys]
+                self._in_flight = len(batch)
+            self._write_batch(batch)
+            with self._lock:
+                for key, value in batch:
+                    if self._pending.get(key) is value:
+                        del self._pending[key]
+                    self._release(value)  # written (a newer value of the key stays queued)
+                self._in_flight = 0
+                self._changed.notify_all()
+
+    def flush(self) -> None:
+        with self._lock:
+            while self._queued or self._in_flight:
+                self._changed.wait()
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def run_copies(ops, pools, store: Tier3Store | None) -> list[int]:
