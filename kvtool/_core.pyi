@@ -501,7 +501,7 @@ class KVCacheManager:
     def can_add_sequence(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0) -> bool:
         """Whether add_sequence(..., num_tokens) would find enough blocks."""
 
-    def add_sequence(self, seq_id: int, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] = []) -> AddSequenceResult:
+    def add_sequence(self, seq_id: int, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] | None = None) -> AddSequenceResult:
         """
         Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 per token or None), shares its longest cached prefix (onboarding host blocks, copying a partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. priority (0..100) is the retention priority of the blocks it computes, retention (RetentionRange list) that of token ranges, shared blocks included. Raises ValueError for bad input or a known seq_id, RuntimeError when blocks lack (nothing changes then).
         """
@@ -575,7 +575,7 @@ class KVCacheManager:
         The keys of the prompt's matchable blocks after its cached chain in the primary and host tiers, for the store to check which it holds (no side effects). ValueError without a third tier.
         """
 
-    def stage_tier3(self, token_ids: numpy.ndarray | list[int], num_present: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] = []) -> StageResult:
+    def stage_tier3(self, token_ids: numpy.ndarray | list[int], num_present: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] | None = None) -> StageResult:
         """
         Stages the first num_present blocks of tier3_lookup's keys (those the store holds) into the host tier: each gets a host block and a fetch in take_copy_ops. The staging stays open until complete_staging (add_sequence, allocate and mark_computed raise RuntimeError meanwhile). Remote: index entries past num_present are dropped, the store no longer holds them.
         """
@@ -911,7 +911,7 @@ class Scheduler:
     def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
         """Raises ValueError for a bad configuration."""
 
-    def add_request(self, request_id: int, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] = []) -> None:
+    def add_request(self, request_id: int, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] | None = None) -> None:
         """
         Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100 and token ranges with their own (RetentionRange list). Raises ValueError naming the request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
         """

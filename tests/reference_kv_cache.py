@@ -385,8 +385,9 @@ class ReferenceKVCache:
                 node.stamp = next(self.clock)
 
     def miss_reasons(self, tokens, extras, lora, salt, num_shared, partial_copy):
-        """{reason: blocks} of the full prompt blocks after the num_shared shared ones."""
-        reasons = dict.fromkeys(MISS_REASONS + TIER3_MISS_REASONS, 0)
+        """{reason: blocks} of the full prompt blocks after the num_shared shared ones (the third
+        tier's reasons too when there is one, as MissReasons.to_dict(tier3=True) lists them)."""
+        reasons = dict.fromkeys(MISS_REASONS + (TIER3_MISS_REASONS if self.num_tier3 else ()), 0)
         num_blocks = len(tokens) // self.tpb
         if not self.reuse:
             reasons["reuse_off"] = max(num_blocks - num_shared, 0)

@@ -2,6 +2,7 @@
 // numpy arrays. Bad input -> ValueError, unknown sequence -> KeyError, too few blocks -> RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -427,14 +428,14 @@ void bind_cache_manager(nb::module_& m) {
           "add_sequence",
           [](KVCacheManager& self, SequenceId seq_id, IntArrayLike token_ids, int32_t num_tokens,
              IntArrayLike extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority,
-             std::vector<RetentionRange> retention) {
+             std::optional<std::vector<RetentionRange>> retention) {
             return self.add_sequence(
-                seq_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority, std::move(retention)),
+                seq_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority, retention ? std::move(*retention) : std::vector<RetentionRange>{}),
                 num_tokens);
           },
           "seq_id"_a, "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
           "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
-          "retention"_a = std::vector<RetentionRange>{},
+          "retention"_a = nb::none(),
           "Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 "
           "per token or None), shares its longest cached prefix (onboarding host blocks, copying a "
           "partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. "

@@ -1,6 +1,7 @@
 // Python bindings of the third tier: its statistics, lookups and stagings, added to the
 // KVCacheManager class bind_cache_manager made (docs/architecture.md#kv-cache-rules).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -99,13 +100,13 @@ void bind_tiers(nb::module_& m) {
   add_method(
       cls, "stage_tier3",
       [](KVCacheManager& self, IntArrayLike token_ids, int32_t num_present, IntArrayLike extra_ids,
-         uint64_t lora_task_id, uint64_t cache_salt, int32_t priority, std::vector<RetentionRange> retention) {
+         uint64_t lora_task_id, uint64_t cache_salt, int32_t priority, std::optional<std::vector<RetentionRange>> retention) {
         return self.stage_tier3(
-            to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority, std::move(retention)),
+            to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority, retention ? std::move(*retention) : std::vector<RetentionRange>{}),
             num_present);
       },
       "token_ids"_a, "num_present"_a, nb::kw_only(), "extra_ids"_a = nb::none(), "lora_task_id"_a = 0,
-      "cache_salt"_a = 0, "priority"_a = kDefaultPriority, "retention"_a = std::vector<RetentionRange>{},
+      "cache_salt"_a = 0, "priority"_a = kDefaultPriority, "retention"_a = nb::none(),
       "Stages the first num_present blocks of tier3_lookup's keys (those the store holds) into the host tier: "
       "each gets a host block and a fetch in take_copy_ops. The staging stays open until complete_staging "
       "(add_sequence, allocate and mark_computed raise RuntimeError meanwhile). Remote: index entries past "

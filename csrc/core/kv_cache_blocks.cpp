@@ -50,7 +50,9 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
     for (BlockId b = config.num_tier3_blocks; b-- > 0;) tier3_free.push_back(b);
     root_key = root_digest(config.plan_digest);
     node_digests.assign(nodes.size(), BlockDigest{});
+    node_tier3.assign(nodes.size(), NodeTier3{});
   }
+  node_clock.assign(nodes.size(), NodeClock{});
 }
 
 NodeId KVCacheManager::Impl::find_child(NodeId parent, uint64_t hash, const TokenId* token_ids,
@@ -92,7 +94,7 @@ void KVCacheManager::Impl::add_child(NodeId parent, NodeId n) {
   x.prev_sibling = kNoNode;
   ++p.num_children;
   if (x.pool == PoolKind::kPrimary) ++p.num_primary_children;
-  if (in_tier3(n)) ++p.num_tier3_children;
+  if (in_tier3(n)) ++node_tier3[parent].num_tier3_children;
   x.next_sibling = p.first_child;
   if (p.first_child != kNoNode) nodes[p.first_child].prev_sibling = n;
   p.first_child = n;
@@ -100,9 +102,9 @@ void KVCacheManager::Impl::add_child(NodeId parent, NodeId n) {
 
 // A new node for block `block` of `pool` below parent: keyed, indexed, in the tree. The callers
 // set what depends on how it came (computed by a sequence, or found in the remote store).
-NodeId KVCacheManager::Impl::insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
+inline NodeId KVCacheManager::Impl::insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
                                          const ExtraId* extra_ids, uint64_t lora_task_id, uint64_t cache_salt,
-                                         PoolKind pool, BlockId block, int32_t priority) {
+                                         uint64_t identity, PoolKind pool, BlockId block, int32_t priority) {
   const NodeId n = free_node_ids.back();
   free_node_ids.pop_back();
   Node& x = nodes[n];
@@ -126,8 +128,7 @@ NodeId KVCacheManager::Impl::insert_node(NodeId parent, uint64_t hash, const Tok
   add_child(parent, n);
   key_index.insert(hash, n);
   if (config.enable_partial_reuse) {
-    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0],
-                                key_identity(lora_task_id, cache_salt));
+    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], identity);
     const int32_t num_siblings = nodes[parent].num_children - 1;
     if (parent == root || num_siblings > 0) index_partial(n);
     if (parent != root && num_siblings == 1 && !nodes[x.next_sibling].in_partial_index) {
@@ -140,10 +141,10 @@ NodeId KVCacheManager::Impl::insert_node(NodeId parent, uint64_t hash, const Tok
 NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
                                         const ExtraId* extra_ids, const Sequence& seq, SequenceId seq_id,
                                         BlockId block, const BlockRetention& retention) {
-  const NodeId n = insert_node(parent, hash, token_ids, extra_ids, seq.lora_task_id, seq.cache_salt,
+  const NodeId n = insert_node(parent, hash, token_ids, extra_ids, seq.lora_task_id, seq.cache_salt, seq.identity,
                                PoolKind::kPrimary, block, retention.priority);
   Node& x = nodes[n];
-  x.duration_ms = retention.duration_ms;
+  set_retention(n, retention);
   x.owner_running = true;
   x.owner = seq_id;
   ++stats.tiers[static_cast<int>(PoolKind::kPrimary)].stored_blocks;
@@ -159,8 +160,9 @@ NodeId KVCacheManager::Impl::store_discovered_node(NodeId parent, uint64_t hash,
                                                    const ExtraId* extra_ids, const SequenceSpec& spec,
                                                    const BlockDigest& digest, BlockId block, int32_t priority) {
   const NodeId n = insert_node(parent, hash, token_ids, extra_ids, spec.lora_task_id, spec.cache_salt,
-                               PoolKind::kSecondary, block, priority);
+                               key_identity(spec.lora_task_id, spec.cache_salt), PoolKind::kSecondary, block, priority);
   node_digests[n] = digest;
+  set_retention(n, BlockRetention{priority, -1, false});
   lru_push(n);
   emit_event(KvCacheEventKind::kStored, n, true);
   return n;
@@ -174,9 +176,9 @@ void KVCacheManager::Impl::release_lower_block(NodeId n) {
   } else if (in_tier3(n)) {
     tier3_node[x.block_id] = kNoNode;
     tier3_free.push_back(x.block_id);  // adopted without a copy: nothing reads the slot
-    --nodes[x.parent].num_tier3_children;
+    --node_tier3[x.parent].num_tier3_children;
   }
-  x.from_tier3 = false;
+  if (has_t3) node_tier3[n].from_tier3 = false;
 }
 
 void KVCacheManager::Impl::move_to_primary(NodeId n, BlockId block) {
@@ -186,7 +188,7 @@ void KVCacheManager::Impl::move_to_primary(NodeId n, BlockId block) {
   x.pool = PoolKind::kPrimary;
   x.block_id = block;
   x.pinned = false;
-  x.expires_at_ms = kNever;  // referenced: its retention clock stops
+  stop_retention_clock(n);  // referenced: its retention clock stops
   primary_node[block] = n;
   ++nodes[x.parent].num_primary_children;
   on_child_held(x.parent);  // the caller referenced its block: held from the start
@@ -198,7 +200,7 @@ void KVCacheManager::Impl::ref_block(BlockId b) {
     const NodeId n = primary_node[b];
     if (n != kNoNode) {
       lru_remove(n);
-      nodes[n].expires_at_ms = kNever;  // referenced: its retention clock stops
+      stop_retention_clock(n);  // referenced: its retention clock stops
       on_referenced(n);
     }
   }
@@ -213,7 +215,7 @@ void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
       primary_free.push_back(b);
     } else {
       lru_push(n);
-      start_retention_clock(n);
+      if (uses_durations) start_retention_clock(n);
       on_unreferenced(n);
     }
   }

@@ -66,11 +66,10 @@ bool KVCacheManager::Impl::spill(NodeId victim) {
   secondary_free.push_back(host);
   x.pool = t3;
   x.block_id = dst;
-  x.from_tier3 = false;
+  node_tier3[victim].from_tier3 = false;
   tier3_node[dst] = victim;
-  ++nodes[x.parent].num_tier3_children;
+  ++node_tier3[x.parent].num_tier3_children;
   lru_push(victim);
-  ++stats.tiers[static_cast<int>(t3)].stored_blocks;
   ++stats.tier3_traffic.spilled_blocks;
   return true;
 }
@@ -100,7 +99,7 @@ NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
     for (NodeId n = l.head[p]; n != kNoNode; n = nodes[n].lru_next) {
       const Node& x = nodes[n];
       const int32_t num_blocking = pool == PoolKind::kPrimary     ? x.num_primary_children
-                                   : pool == PoolKind::kSecondary ? x.num_children - x.num_tier3_children
+                                   : pool == PoolKind::kSecondary ? x.num_children - (has_t3 ? node_tier3[n].num_tier3_children : 0)
                                                                   : x.num_children;
       if (!x.pinned && num_blocking == 0) return n;
     }
@@ -181,7 +180,6 @@ int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockI
     x.lru_stamp = ++lru_clock;
     ++stats.offloaded_blocks;
     stats.num_offloaded_tokens += tpb;
-    ++stats.tiers[static_cast<int>(PoolKind::kSecondary)].stored_blocks;
     emit_event(KvCacheEventKind::kOffloaded, v, false);
     primary_refcount[block] = 1;
     ++num_used_primary;
@@ -247,7 +245,6 @@ BlockId KVCacheManager::Impl::evict_primary(NodeId victim) {
       lru_push(victim);
       ++stats.offloaded_blocks;
       stats.num_offloaded_tokens += tpb;
-      ++stats.tiers[static_cast<int>(PoolKind::kSecondary)].stored_blocks;
       emit_event(KvCacheEventKind::kOffloaded, victim, false);
       return block;
     }

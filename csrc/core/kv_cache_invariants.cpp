@@ -23,6 +23,25 @@ CacheStats KVCacheManager::stats() const {
   s.tier3.num_blocks = m.has_t3 ? m.config.num_tier3_blocks : 0;
   s.tier3.num_free_blocks = static_cast<int32_t>(m.tier3_free.size() + m.tier3_fetched.size());
   s.tier3.num_cached_blocks = s.tier3.num_blocks - s.tier3.num_free_blocks;
+  // Per tier, from the counters kept (primary arrivals, evictions, third-tier hits) and the rest.
+  TierStats& primary = s.tiers[static_cast<int>(PoolKind::kPrimary)];
+  TierStats& host = s.tiers[static_cast<int>(PoolKind::kSecondary)];
+  const int64_t third_hits = m.has_t3 ? s.tiers[static_cast<int>(m.t3)].hit_blocks : 0;
+  const int64_t spilled_tokens = s.tier3_traffic.spilled_blocks * m.tpb;
+  const int64_t partial_tokens = m.tier_counters.partial_primary_tokens;
+  primary.hit_blocks = s.reused_blocks - s.onboarded_blocks;
+  primary.num_tokens_in = s.num_onboarded_tokens + partial_tokens;
+  primary.num_tokens_out = s.num_offloaded_tokens + partial_tokens;
+  host.hit_blocks = s.onboarded_blocks - third_hits;
+  host.stored_blocks = s.offloaded_blocks + s.tier3_traffic.staged_blocks;
+  host.num_tokens_in = s.num_offloaded_tokens + m.tier_counters.fetch_tokens;
+  host.num_tokens_out = s.num_onboarded_tokens + spilled_tokens;
+  if (m.has_t3) {
+    TierStats& third = s.tiers[static_cast<int>(m.t3)];
+    third.stored_blocks = s.tier3_traffic.spilled_blocks;
+    third.num_tokens_in = spilled_tokens;
+    third.num_tokens_out = m.tier_counters.fetch_tokens;
+  }
   return s;
 }
 
@@ -107,7 +126,7 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
     }
   }
   for (const auto& fetch : m.staging) {
-    if (!m.nodes[fetch.node].live || !m.nodes[fetch.node].staging || m.nodes[fetch.node].pool != PoolKind::kSecondary ||
+    if (!m.nodes[fetch.node].live || !m.node_tier3[fetch.node].staging || m.nodes[fetch.node].pool != PoolKind::kSecondary ||
         m.nodes[fetch.node].block_id != fetch.host_block) {
       fail("staged fetch into host block " + s(fetch.host_block) + " has no staging node there");
     }
@@ -128,7 +147,8 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
     ++num_live;
     static const char* const pool_names[] = {" primary)", " secondary)", " disk)", " remote)"};
     const std::string name = "node " + s(n) + " (block " + s(x.block_id) + pool_names[static_cast<int>(x.pool)];
-    if (x.pinned != x.staging) fail(name + (x.pinned ? " is still pinned between calls" : " is staging but not pinned"));
+    const bool staging = m.has_t3 && m.node_tier3[n].staging;
+    if (x.pinned != staging) fail(name + (x.pinned ? " is still pinned between calls" : " is staging but not pinned"));
     if (x.pool == PoolKind::kPrimary) {
       if (x.block_id < 0 || x.block_id >= num_primary || m.primary_node[x.block_id] != n) fail(name + " and its primary block disagree");
     } else if (x.pool == PoolKind::kSecondary) {
@@ -138,7 +158,9 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
     } else if (!m.in_tier3(n) || x.block_id < 0 || x.block_id >= num_tier3 || m.tier3_node[x.block_id] != n) {
       fail(name + " and its third-tier slot disagree");
     }
-    if (x.from_tier3 && x.pool != PoolKind::kSecondary) fail(name + " is marked staged from the third tier outside the host tier");
+    if (m.has_t3 && m.node_tier3[n].from_tier3 && x.pool != PoolKind::kSecondary) {
+      fail(name + " is marked staged from the third tier outside the host tier");
+    }
     if (x.parent < 0 || x.parent >= num_slots || !m.nodes[x.parent].live) {
       fail(name + " has a parent that is not in the tree");
       continue;
@@ -187,7 +209,8 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
       ++listed;
     }
     if (listed != children[n] || x.num_children != children[n] || x.num_primary_children != primary_children[n] ||
-        x.num_tier3_children != tier3_children[n] || (n != root && x.num_held_children != held_children[n])) {
+        (m.has_t3 && m.node_tier3[n].num_tier3_children != tier3_children[n]) ||
+        (n != root && x.num_held_children != held_children[n])) {
       fail("node " + s(n) + " has wrong child counts (" + s(x.num_children) + "/" + s(x.num_primary_children) + "/" +
            s(x.num_held_children) + " kept, " + s(children[n]) + "/" + s(primary_children[n]) + "/" +
            s(held_children[n]) + " counted)");

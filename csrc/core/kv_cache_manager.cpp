@@ -298,12 +298,10 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   // Share the primary blocks first: referenced, they are out of the eviction candidates.
   seq.block_ids.reserve(std::max<int32_t>(m.blocks_for(num_tokens), static_cast<int32_t>(match.nodes.size()) + 1));
   for (NodeId n : match.nodes) {
-    Impl::Node& x = m.nodes[n];
-    if (x.pool == PoolKind::kPrimary) {
-      m.ref_block(x.block_id);
-      ++m.stats.tiers[static_cast<int>(PoolKind::kPrimary)].hit_blocks;
-    } else {
-      ++m.stats.tiers[static_cast<int>(x.from_tier3 ? m.t3 : PoolKind::kSecondary)].hit_blocks;
+    if (m.nodes[n].pool == PoolKind::kPrimary) {
+      m.ref_block(m.nodes[n].block_id);
+    } else if (m.has_t3 && m.node_tier3[n].from_tier3) {
+      ++m.stats.tiers[static_cast<int>(m.t3)].hit_blocks;  // staged from the third tier for this
     }
   }
   // Then onboard host blocks in chain order (a parent is primary before its child arrives).
@@ -329,7 +327,11 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
     const BlockId dst = m.take_new_primary_block();
     Impl::Node& src = m.nodes[match.partial_source];
     m.emit_copy(src.pool, src.block_id, PoolKind::kPrimary, dst, match.num_partial_tokens);
-    if (src.pool == PoolKind::kSecondary) m.stats.num_onboarded_tokens += match.num_partial_tokens;
+    if (src.pool == PoolKind::kSecondary) {
+      m.stats.num_onboarded_tokens += match.num_partial_tokens;
+    } else {
+      m.tier_counters.partial_primary_tokens += match.num_partial_tokens;
+    }
     src.pinned = false;
     seq.block_ids.push_back(dst);
     ++m.stats.partial_reused_blocks;
@@ -459,6 +461,7 @@ std::vector<KvCacheEvent> KVCacheManager::take_events() {
 
 void KVCacheManager::reset_stats() {
   impl_->stats = CacheStats{};
+  impl_->tier_counters = Impl::TierCounters{};
 }
 
 }  // namespace kvtool

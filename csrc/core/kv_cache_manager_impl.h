@@ -33,7 +33,6 @@ struct KVCacheManager::Impl {
     int32_t num_children = 0;
     int32_t num_primary_children = 0;
     int32_t num_held_children = 0;  // primary children that are held (see is_held)
-    int32_t num_tier3_children = 0; // children in the third tier
     BlockId block_id = kNoBlock;
     uint32_t generation = 0;        // bumped when the slot is freed, so stale NodeIds are detected
     uint8_t priority = kDefaultPriority;
@@ -44,14 +43,22 @@ struct KVCacheManager::Impl {
     bool has_extras = false;        // some extra id of the block is non-zero
     bool owner_running = false;     // the sequence that computed it still references it (early reuse)
     bool in_partial_index = false;
-    bool from_tier3 = false;        // staged from the third tier into the host tier, not reused since
-    bool staging = false;           // its fetch is not confirmed yet (complete_staging)
     uint64_t lora_task_id = 0;
     uint64_t cache_salt = 0;
     SequenceId owner = 0;           // the sequence that computed it
     uint64_t lru_stamp = 0;         // when it last entered an LRU list (tie-break of partial sources)
-    int64_t duration_ms = -1;       // its priority reverts this long after its release; -1: never
-    int64_t expires_at_ms = kNever; // when it reverts (set while unreferenced)
+  };
+  // A node's third-tier state, beside it: the manager without a third tier never touches it.
+  struct NodeTier3 {
+    int32_t num_tier3_children = 0;  // children in the third tier
+    bool from_tier3 = false;         // staged from the third tier into the host tier, not reused since
+    bool staging = false;            // its fetch is not confirmed yet (complete_staging)
+  };
+  // A node's retention clock, beside it: read only once some range gave a duration
+  // (uses_durations), so the release and reuse of blocks touch no more memory than before.
+  struct NodeClock {
+    int64_t duration_ms = -1;        // its priority reverts this long after its release; -1: never
+    int64_t expires_at_ms = kNever;  // when it reverts (set while unreferenced)
   };
 
   // One list per retention priority, least recently used first.
@@ -157,8 +164,10 @@ struct KVCacheManager::Impl {
     partial_index.insert(nodes[n].partial_key, n);
     nodes[n].in_partial_index = true;
   }
-  NodeId insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
-                     uint64_t lora_task_id, uint64_t cache_salt, PoolKind pool, BlockId block, int32_t priority);
+  // Inline (kv_cache_blocks.cpp, its only user): storing computed blocks is the manager's hot path.
+  inline NodeId insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
+                     uint64_t lora_task_id, uint64_t cache_salt, uint64_t identity, PoolKind pool, BlockId block,
+                     int32_t priority);
   NodeId store_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
                     const Sequence& seq, SequenceId seq_id, BlockId block, const BlockRetention& retention);
   // A node for a block found in the remote store, in host block `block` (stage_tier3).
@@ -171,8 +180,6 @@ struct KVCacheManager::Impl {
   void unref_block(BlockId b, SequenceId seq_id);
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens) {
     copy_ops.push_back(CopyOp{src_pool, src, dst_pool, dst, num_tokens});
-    stats.tiers[static_cast<int>(src_pool)].num_tokens_out += num_tokens;
-    stats.tiers[static_cast<int>(dst_pool)].num_tokens_in += num_tokens;
   }
   void emit_tier3_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, const BlockDigest& key) {
     emit_copy(src_pool, src, dst_pool, dst, tpb);
@@ -209,21 +216,33 @@ struct KVCacheManager::Impl {
   static constexpr size_t kForecastDistance = 12;  // drops between a bucket prefetch and its use
 
   // ---- retention (kv_cache_retention.cpp) ----
-  BlockRetention block_retention(const std::vector<RetentionRange>& ranges, int32_t priority, int64_t block) const;
+  // The range holding the block's first token decides (TensorRT-LLM's per-block rule).
+  BlockRetention block_retention(const std::vector<RetentionRange>& ranges, int32_t priority, int64_t block) const {
+    const int64_t first = block * tpb;
+    for (const RetentionRange& r : ranges) {
+      if (first < r.token_start) break;  // sorted: no later range holds it either
+      if (r.token_end < 0 || first < r.token_end) return BlockRetention{r.priority, r.duration_ms, true};
+    }
+    return BlockRetention{priority, -1, false};
+  }
   void set_retention(NodeId n, const BlockRetention& r) {
     nodes[n].priority = static_cast<uint8_t>(r.priority);
-    nodes[n].duration_ms = r.duration_ms;
-    nodes[n].expires_at_ms = kNever;
+    if (r.duration_ms >= 0) uses_durations = true;
+    if (uses_durations) node_clock[n] = NodeClock{r.duration_ms, kNever};
   }
-  void start_retention_clock(NodeId n);  // the node was released: its priority's duration starts
+  void stop_retention_clock(NodeId n) {  // referenced again
+    if (uses_durations) node_clock[n].expires_at_ms = kNever;
+  }
+  void start_retention_clock(NodeId n);  // the node was released: its priority's duration starts (uses_durations)
   void expire_retention();               // priorities whose time is up revert to kDefaultPriority
 
   // ---- the third tier (kv_cache_tier3.cpp) ----
   bool in_tier3(NodeId n) const { return has_t3 && nodes[n].pool == t3; }
-  // In the primary or host tier and not being staged: a prompt can share or onboard it.
+  // In the primary or host tier and not being staged: a prompt can share or onboard it (with a
+  // third tier; without one every node is).
   bool is_local(NodeId n) const {
     const Node& x = nodes[n];
-    return (x.pool == PoolKind::kPrimary || x.pool == PoolKind::kSecondary) && !x.staging;
+    return (x.pool == PoolKind::kPrimary || x.pool == PoolKind::kSecondary) && !node_tier3[n].staging;
   }
   const BlockDigest& digest_of(NodeId n) const { return n == root ? root_key : node_digests[n]; }
   // The prompt's leading blocks in the primary or host tier (`local`), then its matchable blocks
@@ -299,6 +318,7 @@ struct KVCacheManager::Impl {
   // The third tier (config.tier3_pool): slots of the disk files, or entries of the remote index.
   bool has_t3 = false;
   PoolKind t3 = PoolKind::kDisk;
+  std::vector<NodeTier3> node_tier3;       // [nodes], with a third tier
   std::vector<NodeId> tier3_node;          // [num_tier3_blocks]
   std::vector<BlockId> tier3_free;         // stack
   std::vector<BlockId> tier3_fetched;      // freed by a fetch since the last take_copy_ops (deferred)
@@ -308,6 +328,8 @@ struct KVCacheManager::Impl {
   std::vector<StagedFetch> staging;        // the open staging's fetches (empty: none open)
   // Retention: the manager's clock (set_time) and the priorities due to revert.
   int64_t now_ms = 0;
+  bool uses_durations = false;             // some block got a duration: node_clock is kept
+  std::vector<NodeClock> node_clock;       // [nodes]
   std::vector<Expiry> expiry_heap;         // min-heap by expires_at_ms
   int32_t num_unheld_primary = 0;          // primary nodes not held: evictable, part of num_available
   int32_t num_used_primary = 0;            // primary blocks with refcount > 0
@@ -318,6 +340,12 @@ struct KVCacheManager::Impl {
   NodeId scout_bucket = kNoNode;           // next node whose index buckets to load
   int32_t scout_steps_left = 0;            // buckets still worth loading (drops to come)
   std::vector<CopyOp> copy_ops;
+  // Besides `stats`, what stats() derives the per-tier figures from (the copies themselves are
+  // not counted one by one: a full cache offloads a block per block it hands out).
+  struct TierCounters {
+    int64_t partial_primary_tokens = 0;  // partial copies within the primary pool
+    int64_t fetch_tokens = 0;            // third tier -> host, emitted
+  } tier_counters;
   std::deque<KvCacheEvent> events;
   int64_t next_event_id = 0;
   CacheStats stats;
@@ -371,7 +399,7 @@ inline void KVCacheManager::Impl::remove_child(NodeId n) {
   if (x.next_sibling != kNoNode) nodes[x.next_sibling].prev_sibling = x.prev_sibling;
   --p.num_children;
   if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
-  if (in_tier3(n)) --p.num_tier3_children;
+  if (in_tier3(n)) --node_tier3[x.parent].num_tier3_children;
   x.prev_sibling = x.next_sibling = kNoNode;
 }
 

@@ -39,38 +39,27 @@ void validate_retention(const std::vector<RetentionRange>& ranges) {
   }
 }
 
-// The range holding the block's first token decides (TensorRT-LLM's per-block rule).
-KVCacheManager::Impl::BlockRetention KVCacheManager::Impl::block_retention(const std::vector<RetentionRange>& ranges,
-                                                                           int32_t priority, int64_t block) const {
-  const int64_t first = block * tpb;
-  for (const RetentionRange& r : ranges) {
-    if (first < r.token_start) break;  // sorted: no later range holds it either
-    if (r.token_end < 0 || first < r.token_end) return BlockRetention{r.priority, r.duration_ms, true};
-  }
-  return BlockRetention{priority, -1, false};
-}
-
 // The clock of a priority with a duration starts when its block is released (as TensorRT-LLM's
 // eviction policy does on each release); a sequence referencing it again stops it.
 void KVCacheManager::Impl::start_retention_clock(NodeId n) {
-  Node& x = nodes[n];
-  if (x.duration_ms < 0 || x.priority == kDefaultPriority) return;
-  x.expires_at_ms = x.duration_ms > kNever - now_ms ? kNever : now_ms + x.duration_ms;
-  if (x.expires_at_ms == kNever) return;
+  NodeClock& c = node_clock[n];
+  if (c.duration_ms < 0 || nodes[n].priority == kDefaultPriority) return;
+  c.expires_at_ms = c.duration_ms > kNever - now_ms ? kNever : now_ms + c.duration_ms;
+  if (c.expires_at_ms == kNever) return;
   // Stale entries (a node referenced again, released again, dropped) are skipped when popped; the
   // heap is rebuilt from the live nodes before they outnumber them.
   if (expiry_heap.size() > 2 * nodes.size() + 64) {
     expiry_heap.clear();
     for (NodeId m = 0; m < static_cast<NodeId>(nodes.size()); ++m) {
-      if (m != n && nodes[m].live && nodes[m].expires_at_ms != kNever) {
-        expiry_heap.push_back(Expiry{nodes[m].expires_at_ms, m, nodes[m].generation});
+      if (m != n && nodes[m].live && node_clock[m].expires_at_ms != kNever) {
+        expiry_heap.push_back(Expiry{node_clock[m].expires_at_ms, m, nodes[m].generation});
       }
     }
     std::make_heap(expiry_heap.begin(), expiry_heap.end(), [](const Expiry& a, const Expiry& b) {
       return a.expires_at_ms > b.expires_at_ms;
     });
   }
-  expiry_heap.push_back(Expiry{x.expires_at_ms, n, x.generation});
+  expiry_heap.push_back(Expiry{c.expires_at_ms, n, nodes[n].generation});
   std::push_heap(expiry_heap.begin(), expiry_heap.end(),
                  [](const Expiry& a, const Expiry& b) { return a.expires_at_ms > b.expires_at_ms; });
 }
@@ -86,20 +75,21 @@ void KVCacheManager::Impl::expire_retention() {
     const Expiry e = expiry_heap.back();
     expiry_heap.pop_back();
     const Node& x = nodes[e.node];
-    if (x.live && x.generation == e.generation && x.expires_at_ms == e.expires_at_ms) due.push_back(e.node);
+    if (x.live && x.generation == e.generation && node_clock[e.node].expires_at_ms == e.expires_at_ms) {
+      due.push_back(e.node);
+    }
   }
   std::sort(due.begin(), due.end(), [&](NodeId a, NodeId b) {
-    const Node &x = nodes[a], &y = nodes[b];
-    return x.expires_at_ms != y.expires_at_ms ? x.expires_at_ms < y.expires_at_ms : x.lru_stamp < y.lru_stamp;
+    const int64_t ta = node_clock[a].expires_at_ms, tb = node_clock[b].expires_at_ms;
+    return ta != tb ? ta < tb : nodes[a].lru_stamp < nodes[b].lru_stamp;
   });
   for (NodeId n : due) {
     Node& x = nodes[n];
-    if (x.expires_at_ms == kNever) continue;  // a duplicate entry, applied already
+    if (node_clock[n].expires_at_ms == kNever) continue;  // a duplicate entry, applied already
     const bool listed = x.in_lru;
     if (listed) lru_remove(n);
     x.priority = static_cast<uint8_t>(kDefaultPriority);
-    x.duration_ms = -1;
-    x.expires_at_ms = kNever;
+    node_clock[n] = NodeClock{};
     if (listed) lru_push(n);
   }
 }

@@ -133,14 +133,15 @@ StageResult KVCacheManager::stage_tier3(const SequenceSpec& spec, int32_t num_pr
       m.lru_remove(n);
       m.tier3_node[slot] = kNoNode;
       m.tier3_fetched.push_back(slot);  // the fetch reads it: handed out after take_copy_ops
-      --m.nodes[x.parent].num_tier3_children;
+      --m.node_tier3[x.parent].num_tier3_children;
       x.pool = PoolKind::kSecondary;
       x.block_id = host;
       m.secondary_node[host] = n;
       m.lru_push(n);
     }
+    m.tier_counters.fetch_tokens += m.tpb;
     m.nodes[n].pinned = true;  // until complete_staging: neither matched nor evicted
-    m.nodes[n].staging = true;
+    m.node_tier3[n].staging = true;
     m.staging.push_back(Impl::StagedFetch{n, host});
     parent = n;
   }
@@ -175,13 +176,12 @@ void KVCacheManager::complete_staging(const std::vector<BlockId>& failed_host_bl
     first_failed = std::min(first_failed, static_cast<size_t>(it - m.staging.begin()));
   }
   for (size_t j = 0; j < m.staging.size(); ++j) {
-    Impl::Node& x = m.nodes[m.staging[j].node];
-    x.pinned = false;
-    x.staging = false;
+    const NodeId n = m.staging[j].node;
+    m.nodes[n].pinned = false;
+    m.node_tier3[n].staging = false;
     if (j < first_failed) {
-      x.from_tier3 = true;
+      m.node_tier3[n].from_tier3 = true;
       ++m.stats.tier3_traffic.staged_blocks;
-      ++m.stats.tiers[static_cast<int>(PoolKind::kSecondary)].stored_blocks;
     }
   }
   if (first_failed < m.staging.size()) {
