@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 from kvtool import _core
 
@@ -142,6 +143,79 @@ class SchedulerConfig:
             max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
 
 
+def _milliseconds(value: int | timedelta | None, owner: object, field_name: str) -> int | None:
+    """A duration as whole milliseconds (TensorRT-LLM takes a timedelta; an int is milliseconds)."""
+    if value is None:
+        return None
+    ms = round(value.total_seconds() * 1000) if isinstance(value, timedelta) else value
+    check(isinstance(ms, int) and not isinstance(ms, bool) and ms > 0, owner, field_name,
+          f"must be a positive number of milliseconds (or None: for ever), got {value!r}")
+    return ms
+
+
+@dataclass(frozen=True)
+class TokenRangeRetentionConfig:
+    """Retention of the prompt tokens [token_start, token_end) (TensorRT-LLM's name and fields): the
+    blocks whose first token lies there get ``priority`` (0..100); ``duration_ms`` (milliseconds or a
+    timedelta) after such a block was last released it reverts to the default 35. ``token_end`` None:
+    to the end of the prompt; ``duration_ms`` None: for ever."""
+
+    token_start: int
+    token_end: int | None
+    priority: int
+    duration_ms: int | timedelta | None = None
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.token_start, int) and self.token_start >= 0, self, "token_start",
+              f"must be a token position >= 0, got {self.token_start!r}")
+        check(self.token_end is None or (isinstance(self.token_end, int) and self.token_end > self.token_start),
+              self, "token_end", f"must be past token_start={self.token_start} (or None: to the end of the prompt), "
+              f"got {self.token_end!r}")
+        check(isinstance(self.priority, int) and 0 <= self.priority <= 100, self, "priority",
+              f"must be in 0..100, got {self.priority!r}")
+        object.__setattr__(self, "duration_ms", _milliseconds(self.duration_ms, self, "duration_ms"))
+
+
+@dataclass
+class KvCacheRetentionConfig:
+    """Per-request KV retention (TensorRT-LLM's KvCacheRetentionConfig): priorities of prompt token
+    ranges, sorted and not overlapping, and of the blocks of generated tokens
+    (``decode_retention_priority``; None: the request's ``priority``). Higher priorities are evicted
+    later in every tier, and a block below KvCacheConfig.secondary_offload_min_priority is dropped
+    instead of moving to a slower tier (docs/architecture.md#kv-cache-rules)."""
+
+    token_range_retention_configs: list[TokenRangeRetentionConfig] = field(default_factory=list)
+    decode_retention_priority: int | None = None
+    decode_duration_ms: int | timedelta | None = None
+
+    def __post_init__(self) -> None:
+        ranges = self.token_range_retention_configs
+        check(all(isinstance(r, TokenRangeRetentionConfig) for r in ranges), self,
+              "token_range_retention_configs", "must be a list of TokenRangeRetentionConfig")
+        for before, after in zip(ranges, ranges[1:]):
+            check(before.token_end is not None and before.token_end <= after.token_start, self,
+                  "token_range_retention_configs",
+                  f"has overlapping or unsorted ranges ({before.token_start}..{before.token_end} then "
+                  f"{after.token_start}..{after.token_end}): sort them by token_start, each ending before the next")
+        check(self.decode_retention_priority is None or 0 <= self.decode_retention_priority <= 100, self,
+              "decode_retention_priority", f"must be in 0..100 (or None), got {self.decode_retention_priority!r}")
+        self.decode_duration_ms = _milliseconds(self.decode_duration_ms, self, "decode_duration_ms")
+
+    def to_core(self, num_prompt_tokens: int) -> list[_core.RetentionRange]:
+        """The C++ manager's ranges for a prompt of ``num_prompt_tokens`` tokens: the prompt ranges
+        (an open one ends with the prompt), then the generated tokens' range when it differs from
+        the request's priority."""
+        out = []
+        for r in self.token_range_retention_configs:
+            end = num_prompt_tokens if r.token_end is None else min(r.token_end, num_prompt_tokens)
+            if r.token_start < end:
+                out.append(_core.RetentionRange(r.token_start, end, r.priority, r.duration_ms))
+        if self.decode_retention_priority is not None:
+            out.append(_core.RetentionRange(num_prompt_tokens, None, self.decode_retention_priority,
+                                            self.decode_duration_ms))
+        return out
+
+
 @dataclass
 class SamplingParams:
     """How to sample. ``temperature=0`` is greedy; ``ignore_eos`` generates exactly ``max_tokens``."""
@@ -157,6 +231,8 @@ class SamplingParams:
     cache_salt: str | None = None
     lora_task_id: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    # Priorities of token ranges of this request's KV (None: ``priority`` for every block).
+    kv_cache_retention_config: KvCacheRetentionConfig | None = None
 
     def __post_init__(self) -> None:
         check(self.max_tokens >= 1, self, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -164,6 +240,9 @@ class SamplingParams:
         check(0.0 < self.top_p <= 1.0, self, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, self, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         check(0 <= self.priority <= 100, self, "priority", f"must be in 0..100, got {self.priority}")
+        check(self.kv_cache_retention_config is None or isinstance(self.kv_cache_retention_config,
+                                                                   KvCacheRetentionConfig),
+              self, "kv_cache_retention_config", "must be a KvCacheRetentionConfig or None")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

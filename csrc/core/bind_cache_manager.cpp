@@ -3,6 +3,7 @@
 // Its configuration, results, counters and events bind themselves (bind_cache_*.cpp, bind_copy_ops.cpp).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -60,16 +61,21 @@ void bind_sequences(ManagerClass& c) {
   c.def(
        "add_sequence",
        [](KVCacheManager& self, SequenceId seq_id, IntArrayLike token_ids, int32_t num_tokens,
-          IntArrayLike extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority) {
-         return self.add_sequence(seq_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority),
-                                  num_tokens);
+          IntArrayLike extra_ids, uint64_t lora_task_id, uint64_t cache_salt, int32_t priority,
+          std::optional<std::vector<RetentionRange>> retention) {
+         return self.add_sequence(
+             seq_id,
+             to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority,
+                              retention ? std::move(*retention) : std::vector<RetentionRange>{}),
+             num_tokens);
        },
        "seq_id"_a, "token_ids"_a, "num_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
-       "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
+       "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority, "retention"_a = nb::none(),
        "Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 "
        "per token or None), shares its longest cached prefix (onboarding host blocks, copying a "
        "partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. "
-       "priority (0..100) is the retention priority of the blocks it computes. Raises ValueError "
+       "priority (0..100) is the retention priority of the blocks it computes, retention (RetentionRange "
+       "list) that of token ranges, shared blocks included. Raises ValueError "
        "for bad input or a known seq_id, RuntimeError when blocks lack (nothing changes then).")
       .def("can_allocate", &KVCacheManager::can_allocate, "seq_id"_a, "num_tokens"_a,
            "Whether allocate(seq_id, num_tokens) would find enough blocks. KeyError for an unknown id.")
@@ -99,7 +105,12 @@ void bind_sequences(ManagerClass& c) {
 // What the manager hands out: the copies to run, its events, its counters and its self-check.
 void bind_outputs(ManagerClass& c) {
   c.def(
-       "take_copy_ops", [](KVCacheManager& self) { return CopyOpArrays{self.take_copy_ops()}; },
+       "take_copy_ops",
+       [](KVCacheManager& self) {
+         CopyOpArrays out;
+         out.ops = self.take_copy_ops(&out.tier3_keys);
+         return out;
+       },
        "Copy operations emitted since the last call, as CopyOpArrays, in the order they must run.")
       .def("take_events", &KVCacheManager::take_events, "KV cache events recorded since the last call.")
       .def("stats", &KVCacheManager::stats, "Counters and pool occupancy.")

@@ -11,6 +11,7 @@
 #include "kv_cache_types.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace kvtool {
 
@@ -55,19 +56,36 @@ void bind_miss_reasons(nb::module_& m) {
   for (size_t k = 0; k < std::size(kMissReasonFields); ++k) {
     miss_reasons.def_ro(kMissReasonFields[k].name, kMissReasonFields[k].count, miss_reason_docs[k]);
   }
+  const char* const tier3_miss_reason_docs[] = {
+      "Spilled to the disk tier, then dropped from it.",
+      "Spilled to the remote store, then dropped from the manager's index or gone from the store.",
+      "Staging it from the third tier failed (read error, store down or slow, a value that does not verify).",
+      "In the third tier, but not staged into the host tier before the request was added.",
+  };
+  static_assert(std::size(kTier3MissReasonFields) == std::size(tier3_miss_reason_docs), "one docstring per reason");
+  for (size_t k = 0; k < std::size(kTier3MissReasonFields); ++k) {
+    miss_reasons.def_ro(kTier3MissReasonFields[k].name, kTier3MissReasonFields[k].count, tier3_miss_reason_docs[k]);
+  }
   miss_reasons.def(nb::init<>(), "Every count 0.")
       .def_prop_ro("total", &MissReasons::total, "Missed blocks, every reason.")
       .def(
           "to_dict",
-          [](const MissReasons& r) {
+          [](const MissReasons& r, bool tier3) {
             nb::dict d;
             for (const auto& field : kMissReasonFields) d[field.name] = r.*field.count;
+            for (const auto& field : kTier3MissReasonFields) {
+              if (tier3) d[field.name] = r.*field.count;
+            }
             return d;
           },
-          "{reason: blocks}, every reason in declaration order.")
+          nb::kw_only(), "tier3"_a = false,
+          "{reason: blocks}, every reason in declaration order; the third tier's too with tier3=True.")
       .def("__eq__",
            [](const MissReasons& a, const MissReasons& b) {
              for (const auto& field : kMissReasonFields) {
+               if (a.*field.count != b.*field.count) return false;
+             }
+             for (const auto& field : kTier3MissReasonFields) {
                if (a.*field.count != b.*field.count) return false;
              }
              return true;
@@ -77,6 +95,9 @@ void bind_miss_reasons(nb::module_& m) {
         for (const auto& field : kMissReasonFields) {
           if (out.back() != '(') out += ", ";
           out += std::string(field.name) + "=" + std::to_string(r.*field.count);
+        }
+        for (const auto& field : kTier3MissReasonFields) {  // shown only when a third tier missed some
+          if (r.*field.count != 0) out += ", " + std::string(field.name) + "=" + std::to_string(r.*field.count);
         }
         return out + ")";
       });

@@ -12,6 +12,7 @@
 #include "kv_cache_types.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 
 namespace kvtool {
 
@@ -19,12 +20,15 @@ namespace {
 
 // Every counter under one flat name: miss reasons as missed_<reason>_blocks, pool fields prefixed
 // primary_ / secondary_.
-nb::dict stats_dict(const CacheStats& s) {
+nb::dict stats_dict(const CacheStats& s, bool tier3) {
   nb::dict d;
   d["reused_blocks"] = s.reused_blocks;
   d["missed_blocks"] = s.missed_blocks;
   for (const auto& field : kMissReasonFields) {
     d[("missed_" + std::string(field.name) + "_blocks").c_str()] = s.missed.*field.count;
+  }
+  for (const auto& field : kTier3MissReasonFields) {
+    if (tier3) d[("missed_" + std::string(field.name) + "_blocks").c_str()] = s.missed.*field.count;
   }
   d["cache_hit_rate"] = s.cache_hit_rate;
   d["early_reused_blocks"] = s.early_reused_blocks;
@@ -44,6 +48,23 @@ nb::dict stats_dict(const CacheStats& s) {
     d[(p + "_num_cached_blocks").c_str()] = pool->num_cached_blocks;
     d[(p + "_num_used_blocks").c_str()] = pool->num_used_blocks;
   }
+  d["tier3_num_blocks"] = s.tier3.num_blocks;
+  d["tier3_num_free_blocks"] = s.tier3.num_free_blocks;
+  d["tier3_num_cached_blocks"] = s.tier3.num_cached_blocks;
+  for (int pool = 0; pool < kNumPools; ++pool) {
+    const std::string p = pool == 0 ? "primary" : pool == 1 ? "secondary" : pool == 2 ? "disk" : "remote";
+    const TierStats& t = s.tiers[pool];
+    d[(p + "_hit_blocks").c_str()] = t.hit_blocks;
+    d[(p + "_stored_blocks").c_str()] = t.stored_blocks;
+    d[(p + "_evicted_blocks").c_str()] = t.evicted_blocks;
+    d[(p + "_num_tokens_in").c_str()] = t.num_tokens_in;
+    d[(p + "_num_tokens_out").c_str()] = t.num_tokens_out;
+  }
+  d["spilled_blocks"] = s.tier3_traffic.spilled_blocks;
+  d["staged_blocks"] = s.tier3_traffic.staged_blocks;
+  d["fetch_failed_blocks"] = s.tier3_traffic.fetch_failed_blocks;
+  d["lost_blocks"] = s.tier3_traffic.lost_blocks;
+  d["discovered_blocks"] = s.tier3_traffic.discovered_blocks;
   return d;
 }
 
@@ -81,9 +102,15 @@ void bind_cache_stats(nb::module_& m) {
               "Token slots copied secondary -> primary.")
       .def_ro("primary", &CacheStats::primary)
       .def_ro("secondary", &CacheStats::secondary)
-      .def("to_dict", &stats_dict,
-           "Flat dict of every counter (miss reasons as missed_<reason>_blocks, pool fields prefixed "
-           "primary_/secondary_), for reports.");
+      .def_ro("tier3", &CacheStats::tier3, "The third tier's slots (disk) or index entries (remote).")
+      .def_ro("tier3_traffic", &CacheStats::tier3_traffic, "Spills, stagings and failures of the third tier.")
+      .def(
+          "tier", [](const CacheStats& s, PoolKind pool) { return s.tiers[static_cast<int>(pool)]; }, "pool"_a,
+          "TierStats of one tier: hits, arrivals, evictions, token slots copied in and out.")
+      .def("to_dict", &stats_dict, nb::kw_only(), "tier3"_a = false,
+           "Flat dict of every counter (miss reasons as missed_<reason>_blocks, the third tier's with "
+           "tier3=True; pool fields prefixed primary_/secondary_/tier3_, per-tier ones "
+           "primary_/secondary_/disk_/remote_), for reports.");
 }
 
 void bind_cache_events(nb::module_& m) {

@@ -28,7 +28,11 @@ nb::ndarray<nb::numpy, const T, nb::ndim<1>> field_view(const CopyOpArrays& a, s
                                                       {static_cast<int64_t>(sizeof(CopyOp) / sizeof(T))});
 }
 
-const char* pool_name(PoolKind pool) { return pool == PoolKind::kPrimary ? "PRIMARY" : "SECONDARY"; }
+const char* pool_name(PoolKind pool) {
+  static const char* const names[] = {"PRIMARY", "SECONDARY", "DISK", "REMOTE"};
+  return names[static_cast<int>(pool)];
+}
+
 
 }  // namespace
 
@@ -66,6 +70,15 @@ void bind_copy_ops(nb::module_& m) {
       .def_prop_ro(
           "num_tokens", [](const CopyOpArrays& a) { return field_view<int32_t>(a, offsetof(CopyOp, num_tokens)); },
           nb::rv_policy::reference_internal, "int32 [num_ops]: tokens from the start of each block")
+      .def_prop_ro(
+          "tier3_keys",
+          [](const CopyOpArrays& a) {
+            nb::list keys;
+            for (const BlockDigest& k : a.tier3_keys) keys.append(nb::bytes(reinterpret_cast<const char*>(k.data()), k.size()));
+            return keys;
+          },
+          "list[bytes]: the 32-byte key of each operation into or out of the third tier (DISK / REMOTE), in "
+          "operation order.")
       .def("__len__", [](const CopyOpArrays& a) { return a.size(); })
       .def(
           "to_list", [](const CopyOpArrays& a) { return a.ops; },

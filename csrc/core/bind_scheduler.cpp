@@ -79,14 +79,18 @@ void bind_requests(SchedulerClass& c) {
        "add_request",
        [](Scheduler& self, int64_t request_id, IntArrayLike token_ids, int32_t max_new_tokens,
           IntArrayLike extra_ids,
-          uint64_t lora_task_id, uint64_t cache_salt, int32_t priority) {
-         self.add_request(request_id, to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority),
+          uint64_t lora_task_id, uint64_t cache_salt, int32_t priority,
+          std::optional<std::vector<RetentionRange>> retention) {
+         self.add_request(request_id,
+                          to_sequence_spec(token_ids, extra_ids, lora_task_id, cache_salt, priority,
+                                           retention ? std::move(*retention) : std::vector<RetentionRange>{}),
                           max_new_tokens);
        },
        "request_id"_a, "token_ids"_a, "max_new_tokens"_a, nb::kw_only(), "extra_ids"_a = nb::none(),
-       "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority,
+       "lora_task_id"_a = 0, "cache_salt"_a = 0, "priority"_a = kDefaultPriority, "retention"_a = nb::none(),
        "Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt "
-       "token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the "
+       "token, 0 for a normal token, or None), retention priority 0..100 and token ranges with their own "
+       "(RetentionRange list). Raises ValueError naming the "
        "request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than "
        "max_num_tokens without chunked context, a request larger than the primary pool, wrong "
        "extra_ids length or a known id.")

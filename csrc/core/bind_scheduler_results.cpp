@@ -20,7 +20,7 @@ PyScheduledBatch to_python(ScheduledBatch&& batch) {
   PyScheduledBatch out;
   out.step_id = batch.step_id;
   for (ScheduledRequest& sr : batch.requests) out.requests.append(nb::cast(std::move(sr)));
-  out.copy_ops = CopyOpArrays{std::move(batch.copy_ops)};
+  out.copy_ops = CopyOpArrays{std::move(batch.copy_ops), std::move(batch.copy_op_keys)};
   out.paused_request_ids = std::move(batch.paused_request_ids);
   out.num_tokens = batch.num_tokens;
   return out;

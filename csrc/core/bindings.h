@@ -28,6 +28,9 @@ void bind_cache_results(nanobind::module_& m);  // MatchResult, MissReasons, Add
 void bind_cache_stats(nanobind::module_& m);    // PoolStats, CacheStats (bind_cache_stats.cpp)
 void bind_cache_events(nanobind::module_& m);   // KvCacheEvent (bind_cache_stats.cpp)
 void bind_cache_manager(nanobind::module_& m);  // KVCacheManager (bind_cache_manager.cpp)
+void bind_retention(nanobind::module_& m);        // RetentionRange (bind_retention.cpp)
+void bind_retention_clock(nanobind::module_& m);  // KVCacheManager.set_time / time (bind_retention.cpp)
+void bind_tiers(nanobind::module_& m);            // the third tier's types and methods (bind_tiers.cpp)
 
 // Scheduler
 void bind_scheduler_config(nanobind::module_& m);   // policies, RequestState, SchedulerConfig (bind_scheduler_config.cpp)

@@ -193,6 +193,11 @@ void Scheduler::add_request(int64_t request_id, SequenceSpec prompt, int32_t max
   if (auto problem = s.prompt_problem(name, summarize_prompt(prompt, s.config.vocab_size), max_new_tokens)) {
     throw std::invalid_argument(*problem);
   }
+  try {
+    validate_retention(prompt.retention);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(name + ": " + e.what());
+  }
   const auto num_prompt_tokens = static_cast<int64_t>(prompt.token_ids.size());
   Request r;
   r.request_id = request_id;
@@ -226,7 +231,7 @@ ScheduledBatch Scheduler::schedule() {
   batch.step_id = s.next_step_id++;
   s.schedule_capacity(batch);
   s.form_micro_batch(batch);
-  batch.copy_ops = s.cache_manager.take_copy_ops();
+  batch.copy_ops = s.cache_manager.take_copy_ops(&batch.copy_op_keys);
 
   s.outstanding_work.clear();
   for (const ScheduledRequest& sr : batch.requests) {

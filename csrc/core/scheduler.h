@@ -54,6 +54,7 @@ struct ScheduledBatch {
   int64_t step_id = 0;
   std::vector<ScheduledRequest> requests;   // context chunks first, then generation requests
   std::vector<CopyOp> copy_ops;             // run these, in order, before the forward
+  std::vector<BlockDigest> copy_op_keys;    // the key of each copy into or out of the third tier
   std::vector<int64_t> paused_request_ids;  // paused this step (MAX_UTILIZATION)
   int32_t num_tokens = 0;                   // sum of token_ids sizes
 };

@@ -60,9 +60,11 @@ class Engine:
         request.request_id = request_id = next(self._request_ids)
         token_ids = self._checked_prompt(request, f"request {request_id}")
         params = request.sampling_params
+        retention = params.kv_cache_retention_config
         self.scheduler.add_request(request_id, token_ids, params.max_tokens, extra_ids=self._extra_ids(request),
                                    lora_task_id=params.lora_task_id, cache_salt=cache_salt_id(params.cache_salt),
-                                   priority=params.priority)
+                                   priority=params.priority,
+                                   retention=retention.to_core(len(token_ids)) if retention is not None else [])
         if request.arrival_time is None:
             request.arrival_time = self.clock()
         if request.detokenizer is None and params.stop and not params.ignore_eos and self.tokenizer is not None:
@@ -116,6 +118,8 @@ class Engine:
     def step(self) -> list[Request]:
         """Runs one step; returns the requests that produced a token in it (the token is the last
         of their output_token_ids; those that finished have a finish_reason)."""
+        # Retention durations run on the engine's clock (a simulated one in kvtool.simulate).
+        self.scheduler.cache_manager.set_time(int(self.clock() * 1000))
         batch = self.scheduler.schedule()
         sampling = [self._running[r.request_id] for r in batch.requests if r.samples]
         token_ids = self._execute(batch, sampling)
