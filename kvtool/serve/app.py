@@ -258,12 +258,12 @@ class _Response:
                 if stream.client_gone:
                     return  # nobody reads the rest
                 num_tokens = len(request.output_token_ids)
-                output_ids = request.output_token_ids[:num_tokens]
                 piece = self.text.delta(finished=finished)
                 reason = self._finish_reason() if finished else None
                 ids = {}
                 if self.body.return_token_ids:
-                    ids["token_ids"] = output_ids[num_sent:]
+                    # The new tokens only: slicing the whole output each step would copy O(n^2) ids.
+                    ids["token_ids"] = request.output_token_ids[num_sent:num_tokens]
                     if first:
                         ids["prompt_token_ids"] = list(request.prompt_token_ids)
                 if self.chat:
