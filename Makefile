@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-CORE_SOURCES := $(shell find csrc/core -type f) CMakeLists.txt pyproject.toml
+CORE_SOURCES := $(shell find csrc/core csrc/cpu -type f) CMakeLists.txt pyproject.toml
 OUT ?= out/gpu-check
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
@@ -53,6 +53,7 @@ demo: smollm2
 # Regenerate the committed type stubs of the C++ extension.
 stubs: setup
 	$(PY) -m nanobind.stubgen -m kvtool._core -o kvtool/_core.pyi
+	$(PY) -m nanobind.stubgen -m kvtool.cpu_kernels._kernels -o kvtool/cpu_kernels/_kernels.pyi
 
 bench: setup
 	$(PY) bench/cache_manager.py --output results/cache_manager.md

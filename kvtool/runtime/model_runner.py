@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtool.cpu_kernels import decoder as cpu_decoder
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs
 from kvtool.runtime.kv_pool import KvCachePools
@@ -35,6 +36,9 @@ class ModelRunner:
         self.device = device
         self.kv_caches = pools.layer_caches()
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        # On the CPU the model runs through kvtool's fused kernels where they apply (the ISA they
+        # use, e.g. 'avx512'; None: the torch path).
+        self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
 
     def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int) -> None:
         """Replays decode steps from CUDA graphs (kvtool.runtime.cuda_graphs), captured now for every
@@ -174,8 +178,12 @@ class ModelRunner:
             return
         handles = [layer.register_forward_pre_hook(lambda *_, index=index: self.pools.wait_for_layer(index))
                    for index, layer in enumerate(self.model.layers)]
+        # The CPU kernels' forward calls no layer module, so no hook: such a step takes the torch path
+        # (copies land layer by layer only on a GPU; this keeps the rule wherever the runner is).
+        cpu_decoder, self.model.cpu_decoder = self.model.cpu_decoder, None
         try:
             yield
         finally:
+            self.model.cpu_decoder = cpu_decoder
             for handle in handles:
                 handle.remove()

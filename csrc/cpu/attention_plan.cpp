@@ -1,0 +1,77 @@
+#include "attention_plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kvtool::cpu {
+
+namespace {
+
+// Query rows (queries x the heads of a group) per task: enough that each key tile read serves many
+// rows, few enough that a prompt splits into many tasks for the threads to share.
+constexpr int64_t kMaxRowsPerTask = 128;
+
+}  // namespace
+
+AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
+                             const int32_t* block_tables, int64_t max_blocks, int64_t num_blocks,
+                             const AttentionShape& shape, int32_t width)
+    : shape_(shape), max_blocks_(max_blocks), block_tables_(block_tables, block_tables + num_seqs * max_blocks) {
+  if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
+    throw std::invalid_argument("attention: num_heads " + std::to_string(shape.num_heads) +
+                                " is not a multiple of num_kv_heads " + std::to_string(shape.num_kv_heads));
+  }
+  const int64_t group = shape.num_heads / shape.num_kv_heads;
+  const int64_t queries_per_task = std::max<int64_t>(1, kMaxRowsPerTask / group);
+  const int64_t tpb = shape.tokens_per_block;
+  AttentionArgs sizes{};
+  sizes.num_heads = shape.num_heads;
+  sizes.num_kv_heads = shape.num_kv_heads;
+  sizes.head_dim = shape.head_dim;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    const int64_t seq_len = seq_lens[seq];
+    if (query_len <= 0) continue;
+    if (query_len > seq_len) {
+      throw std::invalid_argument("attention: sequence " + std::to_string(seq) + " has " + std::to_string(query_len) +
+                                  " new tokens but seq_len " + std::to_string(seq_len));
+    }
+    const int64_t first_position = seq_len - query_len;
+    const int64_t first_key = shape.sliding_window > 0 ? std::max<int64_t>(0, first_position - shape.sliding_window + 1) : 0;
+    if ((seq_len - 1) / tpb >= max_blocks) {
+      throw std::invalid_argument("attention: sequence " + std::to_string(seq) + " of " + std::to_string(seq_len) +
+                                  " tokens has a block table of " + std::to_string(max_blocks) + " blocks");
+    }
+    for (int64_t block = first_key / tpb; block <= (seq_len - 1) / tpb; ++block) {
+      const int32_t id = block_tables[seq * max_blocks + block];
+      if (id < 0 || id >= num_blocks) {
+        throw std::invalid_argument("attention: block_tables row " + std::to_string(seq) + " has block id " +
+                                    std::to_string(id) + " at index " + std::to_string(block) +
+                                    ", inside the attention window (a pool of " + std::to_string(num_blocks) +
+                                    " blocks)");
+      }
+    }
+    for (int64_t begin = 0; begin < query_len; begin += queries_per_task) {
+      const int64_t count = std::min(queries_per_task, query_len - begin);
+      const int64_t position = first_position + begin;
+      const int64_t key_begin = shape.sliding_window > 0 ? std::max<int64_t>(0, position - shape.sliding_window + 1) : 0;
+      const int64_t key_end = position + count;
+      for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
+        tasks_.push_back({static_cast<int32_t>(seq), kv_head, static_cast<int32_t>(query_start_loc[seq] + begin),
+                          static_cast<int32_t>(count), static_cast<int32_t>(position),
+                          static_cast<int32_t>(key_begin), static_cast<int32_t>(key_end)});
+      }
+      work_ += 2.0 * static_cast<double>(count * shape.num_heads) * static_cast<double>(key_end - key_begin) *
+               static_cast<double>(shape.head_dim);
+      scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(sizes, count, width));
+    }
+  }
+  // Longest first, so that no thread is left with a long task at the end.
+  std::stable_sort(tasks_.begin(), tasks_.end(), [](const AttentionTask& a, const AttentionTask& b) {
+    return static_cast<int64_t>(a.num_queries) * (a.key_end - a.key_begin) >
+           static_cast<int64_t>(b.num_queries) * (b.key_end - b.key_begin);
+  });
+}
+
+}  // namespace kvtool::cpu
