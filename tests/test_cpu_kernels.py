@@ -152,6 +152,30 @@ def test_attention_matches_torch_paged_attention(kernels, dtype, cache_dtype, to
     assert relative_error(out, expected) <= tolerance
 
 
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("seqs, window", [([(700, 1)], None), ([(700, 1)], 300), ([(500, 2)], None),
+                                          ([(400, 1), (650, 1)], None)])
+def test_a_long_decode_split_by_keys_across_threads_matches_torch(kernels, dtype, cache_dtype, tolerance, seqs,
+                                                                    window):
+    """One or two decode rows have a task per KV head, fewer than two threads share evenly: the tasks
+    split by keys, each share's softmax merged with the others'."""
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, tokens_per_block, num_blocks = 6, 2, 64, 16, 96
+    meta = step_metadata(seqs, tokens_per_block, num_blocks, seed=1)
+    query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
+    key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
+    cache = torch.randn(num_blocks, 2, tokens_per_block, kv_heads, head_dim).to(cache_dtype)
+    expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=0.125, sliding_window=window)
+    write_kv_cache(key, value, cache, meta.slot_mapping, tokens_per_block)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
+                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              tokens_per_block=tokens_per_block, sliding_window=window)
+    if seqs == [(700, 1)]:  # 2 tasks for 2 threads: split, except in the one-lane build (never split)
+        assert (plan.num_merges > 0) == (kernels.width > 1)
+    out = ops.attention(kernels, plan, query, cache, torch.empty_like(query), 0.125)
+    assert relative_error(out, expected) <= tolerance
+
+
 def test_attention_reads_only_the_blocks_inside_the_window(kernels):
     """Blocks released by a sliding window (-1 in the table) are never read; a released block
     inside the window is an error, not a read of block -1."""

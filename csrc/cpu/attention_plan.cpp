@@ -11,12 +11,14 @@ namespace {
 // Query rows (queries x the heads of a group) per task: enough that each key tile read serves many
 // rows, few enough that a prompt splits into many tasks for the threads to share.
 constexpr int64_t kMaxRowsPerTask = 128;
+// A share of a split task has at least this many keys.
+constexpr int64_t kMinKeysPerShare = 4 * kKeyTile;
 
 }  // namespace
 
 AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
                              const int32_t* block_tables, int64_t max_blocks, int64_t num_blocks,
-                             const AttentionShape& shape, int32_t width)
+                             const AttentionShape& shape, int32_t width, int32_t num_threads)
     : shape_(shape), max_blocks_(max_blocks), block_tables_(block_tables, block_tables + num_seqs * max_blocks) {
   if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
     throw std::invalid_argument("attention: num_heads " + std::to_string(shape.num_heads) +
@@ -60,18 +62,52 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
       for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
         tasks_.push_back({static_cast<int32_t>(seq), kv_head, static_cast<int32_t>(query_start_loc[seq] + begin),
                           static_cast<int32_t>(count), static_cast<int32_t>(position),
-                          static_cast<int32_t>(key_begin), static_cast<int32_t>(key_end)});
+                          static_cast<int32_t>(key_begin), static_cast<int32_t>(key_end), -1});
       }
       work_ += 2.0 * static_cast<double>(count * shape.num_heads) * static_cast<double>(key_end - key_begin) *
                static_cast<double>(shape.head_dim);
       scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(sizes, count, width));
     }
   }
+  split_for_threads(width, num_threads);
   // Longest first, so that no thread is left with a long task at the end.
   std::stable_sort(tasks_.begin(), tasks_.end(), [](const AttentionTask& a, const AttentionTask& b) {
     return static_cast<int64_t>(a.num_queries) * (a.key_end - a.key_begin) >
            static_cast<int64_t>(b.num_queries) * (b.key_end - b.key_begin);
   });
+}
+
+void AttentionPlan::split_for_threads(int32_t width, int32_t num_threads) {
+  // A step of one or two decode tokens has a task per KV head: fewer than the threads can share
+  // evenly. Such tasks (few rows, the head dimension in the lanes) split by keys into shares.
+  const auto num_tasks = static_cast<int64_t>(tasks_.size());
+  if (num_threads <= 1 || num_tasks == 0 || num_tasks >= 2 * num_threads) return;
+  const int64_t group = shape_.num_heads / shape_.num_kv_heads;
+  const int64_t wanted = (2 * num_threads + num_tasks - 1) / num_tasks;
+  std::vector<AttentionTask> tasks;
+  for (const AttentionTask& task : tasks_) {
+    const int64_t rows = task.num_queries * group, keys = task.key_end - task.key_begin;
+    const int64_t shares = std::min(wanted, keys / kMinKeysPerShare);
+    if (rows_in_lanes(rows, width) || shares < 2) {
+      tasks.push_back(task);
+      continue;
+    }
+    const auto first_partial = static_cast<int32_t>(num_partial_floats_);
+    const int64_t share_floats = partial_floats(rows, shape_.head_dim);
+    merges_.push_back({task.first_row, task.num_queries, task.kv_head, first_partial, static_cast<int32_t>(shares)});
+    // Shares of whole key tiles, as even as they come.
+    const int64_t tiles = (keys + kKeyTile - 1) / kKeyTile;
+    for (int64_t share = 0; share < shares; ++share) {
+      AttentionTask part = task;
+      part.key_begin = static_cast<int32_t>(task.key_begin + tiles * share / shares * kKeyTile);
+      part.key_end = static_cast<int32_t>(std::min<int64_t>(task.key_end,
+                                                            task.key_begin + tiles * (share + 1) / shares * kKeyTile));
+      part.partial = static_cast<int32_t>(first_partial + share * share_floats);
+      tasks.push_back(part);
+    }
+    num_partial_floats_ += shares * share_floats;
+  }
+  tasks_ = std::move(tasks);
 }
 
 }  // namespace kvtool::cpu

@@ -41,7 +41,9 @@ NB_MODULE(_kernels, m) {
                             "One step's attention split into tasks (sequence, KV head, run of queries); every "
                             "layer of the step uses it.")
       .def_prop_ro("num_tasks", [](const AttentionPlan& plan) { return plan.tasks().size(); })
-      .def_prop_ro("work", &AttentionPlan::work, "Multiply-adds of all tasks.");
+      .def_prop_ro("work", &AttentionPlan::work, "Multiply-adds of all tasks.")
+      .def_prop_ro("num_merges", [](const AttentionPlan& plan) { return plan.merges().size(); },
+                   "Tasks split by keys for the threads (their shares merged after).");
 
   nb::class_<CpuKernels>(m, "CpuKernels", "The kernels of one instruction set and the threads that run them.")
       .def(nb::init<const std::string&, int>(), "isa"_a = "auto", "num_threads"_a = 1,
@@ -98,7 +100,8 @@ NB_MODULE(_kernels, m) {
             }
             return AttentionPlan(query_start_loc.data(), seq_lens.data(), static_cast<int64_t>(seq_lens.shape(0)),
                                  block_tables.data(), static_cast<int64_t>(block_tables.shape(1)), num_blocks,
-                                 {num_heads, num_kv_heads, head_dim, tokens_per_block, sliding_window}, k.width());
+                                 {num_heads, num_kv_heads, head_dim, tokens_per_block, sliding_window}, k.width(),
+                                 k.num_threads());
           },
           "query_start_loc"_a, "seq_lens"_a, "block_tables"_a, "num_blocks"_a, "num_heads"_a, "num_kv_heads"_a,
           "head_dim"_a, "tokens_per_block"_a, "sliding_window"_a,
@@ -127,5 +130,11 @@ NB_MODULE(_kernels, m) {
           "kv_stride"_a, "token_stride"_a, "head_stride"_a, "scale"_a, "dtype"_a, "cache_dtype"_a,
           nb::call_guard<nb::gil_scoped_release>(),
           "One layer's attention for the planned step: query [tokens, heads, head_dim] -> out (same shape), "
-          "over the paged KV cache.");
+          "over the paged KV cache.")
+      .def(
+          "sum",
+          [](CpuKernels& k, uintptr_t data, int64_t num_floats) { return k.sum(ptr<const float>(data), num_floats); },
+          "data"_a, "num_floats"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "The sum of num_floats float32 values, each thread reading a share: a streaming read, to time memory "
+          "bandwidth with.");
 }

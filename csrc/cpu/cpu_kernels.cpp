@@ -9,7 +9,7 @@ namespace {
 
 // Below these sizes a kernel runs on the calling thread alone: waking the workers costs more.
 constexpr int64_t kMinParallelElements = 64 * 1024;
-constexpr double kMinParallelAttentionWork = 4e6;  // multiply-adds
+constexpr double kMinParallelAttentionWork = 5e5;  // multiply-adds
 
 bool cpu_supports(const std::string& isa) {
   if (isa == "generic") return true;
@@ -114,6 +114,8 @@ void CpuKernels::attention(const AttentionPlan& plan, AttentionArgs args) {
   args.head_dim = shape.head_dim;
   args.tokens_per_block = shape.tokens_per_block;
   args.sliding_window = shape.sliding_window;
+  if (static_cast<int64_t>(partials_.size()) < plan.num_partial_floats()) partials_.resize(plan.num_partial_floats());
+  args.partials = partials_.data();
   const int threads = plan.work() < kMinParallelAttentionWork ? 1 : pool_.num_threads();
   for (int t = 0; t < threads; ++t) {
     if (static_cast<int64_t>(scratch_[t].size()) < plan.scratch_floats()) scratch_[t].resize(plan.scratch_floats());
@@ -129,6 +131,29 @@ void CpuKernels::attention(const AttentionPlan& plan, AttentionArgs args) {
   } else {
     pool_.run(num_tasks, task_fn, &job);
   }
+  for (const AttentionMerge& merge : plan.merges()) table_->merge_attention(args, merge);
+}
+
+double CpuKernels::sum(const float* data, int64_t num_floats) {
+  struct SumJob {
+    const KernelTable* table;
+    const float* data;
+    int64_t num_floats, per_task;
+    std::vector<double> partial;
+  };
+  const int64_t num_tasks = pool_.num_threads();
+  SumJob job{table_, data, num_floats, (num_floats + num_tasks - 1) / num_tasks, std::vector<double>(num_tasks)};
+  pool_.run(
+      num_tasks,
+      [](const void* context, int64_t task, int) {
+        auto* j = static_cast<SumJob*>(const_cast<void*>(context));
+        const int64_t begin = std::min(j->num_floats, task * j->per_task);
+        j->partial[task] = j->table->sum(j->data, begin, std::min(j->num_floats, begin + j->per_task));
+      },
+      &job);
+  double total = 0.0;
+  for (double part : job.partial) total += part;
+  return total;
 }
 
 }  // namespace kvtool::cpu

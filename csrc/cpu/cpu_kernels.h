@@ -28,6 +28,8 @@ class CpuKernels {
   void silu_mul(const SiluMulArgs& args);
   void rope_store_kv(const RopeKvArgs& args);  // positions must be < args.max_positions (checked)
   void attention(const AttentionPlan& plan, AttentionArgs args);
+  // The sum of num_floats floats read by every thread (a share each): times a streaming read.
+  double sum(const float* data, int64_t num_floats);
 
  private:
   template <typename Args>
@@ -36,6 +38,7 @@ class CpuKernels {
   const KernelTable* table_;
   ThreadPool pool_;
   std::vector<std::vector<float>> scratch_;  // one per thread
+  std::vector<float> partials_;              // the shares of split attention tasks
 };
 
 }  // namespace kvtool::cpu

@@ -64,6 +64,8 @@ struct AttentionArgs {
   float scale;
   int64_t sliding_window;  // 0: none; else a query at position p sees keys at positions > p - window
   DType dtype, cache_dtype;
+  // Where tasks that cover part of a key range leave their results (see AttentionTask::partial).
+  float* partials;
 };
 
 // A share of the work: consecutive queries of one sequence, one KV head (and its group of query heads).
@@ -75,7 +77,25 @@ struct AttentionTask {
   int32_t first_position;  // the first query's position; query i is at first_position + i
   int32_t key_begin;       // the keys any of these queries sees: positions [key_begin, key_end)
   int32_t key_end;
+  // -1: the task sees every key of its queries and writes their output. Else it covers a share of
+  // them (a long decode split for the threads) and leaves, at partials + partial (floats), its
+  // unnormalised output [rows][head_dim], then each row's max and sum of weights
+  // (partial_floats(rows, head_dim) in all); a merge combines the shares.
+  int32_t partial;
 };
+
+// The shares of one split task, merged into its output; share s is at partials + first_partial +
+// s * partial_floats(rows, head_dim).
+struct AttentionMerge {
+  int32_t first_row, num_queries, kv_head, first_partial, num_partials;
+};
+
+static inline int64_t partial_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim + 2); }
+
+// Which layout a task of `rows` query rows runs in (kernels_impl.h): rows along the vector lanes
+// once they fill more than about half a vector (always in the one-lane build), else the head
+// dimension along them (a decode token's group of heads).
+static inline bool rows_in_lanes(int64_t rows, int64_t width) { return width == 1 || rows * 8 > width * 5; }
 
 // Keys are taken this many at a time (a tile of scores per query row).
 inline constexpr int kKeyTile = 32;
@@ -89,6 +109,9 @@ struct KernelTable {
   void (*rope_store_kv)(const RopeKvArgs&, int64_t token_begin, int64_t token_end);
   // scratch holds attention_scratch_floats(args, task.num_queries, width) floats, 64-byte aligned.
   void (*attention)(const AttentionArgs&, const AttentionTask&, float* scratch);
+  void (*merge_attention)(const AttentionArgs&, const AttentionMerge&);
+  // The sum of data[begin, end): a plain streaming read, what memory bandwidth is measured with.
+  double (*sum)(const float* data, int64_t begin, int64_t end);
 };
 
 static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }

@@ -285,6 +285,24 @@ static void weighted_values(const float* const* value, int num_keys, const float
   for (; e < d; ++e) value_block<1, NQ>(value, num_keys, p, padded, ot, e, v0);
 }
 
+// Asks for the next tile's key and value rows while this one is computed: a head's rows are short
+// runs (head_dim elements) at the stride of a token, which the hardware prefetchers follow poorly.
+template <typename C>
+static void prefetch_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys) {
+  const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
+  const int64_t row_bytes = a.head_dim * static_cast<int64_t>(sizeof(C));
+  const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
+  for (int j = 0; j < num_keys; ++j) {
+    const int64_t position = k0 + j;
+    const char* row = reinterpret_cast<const char*>(base + table[position / a.tokens_per_block] * a.block_stride +
+                                                    (position % a.tokens_per_block) * a.token_stride);
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+      __builtin_prefetch(row + line);
+      __builtin_prefetch(row + a.kv_stride * static_cast<int64_t>(sizeof(C)) + line);
+    }
+  }
+}
+
 // Pointers to the tile's key and value rows (float32), widened into kbuf/vbuf from a bfloat16 cache.
 template <typename C>
 static void tile_rows(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, float* kbuf,
@@ -344,6 +362,7 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
     tile_rows<C>(a, t, k0, num_keys, kbuf, vbuf, key, value);
+    if (k0 + kKeyTile < t.key_end) prefetch_tile<C>(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)));
     int64_t v = 0;
     for (; v + kBlockRows <= num_vectors; v += kBlockRows)
       scores<kBlockRows>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
@@ -389,6 +408,20 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
   }
 }
 
+// o[e0 .. e0 + E W) = alpha o + sum_j p[j] value[j][...]: E independent sums, so the additions'
+// latency does not serialise the keys.
+template <int E>
+static inline void weigh_values(const float* const* value, const float* p, int num_keys, float alpha, int64_t d,
+                                int64_t e0, float* o) {
+  Vec acc[E];
+  for (int i = 0; i < E; ++i) acc[i] = Vec::load(o + e0 + i * W) * Vec::set1(alpha);
+  for (int j = 0; j < num_keys; ++j) {
+    Vec weight = Vec::set1(p[j]);
+    for (int i = 0; i < E; ++i) acc[i] = Vec::fma(weight, load_part(value[j] + e0 + i * W, d - e0 - i * W), acc[i]);
+  }
+  for (int i = 0; i < E; ++i) acc[i].store(o + e0 + i * W);
+}
+
 template <typename A, typename C>
 static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
@@ -420,6 +453,7 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
     tile_rows<C>(a, t, k0, num_keys, kbuf, vbuf, key, value);
+    if (k0 + kKeyTile < t.key_end) prefetch_tile<C>(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)));
     // W keys at a time: each key's lane-wise products, then one transposing sum gives W scores.
     for (int64_t m = 0; m < rows; ++m) {
       const float* qm = q + m * padded_d;
@@ -466,14 +500,26 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
       row_sum[m] = row_sum[m] * alpha + sum.reduce_add();
       row_max[m] = new_max;
       float* om = o + m * padded_d;
-      for (int64_t e = 0; e < padded_d; e += W) {
-        Vec acc = Vec::load(om + e) * Vec::set1(alpha);
-        for (int j = 0; j < num_keys; ++j) acc = Vec::fma(Vec::set1(sm[j]), load_part(value[j] + e, d - e), acc);
-        acc.store(om + e);
+      int64_t e = 0;
+      for (; e + 4 * W <= padded_d; e += 4 * W) weigh_values<4>(value, sm, num_keys, alpha, d, e, om);
+      switch ((padded_d - e) / W) {
+        case 3: weigh_values<3>(value, sm, num_keys, alpha, d, e, om); break;
+        case 2: weigh_values<2>(value, sm, num_keys, alpha, d, e, om); break;
+        case 1: weigh_values<1>(value, sm, num_keys, alpha, d, e, om); break;
+        default: break;
       }
     }
   }
 
+  if (t.partial >= 0) {
+    float* partial = a.partials + t.partial;
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t e = 0; e < d; e += W) store_part(Vec::load(o + m * padded_d + e), partial + m * d + e, d - e);
+      partial[rows * d + 2 * m] = row_max[m];
+      partial[rows * d + 2 * m + 1] = row_sum[m];
+    }
+    return;
+  }
   for (int64_t m = 0; m < rows; ++m) {
     int64_t h = m / nq, i = m % nq;
     A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
@@ -482,14 +528,53 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
   }
 }
 
+// out = sum_s e^(max_s - max) o_s / sum_s e^(max_s - max) sum_s over the shares s of a split task.
+template <typename A>
+static void merge_typed(const AttentionArgs& a, const AttentionMerge& merge) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = merge.num_queries;
+  const int64_t rows = nq * group, size = partial_floats(rows, d);
+  const float* first = a.partials + merge.first_partial;
+  for (int64_t m = 0; m < rows; ++m) {
+    float max = kNegInf;
+    for (int32_t s = 0; s < merge.num_partials; ++s) {
+      const float share_max = first[s * size + rows * d + 2 * m];
+      max = share_max > max ? share_max : max;
+    }
+    float total = 0.0f;
+    for (int32_t s = 0; s < merge.num_partials; ++s) {
+      const float* stats = first + s * size + rows * d + 2 * m;
+      total += stats[0] > kNegInf ? __builtin_expf(stats[0] - max) * stats[1] : 0.0f;
+    }
+    const int64_t h = m / nq, i = m % nq;
+    A* out = static_cast<A*>(a.out) + (merge.first_row + i) * a.out_stride + (merge.kv_head * group + h) * d;
+    for (int64_t e = 0; e < d; e += W) {
+      Vec acc = Vec::zero();
+      for (int32_t s = 0; s < merge.num_partials; ++s) {
+        const float share_max = first[s * size + rows * d + 2 * m];
+        if (share_max == kNegInf) continue;  // a share whose keys this row sees none of
+        acc = Vec::fma(Vec::set1(__builtin_expf(share_max - max) / total), load_part(first + s * size + m * d + e, d - e),
+                       acc);
+      }
+      store_part(acc, out + e, d - e);
+    }
+  }
+}
+
 template <typename A, typename C>
 static void attention_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);
-  // Rows in lanes once they fill more than about half a vector (the scalar path always).
-  if (W > 1 && rows * 8 <= W * 5) {
-    attention_dims_in_lanes<A, C>(a, t, scratch);
-  } else {
+  if (rows_in_lanes(rows, W)) {
     attention_rows_in_lanes<A, C>(a, t, scratch);
+  } else {
+    attention_dims_in_lanes<A, C>(a, t, scratch);
+  }
+}
+
+void merge_attention(const AttentionArgs& a, const AttentionMerge& merge) {
+  if (a.dtype == DType::kBFloat16) {
+    merge_typed<uint16_t>(a, merge);
+  } else {
+    merge_typed<float>(a, merge);
   }
 }
 
@@ -504,6 +589,20 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   } else {
     attention_task<float, float>(a, t, scratch);
   }
+}
+
+// ---- a streaming read ------------------------------------------------------------------------
+
+double sum(const float* data, int64_t begin, int64_t end) {
+  // Four independent accumulators keep the loads, not the additions' latency, the limit.
+  Vec acc[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+  int64_t i = begin;
+  for (; i + 4 * W <= end; i += 4 * W) {
+    for (int k = 0; k < 4; ++k) acc[k] = acc[k] + Vec::load(data + i + k * W);
+  }
+  double total = static_cast<double>(((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add());
+  for (; i < end; ++i) total += data[i];
+  return total;
 }
 
 }  // namespace kvtool::cpu::KVTOOL_CPU_ISA

@@ -31,6 +31,10 @@ class AttentionPlan:
     def work(self) -> float:
         """Multiply-adds of all tasks."""
 
+    @property
+    def num_merges(self) -> int:
+        """Tasks split by keys for the threads (their shares merged after)."""
+
 class CpuKernels:
     """The kernels of one instruction set and the threads that run them."""
 
@@ -70,4 +74,9 @@ class CpuKernels:
     def attention(self, plan: AttentionPlan, query: int, query_stride: int, out: int, out_stride: int, kv_cache: int, block_stride: int, kv_stride: int, token_stride: int, head_stride: int, scale: float, dtype: DType, cache_dtype: DType) -> None:
         """
         One layer's attention for the planned step: query [tokens, heads, head_dim] -> out (same shape), over the paged KV cache.
+        """
+
+    def sum(self, data: int, num_floats: int) -> float:
+        """
+        The sum of num_floats float32 values, each thread reading a share: a streaming read, to time memory bandwidth with.
         """
