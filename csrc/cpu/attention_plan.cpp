@@ -25,12 +25,21 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
                                 " is not a multiple of num_kv_heads " + std::to_string(shape.num_kv_heads));
   }
   const int64_t group = shape.num_heads / shape.num_kv_heads;
-  const int64_t queries_per_task = std::max<int64_t>(1, kMaxRowsPerTask / group);
+  int64_t queries_per_task = std::max<int64_t>(1, kMaxRowsPerTask / group);
+  // A short chunk (a hit's few new tokens) makes fewer tasks than two per thread: smaller runs of
+  // queries then, as long as a task's rows still fill a vector.
+  int64_t num_tasks = 0, num_queries = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    num_tasks += (query_len + queries_per_task - 1) / queries_per_task * shape.num_kv_heads;
+    num_queries += query_len;
+  }
+  if (num_tasks > 0 && num_tasks < 2 * num_threads) {
+    const int64_t fewest = (width + group - 1) / group;
+    const int64_t even = (num_queries * shape.num_kv_heads + 2 * num_threads - 1) / (2 * num_threads);
+    queries_per_task = std::max(fewest, std::min(queries_per_task, even));
+  }
   const int64_t tpb = shape.tokens_per_block;
-  AttentionArgs sizes{};
-  sizes.num_heads = shape.num_heads;
-  sizes.num_kv_heads = shape.num_kv_heads;
-  sizes.head_dim = shape.head_dim;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
     const int64_t seq_len = seq_lens[seq];
@@ -59,14 +68,20 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
       const int64_t position = first_position + begin;
       const int64_t key_begin = shape.sliding_window > 0 ? std::max<int64_t>(0, position - shape.sliding_window + 1) : 0;
       const int64_t key_end = position + count;
-      for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; ++kv_head) {
-        tasks_.push_back({static_cast<int32_t>(seq), kv_head, static_cast<int32_t>(query_start_loc[seq] + begin),
-                          static_cast<int32_t>(count), static_cast<int32_t>(position),
-                          static_cast<int32_t>(key_begin), static_cast<int32_t>(key_end), -1});
+      // A few rows per KV head (decode) take every KV head in one task, reading each token's keys
+      // and values as one run rather than a head's share of it; a chunk's rows, a task per head.
+      const bool per_head = rows_in_lanes(count * group, width);
+      const int32_t heads_per_task = per_head ? 1 : shape.num_kv_heads;
+      for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; kv_head += heads_per_task) {
+        tasks_.push_back({static_cast<int32_t>(seq), kv_head, heads_per_task,
+                          static_cast<int32_t>(query_start_loc[seq] + begin), static_cast<int32_t>(count),
+                          static_cast<int32_t>(position), static_cast<int32_t>(key_begin),
+                          static_cast<int32_t>(key_end), -1});
       }
       work_ += 2.0 * static_cast<double>(count * shape.num_heads) * static_cast<double>(key_end - key_begin) *
                static_cast<double>(shape.head_dim);
-      scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(sizes, count, width));
+      scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(count * group * heads_per_task,
+                                                                           shape.head_dim, heads_per_task, width));
     }
   }
   split_for_threads(width, num_threads);
@@ -78,23 +93,24 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
 }
 
 void AttentionPlan::split_for_threads(int32_t width, int32_t num_threads) {
-  // A step of one or two decode tokens has a task per KV head: fewer than the threads can share
-  // evenly. Such tasks (few rows, the head dimension in the lanes) split by keys into shares.
+  // A step of a few decode tokens has a task per sequence: fewer than the threads can share evenly.
+  // Such tasks (few rows, the head dimension in the lanes) split by keys into shares.
   const auto num_tasks = static_cast<int64_t>(tasks_.size());
   if (num_threads <= 1 || num_tasks == 0 || num_tasks >= 2 * num_threads) return;
   const int64_t group = shape_.num_heads / shape_.num_kv_heads;
   const int64_t wanted = (2 * num_threads + num_tasks - 1) / num_tasks;
   std::vector<AttentionTask> tasks;
   for (const AttentionTask& task : tasks_) {
-    const int64_t rows = task.num_queries * group, keys = task.key_end - task.key_begin;
+    const int64_t keys = task.key_end - task.key_begin;
     const int64_t shares = std::min(wanted, keys / kMinKeysPerShare);
-    if (rows_in_lanes(rows, width) || shares < 2) {
+    if (rows_in_lanes(task.num_queries * group, width) || shares < 2) {
       tasks.push_back(task);
       continue;
     }
     const auto first_partial = static_cast<int32_t>(num_partial_floats_);
-    const int64_t share_floats = partial_floats(rows, shape_.head_dim);
-    merges_.push_back({task.first_row, task.num_queries, task.kv_head, first_partial, static_cast<int32_t>(shares)});
+    const int64_t share_floats = partial_floats(task.num_queries * group * task.num_kv_heads, shape_.head_dim);
+    merges_.push_back({task.first_row, task.num_queries, task.kv_head, task.num_kv_heads, first_partial,
+                       static_cast<int32_t>(shares)});
     // Shares of whole key tiles, as even as they come.
     const int64_t tiles = (keys + kKeyTile - 1) / kKeyTile;
     for (int64_t share = 0; share < shares; ++share) {

@@ -71,7 +71,8 @@ struct AttentionArgs {
 // A share of the work: consecutive queries of one sequence, one KV head (and its group of query heads).
 struct AttentionTask {
   int32_t seq;
-  int32_t kv_head;
+  int32_t kv_head;         // the first KV head
+  int32_t num_kv_heads;    // KV heads kv_head .. kv_head + num_kv_heads - 1 (a decode task takes all)
   int32_t first_row;       // the first query's row in the step
   int32_t num_queries;
   int32_t first_position;  // the first query's position; query i is at first_position + i
@@ -87,7 +88,7 @@ struct AttentionTask {
 // The shares of one split task, merged into its output; share s is at partials + first_partial +
 // s * partial_floats(rows, head_dim).
 struct AttentionMerge {
-  int32_t first_row, num_queries, kv_head, first_partial, num_partials;
+  int32_t first_row, num_queries, kv_head, num_kv_heads, first_partial, num_partials;
 };
 
 static inline int64_t partial_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim + 2); }
@@ -107,7 +108,7 @@ struct KernelTable {
   void (*rms_norm)(const RmsNormArgs&, int64_t row_begin, int64_t row_end);
   void (*silu_mul)(const SiluMulArgs&, int64_t row_begin, int64_t row_end);
   void (*rope_store_kv)(const RopeKvArgs&, int64_t token_begin, int64_t token_end);
-  // scratch holds attention_scratch_floats(args, task.num_queries, width) floats, 64-byte aligned.
+  // scratch holds the plan's scratch_floats() (attention_scratch_floats of its largest task).
   void (*attention)(const AttentionArgs&, const AttentionTask&, float* scratch);
   void (*merge_attention)(const AttentionArgs&, const AttentionMerge&);
   // The sum of data[begin, end): a plain streaming read, what memory bandwidth is measured with.
@@ -116,13 +117,13 @@ struct KernelTable {
 
 static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-static inline int64_t attention_scratch_floats(const AttentionArgs& args, int64_t num_queries, int64_t width) {
-  int64_t rows = num_queries * (args.num_heads / args.num_kv_heads);
+// Scratch floats of a task of `rows` query rows over num_kv_heads KV heads.
+static inline int64_t attention_scratch_floats(int64_t rows, int64_t head_dim, int64_t num_kv_heads, int64_t width) {
   int64_t padded = round_up(rows, width);
-  int64_t d = args.head_dim;
   // q (scaled) and the running output, transposed or not (head_dim padded to whole vectors); the
   // score tile; max, sum, positions; K and V tiles widened from a bfloat16 cache.
-  return 2 * round_up(d, width) * padded + kKeyTile * padded + 3 * padded + 2 * kKeyTile * d;
+  return 2 * round_up(head_dim, width) * padded + kKeyTile * padded + 3 * padded +
+         2 * kKeyTile * head_dim * num_kv_heads;
 }
 
 const KernelTable& generic_kernels();

@@ -290,7 +290,7 @@ static void weighted_values(const float* const* value, int num_keys, const float
 template <typename C>
 static void prefetch_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys) {
   const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
-  const int64_t row_bytes = a.head_dim * static_cast<int64_t>(sizeof(C));
+  const int64_t row_bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
   const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
   for (int j = 0; j < num_keys; ++j) {
     const int64_t position = k0 + j;
@@ -303,12 +303,20 @@ static void prefetch_tile(const AttentionArgs& a, const AttentionTask& t, int64_
   }
 }
 
-// Pointers to the tile's key and value rows (float32), widened into kbuf/vbuf from a bfloat16 cache.
+// Pointers to the tile's key and value rows of the task's first KV head (float32), widened into
+// kbuf/vbuf from a bfloat16 cache; the task's next heads follow at head_offset(): the cache's head
+// stride, or head_dim in the buffers.
+template <typename C>
+static constexpr bool widened() { return sizeof(C) != sizeof(float); }
+
+template <typename C>
+static int64_t head_offset(const AttentionArgs& a) { return widened<C>() ? a.head_dim : a.head_stride; }
+
 template <typename C>
 static void tile_rows(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, float* kbuf,
                       float* vbuf, const float** key, const float** value) {
   const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
-  const int64_t d = a.head_dim;
+  const int64_t d = a.head_dim, row = d * t.num_kv_heads;
   // Block and offset advance with the position (no division per key).
   int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
   const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
@@ -317,15 +325,17 @@ static void tile_rows(const AttentionArgs& a, const AttentionTask& t, int64_t k0
       ++block;
       offset = 0;
     }
-    const C* row = base + table[block] * a.block_stride + offset * a.token_stride;
-    if constexpr (sizeof(C) == sizeof(float)) {
-      key[j] = row;
-      value[j] = row + a.kv_stride;
+    const C* keys = base + table[block] * a.block_stride + offset * a.token_stride;
+    if constexpr (!widened<C>()) {
+      key[j] = keys;
+      value[j] = keys + a.kv_stride;
     } else {
-      copy_converted(row, kbuf + j * d, d);
-      copy_converted(row + a.kv_stride, vbuf + j * d, d);
-      key[j] = kbuf + j * d;
-      value[j] = vbuf + j * d;
+      for (int32_t g = 0; g < t.num_kv_heads; ++g) {
+        copy_converted(keys + g * a.head_stride, kbuf + j * row + g * d, d);
+        copy_converted(keys + a.kv_stride + g * a.head_stride, vbuf + j * row + g * d, d);
+      }
+      key[j] = kbuf + j * row;
+      value[j] = vbuf + j * row;
     }
   }
 }
@@ -411,29 +421,33 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
 // o[e0 .. e0 + E W) = alpha o + sum_j p[j] value[j][...]: E independent sums, so the additions'
 // latency does not serialise the keys.
 template <int E>
-static inline void weigh_values(const float* const* value, const float* p, int num_keys, float alpha, int64_t d,
-                                int64_t e0, float* o) {
+static inline void weigh_values(const float* const* value, int64_t head, const float* p, int num_keys, float alpha,
+                                int64_t d, int64_t e0, float* o) {
   Vec acc[E];
   for (int i = 0; i < E; ++i) acc[i] = Vec::load(o + e0 + i * W) * Vec::set1(alpha);
   for (int j = 0; j < num_keys; ++j) {
     Vec weight = Vec::set1(p[j]);
-    for (int i = 0; i < E; ++i) acc[i] = Vec::fma(weight, load_part(value[j] + e0 + i * W, d - e0 - i * W), acc[i]);
+    const float* v = value[j] + head + e0;
+    for (int i = 0; i < E; ++i) acc[i] = Vec::fma(weight, load_part(v + i * W, d - e0 - i * W), acc[i]);
   }
   for (int i = 0; i < E; ++i) acc[i].store(o + e0 + i * W);
 }
 
 template <typename A, typename C>
 static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  // Row m: query m % nq of head m / nq counted from the task's first KV head's group (so of KV head
+  // kv_head + m / (nq * group)).
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
-  const int64_t rows = nq * group, padded_d = round_up(d, W);
+  const int64_t rows = nq * group * t.num_kv_heads, padded_d = round_up(d, W), rows_per_head = nq * group;
+  const int64_t next_head = head_offset<C>(a);
   float* q = scratch;                  // [rows][padded_d], scaled
   float* o = q + rows * padded_d;      // [rows][padded_d]
   float* s = o + rows * padded_d;      // [rows][kKeyTile]
   float* row_max = s + rows * kKeyTile;
   float* row_sum = row_max + rows;
   float* positions = row_sum + rows;
-  float* kbuf = positions + rows;      // [kKeyTile][d]
-  float* vbuf = kbuf + kKeyTile * d;
+  float* kbuf = positions + rows;      // [kKeyTile][num_kv_heads * d]
+  float* vbuf = kbuf + kKeyTile * d * t.num_kv_heads;
 
   for (int64_t m = 0; m < rows; ++m) {
     int64_t h = m / nq, i = m % nq;
@@ -457,12 +471,14 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
     // W keys at a time: each key's lane-wise products, then one transposing sum gives W scores.
     for (int64_t m = 0; m < rows; ++m) {
       const float* qm = q + m * padded_d;
+      const int64_t head = m / rows_per_head * next_head;
       for (int j0 = 0; j0 < num_keys; j0 += W) {
         Vec partial[W];
         for (int jj = 0; jj < W; ++jj) {
           Vec acc = Vec::zero();
           if (j0 + jj < num_keys) {
-            for (int64_t e = 0; e < d; e += W) acc = Vec::fma(Vec::load(qm + e), load_part(key[j0 + jj] + e, d - e), acc);
+            const float* k = key[j0 + jj] + head;
+            for (int64_t e = 0; e < d; e += W) acc = Vec::fma(Vec::load(qm + e), load_part(k + e, d - e), acc);
           }
           partial[jj] = acc;
         }
@@ -500,12 +516,13 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
       row_sum[m] = row_sum[m] * alpha + sum.reduce_add();
       row_max[m] = new_max;
       float* om = o + m * padded_d;
+      const int64_t head = m / rows_per_head * next_head;
       int64_t e = 0;
-      for (; e + 4 * W <= padded_d; e += 4 * W) weigh_values<4>(value, sm, num_keys, alpha, d, e, om);
+      for (; e + 4 * W <= padded_d; e += 4 * W) weigh_values<4>(value, head, sm, num_keys, alpha, d, e, om);
       switch ((padded_d - e) / W) {
-        case 3: weigh_values<3>(value, sm, num_keys, alpha, d, e, om); break;
-        case 2: weigh_values<2>(value, sm, num_keys, alpha, d, e, om); break;
-        case 1: weigh_values<1>(value, sm, num_keys, alpha, d, e, om); break;
+        case 3: weigh_values<3>(value, head, sm, num_keys, alpha, d, e, om); break;
+        case 2: weigh_values<2>(value, head, sm, num_keys, alpha, d, e, om); break;
+        case 1: weigh_values<1>(value, head, sm, num_keys, alpha, d, e, om); break;
         default: break;
       }
     }
@@ -532,7 +549,7 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
 template <typename A>
 static void merge_typed(const AttentionArgs& a, const AttentionMerge& merge) {
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = merge.num_queries;
-  const int64_t rows = nq * group, size = partial_floats(rows, d);
+  const int64_t rows = nq * group * merge.num_kv_heads, size = partial_floats(rows, d);
   const float* first = a.partials + merge.first_partial;
   for (int64_t m = 0; m < rows; ++m) {
     float max = kNegInf;
@@ -562,7 +579,7 @@ static void merge_typed(const AttentionArgs& a, const AttentionMerge& merge) {
 
 template <typename A, typename C>
 static void attention_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
-  const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);
+  const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);  // per KV head
   if (rows_in_lanes(rows, W)) {
     attention_rows_in_lanes<A, C>(a, t, scratch);
   } else {

@@ -63,7 +63,7 @@ def rope_store_kv(kernels: CpuKernels, qkv: torch.Tensor, num_heads: int, num_kv
     kv_cache [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]. positions and slot_mapping:
     int64 [tokens]; cos_sin: rope_cache()."""
     _rows(qkv, "qkv")
-    _check_cache(kv_cache, num_kv_heads, head_dim)
+    check_cache(kv_cache, num_kv_heads, head_dim)
     for tensor, name in ((positions, "positions"), (slot_mapping, "slot_mapping")):
         if tensor.dtype != torch.int64 or not tensor.is_contiguous() or tensor.shape[0] != qkv.shape[0]:
             raise ValueError(f"{name} must be int64 [{qkv.shape[0]}], got {tensor.dtype} {tuple(tensor.shape)}")
@@ -75,7 +75,9 @@ def rope_store_kv(kernels: CpuKernels, qkv: torch.Tensor, num_heads: int, num_kv
                           kernel_dtype(kv_cache))
 
 
-def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+def check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """A layer of the KV cache as the kernels read it: [num_blocks, 2, tokens_per_block, kv_heads, head_dim],
+    each head contiguous (the blocks may be strided: a view of a block-major pool)."""
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim) \
             or kv_cache.stride(4) != 1:
         raise ValueError(f"kv_cache must be [num_blocks, 2, tokens_per_block, {num_kv_heads}, {head_dim}] with "
@@ -101,7 +103,7 @@ def attention(kernels: CpuKernels, plan: AttentionPlan, query: torch.Tensor, kv_
     if not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"out must be contiguous {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} "
                          f"{out.dtype}")
-    _check_cache(kv_cache, kv_cache.shape[3], query.shape[2])
+    check_cache(kv_cache, kv_cache.shape[3], query.shape[2])
     kernels.attention(plan, query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(),
                       kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), scale,
                       kernel_dtype(query), kernel_dtype(kv_cache))
