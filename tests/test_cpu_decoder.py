@@ -6,8 +6,6 @@ mixed context + decode batches with greedy decoding, Mistral's sliding window wi
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -18,22 +16,7 @@ from kvtool.plan import load_plan
 from hf_checkpoints import HF_CASES
 from hf_checkpoints import TEST_TOKENS_PER_BLOCK as T
 from paged_driver import PagedDriver
-
-MAX_RELATIVE_ERROR = 1e-4
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours - reference).abs().max() / reference.abs().max())
-
-
-def random_prompt(length: int, seed: int, vocab_size: int = 512) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab_size) for _ in range(length)]
-
-
-def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
+from test_model_vs_transformers import MAX_RELATIVE_ERROR, hf_logits, random_prompt, relative_error
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
     ("AMD EPYC", AVX2, "amd-epyc-avx2"),
     ("AMD EPYC 9654 96-Core Processor", AVX512, "amd-epyc-9654-avx512"),
     ("AMD EPYC", AVX512 + " avx512_bf16", "amd-epyc-avx512-bf16"),
-    ("Intel(R) Xeon(R) Platinum 8480+", AVX512 + " avx512_bf16 amx_tile amx_bf16 amx_int8", "intel-xeon-platinum-8480-amx"),
+    ("Intel(R) Xeon(R) Platinum 8480+", AVX512 + " avx512_bf16 amx_tile amx_bf16 amx_int8",
+     "intel-xeon-platinum-8480-amx"),
     ("Some CPU", "fpu sse2", "some-cpu-baseline"),
 ])
 def test_the_cpu_kind_names_the_model_and_the_best_vector_isa(tmp_path, model, flags, kind):

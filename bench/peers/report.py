@@ -135,10 +135,10 @@ def _decode(by_name) -> list[str]:
     for name, row in by_name.items():
         if row["load"] != "sequential":
             continue
-        vllm = _vllm_twin(name)
-        lines.append(f"| {name} | {_fmt(_figure(by_name, name, 'tpot_ms_p50'), 1)} | "
-                     f"{_fmt(_figure(by_name, name, 'tpot_ms_p90'), 1)} | {_fmt(_figure(by_name, name, 'itl_ms_p50'), 1)} "
-                     f"| {_ratio(_figure(by_name, name, 'tpot_ms_p50'), _figure(by_name, vllm, 'tpot_ms_p50'))} |")
+        tpot = _figure(by_name, name, "tpot_ms_p50")
+        lines.append(f"| {name} | {_fmt(tpot, 1)} | {_fmt(_figure(by_name, name, 'tpot_ms_p90'), 1)} | "
+                     f"{_fmt(_figure(by_name, name, 'itl_ms_p50'), 1)} | "
+                     f"{_ratio(tpot, _figure(by_name, _vllm_twin(name), 'tpot_ms_p50'))} |")
     return lines + [""]
 
 
@@ -149,10 +149,11 @@ def _throughput(by_name) -> list[str]:
     for name, row in by_name.items():
         if not name.startswith(("kvtool", "vllm")) or "reuse-on" not in name or "no-partial" in name:
             continue
-        tokens = _figure(by_name, name, "output_tokens_per_s")
-        lines.append(f"| {name} | {row['load']} | {_fmt(tokens, 1)} | {_fmt(_figure(by_name, name, 'requests_per_s'), 3)} "
-                     f"| {_fmt(_figure(by_name, name, 'ttft_ms_p50'))} | {_fmt(_figure(by_name, name, 'ttft_ms_p90'))} | "
-                     f"{_fmt(_figure(by_name, name, 'tpot_ms_p50'), 1)} | "
+        figure = {f: _figure(by_name, name, f) for f in FIGURES}
+        tokens = figure["output_tokens_per_s"]
+        lines.append(f"| {name} | {row['load']} | {_fmt(tokens, 1)} | {_fmt(figure['requests_per_s'], 3)} | "
+                     f"{_fmt(figure['ttft_ms_p50'])} | {_fmt(figure['ttft_ms_p90'])} | "
+                     f"{_fmt(figure['tpot_ms_p50'], 1)} | "
                      f"{_ratio(tokens, _figure(by_name, _vllm_twin(name), 'output_tokens_per_s'))} |")
     return lines + [""]
 
@@ -168,30 +169,30 @@ def _targets(by_name, requests, floors) -> list[str]:
         lines.append(f"| {label} | {_fmt(ours, 1)} | {_fmt(reference, 1)} | {ratio:.2f}x | {'yes' if met else 'NO'} |")
 
     for dtype, tag in (("float32", ""), ("bfloat16", " bf16")):
-        check(f"TTFT hit p50 <= vLLM's ({dtype}, ms)", _hits(requests.get(f"kvtool{tag} reuse-on"), hits=True),
-              _hits(requests.get(f"vllm{tag} reuse-on"), hits=True), 1.0)
-        check(f"TTFT miss p50 <= vLLM's ({dtype}, reuse off, ms)", _figure(by_name, f"kvtool{tag} reuse-off", "ttft_ms_p50"),
-              _figure(by_name, f"vllm{tag} reuse-off", "ttft_ms_p50"), 1.0)
-        check(f"TPOT p50 <= vLLM's ({dtype}, batch 1, ms)", _figure(by_name, f"kvtool{tag} reuse-on", "tpot_ms_p50"),
-              _figure(by_name, f"vllm{tag} reuse-on", "tpot_ms_p50"), 1.0)
+        kvtool, vllm = f"kvtool{tag} reuse", f"vllm{tag} reuse"
+        tpot, miss = _figure(by_name, f"{kvtool}-on", "tpot_ms_p50"), _figure(by_name, f"{kvtool}-off", "ttft_ms_p50")
+        check(f"TTFT hit p50 <= vLLM's ({dtype}, ms)", _hits(requests.get(f"{kvtool}-on"), hits=True),
+              _hits(requests.get(f"{vllm}-on"), hits=True), 1.0)
+        check(f"TTFT miss p50 <= vLLM's ({dtype}, reuse off, ms)", miss,
+              _figure(by_name, f"{vllm}-off", "ttft_ms_p50"), 1.0)
+        check(f"TPOT p50 <= vLLM's ({dtype}, batch 1, ms)", tpot, _figure(by_name, f"{vllm}-on", "tpot_ms_p50"), 1.0)
         check(f"output tokens/s at concurrency 8 >= vLLM's ({dtype})",
-              _figure(by_name, f"kvtool{tag} reuse-on c8", "output_tokens_per_s"),
-              _figure(by_name, f"vllm{tag} reuse-on c8", "output_tokens_per_s"), 1.0, higher_is_better=True)
+              _figure(by_name, f"{kvtool}-on c8", "output_tokens_per_s"),
+              _figure(by_name, f"{vllm}-on c8", "output_tokens_per_s"), 1.0, higher_is_better=True)
         best = _best_floors(floors, dtype)
         if best:
-            check(f"TPOT p50 <= {TPOT_FLOOR_RATIO}x memory floor ({dtype}, ms)",
-                  _figure(by_name, f"kvtool{tag} reuse-on", "tpot_ms_p50"), best.get("memory_floor_ms"), TPOT_FLOOR_RATIO)
-            check(f"TTFT miss p50 <= {MISS_FLOOR_RATIO}x compute floor ({dtype}, ms)",
-                  _figure(by_name, f"kvtool{tag} reuse-off", "ttft_ms_p50"), best.get("compute_floor_ms"),
-                  MISS_FLOOR_RATIO)
+            check(f"TPOT p50 <= {TPOT_FLOOR_RATIO}x memory floor ({dtype}, ms)", tpot, best.get("memory_floor_ms"),
+                  TPOT_FLOOR_RATIO)
+            check(f"TTFT miss p50 <= {MISS_FLOOR_RATIO}x compute floor ({dtype}, ms)", miss,
+                  best.get("compute_floor_ms"), MISS_FLOOR_RATIO)
     lines += ["", "Floors, measured before the first variant and after the last (bench/peers/floors.py):", ""]
     for when, probe in floors.items():
         parts = [f"read bandwidth {probe['read_bandwidth_gb_s']:.1f} GB/s ({probe['threads']} threads)"]
         for dtype, model in probe["models"].items():
-            rate = model.get("gemm_gflop_s")
-            parts.append(f"{dtype}: GEMM {_fmt(rate)} GFLOP/s, a decode step reads {model['decode_bytes'] / 1e6:,.0f} MB "
-                         f"(context {probe['context_len']}): memory floor {model['memory_floor_ms']:.1f} ms; a miss of "
-                         f"{probe['prompt_len']} tokens is {model['miss_flops'] / 1e9:,.0f} GFLOP: compute floor "
+            parts.append(f"{dtype}: GEMM {_fmt(model.get('gemm_gflop_s'))} GFLOP/s, a decode step reads "
+                         f"{model['decode_bytes'] / 1e6:,.0f} MB (context {probe['context_len']}): memory floor "
+                         f"{model['memory_floor_ms']:.1f} ms; a miss of {probe['prompt_len']} tokens is "
+                         f"{model['miss_flops'] / 1e9:,.0f} GFLOP: compute floor "
                          f"{_fmt(model.get('compute_floor_ms'))} ms")
         lines.append(f"- {when}: " + "; ".join(parts))
     return lines + ["", "The targets use the lower (better) floor of the two probes.", ""]

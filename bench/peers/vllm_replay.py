@@ -108,7 +108,7 @@ async def replay(args) -> None:
         after = prefix_cache_counters()
     finally:
         engine.shutdown()
-        del engine  # now, not at interpreter exit (its __del__ shuts down again, with modules gone)
+        engine = None  # released now, not at interpreter exit (its __del__ shuts down again, modules gone)
     queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
     row = report.finish({
         "engine_version": vllm.__version__, "model": args.model, "dtype": args.dtype,

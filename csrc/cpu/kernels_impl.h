@@ -50,6 +50,16 @@ static inline void store_part(Vec v, T* p, int64_t n) {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// Calls f with a value of the element type a DType names (uint16_t holds bfloat16 bits).
+template <typename F>
+static inline void with_type(DType dtype, F&& f) {
+  if (dtype == DType::kBFloat16) {
+    f(uint16_t{});
+  } else {
+    f(float{});
+  }
+}
+
 // ---- RMSNorm (+ residual) -------------------------------------------------------------------
 
 template <typename T>
@@ -83,11 +93,7 @@ static void rms_norm_rows(const RmsNormArgs& a, int64_t begin, int64_t end) {
 }
 
 void rms_norm(const RmsNormArgs& a, int64_t begin, int64_t end) {
-  if (a.dtype == DType::kBFloat16) {
-    rms_norm_rows<uint16_t>(a, begin, end);
-  } else {
-    rms_norm_rows<float>(a, begin, end);
-  }
+  with_type(a.dtype, [&](auto t) { rms_norm_rows<decltype(t)>(a, begin, end); });
 }
 
 // ---- SiLU(gate) * up ------------------------------------------------------------------------
@@ -110,11 +116,7 @@ static void silu_mul_rows(const SiluMulArgs& a, int64_t begin, int64_t end) {
 }
 
 void silu_mul(const SiluMulArgs& a, int64_t begin, int64_t end) {
-  if (a.dtype == DType::kBFloat16) {
-    silu_mul_rows<uint16_t>(a, begin, end);
-  } else {
-    silu_mul_rows<float>(a, begin, end);
-  }
+  with_type(a.dtype, [&](auto t) { silu_mul_rows<decltype(t)>(a, begin, end); });
 }
 
 // ---- RoPE + KV append -----------------------------------------------------------------------
@@ -178,16 +180,9 @@ static void rope_store_kv_tokens(const RopeKvArgs& a, int64_t begin, int64_t end
 }
 
 void rope_store_kv(const RopeKvArgs& a, int64_t begin, int64_t end) {
-  const bool bf16 = a.dtype == DType::kBFloat16, bf16_cache = a.cache_dtype == DType::kBFloat16;
-  if (bf16 && bf16_cache) {
-    rope_store_kv_tokens<uint16_t, uint16_t>(a, begin, end);
-  } else if (bf16) {
-    rope_store_kv_tokens<uint16_t, float>(a, begin, end);
-  } else if (bf16_cache) {
-    rope_store_kv_tokens<float, uint16_t>(a, begin, end);
-  } else {
-    rope_store_kv_tokens<float, float>(a, begin, end);
-  }
+  with_type(a.dtype, [&](auto t) {
+    with_type(a.cache_dtype, [&](auto c) { rope_store_kv_tokens<decltype(t), decltype(c)>(a, begin, end); });
+  });
 }
 
 // ---- attention ------------------------------------------------------------------------------
@@ -588,24 +583,13 @@ static void attention_task(const AttentionArgs& a, const AttentionTask& t, float
 }
 
 void merge_attention(const AttentionArgs& a, const AttentionMerge& merge) {
-  if (a.dtype == DType::kBFloat16) {
-    merge_typed<uint16_t>(a, merge);
-  } else {
-    merge_typed<float>(a, merge);
-  }
+  with_type(a.dtype, [&](auto t) { merge_typed<decltype(t)>(a, merge); });
 }
 
 void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
-  const bool bf16 = a.dtype == DType::kBFloat16, bf16_cache = a.cache_dtype == DType::kBFloat16;
-  if (bf16 && bf16_cache) {
-    attention_task<uint16_t, uint16_t>(a, t, scratch);
-  } else if (bf16) {
-    attention_task<uint16_t, float>(a, t, scratch);
-  } else if (bf16_cache) {
-    attention_task<float, uint16_t>(a, t, scratch);
-  } else {
-    attention_task<float, float>(a, t, scratch);
-  }
+  with_type(a.dtype, [&](auto q) {
+    with_type(a.cache_dtype, [&](auto c) { attention_task<decltype(q), decltype(c)>(a, t, scratch); });
+  });
 }
 
 // ---- a streaming read ------------------------------------------------------------------------
