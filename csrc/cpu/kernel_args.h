@@ -121,8 +121,8 @@ static inline int64_t round_up(int64_t value, int64_t multiple) { return (value 
 static inline int64_t attention_scratch_floats(int64_t rows, int64_t head_dim, int64_t num_kv_heads, int64_t width) {
   int64_t padded = round_up(rows, width);
   // q (scaled) and the running output, transposed or not (head_dim padded to whole vectors); the
-  // score tile; max, sum, positions; K and V tiles widened from a bfloat16 cache.
-  return 2 * round_up(head_dim, width) * padded + kKeyTile * padded + 3 * padded +
+  // score tile; max, sum, positions, rescaling; K and V tiles widened from a bfloat16 cache.
+  return 2 * round_up(head_dim, width) * padded + kKeyTile * padded + 4 * padded +
          2 * kKeyTile * head_dim * num_kv_heads;
 }
 

@@ -280,24 +280,6 @@ static void weighted_values(const float* const* value, int num_keys, const float
   for (; e < d; ++e) value_block<1, NQ>(value, num_keys, p, padded, ot, e, v0);
 }
 
-// Asks for the next tile's key and value rows while this one is computed: a head's rows are short
-// runs (head_dim elements) at the stride of a token, which the hardware prefetchers follow poorly.
-template <typename C>
-static void prefetch_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys) {
-  const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
-  const int64_t row_bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
-  const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
-  for (int j = 0; j < num_keys; ++j) {
-    const int64_t position = k0 + j;
-    const char* row = reinterpret_cast<const char*>(base + table[position / a.tokens_per_block] * a.block_stride +
-                                                    (position % a.tokens_per_block) * a.token_stride);
-    for (int64_t line = 0; line < row_bytes; line += 64) {
-      __builtin_prefetch(row + line);
-      __builtin_prefetch(row + a.kv_stride * static_cast<int64_t>(sizeof(C)) + line);
-    }
-  }
-}
-
 // Pointers to the tile's key and value rows of the task's first KV head (float32), widened into
 // kbuf/vbuf from a bfloat16 cache; the task's next heads follow at head_offset(): the cache's head
 // stride, or head_dim in the buffers.
@@ -367,7 +349,6 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
     tile_rows<C>(a, t, k0, num_keys, kbuf, vbuf, key, value);
-    if (k0 + kKeyTile < t.key_end) prefetch_tile<C>(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)));
     int64_t v = 0;
     for (; v + kBlockRows <= num_vectors; v += kBlockRows)
       scores<kBlockRows>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
@@ -413,19 +394,129 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
   }
 }
 
-// o[e0 .. e0 + E W) = alpha o + sum_j p[j] value[j][...]: E independent sums, so the additions'
-// latency does not serialise the keys.
-template <int E>
-static inline void weigh_values(const float* const* value, int64_t head, const float* p, int num_keys, float alpha,
-                                int64_t d, int64_t e0, float* o) {
-  Vec acc[E];
-  for (int i = 0; i < E; ++i) acc[i] = Vec::load(o + e0 + i * W) * Vec::set1(alpha);
-  for (int j = 0; j < num_keys; ++j) {
-    Vec weight = Vec::set1(p[j]);
-    const float* v = value[j] + head + e0;
-    for (int i = 0; i < E; ++i) acc[i] = Vec::fma(weight, load_part(v + i * W, d - e0 - i * W), acc[i]);
+// The decode layout's two products, with a head row's NV vectors held in registers (NV = 0: any
+// length, looped). Scores: W keys at a time, each key's lane-wise products with the row, then one
+// transposing sum gives W scores. Values: R rows of one KV head together, so each value row is read
+// once for them all: o[r] = alpha[r] o[r] + sum_j p[r][j] value[j].
+template <int NV>
+static void dims_scores(const float* q, const float* const* key, int64_t head, int num_keys, int64_t d, float* s) {
+  constexpr int kVectors = NV > 0 ? NV : 1;
+  Vec qv[kVectors];
+  if constexpr (NV > 0) {
+    for (int v = 0; v < NV; ++v) qv[v] = Vec::load(q + v * W);
   }
-  for (int i = 0; i < E; ++i) acc[i].store(o + e0 + i * W);
+  for (int j0 = 0; j0 < num_keys; j0 += W) {
+    Vec partial[W];
+    for (int jj = 0; jj < W; ++jj) {
+      Vec acc[2] = {Vec::zero(), Vec::zero()};  // two chains: half the additions' latency
+      if (j0 + jj < num_keys) {
+        const float* k = key[j0 + jj] + head;
+        if constexpr (NV > 0) {
+          for (int v = 0; v < NV; ++v) acc[v & 1] = Vec::fma(qv[v], load_part(k + v * W, d - v * W), acc[v & 1]);
+        } else {
+          for (int64_t e = 0; e < d; e += W) acc[0] = Vec::fma(Vec::load(q + e), load_part(k + e, d - e), acc[0]);
+        }
+      }
+      partial[jj] = acc[0] + acc[1];
+    }
+    Vec::transpose_sum(partial).store(s + j0);
+  }
+}
+
+template <int R, int NV>
+static void dims_values(const float* const* value, int64_t head, const float* p, int num_keys, const float* alpha,
+                        int64_t d, float* o, int64_t padded_d) {
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::load(o + r * padded_d + v * W) * Vec::set1(alpha[r]);
+  for (int j = 0; j < num_keys; ++j) {
+    Vec values[NV];
+    for (int v = 0; v < NV; ++v) values[v] = load_part(value[j] + head + v * W, d - v * W);
+    for (int r = 0; r < R; ++r) {
+      Vec weight = Vec::set1(p[r * kKeyTile + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(weight, values[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v].store(o + r * padded_d + v * W);
+}
+
+// Rows per dims_values call: as many as fit in the registers beside one value row.
+template <int NV>
+constexpr int value_rows() {
+  constexpr int registers = W >= 16 ? 32 : 16;
+  constexpr int rows = (registers - NV - 2) / NV;
+  return rows < 1 ? 1 : (rows > 4 ? 4 : rows);
+}
+
+template <int NV>
+static void dims_products(const float* q, float* o, float* s, const float* alpha, int64_t rows, int64_t rows_per_head,
+                          int64_t next_head, const float* const* key, const float* const* value, int num_keys,
+                          int64_t d, int64_t padded_d, bool scores) {
+  if (scores) {
+    for (int64_t m = 0; m < rows; ++m) {
+      dims_scores<NV>(q + m * padded_d, key, m / rows_per_head * next_head, num_keys, d, s + m * kKeyTile);
+    }
+    return;
+  }
+  constexpr int R = value_rows<NV>();
+  for (int64_t first = 0; first < rows; first += rows_per_head) {  // one KV head's rows
+    const int64_t head = first / rows_per_head * next_head;
+    int64_t m = first;
+    for (; m + R <= first + rows_per_head; m += R) {
+      dims_values<R, NV>(value, head, s + m * kKeyTile, num_keys, alpha + m, d, o + m * padded_d, padded_d);
+    }
+    for (; m < first + rows_per_head; ++m) {
+      dims_values<1, NV>(value, head, s + m * kKeyTile, num_keys, alpha + m, d, o + m * padded_d, padded_d);
+    }
+  }
+}
+
+// The head dimension in whole vectors, for the register-held products (at most 8; else looped).
+static void dims_step(int64_t num_vectors, const float* q, float* o, float* s, const float* alpha, int64_t rows,
+                      int64_t rows_per_head, int64_t next_head, const float* const* key, const float* const* value,
+                      int num_keys, int64_t d, int64_t padded_d, bool scores) {
+  switch (num_vectors) {
+#define KVTOOL_DIMS_CASE(n) \
+  case n: return dims_products<n>(q, o, s, alpha, rows, rows_per_head, next_head, key, value, num_keys, d, padded_d, scores);
+    KVTOOL_DIMS_CASE(1)
+    KVTOOL_DIMS_CASE(2)
+    KVTOOL_DIMS_CASE(3)
+    KVTOOL_DIMS_CASE(4)
+    KVTOOL_DIMS_CASE(5)
+    KVTOOL_DIMS_CASE(6)
+    KVTOOL_DIMS_CASE(7)
+    KVTOOL_DIMS_CASE(8)
+#undef KVTOOL_DIMS_CASE
+    default: break;
+  }
+  // Longer rows (head_dim above 8 vectors): the scores looped, the values 8 vectors at a time.
+  if (scores) {
+    for (int64_t m = 0; m < rows; ++m) {
+      dims_scores<0>(q + m * padded_d, key, m / rows_per_head * next_head, num_keys, d, s + m * kKeyTile);
+    }
+    return;
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t head = m / rows_per_head * next_head;
+    const float* p = s + m * kKeyTile;
+    float* om = o + m * padded_d;
+    int64_t e = 0;
+    for (; e + 8 * W <= padded_d; e += 8 * W) dims_values<1, 8>(value, head + e, p, num_keys, alpha + m, d - e, om + e, 0);
+    switch ((padded_d - e) / W) {
+#define KVTOOL_VALUES_CASE(n) \
+  case n: dims_values<1, n>(value, head + e, p, num_keys, alpha + m, d - e, om + e, 0); break;
+      KVTOOL_VALUES_CASE(1)
+      KVTOOL_VALUES_CASE(2)
+      KVTOOL_VALUES_CASE(3)
+      KVTOOL_VALUES_CASE(4)
+      KVTOOL_VALUES_CASE(5)
+      KVTOOL_VALUES_CASE(6)
+      KVTOOL_VALUES_CASE(7)
+#undef KVTOOL_VALUES_CASE
+      default: break;
+    }
+  }
 }
 
 template <typename A, typename C>
@@ -441,7 +532,8 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
   float* row_max = s + rows * kKeyTile;
   float* row_sum = row_max + rows;
   float* positions = row_sum + rows;
-  float* kbuf = positions + rows;      // [kKeyTile][num_kv_heads * d]
+  float* alpha = positions + rows;     // this tile's rescaling of each row's output
+  float* kbuf = alpha + rows;          // [kKeyTile][num_kv_heads * d]
   float* vbuf = kbuf + kKeyTile * d * t.num_kv_heads;
 
   for (int64_t m = 0; m < rows; ++m) {
@@ -462,24 +554,7 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
     tile_rows<C>(a, t, k0, num_keys, kbuf, vbuf, key, value);
-    if (k0 + kKeyTile < t.key_end) prefetch_tile<C>(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)));
-    // W keys at a time: each key's lane-wise products, then one transposing sum gives W scores.
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* qm = q + m * padded_d;
-      const int64_t head = m / rows_per_head * next_head;
-      for (int j0 = 0; j0 < num_keys; j0 += W) {
-        Vec partial[W];
-        for (int jj = 0; jj < W; ++jj) {
-          Vec acc = Vec::zero();
-          if (j0 + jj < num_keys) {
-            const float* k = key[j0 + jj] + head;
-            for (int64_t e = 0; e < d; e += W) acc = Vec::fma(Vec::load(qm + e), load_part(k + e, d - e), acc);
-          }
-          partial[jj] = acc;
-        }
-        Vec::transpose_sum(partial).store(s + m * kKeyTile + j0);
-      }
-    }
+    dims_step(padded_d / W, q, o, s, alpha, rows, rows_per_head, next_head, key, value, num_keys, d, padded_d, true);
     const bool causal_edge = k0 + num_keys - 1 > t.first_position;
     const bool window_edge = a.sliding_window > 0 && k0 <= last_position - a.sliding_window;
     for (int64_t m = 0; m < rows; ++m) {
@@ -501,26 +576,17 @@ static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask&
       // As rescale() does for a vector of rows.
       const float new_max = tile_max > row_max[m] ? tile_max : row_max[m];
       const float shift = new_max > kNegInf ? new_max : 0.0f;
-      const float alpha = __builtin_expf(row_max[m] - shift);
+      alpha[m] = __builtin_expf(row_max[m] - shift);
       Vec sum = Vec::zero();
       for (int j = 0; j < num_keys; j += W) {
         Vec p = Vec::exp(Vec::load(sm + j) - Vec::set1(shift));
         p.store(sm + j);
         sum = sum + p;
       }
-      row_sum[m] = row_sum[m] * alpha + sum.reduce_add();
+      row_sum[m] = row_sum[m] * alpha[m] + sum.reduce_add();
       row_max[m] = new_max;
-      float* om = o + m * padded_d;
-      const int64_t head = m / rows_per_head * next_head;
-      int64_t e = 0;
-      for (; e + 4 * W <= padded_d; e += 4 * W) weigh_values<4>(value, head, sm, num_keys, alpha, d, e, om);
-      switch ((padded_d - e) / W) {
-        case 3: weigh_values<3>(value, head, sm, num_keys, alpha, d, e, om); break;
-        case 2: weigh_values<2>(value, head, sm, num_keys, alpha, d, e, om); break;
-        case 1: weigh_values<1>(value, head, sm, num_keys, alpha, d, e, om); break;
-        default: break;
-      }
     }
+    dims_step(padded_d / W, q, o, s, alpha, rows, rows_per_head, next_head, key, value, num_keys, d, padded_d, false);
   }
 
   if (t.partial >= 0) {
