@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernel_args.h"
 
@@ -398,28 +399,34 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
 // length, looped). Scores: W keys at a time, each key's lane-wise products with the row, then one
 // transposing sum gives W scores. Values: R rows of one KV head together, so each value row is read
 // once for them all: o[r] = alpha[r] o[r] + sum_j p[r][j] value[j].
-template <int NV>
-static void dims_scores(const float* q, const float* const* key, int64_t head, int num_keys, int64_t d, float* s) {
+template <int R, int NV>
+static void dims_scores(const float* q, int64_t padded_d, const float* const* key, int64_t head, int num_keys,
+                        int64_t d, float* s) {
   constexpr int kVectors = NV > 0 ? NV : 1;
-  Vec qv[kVectors];
+  Vec qv[R][kVectors];
   if constexpr (NV > 0) {
-    for (int v = 0; v < NV; ++v) qv[v] = Vec::load(q + v * W);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) qv[r][v] = Vec::load(q + r * padded_d + v * W);
   }
   for (int j0 = 0; j0 < num_keys; j0 += W) {
-    Vec partial[W];
+    Vec partial[R][W];
     for (int jj = 0; jj < W; ++jj) {
-      Vec acc[2] = {Vec::zero(), Vec::zero()};  // two chains: half the additions' latency
+      Vec acc[R][2];  // two chains a row: half the additions' latency
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
       if (j0 + jj < num_keys) {
         const float* k = key[j0 + jj] + head;
         if constexpr (NV > 0) {
-          for (int v = 0; v < NV; ++v) acc[v & 1] = Vec::fma(qv[v], load_part(k + v * W, d - v * W), acc[v & 1]);
+          for (int v = 0; v < NV; ++v) {
+            Vec kv = load_part(k + v * W, d - v * W);
+            for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::fma(qv[r][v], kv, acc[r][v & 1]);
+          }
         } else {
-          for (int64_t e = 0; e < d; e += W) acc[0] = Vec::fma(Vec::load(q + e), load_part(k + e, d - e), acc[0]);
+          for (int64_t e = 0; e < d; e += W) acc[0][0] = Vec::fma(Vec::load(q + e), load_part(k + e, d - e), acc[0][0]);
         }
       }
-      partial[jj] = acc[0] + acc[1];
+      for (int r = 0; r < R; ++r) partial[r][jj] = acc[r][0] + acc[r][1];
     }
-    Vec::transpose_sum(partial).store(s + j0);
+    for (int r = 0; r < R; ++r) Vec::transpose_sum(partial[r]).store(s + r * kKeyTile + j0);
   }
 }
 
@@ -441,7 +448,7 @@ static void dims_values(const float* const* value, int64_t head, const float* p,
     for (int v = 0; v < NV; ++v) acc[r][v].store(o + r * padded_d + v * W);
 }
 
-// Rows per dims_values call: as many as fit in the registers beside one value row.
+// Rows per dims_scores / dims_values call: as many as fit in the registers beside one key or value row.
 template <int NV>
 constexpr int value_rows() {
   constexpr int registers = W >= 16 ? 32 : 16;
@@ -453,21 +460,28 @@ template <int NV>
 static void dims_products(const float* q, float* o, float* s, const float* alpha, int64_t rows, int64_t rows_per_head,
                           int64_t next_head, const float* const* key, const float* const* value, int num_keys,
                           int64_t d, int64_t padded_d, bool scores) {
-  if (scores) {
-    for (int64_t m = 0; m < rows; ++m) {
-      dims_scores<NV>(q + m * padded_d, key, m / rows_per_head * next_head, num_keys, d, s + m * kKeyTile);
-    }
-    return;
-  }
-  constexpr int R = value_rows<NV>();
+  constexpr int kMaxRows = value_rows<NV>();
   for (int64_t first = 0; first < rows; first += rows_per_head) {  // one KV head's rows
     const int64_t head = first / rows_per_head * next_head;
-    int64_t m = first;
-    for (; m + R <= first + rows_per_head; m += R) {
-      dims_values<R, NV>(value, head, s + m * kKeyTile, num_keys, alpha + m, d, o + m * padded_d, padded_d);
-    }
-    for (; m < first + rows_per_head; ++m) {
-      dims_values<1, NV>(value, head, s + m * kKeyTile, num_keys, alpha + m, d, o + m * padded_d, padded_d);
+    for (int64_t m = first; m < first + rows_per_head;) {
+      const int64_t count = min64(kMaxRows, first + rows_per_head - m);
+      auto run = [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        if constexpr (R <= kMaxRows) {
+          if (scores) {
+            dims_scores<R, NV>(q + m * padded_d, padded_d, key, head, num_keys, d, s + m * kKeyTile);
+          } else {
+            dims_values<R, NV>(value, head, s + m * kKeyTile, num_keys, alpha + m, d, o + m * padded_d, padded_d);
+          }
+        }
+      };
+      switch (count) {
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        default: run(std::integral_constant<int, 1>{}); break;
+      }
+      m += count;
     }
   }
 }
@@ -493,7 +507,7 @@ static void dims_step(int64_t num_vectors, const float* q, float* o, float* s, c
   // Longer rows (head_dim above 8 vectors): the scores looped, the values 8 vectors at a time.
   if (scores) {
     for (int64_t m = 0; m < rows; ++m) {
-      dims_scores<0>(q + m * padded_d, key, m / rows_per_head * next_head, num_keys, d, s + m * kKeyTile);
+      dims_scores<1, 0>(q + m * padded_d, padded_d, key, m / rows_per_head * next_head, num_keys, d, s + m * kKeyTile);
     }
     return;
   }
