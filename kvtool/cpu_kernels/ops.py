@@ -47,11 +47,13 @@ def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor, out: torch.Tensor) -> t
     return out
 
 
-def rope_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of each position's head_dim / 2 angles, then their sin
-    (the values kvtool.models.llama.rope_cos_sin computes for a step)."""
+def rope_cache(inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of each position's head_dim / 2 angles, then their sin,
+    times ``scale`` (a RoPE scaling's attention factor; the values kvtool.models.llama.rope_cos_sin
+    computes for a step)."""
     freqs = torch.arange(max_positions, dtype=torch.int64).float().unsqueeze(1) * inv_freq.float().unsqueeze(0)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return (table * scale if scale != 1.0 else table).contiguous()
 
 
 def rope_store_kv(kernels: CpuKernels, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
