@@ -261,9 +261,13 @@ static inline void value_block(const float* const* value, int num_keys, const fl
     for (int n = 0; n < NQ; ++n) acc[r][n].store(ot + (e0 + r) * padded + (v0 + n) * W);
 }
 
-// Register blocking: accumulators fill about half the vector registers (16 of 32 with AVX-512).
-constexpr int kBlockKeys = W >= 16 ? 8 : 4;
-constexpr int kBlockRows = 2;
+// Register blocking: 16 accumulators (half the vector registers with AVX-512), 4 keys or head dims
+// by 4 row vectors; 8 accumulators with AVX2's 16 registers. Measured on a 1,056-token prompt, one
+// thread: 176 GFLOP/s against 156 with 8 keys by 2 row vectors.
+constexpr int kBlockKeys = 4;
+constexpr int kBlockRows = W >= 16 ? 4 : 2;
+constexpr int kValueDims = 4;
+constexpr int kValueRows = W >= 16 ? 4 : 2;
 
 template <int NQ>
 static void scores(const float* const* key, int num_keys, const float* qt, int64_t padded, int64_t d, float* s,
@@ -277,7 +281,7 @@ template <int NQ>
 static void weighted_values(const float* const* value, int num_keys, const float* p, int64_t padded, int64_t d,
                             float* ot, int v0) {
   int64_t e = 0;
-  for (; e + kBlockKeys <= d; e += kBlockKeys) value_block<kBlockKeys, NQ>(value, num_keys, p, padded, ot, e, v0);
+  for (; e + kValueDims <= d; e += kValueDims) value_block<kValueDims, NQ>(value, num_keys, p, padded, ot, e, v0);
   for (; e < d; ++e) value_block<1, NQ>(value, num_keys, p, padded, ot, e, v0);
 }
 
@@ -353,6 +357,7 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
     int64_t v = 0;
     for (; v + kBlockRows <= num_vectors; v += kBlockRows)
       scores<kBlockRows>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
+    for (; v + 2 <= num_vectors; v += 2) scores<2>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
     for (; v < num_vectors; ++v) scores<1>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
 
     // A tile reaching past the first query, or (with a window) back past the last query's window, is masked.
@@ -370,7 +375,8 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
         }
         tile_max = Vec::max(tile_max, score);
       }
-      Rescale r = rescale(Vec::load(row_max + vec * W), tile_max);
+      const Vec old_max = Vec::load(row_max + vec * W);
+      Rescale r = rescale(old_max, tile_max);
       Vec sum = Vec::zero();
       for (int j = 0; j < num_keys; ++j) {
         Vec p = Vec::exp(Vec::load(sv + j * padded) - r.shift);
@@ -379,11 +385,15 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
       }
       (Vec::load(row_sum + vec * W) * r.alpha + sum).store(row_sum + vec * W);
       r.max.store(row_max + vec * W);
-      for (int64_t e = 0; e < d; ++e) (Vec::load(ot + e * padded + vec * W) * r.alpha).store(ot + e * padded + vec * W);
+      // Once the running max settles (most tiles of a long prompt) no row's output needs rescaling.
+      if (Vec::any(Vec::gt(r.max, old_max))) {
+        for (int64_t e = 0; e < d; ++e) (Vec::load(ot + e * padded + vec * W) * r.alpha).store(ot + e * padded + vec * W);
+      }
     }
     v = 0;
-    for (; v + kBlockRows <= num_vectors; v += kBlockRows)
-      weighted_values<kBlockRows>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
+    for (; v + kValueRows <= num_vectors; v += kValueRows)
+      weighted_values<kValueRows>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
+    for (; v + 2 <= num_vectors; v += 2) weighted_values<2>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
     for (; v < num_vectors; ++v) weighted_values<1>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
   }
 

@@ -37,6 +37,7 @@ struct Vec {
 
   static Mask le(Vec a, Vec b) { return a.v <= b.v; }
   static Mask gt(Vec a, Vec b) { return a.v > b.v; }
+  static bool any(Mask m) { return m; }
   static Mask mask_and(Mask a, Mask b) { return a && b; }
   static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }  // lane by lane: m ? a : b
   static Vec exp(Vec a) { return {__builtin_expf(a.v)}; }
