@@ -69,7 +69,7 @@ std::vector<std::string> supported_isas() {
 }
 
 CpuKernels::CpuKernels(const std::string& isa, int num_threads)
-    : table_(choose(isa)), pool_(std::max(1, num_threads)), scratch_(std::max(1, num_threads)) {}
+    : table_(choose(isa)), pool_(std::max(1, num_threads)), scratch_(pool_.num_threads()) {}
 
 template <typename Args>
 void CpuKernels::run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows,

@@ -8,7 +8,7 @@
 
 #include "attention_plan.h"
 #include "kernel_args.h"
-#include "thread_pool.h"
+#include "parallel.h"
 
 namespace kvtool::cpu {
 
@@ -36,7 +36,7 @@ class CpuKernels {
   void run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows, int64_t row_size);
 
   const KernelTable* table_;
-  ThreadPool pool_;
+  Parallel pool_;
   std::vector<std::vector<float>> scratch_;  // one per thread
   std::vector<float> partials_;              // the shares of split attention tasks
 };

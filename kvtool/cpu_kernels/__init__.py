@@ -6,6 +6,10 @@ model's forward through them (the CPU path of kvtool.models.llama).
 
 from __future__ import annotations
 
+# torch first: its OpenMP runtime (libgomp.so.1) is then the one the kernels link to, so they run
+# on torch's threads (csrc/cpu/parallel.h).
+import torch  # noqa: F401
+
 from kvtool.cpu_kernels._kernels import AttentionPlan, CpuKernels, DType, supported_isas
 
 __all__ = ["AttentionPlan", "CpuKernels", "DType", "supported_isas"]
