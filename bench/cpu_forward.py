@@ -59,7 +59,7 @@ def main() -> None:
 
     llm = LLM(model=args.plan, max_batch_size=BATCH, kv_cache_config=KvCacheConfig(
         enable_block_reuse=False, max_tokens=(BATCH + 1) * (args.prompt_len + 64)))
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     model = runner.model
     paths = {}
     for path in args.paths.split(","):

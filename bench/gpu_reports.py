@@ -1,11 +1,34 @@
-"""What the GPU benchmark scripts (gpu_e2e.py, gpu_startup.py) share: their CSV files."""
+"""What the GPU benchmark scripts share: their CSV files, and timing a GPU call."""
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+
+def median_gpu_ms(fn: Callable[[], object], reps: int, warmup: int, sleep_cycles: int = 0) -> float:
+    """Median GPU time (ms) of ``fn()`` on the current stream, CUDA events around each call. With
+    ``sleep_cycles``, a sleep kernel keeps the GPU busy while Python enqueues (so launch overhead leaves
+    no gaps inside the timed region)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def write_rows_csv(path: Path, rows: Sequence[NamedTuple], header: Mapping[str, str]) -> None:

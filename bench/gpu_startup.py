@@ -60,7 +60,7 @@ def time_startup(plan: Plan, device: str, host_cache_bytes: int, round_: int) ->
     if out.error is not None:
         raise RuntimeError(out.error)
     # The engine stamps token times with time.perf_counter, the clock started above.
-    first_token = llm.engine.requests[out.request_id].first_token_time
+    first_token = out.request.first_token_time
     if host_cache_bytes and llm.pool_sizes.num_secondary_blocks == 0:
         raise RuntimeError(f"host_cache_size={host_cache_bytes} created no host cache: {llm.pool_sizes}")
     _release(llm)

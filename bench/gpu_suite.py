@@ -3,11 +3,12 @@
 Sections (``--sections``, default all):
   copy     device-to-device copy bandwidth (the decode baseline) and pinned host<->device bandwidth
   decode   paged decode attention effective bandwidth (KV bytes read / time) vs the D2D copy
-           bandwidth; batch 64, context 4096, 32 query / 8 KV heads, head_dim 128 (target >= 0.8)
-  context  paged context attention throughput vs torch SDPA (flash backend) on the same data laid
-           out contiguously; 4 x 4096-token causal prefills (target >= 0.9)
-  blocks   host<->device block copy (kernel and memcpy variants, scattered ids) vs one plain
-           pinned copy of the same bytes (target >= 0.8)
+           bandwidth; batch 64 and batch 1, context 4096, 32 query / 8 KV heads, head_dim 128
+           (target >= 0.8 both); batch 1 at every split-K partition size, and the one chosen
+  context  paged context attention throughput vs the fastest torch SDPA backend (flash, cuDNN) on
+           the same data laid out contiguously; 4 x 4096-token causal prefills (target >= 0.8)
+  blocks   host<->device block copy (copy engines "memcpy" and the SM kernel, scattered ids) vs one
+           plain pinned copy of the same bytes (target >= 0.8)
   swap     offload + onboard in one step: one stream after the other vs both directions at once
   e2e      preset:qwen3-8b through kvtool.LLM (bench/gpu_e2e.py): TTFT reuse off / on for a 2k shared
            prompt + 128-token question (target >= 10), TPOT / TTFT of an identical 4k prompt sent
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import statistics
 import sys
 import traceback
 from dataclasses import asdict, dataclass
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from gpu_reports import median_gpu_ms
 
 SECTIONS = ("copy", "decode", "context", "blocks", "swap", "e2e")
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time: covers Python launch overhead of one timed call
@@ -67,19 +69,7 @@ class Suite:
 
     def time_ms(self, fn: Callable[[], None]) -> float:
         """Median GPU time (ms) of fn() on the current stream."""
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(self.reps):
-            torch.cuda._sleep(SLEEP_CYCLES)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return median_gpu_ms(fn, self.reps, self.warmup, SLEEP_CYCLES)
 
 
 # ---- baselines ----
@@ -124,50 +114,51 @@ def paged_inputs(batch: int, seq_len: int, query_len: int, num_heads: int, num_k
 
 
 def section_decode(suite: Suite, library, dtype: torch.dtype) -> None:
-    from kvtool.kernels.paged_decode_attention import num_partitions, paged_decode_attention
+    from kvtool.kernels.loader import device_sm_count
+    from kvtool.kernels.paged_decode_attention import (PARTITION_SIZES, num_partitions, paged_decode_attention,
+                                                       partition_size_for)
 
     d2d = suite.baselines.get("d2d_GBps")
-    cases = [(64, 4096, 16, 0.8), (64, 4096, 64, 0.8), (8, 16384, 16, None), (1, 32768, 16, None)]
+    cases = [(64, 4096, 16, 0.8), (1, 4096, 32, 0.8), (64, 4096, 64, None), (8, 16384, 16, None),
+             (1, 32768, 16, None)]
     for batch, seq_len, tpb, target in cases:
         num_heads, num_kv_heads, head_dim = 32, 8, 128
         pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, 1, num_heads, num_kv_heads, head_dim,
                                                           tpb, dtype)
         out = torch.empty_like(query)
+        kv_bytes = batch * seq_len * num_kv_heads * head_dim * 2 * pool.element_size()
+        chosen = partition_size_for(num_kv_heads * batch, device_sm_count(pool.device))
 
-        def run():
+        def run(max_seq_len=seq_len, partition_size=None, unroll=4):
             paged_decode_attention(library, query, pool, tables, qsl, seq_lens, seq_offset=0, num_seqs=batch,
-                                   max_seq_len=seq_len, scale=head_dim ** -0.5, sliding_window=None, out=out)
+                                   max_seq_len=max_seq_len, scale=head_dim ** -0.5, sliding_window=None, out=out,
+                                   partition_size=partition_size, unroll=unroll)
 
         ms = suite.time_ms(run)
-        kv_bytes = batch * seq_len * num_kv_heads * head_dim * 2 * pool.element_size()
         bandwidth = kv_bytes / (ms * 1e-3) / 1e9
-        case = (f"batch {batch} x ctx {seq_len}, tpb {tpb}, 32/8 heads, hd 128, "
-                f"{num_partitions(seq_len)} partitions")
+        case = (f"batch {batch} x ctx {seq_len}, tpb {tpb}, 32/8 heads, hd 128, partitions of {chosen} keys "
+                f"({num_partitions(seq_len, chosen)} each)")
         suite.add(Row("decode", case, "time", ms, "ms"))
         suite.add(Row("decode", case, "effective KV bandwidth", bandwidth, "GB/s", d2d,
                       bandwidth / d2d if d2d else None, target))
-        if target is None or tpb != 16:
+        if target is None:
             continue
-        # The kernel's knobs on the target case: keys per split-K partition, 16-byte loads in flight.
-        for partition_size, unroll in ((256, 4), (1024, 4), (512, 8), (256, 8), (1024, 8), (512, 2)):
-            def variant(partition_size=partition_size, unroll=unroll):
-                paged_decode_attention(library, query, pool, tables, qsl, seq_lens, seq_offset=0, num_seqs=batch,
-                                       max_seq_len=seq_len, scale=head_dim ** -0.5, sliding_window=None, out=out,
-                                       partition_size=partition_size, unroll=unroll)
-
-            bandwidth = kv_bytes / (suite.time_ms(variant) * 1e-3) / 1e9
-            suite.add(Row("decode", f"{case}: partition {partition_size}, unroll {unroll}", "effective KV bandwidth",
-                          bandwidth, "GB/s", d2d, bandwidth / d2d if d2d else None))
-
+        # The knobs on the target cases: keys per split-K partition (what partition_size_for picks
+        # from), and 16-byte loads in flight at batch 64.
+        knobs = [(size, 4) for size in PARTITION_SIZES if size != chosen]
+        if batch == 64:
+            knobs += [(512, 8), (512, 2)]
+        for partition_size, unroll in knobs:
+            bandwidth = kv_bytes / (suite.time_ms(lambda p=partition_size, u=unroll: run(partition_size=p, unroll=u))
+                                    * 1e-3) / 1e9
+            suite.add(Row("decode", f"batch {batch} x ctx {seq_len}: partition {partition_size}, unroll {unroll}",
+                          "effective KV bandwidth", bandwidth, "GB/s", d2d, bandwidth / d2d if d2d else None))
         # A CUDA graph's grid is sized for the runtime's max_seq_len: the partitions past each
         # sequence's end return at once. What that costs here, for a 40k max_seq_len:
-        def graph_grid():
-            paged_decode_attention(library, query, pool, tables, qsl, seq_lens, seq_offset=0, num_seqs=batch,
-                                   max_seq_len=40960, scale=head_dim ** -0.5, sliding_window=None, out=out)
-
-        bandwidth = kv_bytes / (suite.time_ms(graph_grid) * 1e-3) / 1e9
-        suite.add(Row("decode", f"{case}: grid for max_seq_len 40960 (80 partitions)", "effective KV bandwidth",
-                      bandwidth, "GB/s", d2d, bandwidth / d2d if d2d else None))
+        bandwidth = kv_bytes / (suite.time_ms(lambda: run(max_seq_len=40960)) * 1e-3) / 1e9
+        suite.add(Row("decode", f"batch {batch} x ctx {seq_len}: grid for max_seq_len 40960 "
+                      f"({num_partitions(40960, chosen)} partitions)", "effective KV bandwidth", bandwidth, "GB/s",
+                      d2d, bandwidth / d2d if d2d else None))
 
 
 def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
@@ -179,62 +170,57 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
     batch, seq_len, num_heads, num_kv_heads, head_dim = 4, 4096, 32, 8, 128
     scale = head_dim ** -0.5
     flops = 4 * batch * num_heads * head_dim * seq_len * (seq_len + 1) / 2  # causal: half the square
-    sdpa_tflops = None
-    for tpb, num_warps, rows_per_warp in ((16, 4, 16), (64, 4, 16), (16, 8, 16), (64, 8, 16), (16, 4, 32),
-                                          (64, 4, 32)):
+    fastest = None
+    for tpb in (16, 32, 64):
         pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, seq_len, num_heads, num_kv_heads,
                                                           head_dim, tpb, dtype)
         out = torch.empty_like(query)
 
         def run():
             paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
-                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out,
-                                    num_warps=num_warps, rows_per_warp=rows_per_warp)
+                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out)
 
         ms = suite.time_ms(run)
         ours = flops / (ms * 1e-3) / 1e12
-        if sdpa_tflops is None:
-            # The same keys/values, gathered out of the pool into contiguous [batch, heads, seq, dim].
+        if fastest is None:
+            # The same keys/values, gathered out of the pool into contiguous [batch, heads, seq, dim]
+            # (K/V heads expanded: every backend takes that), for each SDPA backend this torch has.
             order = tables.long().flatten()
             kv = pool[order].view(batch, -1, 2, tpb, num_kv_heads, head_dim)
-            k = kv[:, :, 0].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
-            v = kv[:, :, 1].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2).contiguous()
-            q = query.view(batch, seq_len, num_heads, head_dim).transpose(1, 2).contiguous()
             group = num_heads // num_kv_heads
-            note = "enable_gqa"
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                try:
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-
-                    def sdpa():
-                        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-                except RuntimeError:
-                    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-                    note = "K/V heads expanded"
-
-                    def sdpa():
-                        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-
-                sdpa_ms = suite.time_ms(sdpa)
-                # Same work, same answer: our output against SDPA's on this data.
-                if note == "enable_gqa":
-                    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-                else:
-                    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            k = kv[:, :, 0].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
+            v = kv[:, :, 1].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
+            k = k.repeat_interleave(group, dim=1).contiguous()
+            v = v.repeat_interleave(group, dim=1).contiguous()
+            q = query.view(batch, seq_len, num_heads, head_dim).transpose(1, 2).contiguous()
             run()
-            difference = (out.view(batch, seq_len, num_heads, head_dim).transpose(1, 2).float()
-                          - expected.float()).abs().max().item()
-            sdpa_tflops = flops / (sdpa_ms * 1e-3) / 1e12
-            suite.add(Row("context", f"torch SDPA flash, contiguous ({note})", "throughput", sdpa_tflops, "TFLOP/s"))
-            suite.add(Row("context", "paged kernel vs SDPA output", "max abs difference", difference, ""))
-        case = (f"{batch} x {seq_len} causal prefill, tpb {tpb}, {num_warps} warps/CTA x {rows_per_warp} rows/warp, "
-                f"32/8 heads, hd 128")
+            ours_out = out.view(batch, seq_len, num_heads, head_dim).transpose(1, 2).float()
+            rates = {}
+            for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+                backend = getattr(SDPBackend, name, None)
+                if backend is None:
+                    continue
+                try:
+                    with sdpa_kernel([backend]):
+                        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+                        sdpa_ms = suite.time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                       scale=scale))
+                except RuntimeError as error:  # not built into this torch, or refuses these shapes
+                    suite.errors.append(f"context: SDPA {name} unavailable: {error}")
+                    continue
+                rates[name] = flops / (sdpa_ms * 1e-3) / 1e12
+                suite.add(Row("context", f"torch SDPA {name.lower()}, contiguous", "throughput", rates[name],
+                              "TFLOP/s"))
+                suite.add(Row("context", f"paged kernel vs SDPA {name.lower()} output", "max abs difference",
+                              (ours_out - expected.float()).abs().max().item(), ""))
+            fastest = max(rates.values()) if rates else float("nan")
+        case = f"{batch} x {seq_len} causal prefill, tpb {tpb}, 32/8 heads, hd 128"
         suite.add(Row("context", case, "time", ms, "ms"))
-        suite.add(Row("context", case, "throughput", ours, "TFLOP/s", sdpa_tflops, ours / sdpa_tflops, 0.9))
+        suite.add(Row("context", case, "throughput", ours, "TFLOP/s", fastest, ours / fastest, 0.8))
     # Reuse: the second half of each sequence attends to a cached first half (read from the cache).
     query_len = seq_len // 2
     pool, tables, seq_lens, qsl, query = paged_inputs(batch, seq_len, query_len, num_heads, num_kv_heads,
-                                                      head_dim, 16, dtype)
+                                                      head_dim, 32, dtype)
     out = torch.empty_like(query)
 
     def run_chunk():
@@ -243,7 +229,7 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
 
     ms = suite.time_ms(run_chunk)
     chunk_flops = 4 * batch * num_heads * head_dim * query_len * (seq_len - query_len + (query_len + 1) / 2)
-    case = f"{batch} x {query_len} new tokens over a cached {seq_len - query_len}-token prefix, tpb 16"
+    case = f"{batch} x {query_len} new tokens over a cached {seq_len - query_len}-token prefix, tpb 32"
     suite.add(Row("context", case, "time", ms, "ms"))
     suite.add(Row("context", case, "throughput", chunk_flops / (ms * 1e-3) / 1e12, "TFLOP/s"))
 
@@ -274,7 +260,7 @@ def section_blocks(suite: Suite, library, dtype: torch.dtype) -> None:
         baseline = num_bytes / (suite.time_ms(plain_copy) * 1e-3) / 1e9
         suite.add(Row("blocks", f"{direction}: one pinned copy of {num_bytes / 1e6:.0f} MB", "bandwidth",
                       baseline, "GB/s"))
-        for method in ("kernel", "memcpy"):
+        for method in ("memcpy", "kernel"):
             def run(src=src, dst=dst, src_ids=src_ids, dst_ids=dst_ids, method=method):
                 copy_blocks(src, dst, src_ids, dst_ids, torch.cuda.current_stream(), method=method, library=library)
 
@@ -285,9 +271,16 @@ def section_blocks(suite: Suite, library, dtype: torch.dtype) -> None:
 
 def section_swap(suite: Suite, library, dtype: torch.dtype) -> None:
     """A step that offloads one request's blocks while onboarding another's (the A,B,A,B pattern):
-    one stream after the other (what the runtime does) vs the two directions on two streams at once.
-    PCIe is full duplex; this says whether overlapping the directions would pay."""
+    one stream after the other vs the two directions on two streams at once (PCIe is full duplex),
+    and the runtime's own step (KvCachePools.execute_copies: offloads then onboards layer by layer
+    on two streams) with each copy method, against the pinned copies' bandwidths of this run
+    (target >= 0.8 of host->device + device->host)."""
+    import numpy as np
+
+    from kvtool._core import PoolKind
     from kvtool.kernels.block_copy import copy_blocks
+    from kvtool.runtime.copy_batches import copy_batches
+    from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 
     block_dims = (36, 2, 16, 8, 128)  # qwen3-8b, 16-token blocks
     num_ops = 64
@@ -296,7 +289,7 @@ def section_swap(suite: Suite, library, dtype: torch.dtype) -> None:
     out_ids, in_ids = list(range(num_ops)), list(range(num_ops, 2 * num_ops))
     num_bytes = 2 * num_ops * device_pool[0].numel() * device_pool.element_size()  # both directions
     second = torch.cuda.Stream()
-    for method in ("kernel", "memcpy"):
+    for method in ("memcpy", "kernel"):
         def sequential(method=method):
             stream = torch.cuda.current_stream()
             copy_blocks(device_pool, host_pool, out_ids, out_ids, stream, method=method, library=library)
@@ -314,6 +307,32 @@ def section_swap(suite: Suite, library, dtype: torch.dtype) -> None:
         case = f"offload {num_ops} + onboard {num_ops} blocks of 2.36 MB, {method}"
         suite.add(Row("swap", f"{case}, one stream", "bandwidth (both directions)", one, "GB/s"))
         suite.add(Row("swap", f"{case}, two streams", "bandwidth (both directions)", two, "GB/s", one, two / one))
+
+    pinned = suite.baselines.get("host->device_GBps", 0) + suite.baselines.get("device->host_GBps", 0)
+    shape = BlockShape(num_layers=36, tokens_per_block=16, num_kv_heads=8, head_dim=128, dtype=dtype)
+    primary, secondary = PoolKind.PRIMARY.value, PoolKind.SECONDARY.value
+    # Offload blocks 0..n-1 to host blocks 0..n-1, onboard host blocks n..2n-1 into the freed blocks.
+    ops = [(primary, b, secondary, b, 16) for b in range(num_ops)] + \
+          [(secondary, num_ops + b, primary, b, 16) for b in range(num_ops)]
+    src_pool, src, dst_pool, dst, tokens = (np.array(column) for column in zip(*ops))
+    for method in ("memcpy", "kernel"):
+        pools = KvCachePools(shape, num_primary_blocks=num_ops, num_secondary_blocks=2 * num_ops,
+                             device=torch.device("cuda"), kernels=library, copy_method=method)
+        for block in range(2 * num_ops):
+            pools.host.block(block)  # allocated before timing (in the runtime: ahead of need)
+
+        def step(pools=pools):
+            pools.execute_copies(src_pool, src, dst_pool, dst, tokens)
+            pools.wait_for_all_copies()  # the forward's waits, all at once
+
+        both = num_bytes / (suite.time_ms(step) * 1e-3) / 1e9
+        batches = copy_batches(src_pool, src, dst_pool, dst, tokens)
+        layered = pools.copies_layer_by_layer(batches)
+        how = f"{pools.step_copy_method(batches, layered)}, {'layer by layer' if layered else 'whole blocks'}"
+        suite.add(Row("swap", f"runtime step: offload {num_ops} + onboard {num_ops} blocks, {method}: {how}",
+                      "bandwidth (both directions)", both, "GB/s", pinned or None, both / pinned if pinned else None,
+                      0.8))
+        del pools
 
 
 def section_e2e(suite: Suite, model: str, dtype: str, prefix_len: int, question_len: int, long_len: int,

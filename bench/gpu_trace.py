@@ -32,7 +32,7 @@ def _ttft_ms(llm: LLM, prompt: list[int]) -> float:
     out = llm.generate(prompt, ONE_TOKEN)
     if out.error is not None:
         raise RuntimeError(out.error)
-    request = llm.engine.requests[out.request_id]
+    request = out.request
     return (request.first_token_time - request.arrival_time) * 1e3
 
 
@@ -79,24 +79,25 @@ def main() -> None:
         f"TTFT rounds 1-2 (ms): {warm}; traced round 3 (ms): {traced}",
         f"onboarded blocks in round 3: {after['onboarded_blocks'] - stats['onboarded_blocks']}, offloaded: "
         f"{after['offloaded_blocks'] - stats['offloaded_blocks']}, host pool allocated "
-        f"{llm.engine.runner.pools.host.num_allocated_bytes:,} B"])
+        f"{llm.engine.executor.pools.host.num_allocated_bytes:,} B"])
 
     decode = SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)
     lines = []
+    runner = llm.engine.executor
     for graphs in (True, False):
-        saved = llm.engine.runner.decode_graphs
+        saved = runner.decode_graphs, runner.mixed_graphs
         if not graphs:
-            llm.engine.runner.decode_graphs = None
+            runner.decode_graphs, runner.mixed_graphs = None, None
         llm.generate(prompts[0], decode)  # warm
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             out = llm.generate(prompts[0], decode)
             _synchronize()
             wall = time.perf_counter() - start
-        llm.engine.runner.decode_graphs = saved
-        request = llm.engine.requests[out.request_id]
+        runner.decode_graphs, runner.mixed_graphs = saved
+        request = out.request
         tpot = (request.finish_time - request.first_token_time) / 16 * 1e3
-        lines.append(f"decode, CUDA graphs {'on' if graphs and saved is not None else 'off'}: TPOT {tpot:.2f} ms "
+        lines.append(f"decode, CUDA graphs {'on' if graphs and saved[0] is not None else 'off'}: TPOT {tpot:.2f} ms "
                      f"(16 steps; request wall {wall * 1e3:.1f} ms)")
         _write(prof, args.output, f"decode_graphs_{'on' if graphs else 'off'}", lines[-1:])
     llm.shutdown()

@@ -18,14 +18,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvtool.bench import generators
-from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import load_dataset, write_jsonl
 from kvtool.bench.runner import run_bench
+from kvtool.flags import configs
+from kvtool.workloads import generators
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.plan import BuildOptions, resolve_model
 from kvtool.runtime.device import host_description
 from kvtool.simulate.cost_model import CostModel
-from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.simulated_llm import SimulatedLLM
 from kvtool.version import git_revision
 
 WORKLOAD = ("2,048-token prompts (16 system prompts of 1,984 tokens, 64-token questions), 64 in flight, "
@@ -53,15 +53,15 @@ def main() -> None:
             start = time.perf_counter()
             dataset = load_dataset(path)
             load_seconds = time.perf_counter() - start
-            config = BenchConfig.from_flags({"concurrency": 64, "max_batch_size": 64})
+            engine, replay = configs({"concurrency": 64, "max_batch_size": 64})
             times, steps = [], 0
             for _ in range(args.repeat):
-                llm = SimulatedLLM(plan, cost, **config.llm_kwargs())
+                llm = SimulatedLLM(plan, cost, engine)
                 start = time.perf_counter()
-                run_bench(llm, dataset, config, label="speed", requests_csv=Path(scratch) / "requests.csv",
+                run_bench(llm, dataset, replay, label="speed", requests_csv=Path(scratch) / "requests.csv",
                           console=Console(quiet=True))
                 times.append(time.perf_counter() - start)
-                steps = llm.engine.num_steps
+                steps = llm.executor.num_steps
             median = statistics.median(times)
             lines.append(f"| {output_len} | {len(dataset):,} | {load_seconds:.2f} | {median:.2f} | "
                          f"{len(dataset) / median:,.0f} | {steps:,} |")

@@ -30,7 +30,7 @@ def measure(plan_dir: str, enable_reuse: bool, prefix: list[int], questions: lis
     ttft_ms = []
     for question in questions:
         out = llm.generate(prefix + question, params)
-        request = llm.engine.requests[out.request_id]
+        request = out.request
         ttft_ms.append((request.first_token_time - request.arrival_time) * 1e3)
     llm.shutdown()
     return ttft_ms

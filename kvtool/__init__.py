@@ -54,7 +54,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "BuildOptions":
-        from kvtool.plan.options import BuildOptions
+        from kvtool.plan.build_options import BuildOptions
 
         return BuildOptions
     raise AttributeError(f"module 'kvtool' has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """kvtool's C++ host runtime: KV cache manager and scheduler."""
 
+from collections.abc import Sequence
 import enum
 from typing import Annotated
 
@@ -8,11 +9,17 @@ from numpy.typing import NDArray
 
 
 class PoolKind(enum.Enum):
-    """Where a block lives: PRIMARY (GPU/CPU pool) or SECONDARY (host tier)."""
+    """
+    Where a block lives: PRIMARY (GPU/CPU pool), SECONDARY (host tier), or the third tier: DISK (files of this engine) or REMOTE (a store shared by engines).
+    """
 
     PRIMARY = 0
 
     SECONDARY = 1
+
+    DISK = 2
+
+    REMOTE = 3
 
 class KvCacheEventKind(enum.Enum):
     """What happened to a cached block."""
@@ -25,12 +32,38 @@ class KvCacheEventKind(enum.Enum):
 
     ONBOARDED = 3
 
+class RetentionRange:
+    """
+    Retention of a token range: blocks whose first token lies in [token_start, token_end) get `priority` (0..100); duration_ms after such a block was last released it reverts to the default priority 35. Give a sequence's ranges sorted and not overlapping.
+    """
+
+    def __init__(self, token_start: int, token_end: int | None, priority: int, duration_ms: int | None = None) -> None:
+        """
+        token_end None: to the end of the sequence; duration_ms None: the priority never reverts.
+        """
+
+    @property
+    def token_start(self) -> int: ...
+
+    @property
+    def token_end(self) -> int | None:
+        """None: to the end of the sequence."""
+
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def duration_ms(self) -> int | None:
+        """None: the priority never reverts."""
+
+    def __repr__(self) -> str: ...
+
 class CacheConfig:
     """
     Sizes (in blocks) and switches of the KV cache. Validated by KVCacheManager.
     """
 
-    def __init__(self, *, tokens_per_block: int = 32, num_primary_blocks: int = 0, num_secondary_blocks: int = 0, enable_block_reuse: bool = True, enable_partial_reuse: bool = True, secondary_offload_min_priority: int = 35, max_attention_window: int = 0, event_buffer_max_size: int = 0) -> None: ...
+    def __init__(self, *, tokens_per_block: int = 32, num_primary_blocks: int = 0, num_secondary_blocks: int = 0, enable_block_reuse: bool = True, enable_partial_reuse: bool = True, secondary_offload_min_priority: int = 35, max_attention_window: int = 0, event_buffer_max_size: int = 0, num_tier3_blocks: int = 0, tier3_pool: PoolKind = PoolKind.DISK, plan_digest: bytes = ...) -> None: ...
 
     @property
     def tokens_per_block(self) -> int:
@@ -88,6 +121,31 @@ class CacheConfig:
     @event_buffer_max_size.setter
     def event_buffer_max_size(self, arg: int, /) -> None: ...
 
+    @property
+    def num_tier3_blocks(self) -> int:
+        """
+        Blocks of the third tier (disk slots or remote index entries); 0: none. Needs a host tier.
+        """
+
+    @num_tier3_blocks.setter
+    def num_tier3_blocks(self, arg: int, /) -> None: ...
+
+    @property
+    def tier3_pool(self) -> PoolKind:
+        """PoolKind.DISK (private files) or PoolKind.REMOTE (shared store)."""
+
+    @tier3_pool.setter
+    def tier3_pool(self, arg: PoolKind, /) -> None: ...
+
+    @property
+    def plan_digest(self) -> bytes:
+        """
+        32-byte identity of the KV (model, dtype, shapes) in every third-tier key; required for REMOTE.
+        """
+
+    @plan_digest.setter
+    def plan_digest(self, arg: bytes, /) -> None: ...
+
     def validate(self) -> None:
         """Raises ValueError naming a bad field."""
 
@@ -138,6 +196,12 @@ class CopyOpArrays:
     @property
     def num_tokens(self) -> Annotated[NDArray[numpy.int32], dict(shape=(None,), writable=False)]:
         """int32 [num_ops]: tokens from the start of each block"""
+
+    @property
+    def tier3_keys(self) -> list:
+        """
+        list[bytes]: the 32-byte key of each operation into or out of the third tier (DISK / REMOTE), in operation order.
+        """
 
     def __len__(self) -> int: ...
 
@@ -216,11 +280,35 @@ class MissReasons:
         """Block reuse is disabled: every full prompt block."""
 
     @property
+    def evicted_disk(self) -> int:
+        """Spilled to the disk tier, then dropped from it."""
+
+    @property
+    def evicted_remote(self) -> int:
+        """
+        Spilled to the remote store, then dropped from the manager's index or gone from the store.
+        """
+
+    @property
+    def fetch_failed(self) -> int:
+        """
+        Staging it from the third tier failed (read error, store down or slow, a value that does not verify).
+        """
+
+    @property
+    def not_staged(self) -> int:
+        """
+        In the third tier, but not staged into the host tier before the request was added.
+        """
+
+    @property
     def total(self) -> int:
         """Missed blocks, every reason."""
 
-    def to_dict(self) -> dict:
-        """{reason: blocks}, every reason in declaration order."""
+    def to_dict(self, *, tier3: bool = False) -> dict:
+        """
+        {reason: blocks}, every reason in declaration order; the third tier's too with tier3=True.
+        """
 
     def __eq__(self, arg: MissReasons, /) -> bool: ...
 
@@ -341,9 +429,22 @@ class CacheStats:
     @property
     def secondary(self) -> PoolStats: ...
 
-    def to_dict(self) -> dict:
+    @property
+    def tier3(self) -> PoolStats:
+        """The third tier's slots (disk) or index entries (remote)."""
+
+    @property
+    def tier3_traffic(self) -> Tier3Stats:
+        """Spills, stagings and failures of the third tier."""
+
+    def tier(self, pool: PoolKind) -> TierStats:
         """
-        Flat dict of every counter (miss reasons as missed_<reason>_blocks, pool fields prefixed primary_/secondary_), for reports.
+        TierStats of one tier: hits, arrivals, evictions, token slots copied in and out.
+        """
+
+    def to_dict(self, *, tier3: bool = False) -> dict:
+        """
+        Flat dict of every counter (miss reasons as missed_<reason>_blocks, the third tier's with tier3=True; pool fields prefixed primary_/secondary_/tier3_, per-tier ones primary_/secondary_/disk_/remote_), for reports.
         """
 
 class KvCacheEvent:
@@ -400,9 +501,9 @@ class KVCacheManager:
     def can_add_sequence(self, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0) -> bool:
         """Whether add_sequence(..., num_tokens) would find enough blocks."""
 
-    def add_sequence(self, seq_id: int, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> AddSequenceResult:
+    def add_sequence(self, seq_id: int, token_ids: numpy.ndarray | list[int], num_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] | None = None) -> AddSequenceResult:
         """
-        Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 per token or None), shares its longest cached prefix (onboarding host blocks, copying a partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. priority (0..100) is the retention priority of the blocks it computes. Raises ValueError for bad input or a known seq_id, RuntimeError when blocks lack (nothing changes then).
+        Registers a sequence with prompt token_ids (1-D int32 array or list; extra_ids: one uint64 per token or None), shares its longest cached prefix (onboarding host blocks, copying a partially matching block) and allocates blocks to hold num_tokens (>= 1) tokens. priority (0..100) is the retention priority of the blocks it computes, retention (RetentionRange list) that of token ranges, shared blocks included. Raises ValueError for bad input or a known seq_id, RuntimeError when blocks lack (nothing changes then).
         """
 
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
@@ -460,6 +561,137 @@ class KVCacheManager:
         """
         Empty list when every invariant holds; otherwise one message per violation.
         """
+
+    def set_time(self, now_ms: int) -> None:
+        """
+        Sets the manager's clock (milliseconds, the engine's or a simulated one; never earlier than before: ValueError). Priorities whose duration ran out by now revert to 35.
+        """
+
+    def time(self) -> int:
+        """The manager's clock in milliseconds."""
+
+    def tier3_lookup(self, token_ids: numpy.ndarray | list[int], *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0) -> Tier3Lookup:
+        """
+        The keys of the prompt's matchable blocks after its cached chain in the primary and host tiers, for the store to check which it holds (no side effects). ValueError without a third tier.
+        """
+
+    def stage_tier3(self, token_ids: numpy.ndarray | list[int], num_present: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] | None = None) -> StageResult:
+        """
+        Stages the first num_present blocks of tier3_lookup's keys (those the store holds) into the host tier: each gets a host block and a fetch in take_copy_ops. The staging stays open until complete_staging (add_sequence, allocate and mark_computed raise RuntimeError meanwhile). Remote: index entries past num_present are dropped, the store no longer holds them.
+        """
+
+    def complete_staging(self, failed_host_block_ids: numpy.ndarray | list[int]) -> None:
+        """
+        The staging's fetches ran: those into failed_host_block_ids (and the chain after the first of them) are dropped, a miss; the others are host blocks like any. ValueError for a block that is no fetch of it.
+        """
+
+    def staging_open(self) -> bool:
+        """Whether a staging waits for complete_staging."""
+
+    def tier3_keys(self, token_ids: numpy.ndarray | list[int], *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0) -> list:
+        """
+        list[bytes]: the third-tier key of each full prompt block, first block first (SHA-256 chained from the plan digest: docs/architecture.md#kv-cache-rules).
+        """
+
+class TierStats:
+    """One tier's counters; bytes = tokens * bytes per token."""
+
+    @property
+    def hit_blocks(self) -> int:
+        """
+        Reused blocks served from this tier (third tier: staged into the host tier, then reused).
+        """
+
+    @property
+    def stored_blocks(self) -> int:
+        """Blocks that arrived: computed, offloaded, spilled, staged."""
+
+    @property
+    def evicted_blocks(self) -> int:
+        """
+        Blocks dropped from the cache while in this tier (third tier: failed stagings too).
+        """
+
+    @property
+    def num_tokens_in(self) -> int:
+        """Token slots copied into this tier."""
+
+    @property
+    def num_tokens_out(self) -> int:
+        """Token slots copied out of this tier."""
+
+    def __repr__(self) -> str: ...
+
+class Tier3Stats:
+    """The third tier's traffic."""
+
+    @property
+    def spilled_blocks(self) -> int:
+        """Host tier -> third tier."""
+
+    @property
+    def staged_blocks(self) -> int:
+        """Third tier -> host tier, fetched and confirmed."""
+
+    @property
+    def fetch_failed_blocks(self) -> int:
+        """
+        Staged, but the fetch failed (or one before it in the chain did): dropped, a miss.
+        """
+
+    @property
+    def lost_blocks(self) -> int:
+        """
+        Remote: in the manager's index, but the store no longer had them at a lookup.
+        """
+
+    @property
+    def discovered_blocks(self) -> int:
+        """
+        Remote: staged from the store without being in the index (another engine stored them).
+        """
+
+class Tier3Lookup:
+    """What tier3_lookup found for a prompt."""
+
+    @property
+    def num_local_blocks(self) -> int:
+        """
+        Leading prompt blocks in the primary or host tier (shared or onboarded by add_sequence).
+        """
+
+    @property
+    def num_known_blocks(self) -> int:
+        """
+        Of the keys, the leading ones the manager's third-tier index holds (disk: exactly those on disk).
+        """
+
+    @property
+    def keys(self) -> list:
+        """
+        list[bytes]: keys of the matchable prompt blocks after the local ones, for the store to check.
+        """
+
+    def __repr__(self) -> str: ...
+
+class StageResult:
+    """What stage_tier3 did."""
+
+    @property
+    def num_local_blocks(self) -> int:
+        """Leading prompt blocks already in the primary or host tier."""
+
+    @property
+    def num_staged_blocks(self) -> int:
+        """
+        Fetches emitted (third tier -> host): run take_copy_ops, then complete_staging.
+        """
+
+    @property
+    def num_lost_blocks(self) -> int:
+        """Remote index entries dropped because the store no longer holds them."""
+
+    def __repr__(self) -> str: ...
 
 class CapacitySchedulerPolicy(enum.Enum):
     """How many requests hold KV cache blocks (TensorRT-LLM's names)."""
@@ -679,9 +911,9 @@ class Scheduler:
     def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
         """Raises ValueError for a bad configuration."""
 
-    def add_request(self, request_id: int, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35) -> None:
+    def add_request(self, request_id: int, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35, retention: Sequence[RetentionRange] | None = None) -> None:
         """
-        Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100. Raises ValueError naming the request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
+        Queues a request: prompt token_ids (1-D int32 array or list), extra_ids (one uint64 per prompt token, 0 for a normal token, or None), retention priority 0..100 and token ranges with their own (RetentionRange list). Raises ValueError naming the request for an empty prompt, a token id outside [0, vocab_size), prompt + max_new_tokens > max_seq_len, a prompt longer than max_num_tokens without chunked context, a request larger than the primary pool, wrong extra_ids length or a known id.
         """
 
     def request_problem(self, token_ids: numpy.ndarray | list[int], max_new_tokens: int, *, extra_ids: numpy.ndarray | list[int] | None = None, priority: int = 35) -> str | None:
@@ -692,6 +924,11 @@ class Scheduler:
     def finish_request(self, request_id: int) -> None:
         """
         Finishes a request early (EOS, stop string, abort) and releases its blocks; no-op when already finished. KeyError for an unknown id.
+        """
+
+    def remove_request(self, request_id: int) -> None:
+        """
+        Forgets a request, finishing it first if it is not: its stats and generated tokens are dropped and its id becomes unknown. A long-lived caller removes each request once it has read what it needs. KeyError for an unknown id.
         """
 
     def schedule(self) -> ScheduledBatch:
@@ -711,6 +948,11 @@ class Scheduler:
 
     def num_running_requests(self) -> int:
         """Requests holding blocks (context or generation)."""
+
+    def num_requests(self) -> int:
+        """
+        Requests the scheduler keeps a record of: unfinished ones and finished ones not removed yet.
+        """
 
     def request_state(self, request_id: int) -> RequestState:
         """KeyError for an unknown id."""

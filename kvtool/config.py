@@ -1,13 +1,17 @@
 """User-facing configuration, named as in TensorRT-LLM's LLM API, validated on construction.
 
 These dataclasses (with kvtool.plan.BuildOptions) are the one definition of every rule and default:
-the CLI maps its flags onto their fields (kvtool.bench.config), and ``to_core`` hands them to the
-C++ runtime, whose own defaults a test checks against them.
+an engine is configured by one EngineConfig (its KvCacheConfig, SchedulerConfig and runtime limits)
+wherever it runs (the LLM API, bench, serve, simulate), a bench run adds its ReplayOptions; the
+command line maps its flags onto their fields (kvtool.flags), and ``to_core`` hands them to the C++
+runtime, whose own defaults a test checks against them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 from kvtool import _core
 
@@ -21,7 +25,7 @@ DEFAULT_PRIORITY = 35
 
 class ConfigError(ValueError):
     """A configuration field with a bad value. ``owner`` and ``field`` name it, so that a caller
-    that set it from a flag can name the flag instead (kvtool.bench.config)."""
+    that set it from a flag can name the flag instead (kvtool.flags)."""
 
     def __init__(self, owner: str, field_name: str, problem: str) -> None:
         super().__init__(f"{owner}.{field_name} {problem}")
@@ -40,9 +44,16 @@ def check(condition: bool, owner: object, field_name: str, problem: str) -> None
         raise ConfigError(type(owner).__name__, field_name, problem)
 
 
+# A block holds a power of two tokens, more than one (TensorRT-LLM's rule) and at most 256 (vLLM's
+# largest block size): a bigger block is rarely full, so it is rarely reused, and its size multiplies
+# the memory one request needs before its first token.
+MIN_TOKENS_PER_BLOCK, MAX_TOKENS_PER_BLOCK = 2, 256
+
+
 def check_tokens_per_block(owner: object, value: int | None) -> None:
-    check(value is None or is_power_of_two(value), owner, "tokens_per_block",
-          f"must be a power of 2 (16, 32, 64, ...), got {value}")
+    check(value is None or (is_power_of_two(value) and MIN_TOKENS_PER_BLOCK <= value <= MAX_TOKENS_PER_BLOCK),
+          owner, "tokens_per_block", f"must be a power of 2 from {MIN_TOKENS_PER_BLOCK} to {MAX_TOKENS_PER_BLOCK} "
+          f"(16, 32, 64, ...), got {value}")
 
 
 def _member(enum_type, value, owner: object, field_name: str):
@@ -71,7 +82,9 @@ class KvCacheConfig:
 
     enable_block_reuse: bool = True
     max_tokens: int | None = None
-    tokens_per_block: int | None = None  # None: the plan's value
+    # TensorRT-LLM's spelling of the block size, which is a build option in kvtool: EngineConfig takes
+    # it over as its tokens_per_block (and leaves None here), so nothing else reads it.
+    tokens_per_block: int | None = None
     host_cache_size: int = 0
     free_gpu_memory_fraction: float = 0.9
     max_attention_window: int | None = None
@@ -130,6 +143,79 @@ class SchedulerConfig:
             max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
 
 
+def _milliseconds(value: int | timedelta | None, owner: object, field_name: str) -> int | None:
+    """A duration as whole milliseconds (TensorRT-LLM takes a timedelta; an int is milliseconds)."""
+    if value is None:
+        return None
+    ms = round(value.total_seconds() * 1000) if isinstance(value, timedelta) else value
+    check(isinstance(ms, int) and not isinstance(ms, bool) and ms > 0, owner, field_name,
+          f"must be a positive number of milliseconds (or None: for ever), got {value!r}")
+    return ms
+
+
+@dataclass(frozen=True)
+class TokenRangeRetentionConfig:
+    """Retention of the prompt tokens [token_start, token_end) (TensorRT-LLM's name and fields): the
+    blocks whose first token lies there get ``priority`` (0..100); ``duration_ms`` (milliseconds or a
+    timedelta) after such a block was last released it reverts to the default 35. ``token_end`` None:
+    to the end of the prompt; ``duration_ms`` None: for ever."""
+
+    token_start: int
+    token_end: int | None
+    priority: int
+    duration_ms: int | timedelta | None = None
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.token_start, int) and self.token_start >= 0, self, "token_start",
+              f"must be a token position >= 0, got {self.token_start!r}")
+        check(self.token_end is None or (isinstance(self.token_end, int) and self.token_end > self.token_start),
+              self, "token_end", f"must be past token_start={self.token_start} (or None: to the end of the prompt), "
+              f"got {self.token_end!r}")
+        check(isinstance(self.priority, int) and 0 <= self.priority <= 100, self, "priority",
+              f"must be in 0..100, got {self.priority!r}")
+        object.__setattr__(self, "duration_ms", _milliseconds(self.duration_ms, self, "duration_ms"))
+
+
+@dataclass
+class KvCacheRetentionConfig:
+    """Per-request KV retention (TensorRT-LLM's KvCacheRetentionConfig): priorities of prompt token
+    ranges, sorted and not overlapping, and of the blocks of generated tokens
+    (``decode_retention_priority``; None: the request's ``priority``). Higher priorities are evicted
+    later in every tier, and a block below KvCacheConfig.secondary_offload_min_priority is dropped
+    instead of moving to a slower tier (docs/architecture.md#kv-cache-rules)."""
+
+    token_range_retention_configs: list[TokenRangeRetentionConfig] = field(default_factory=list)
+    decode_retention_priority: int | None = None
+    decode_duration_ms: int | timedelta | None = None
+
+    def __post_init__(self) -> None:
+        ranges = self.token_range_retention_configs
+        check(all(isinstance(r, TokenRangeRetentionConfig) for r in ranges), self,
+              "token_range_retention_configs", "must be a list of TokenRangeRetentionConfig")
+        for before, after in zip(ranges, ranges[1:]):
+            check(before.token_end is not None and before.token_end <= after.token_start, self,
+                  "token_range_retention_configs",
+                  f"has overlapping or unsorted ranges ({before.token_start}..{before.token_end} then "
+                  f"{after.token_start}..{after.token_end}): sort them by token_start, each ending before the next")
+        check(self.decode_retention_priority is None or 0 <= self.decode_retention_priority <= 100, self,
+              "decode_retention_priority", f"must be in 0..100 (or None), got {self.decode_retention_priority!r}")
+        self.decode_duration_ms = _milliseconds(self.decode_duration_ms, self, "decode_duration_ms")
+
+    def to_core(self, num_prompt_tokens: int) -> list[_core.RetentionRange]:
+        """The C++ manager's ranges for a prompt of ``num_prompt_tokens`` tokens: the prompt ranges
+        (an open one ends with the prompt), then the generated tokens' range when it differs from
+        the request's priority."""
+        out = []
+        for r in self.token_range_retention_configs:
+            end = num_prompt_tokens if r.token_end is None else min(r.token_end, num_prompt_tokens)
+            if r.token_start < end:
+                out.append(_core.RetentionRange(r.token_start, end, r.priority, r.duration_ms))
+        if self.decode_retention_priority is not None:
+            out.append(_core.RetentionRange(num_prompt_tokens, None, self.decode_retention_priority,
+                                            self.decode_duration_ms))
+        return out
+
+
 @dataclass
 class SamplingParams:
     """How to sample. ``temperature=0`` is greedy; ``ignore_eos`` generates exactly ``max_tokens``."""
@@ -145,6 +231,8 @@ class SamplingParams:
     cache_salt: str | None = None
     lora_task_id: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    # Priorities of token ranges of this request's KV (None: ``priority`` for every block).
+    kv_cache_retention_config: KvCacheRetentionConfig | None = None
 
     def __post_init__(self) -> None:
         check(self.max_tokens >= 1, self, "max_tokens", f"must be >= 1, got {self.max_tokens}")
@@ -152,9 +240,116 @@ class SamplingParams:
         check(0.0 < self.top_p <= 1.0, self, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, self, "top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         check(0 <= self.priority <= 100, self, "priority", f"must be in 0..100, got {self.priority}")
+        check(self.kv_cache_retention_config is None or isinstance(self.kv_cache_retention_config,
+                                                                   KvCacheRetentionConfig),
+              self, "kv_cache_retention_config", "must be a KvCacheRetentionConfig or None")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine is configured with, wherever it runs (kvtool.LLM, `kvtool bench`, `serve`,
+    `simulate`): the KV cache, the scheduler, the runtime limits (None: the plan's; more than the plan
+    was built for is refused), the block size asked for and CUDA graphs.
+
+    ``tokens_per_block`` is a build option: a model built on the fly is built with it, a built plan of
+    another block size is refused (None: the plan's). A KvCacheConfig's tokens_per_block (TensorRT-LLM's
+    spelling) is taken over here. ``enforce_eager``: no CUDA graphs (vLLM's --enforce-eager).
+    """
+
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_seq_len: int | None = None
+    tokens_per_block: int | None = None
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
+            value = getattr(self, name)
+            check(value is None or value >= 1, self, name, f"must be a positive integer, got {value}")
+        check(isinstance(self.enforce_eager, bool), self, "enforce_eager",
+              f"must be true or false, got {self.enforce_eager!r}")
+        check_tokens_per_block(self, self.tokens_per_block)
+        asked = self.kv_cache_config.tokens_per_block
+        if asked is not None:
+            check(self.tokens_per_block in (None, asked), self, "tokens_per_block",
+                  f"{self.tokens_per_block} and KvCacheConfig.tokens_per_block {asked} disagree: give the block "
+                  "size once")
+            object.__setattr__(self, "tokens_per_block", asked)
+            object.__setattr__(self, "kv_cache_config", replace(self.kv_cache_config, tokens_per_block=None))
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return not self.enforce_eager
+
+
+MODES = ("offline", "sequential", "trace")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How a bench run hands its dataset to the engine (kvtool.bench.replay), and which lines it
+    measures: the first ``warmup`` run first, uncounted, then at most ``num_requests``."""
+
+    mode: str = "offline"
+    concurrency: int | None = None
+    request_rate: float | None = None
+    seed: int = 0
+    warmup: int = 0
+    warmup_counts_in_stats: bool = False  # keep the warm-up's cache counters
+    num_requests: int | None = None
+    time_scale: float = 1.0  # arrival times are multiplied by it
+
+    def __post_init__(self) -> None:
+        mode = str(self.mode).lower()
+        check(mode in MODES, self, "mode", f"{self.mode!r} is unknown: use one of {list(MODES)} "
+              "(and --concurrency N / --request_rate R for the other replay patterns)")
+        object.__setattr__(self, "mode", mode)
+        check(self.concurrency is None or self.concurrency >= 1, self, "concurrency",
+              f"must be >= 1, got {self.concurrency}")
+        check(mode != "sequential" or self.concurrency in (None, 1), self, "mode",
+              f"sequential keeps one request in flight; it contradicts concurrency {self.concurrency}: "
+              "drop one of them")
+        check(self.request_rate is None or self.request_rate > 0, self, "request_rate",
+              f"must be > 0 requests per second, got {self.request_rate}")
+        check(mode != "trace" or self.request_rate is None, self, "mode",
+              f"trace replays the dataset's arrival times; it contradicts request_rate {self.request_rate}: drop one "
+              "of them")
+        check(isinstance(self.time_scale, (int, float)) and not isinstance(self.time_scale, bool)
+              and 0 < self.time_scale < float("inf"), self, "time_scale",
+              f"must be a number > 0 (0.5 replays twice as fast, 2 half as fast), got {self.time_scale!r}")
+        check(self.time_scale == 1 or self.request_rate is None, self, "time_scale",
+              f"scales the dataset's arrival times, but request_rate {self.request_rate} draws its own: drop one of "
+              "them")
+        check(self.warmup >= 0, self, "warmup", f"must be >= 0 requests, got {self.warmup}")
+        check(self.num_requests is None or self.num_requests >= 1, self, "num_requests",
+              f"must be a positive integer, got {self.num_requests}")
+
+    @property
+    def max_in_flight(self) -> int | None:
+        """The in-flight limit (None: unlimited)."""
+        return 1 if self.mode == "sequential" else self.concurrency
+
+    def split(self, items: Sequence) -> tuple[list, list]:
+        """(warm-up, measured) items of a run."""
+        measured = list(items[self.warmup:])
+        if self.num_requests is not None:
+            measured = measured[:self.num_requests]
+        return list(items[:self.warmup]), measured
+
+    def describe(self) -> str:
+        parts = [self.mode] if self.concurrency is None else [f"concurrency={self.concurrency}"]
+        if self.mode == "trace" and self.concurrency is not None:
+            parts.insert(0, "trace")
+        if self.request_rate is not None:
+            parts.append(f"rate={self.request_rate:g}/s")
+        if self.time_scale != 1:
+            parts.append(f"time_scale={self.time_scale:g}")
+        return ",".join(parts)

@@ -37,3 +37,10 @@ def format_bytes(num_bytes: float | int | None) -> str:
         if abs(num_bytes) >= size:
             return f"{num_bytes / size:,.1f} {unit}"
     return f"{num_bytes:,.0f} B"
+
+
+def format_byte_count(num_bytes: int) -> str:
+    """'20,393,548,185 bytes (19.0 GiB)': an exact count a user may type back (error messages), with its size
+    as format_bytes shows it."""
+    exact = f"{num_bytes:,} byte{'' if num_bytes == 1 else 's'}"
+    return exact if abs(num_bytes) < 1 << 10 else f"{exact} ({format_bytes(num_bytes)})"

@@ -13,28 +13,33 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtool.config import EngineConfig
 from kvtool.errors import KvtoolError
-from kvtool.plan.options import BuildOptions
+from kvtool.plan.build_options import BuildOptions
+from kvtool.runtime.clock import WALL_CLOCK
 from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.request import MISS_REASONS, Request
 
 
 class FakeClock:
-    """A clock that only moves when told to (sleep and engine steps advance it)."""
+    """A clock (kvtool.runtime.clock.Clock) that only moves when told to (sleep and engine steps advance it);
+    calling it reads it, as the fake engine does."""
 
     def __init__(self, start: float = 100.0) -> None:
-        self.now = start
+        self.seconds = start
         self.sleeps: list[float] = []
 
-    def __call__(self) -> float:
-        return self.now
+    def now(self) -> float:
+        return self.seconds
+
+    __call__ = now
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds
+        self.seconds += seconds
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
-        self.now += seconds
+        self.seconds += seconds
 
 
 class FakeTokenizer:
@@ -192,10 +197,21 @@ class FakePlan:
 
 
 class FakeLLM:
-    """A kvtool.bench.interface.BenchLLM over a FakeEngine."""
+    """A bench target (kvtool.bench.target.Target) over a FakeEngine, timed on ``clock`` (a FakeClock, or
+    the wall clock) and configured by ``config`` (what the summary row records)."""
 
-    def __init__(self, engine: FakeEngine | None = None, *, tokens_per_block: int = 4, **engine_kwargs) -> None:
-        self.engine = engine or FakeEngine(tokens_per_block=tokens_per_block, **engine_kwargs)
+    engine_name = "kvtool"
+    endpoint = None
+    report_columns: dict = {}
+
+    def __init__(self, engine: FakeEngine | None = None, *, tokens_per_block: int = 4, clock=WALL_CLOCK,
+                 config: EngineConfig | None = None, **engine_kwargs) -> None:
+        self.clock = clock
+        self.config = config or EngineConfig()
+        if engine is None and isinstance(clock, FakeClock):
+            engine_kwargs.setdefault("advance", clock.advance)
+        self.engine = engine or FakeEngine(tokens_per_block=tokens_per_block, clock=clock if isinstance(
+            clock, FakeClock) else time.perf_counter, **engine_kwargs)
         self.tokenizer = FakeTokenizer(self.engine.vocab_size)
         self.device_description = "fake: deterministic test engine"
         tokens_per_block = self.engine.tokens_per_block

@@ -6,10 +6,16 @@
 
 Nothing is downloaded; transformers is imported only by tests that use these fixtures. Plans and
 kernels built on the fly go to the session's temporary directory, never the user's cache.
+
+Tests marked ``gpu`` (kvtool's CUDA kernels, launched through CuPy; a case of a test with
+``pytest.param(..., marks=pytest.mark.gpu)``) are skipped where a CUDA GPU or CuPy is missing,
+the skip saying which (``gpu_missing``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from pathlib import Path
 
@@ -17,6 +23,27 @@ import pytest
 from hf_checkpoints import TEST_TOKENS_PER_BLOCK, HfCheckpoint, make_hf_checkpoint
 
 from kvtool.plan import BuildOptions, build_plan
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_missing() -> str | None:
+    """What this machine lacks to run kvtool's CUDA kernels, or None when nothing is missing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        return f"no CUDA device ({build})"
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy not installed (pip install cupy-cuda13x or cupy-cuda12x, matching torch's CUDA)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu") is not None]
+    missing = gpu_missing() if gpu_tests else None
+    if missing is not None:
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason=missing))
 
 
 @pytest.fixture(scope="session", autouse=True)

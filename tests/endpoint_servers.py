@@ -1,25 +1,19 @@
 """Servers for the `kvtool bench --endpoint` tests that kvtool serve is not: its app behind a Bearer
 check (BearerCheck), or passed off as another engine that may not report cached tokens
 (AsAnotherServer), served by uvicorn in a thread over http or https (``serving``), with a
-self-signed certificate made on the spot (``self_signed_certificate``).
+self-signed certificate made on the spot (serve_helpers.self_signed_certificate).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import json
 import re
 import threading
 import time
 
 import uvicorn
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-from serve_helpers import free_port
+from serve_helpers import free_port, self_signed_certificate  # noqa: F401 - the tests import it from here
 
 
 class BearerCheck:
@@ -68,26 +62,6 @@ def serving(app, certificate=None):
         server.should_exit = True
         thread.join(15)
 
-
-def self_signed_certificate(directory, name: str = "kvtool test server"):
-    """(cert.pem, key.pem) for 127.0.0.1 and localhost, signed by its own key (so cert.pem is its own CA)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                    x509.DNSName("localhost")]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256()))
-    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
-    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
 
 
 class AsAnotherServer:

@@ -29,6 +29,12 @@ HF_CASES: dict[str, tuple[str, dict]] = {
     "qwen3_qk_norm": ("Qwen3Config", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2)),
+    # YaRN as Qwen3's model card enables it for 128k, shrunk: prompts run past the original 32 positions.
+    "qwen3_yarn_rope": ("Qwen3Config", dict(
+        _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32})),
     # head_dim 64: the smallest shape kvtool's CUDA kernels serve (tests/test_llm_generation.py).
     "qwen3_head_dim_64": ("Qwen3Config", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,

@@ -14,13 +14,12 @@ from serve_helpers import running_server, tiny_llm
 from typer.testing import CliRunner
 
 from kvtool import KvCacheConfig
-from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
-from kvtool.bench.replay import ReplayOptions, poisson_due_times
+from kvtool.bench.replay import poisson_due_times
 from kvtool.bench.runner import run_bench
 from kvtool.cli import app
-from kvtool.config import SamplingParams
+from kvtool.config import ReplayOptions, SamplingParams
 from kvtool.runtime.request import MISS_REASONS, Request
 from kvtool.serve import create_app
 
@@ -57,15 +56,13 @@ def sessions_dataset(tmp_path):
 
 def replay_both(plan, dataset_path, replay: ReplayOptions, tmp_path):
     """The same replay in-process and through kvtool serve (each with a fresh cache of the same size)."""
-    config = BenchConfig(kv_cache_config=POOL, replay=replay)
     dataset = load_dataset(dataset_path)
     in_process_llm = tiny_llm(plan, kv_cache_config=POOL)
-    in_process = run_bench(in_process_llm, dataset, config, label="in-process", requests_csv=tmp_path / "a.csv")
+    in_process = run_bench(in_process_llm, dataset, replay, label="in-process", requests_csv=tmp_path / "a.csv")
     with running_server(tiny_llm(plan, kv_cache_config=POOL)) as server:
         endpoint_llm = EndpointLLM(EndpointOptions(url=server.url), timed=False)
         try:
-            endpoint = run_bench(endpoint_llm, dataset, config, label="endpoint", requests_csv=tmp_path / "b.csv",
-                                 engine_name=endpoint_llm.engine_name, endpoint=server.url + "/v1")
+            endpoint = run_bench(endpoint_llm, dataset, replay, label="endpoint", requests_csv=tmp_path / "b.csv")
         finally:
             endpoint_llm.shutdown()
     return in_process, endpoint

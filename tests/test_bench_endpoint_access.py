@@ -18,7 +18,7 @@ from serve_helpers import tiny_llm
 from typer.testing import CliRunner
 
 from kvtool import KvCacheConfig
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads.datasets import write_jsonl
 from kvtool.bench.endpoint import EndpointOptions
 from kvtool.bench.endpoint_access import EndpointAccess
 from kvtool.cli import app

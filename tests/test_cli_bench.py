@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,10 +18,9 @@ from typer.testing import CliRunner
 
 from kvtool.bench import runner as bench_runner
 from kvtool.bench import sweep
-from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads.datasets import write_jsonl
 from kvtool.cli import app
-from kvtool.config import CapacitySchedulerPolicy, ContextChunkingPolicy
+from kvtool.config import CapacitySchedulerPolicy, ContextChunkingPolicy, EngineConfig, ReplayOptions
 
 cli = CliRunner()
 
@@ -41,15 +42,16 @@ def dataset(tmp_path):
 
 
 class FakeLlmFactory(list):
-    """Stands in for kvtool.LLM creation: records (model, config, llm); settings go to every FakeLLM."""
+    """Stands in for kvtool.LLM creation: records (model, engine config, replay options, llm); settings go
+    to every FakeLLM."""
 
     def __init__(self):
         super().__init__()
         self.settings = {}
 
-    def __call__(self, model, config, dataset=None, cache_dir=None):
-        llm = FakeLLM(enable_block_reuse=config.kv_cache_config.enable_block_reuse, **self.settings)
-        self.append((model, config, llm))
+    def __call__(self, model, engine, replay, dataset=None, cache_dir=None):
+        llm = FakeLLM(enable_block_reuse=engine.kv_cache_config.enable_block_reuse, config=engine, **self.settings)
+        self.append((model, engine, replay, llm))
         return llm
 
 
@@ -71,16 +73,16 @@ def test_bench_writes_request_and_summary_csvs_with_every_flag(tmp_path, dataset
                     "--tokens-per-block", 32, "--concurrency", 2, "--warmup", 1, "--num_requests", 4,
                     "--label", "variant-a")
     assert result.exit_code == 0, result.output
-    (model, config, llm), = fake_llms
+    (model, config, replay, llm), = fake_llms
     assert model == "preset:tiny-llama" and llm.shut_down
     kv = config.kv_cache_config
     assert (kv.enable_block_reuse, kv.host_cache_size, kv.max_tokens, kv.free_gpu_memory_fraction,
-            kv.max_attention_window, kv.tokens_per_block) == (False, 512_000_000, 4096, 0.5, 1024, 32)
+            kv.max_attention_window, config.tokens_per_block) == (False, 512_000_000, 4096, 0.5, 1024, 32)
     sched = config.scheduler_config
     assert (sched.capacity_scheduler_policy, sched.context_chunking_policy, sched.enable_chunked_context) == (
         CapacitySchedulerPolicy.MAX_UTILIZATION, ContextChunkingPolicy.EQUAL_PROGRESS, True)
     assert (config.max_batch_size, config.max_num_tokens, config.max_seq_len) == (4, 256, 512)
-    assert (config.replay.concurrency, config.replay.warmup, config.replay.num_requests) == (2, 1, 4)
+    assert (replay.concurrency, replay.warmup, replay.num_requests) == (2, 1, 4)
 
     requests = read_rows(out / "requests.csv")
     assert [row["request_id"] for row in requests] == ["1", "2", "3", "4"]  # 1 warm-up, 4 measured
@@ -103,13 +105,22 @@ def test_defaults_and_default_output_directory(tmp_path, dataset, fake_llms, mon
     monkeypatch.chdir(tmp_path)
     result = invoke("bench", "--plan", tmp_path / "myplan", "--dataset", dataset)
     assert result.exit_code == 0, result.output
-    (model, config, _), = fake_llms
+    (model, config, replay, _), = fake_llms
     assert model == str(tmp_path / "myplan")
-    assert config == BenchConfig()  # the API dataclasses' defaults
-    run_dir, = (tmp_path / "results").iterdir()
+    assert (config, replay) == (EngineConfig(), ReplayOptions())  # the API dataclasses' defaults
+    run_dir, = (tmp_path / "out").iterdir()
     assert run_dir.name.startswith("shared-")
     summary, = read_rows(run_dir / "summary.csv")
     assert summary["label"] == "myplan" and summary["replay"] == "offline"
+
+
+def test_the_default_output_directory_is_one_git_ignores_in_this_repository():
+    # results/ holds committed results: a run without --output must not land where `git add -A` takes it.
+    repo = Path(__file__).resolve().parent.parent
+    default = bench_runner.default_output_dir("shared")
+    checked = subprocess.run(["git", "-C", repo, "check-ignore", "-q", default / "summary.csv"])
+    assert checked.returncode == 0, f"git does not ignore {default}"
+    assert default.parts[0] != "results"
 
 
 def test_summary_csv_prefix_output(tmp_path, dataset, fake_llms):
@@ -138,6 +149,8 @@ def test_ctrl_c_keeps_finished_rows_writes_the_summary_and_exits_130(tmp_path, d
     (["--model", "preset:x", "--dataset", "{dataset}", "--context-chunking-policy", "lifo"],
      "--context_chunking_policy 'lifo' is unknown"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--kv_host_cache_bytes", "lots"], "byte size 'lots'"),
+    (["--model", "preset:x", "--dataset", "{dataset}", "--kv_host_cache_bytes", "-1"],
+     "--kv_host_cache_bytes: must be >= 0 bytes, got -1"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--tokens_per_block", 24], "must be a power of 2"),
     (["--model", "preset:x", "--dataset", "{dataset}", "--mode", "sequential", "--concurrency", 3],
      "contradicts concurrency 3"),
@@ -179,8 +192,8 @@ def test_config_runs_every_variant_into_one_summary(tmp_path, fake_llms):
     result = invoke("bench", "--config", scenario_file(tmp_path), "--output", out, "--set", "bench.warmup=1",
                     "--max_batch_size", 2)
     assert result.exit_code == 0, result.output
-    assert [(model, config.kv_cache_config.enable_block_reuse, config.replay.warmup, config.max_batch_size)
-            for model, config, _ in fake_llms] == [("plans/on", True, 1, 2), ("plans/off", False, 1, 2)]
+    assert [(model, config.kv_cache_config.enable_block_reuse, replay.warmup, config.max_batch_size)
+            for model, config, replay, _ in fake_llms] == [("plans/on", True, 1, 2), ("plans/off", False, 1, 2)]
     rows = read_rows(out / "summary.csv")
     assert [row["label"] for row in rows] == ["on", "off"]
     assert {row["scenario"] for row in rows} == {"mini"}
@@ -258,7 +271,7 @@ def test_bench_refuses_a_block_size_the_plan_was_not_built_with(tmp_path, tiny_l
     result = invoke("bench", "--plan", tiny_llama_plan, "--dataset", data, "--output", tmp_path / "o",
                     "--tokens_per_block", 64)
     assert result.exit_code == 2
-    assert "tokens_per_block=64 does not match the plan" in " ".join(result.output.split())
+    assert "--tokens_per_block 64 does not match the plan" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("text, size", [("1073741824", 1 << 30), ("1GiB", 1 << 30), ("512MB", 512_000_000),

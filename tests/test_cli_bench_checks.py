@@ -10,9 +10,9 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.replay import bench_requests
-from kvtool.bench.workload import max_num_blocks
+from kvtool.workloads.datasets import load_dataset, write_jsonl
+from kvtool.workloads.requests import dataset_requests
+from kvtool.workloads.blocks import max_num_blocks
 from kvtool.cli import app
 from kvtool.plan import load_plan
 
@@ -56,21 +56,21 @@ def test_the_pools_created_are_printed_and_recorded(tmp_path, tiny_llama_plan):
 def two_mib_of_host_memory(monkeypatch):
     """As if the machine had 2 MiB of memory available: with a 16-block primary pool (256 KiB), 112 host
     blocks fit."""
-    monkeypatch.setattr("kvtool.llm.available_host_memory_bytes", lambda: 2 << 20)
+    monkeypatch.setattr("kvtool.runtime.model_runner.available_host_memory_bytes", lambda: 2 << 20)
 
 
 def test_a_host_cache_beyond_memory_runs_when_the_dataset_cannot_fill_it(tmp_path, tiny_llama_plan,
                                                                          two_mib_of_host_memory):
     data = random_prompts(tmp_path, 4)  # 4 requests x 11 blocks: 44 blocks at most
     plan = load_plan(tiny_llama_plan)
-    assert max_num_blocks(bench_requests(load_dataset(data), tokenizer=plan.tokenizer), 16) == 44
+    assert max_num_blocks(dataset_requests(load_dataset(data), tokenizer=plan.tokenizer), 16) == 44
     out = tmp_path / "out"
     result = bench("--plan", tiny_llama_plan, "--dataset", data, "--output", out, "--mode", "sequential",
                    "--max_tokens_in_paged_kv_cache", 256, "--kv_host_cache_bytes", "1GiB")
     assert result.exit_code == 0, result.output
-    assert ("--kv_host_cache_bytes 1,073,741,824 is more than the 1.8 MiB of host memory available, but it is a "
-            "limit (allocated as blocks are offloaded) and this workload can put at most 44 blocks (704.0 KiB) "
-            "there: going ahead") in result.text
+    assert ("--kv_host_cache_bytes 1,073,741,824 bytes (1.0 GiB) is more than the 1.8 MiB of host memory "
+            "available, but it is a limit (allocated as blocks are offloaded) and this workload can put at most 44 "
+            "blocks (704.0 KiB) there: going ahead") in result.text
     row = summary(out)
     assert row["kv_host_blocks"] == str((1 << 30) // BLOCK_BYTES) and row["num_errors"] == "0"
     # What the run really kept (everything it computed stays cached, in one tier or the other) is within the bound.
@@ -84,8 +84,9 @@ def test_a_host_cache_the_dataset_could_overfill_is_refused_by_how_much(tmp_path
     result = bench("--plan", tiny_llama_plan, "--dataset", data, "--output", tmp_path / "out",
                    "--max_tokens_in_paged_kv_cache", 256, "--kv_host_cache_bytes", "1GiB")
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert (f"exceeds the {112 * BLOCK_BYTES:,} bytes of host memory available, and this workload can fill "
-            f"{132 * BLOCK_BYTES:,} bytes of it, {20 * BLOCK_BYTES:,} more than available") in result.text
+    assert (f"exceeds the {112 * BLOCK_BYTES:,} bytes (1.8 MiB) of host memory available, and this workload can fill "
+            f"{132 * BLOCK_BYTES:,} bytes (2.1 MiB) of it, {20 * BLOCK_BYTES:,} bytes (320.0 KiB) more than "
+            "available") in result.text
     assert not (tmp_path / "out").exists()
 
 
@@ -98,7 +99,7 @@ def test_requests_the_limits_cannot_serve_are_all_named_before_anything_runs(tmp
                    "--max_seq_len", 256)
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"2 of the 8 requests in {data} cannot run with this plan and these limits (nothing was run" in result.text
-    assert (f"{data} line 5: prompt of 300 tokens + max_new_tokens 2 = 302 tokens exceeds max_seq_len 256"
+    assert (f"{data} line 5: prompt of 300 tokens + 2 output tokens = 302 tokens exceeds --max_seq_len 256"
             in result.text)
-    assert f"{data} line 7: prompt of 10 tokens + max_new_tokens 250 = 260 tokens" in result.text
+    assert f"{data} line 7: prompt of 10 tokens + 250 output tokens = 260 tokens" in result.text
     assert not (tmp_path / "out").exists()

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import csv
 
+import test_cli_bench
+from test_cli_bench import read_rows
 from typer.testing import CliRunner
 
-from kvtool.bench.metrics import request_metrics
-from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.reports.metrics import request_metrics
+from kvtool.reports.csv_report import RequestCsvWriter, write_summary_csv
 from kvtool.cli import app
 from kvtool.runtime.request import Request
 
 cli = CliRunner()
+dataset, fake_llms = test_cli_bench.dataset, test_cli_bench.fake_llms  # fixtures: a dataset, kvtool.LLM faked
 
 
 def invoke(*args):
@@ -86,3 +89,85 @@ def test_compare_says_what_differs_marks_cut_runs_and_judges_repeats(tmp_path):
     hit_rate = next(line for line in invoke("compare", summary).output.splitlines() if "cache hit rate" in line)
     assert "82.4%" in hit_rate  # as the bench table shows it
     assert "TTFT p50: host is faster: 0.21x no-host (medians of 5 and 5 runs" in text and "p = 0.008" in text
+
+
+# -- runs compared as a user makes them: kvtool bench without --label, then kvtool compare DIR DIR ----------
+
+def bench_run(out, dataset, *flags):
+    result = invoke("bench", "--model", "preset:tiny-llama", "--dataset", dataset, "--mode", "sequential",
+                    "--output", out, *flags)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def header_cells(output):
+    """The table's column titles (the line under its top border)."""
+    lines = output.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("┏"))
+    return [cell.strip() for cell in lines[top + 1].strip("┃").split("┃")]
+
+
+def test_two_runs_of_one_plan_differing_only_in_reuse_are_named_by_it(tmp_path, dataset, fake_llms):
+    on = bench_run(tmp_path / "on", dataset, "--enable_kv_cache_reuse")
+    off = bench_run(tmp_path / "off", dataset, "--disable_kv_cache_reuse")
+    result = invoke("compare", on, off)
+    assert result.exit_code == 0, result.output
+    assert header_cells(result.output) == ["metric", "reuse on", "reuse off", "ratio"]
+    assert "differs: --enable_kv_cache_reuse (on, off)" in result.output
+    assert "ratios against reuse on" in result.output
+    first_row = next(line for line in result.output.splitlines() if line.startswith("│"))
+    assert first_row.split("│")[1].strip() == "--enable_kv_cache_reuse"  # heads the table
+    # A label given with --label stays (the summary says where a label came from).
+    named = bench_run(tmp_path / "named", dataset, "--disable_kv_cache_reuse", "--label", "tiny-llama")
+    assert [read_rows(run / "summary.csv")[0]["label_source"] for run in (on, named)] == ["default", "--label"]
+    assert header_cells(invoke("compare", on, named).output)[1:3] == ["reuse on", "tiny-llama (reuse off)"]
+    named = bench_run(tmp_path / "named", dataset, "--disable_kv_cache_reuse", "--label", "baseline")
+    assert header_cells(invoke("compare", on, off, named).output)[1:] == ["reuse on", "reuse off", "ratio", "baseline",
+                                                                          "ratio"]
+
+
+def test_four_runs_list_every_field_that_differs_and_are_named_by_the_fewest(tmp_path, dataset, fake_llms):
+    runs = [bench_run(tmp_path / f"{reuse}-{host}", dataset, f"--{reuse}_kv_cache_reuse", "--kv_host_cache_bytes",
+                      host, "--max_batch_size", 2 if host == "0" else 4)
+            for reuse in ("enable", "disable") for host in ("0", "1GiB")]
+    result = invoke("compare", *runs)
+    assert result.exit_code == 0, result.output
+    # The batch size follows the host cache here: it is named in `differs:`, but not needed in the names.
+    assert header_cells(result.output)[1:] == ["reuse on, host off", "reuse on, host 1.0 GiB", "ratio",
+                                               "reuse off, host off", "ratio", "reuse off, host 1.0 GiB", "ratio"]
+    differs = [line for line in result.output.splitlines() if line.startswith("differs:")]
+    assert differs == ["differs: --enable_kv_cache_reuse (on, on, off, off)",
+                       "differs: --kv_host_cache_bytes (off, 1.0 GiB, off, 1.0 GiB)",
+                       "differs: --max_batch_size (2, 4, 2, 4)"]
+
+
+def compared_cut_short(run, name, num_rows):
+    """`kvtool compare RUN` on a run without a summary: marked cut short, its figures from its rows."""
+    result = invoke("compare", run)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"{name} (cut short, no summary)" in text
+    assert (f"no summary row: the run was cut short (killed, or its disk filled) before writing one; its figures come "
+            f"from the {num_rows:,} complete rows of {run / 'requests.csv'}") in text
+    requests_line = next(line for line in result.output.splitlines() if line.startswith("│ requests "))
+    assert f" {num_rows:,} " in requests_line
+    return text
+
+
+def test_a_run_directory_without_a_summary_is_shown_cut_short_and_a_cut_row_is_named(tmp_path, dataset, fake_llms):
+    run = bench_run(tmp_path / "run", dataset)
+    (run / "summary.csv").unlink()  # as `kill -9` leaves it, or a disk that filled up
+    requests = run / "requests.csv"
+    requests.write_bytes(requests.read_bytes()[:-20])  # and its last row only partly written
+    text = compared_cut_short(run, "tiny-llama", 5)
+    assert f"{requests} line 7 is cut short (the run was killed or its disk filled while writing it): that row is " \
+           "left out" in text
+
+
+def test_a_damaged_summary_is_refused_naming_its_line(tmp_path):
+    summary = tmp_path / "summary.csv"
+    summary.write_text("label,ttft_ms_mean\na,1\nb,2,7\n")
+    result = invoke("compare", summary)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"report {summary} line 3 is cut short or damaged (3 cells where the header has 2)" in " ".join(
+        result.output.split())

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import load_dataset
+from kvtool.workloads.datasets import load_dataset
 from kvtool.cli import app
 
 runner = CliRunner()
@@ -45,9 +45,9 @@ def test_same_seed_writes_the_same_file(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["random", "--num-requests", 0], "num_requests must be a positive integer, got 0"),
-    (["random", "--min_token_id", 50, "--max_token_id", 10], "must be greater than min_token_id"),
-    (["abab", "--length_spread", 2], "length_spread must be a fraction"),
+    (["random", "--num-requests", 0], "--num_requests must be a positive integer, got 0"),
+    (["random", "--min_token_id", 50, "--max_token_id", 10], "must be greater than --min_token_id"),
+    (["abab", "--length_spread", 2], "--length_spread must be a fraction"),
 ])
 def test_bad_values_exit_2_with_one_line_and_no_traceback(tmp_path, args, message):
     result = invoke("dataset", *args[:1], "--output", tmp_path / "x.jsonl", *args[1:])

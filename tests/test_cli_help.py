@@ -86,3 +86,22 @@ def test_dash_spellings_of_build_flags_still_work(tmp_path):
                               "--tokens-per-block", "16", "--max-seq-len", "64", "--no-compile-kernels"])
     assert result.exit_code == 0, result.output
     assert "16 tokens per block" in result.output
+
+
+HEAVY_MODULES = ("torch", "transformers", "pandas", "matplotlib", "fastapi", "uvicorn", "httpx", "safetensors")
+
+
+def test_help_loads_no_heavy_module():
+    """`kvtool --help` and every command's --help answer without importing torch and the like (seconds of
+    imports): the CLI imports them where a command runs, not where it is declared."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom typer.testing import CliRunner\nfrom kvtool.cli import app\n"
+              f"paths = {[list(path) for path, _ in ALL_COMMANDS]!r}\n"
+              "for args in [[]] + paths:\n"
+              "    result = CliRunner().invoke(app, [*args, '--help'])\n"
+              "    assert result.exit_code == 0, (args, result.output)\n"
+              f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))\n")
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", f"--help imported {loaded.strip()}"

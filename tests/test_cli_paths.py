@@ -12,8 +12,8 @@ from bench_fakes import FakeLLM
 from typer.testing import CliRunner
 
 from kvtool.bench import runner as bench_runner
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.report import write_summary_csv
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.csv_report import write_summary_csv
 from kvtool.cli import app
 
 cli = CliRunner()
@@ -125,7 +125,7 @@ def test_binary_inputs_name_the_file(tmp_path):
 
 def test_an_os_error_during_the_work_is_one_line_naming_the_path(tmp_path, dataset, monkeypatch):
     """A read-only file system or a full disk found only when writing (after the checks)."""
-    monkeypatch.setattr(bench_runner, "create_llm", lambda model, options, dataset, cache_dir=None: FakeLLM())
+    monkeypatch.setattr(bench_runner, "create_llm", lambda model, engine, replay, dataset, cache_dir=None: FakeLLM())
 
     def read_only(path, rows):
         raise OSError(errno.EROFS, "Read-only file system", str(path))

@@ -1,13 +1,13 @@
-"""kvtool.bench.compare: variants from summary and per-request CSVs, ratios, the TTFT plot."""
+"""kvtool.reports.compare_table: variants from summary and per-request CSVs, ratios, the TTFT plot."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtool.bench.compare import (compare_rows, format_ratio, load_variants, plot_ttft, setup_differences,
-                                  verdicts)
-from kvtool.bench.metrics import request_metrics
-from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.reports.compare_table import (compare_rows, format_metric, format_ratio, load_variants, plot_ttft,
+                                  setup_differences, verdicts)
+from kvtool.reports.metrics import request_metrics
+from kvtool.reports.csv_report import RequestCsvWriter, write_summary_csv
 from kvtool.errors import KvtoolError
 from kvtool.runtime.request import Request
 
@@ -45,8 +45,8 @@ def test_summary_rows_are_variants_with_ratios_against_the_first(tmp_path):
     assert format_ratio(ttft.ratios[1]) == "0.25x"
     reused = row_named(rows, "reused_blocks")
     assert reused.ratios == (None, None)  # no ratio against zero
-    # Configuration that differs gets a row; per-run noise (started_at) does not.
-    assert row_named(rows, "enable_kv_cache_reuse").values == ("False", "True")
+    # Configuration that differs gets a row, first; per-run noise (started_at) does not.
+    assert rows[0].name == "--enable_kv_cache_reuse" and rows[0].values == ("off", "on")
     assert all(row.column != "started_at" for row in rows)
 
 
@@ -127,7 +127,7 @@ def test_what_differs_besides_the_compared_flags_is_named(tmp_path):
     same, different = setup_differences(load_variants([a, b]))
     assert dict(same) == {"model": "preset:tiny-llama", "primary pool": "1,024 tokens", "device": "cpu: test"}
     assert dict(different) == {"dataset": ["abab.jsonl (sha256 abababababab)", "abab.jsonl (sha256 cdcdcdcdcdcd)"],
-                               "block size": ["32 tokens", "16 tokens"], "host pool": ["off", "1.0 GiB"]}
+                               "--tokens_per_block": ["32", "16"], "host pool": ["off", "1.0 GiB"]}
 
 
 def test_interrupted_and_errored_variants_are_marked(tmp_path):
@@ -172,3 +172,9 @@ def test_miss_reasons_are_metric_rows_and_summaries_written_before_them_still_co
     assert never_seen.name == "missed: never seen" and never_seen.values == (None, 3.0)
     assert row_named(rows, "missed_last_token_blocks").values == (None, 1.0)
     assert all(row.column != "missed_partial_blocks" for row in rows)  # neither report has it
+
+
+def test_sizes_show_in_binary_units_as_on_every_screen():
+    assert format_metric("offloaded_bytes", 1.5 * 2**30) == "1.5 GiB"
+    assert format_metric("onboarded_bytes", 0.0) == "0 B"
+    assert format_metric("offloaded_blocks", 2048.0) == "2,048"

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvtool import _core
-from kvtool.bench.config import FLAGS, BenchConfig
-from kvtool.bench.replay import ReplayOptions
-from kvtool.config import (CapacitySchedulerPolicy, ContextChunkingPolicy, KvCacheConfig, SamplingParams,
-                           SchedulerConfig)
-from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
+from kvtool.config import (CapacitySchedulerPolicy, ContextChunkingPolicy, EngineConfig, KvCacheConfig,
+                           ReplayOptions, SamplingParams, SchedulerConfig)
+from kvtool.flags import CONFIG_FLAGS, as_row, configs
+from kvtool.plan.build_options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
 
 
 def test_the_cpp_cache_config_defaults_are_the_python_ones():
@@ -45,7 +44,8 @@ def test_to_core_hands_every_field_and_the_enums_as_they_are():
 
 
 @pytest.mark.parametrize("make", [lambda: KvCacheConfig(tokens_per_block=48), lambda: BuildOptions(tokens_per_block=48),
-                                  lambda: BenchConfig.from_flags({"tokens_per_block": 48})])
+                                  lambda: EngineConfig(tokens_per_block=48),
+                                  lambda: configs({"tokens_per_block": 48})])
 def test_one_power_of_two_rule_for_every_block_size(make):
     with pytest.raises(ValueError, match="tokens_per_block must be a power of 2 .* got 48"):
         make()
@@ -57,27 +57,40 @@ def test_every_flag_sets_its_field():
               "scheduler_policy": "static_batch", "context_chunking_policy": "equal_progress",
               "enable_chunked_context": True, "max_batch_size": 3, "max_num_tokens": 100, "max_seq_len": 200,
               "enforce_eager": True, "tokens_per_block": 8, "mode": "offline", "concurrency": 2,
-              "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5}
-    assert set(values) == {flag.name for flag in FLAGS}
-    config = BenchConfig.from_flags(values)
-    assert config == BenchConfig(
+              "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5,
+              "time_scale": 1.0}  # (other scales contradict request_rate: tests/test_trace_replay.py)
+    assert set(values) == {flag.name for flag in CONFIG_FLAGS}
+    engine, replay = configs(values)
+    assert engine == EngineConfig(
         kv_cache_config=KvCacheConfig(enable_block_reuse=False, host_cache_size=2048, max_tokens=512,
-                                      free_gpu_memory_fraction=0.5, max_attention_window=64, tokens_per_block=8),
+                                      free_gpu_memory_fraction=0.5, max_attention_window=64),
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.STATIC_BATCH, ContextChunkingPolicy.EQUAL_PROGRESS,
                                          enable_chunked_context=True),
-        max_batch_size=3, max_num_tokens=100, max_seq_len=200, enforce_eager=True,
-        replay=ReplayOptions(concurrency=2, request_rate=4.0, seed=9, warmup=1, warmup_counts_in_stats=True,
-                             num_requests=5))
+        max_batch_size=3, max_num_tokens=100, max_seq_len=200, tokens_per_block=8, enforce_eager=True)
+    assert replay == ReplayOptions(concurrency=2, request_rate=4.0, seed=9, warmup=1, warmup_counts_in_stats=True,
+                                   num_requests=5)
     # The summary columns keep the flags' names (and spellings), so older reports still compare.
-    row = config.as_row()
+    row = as_row(engine, replay)
     assert row == {**{name: value for name, value in values.items() if name not in ("kv_host_cache_bytes",
                                                                                       "num_requests")},
                    "kv_host_cache_bytes": 2048, "num_requests_limit": 5}
 
 
 def test_enforce_eager_turns_the_llms_cuda_graphs_off():
-    assert BenchConfig().llm_kwargs()["cuda_graphs"] is True
-    assert BenchConfig.from_flags({"enforce_eager": True}).llm_kwargs()["cuda_graphs"] is False
+    assert EngineConfig().cuda_graphs is True
+    engine, _ = configs({"enforce_eager": True})
+    assert engine.cuda_graphs is False
+
+
+def test_the_llm_apis_block_size_is_the_engines_build_option():
+    """KvCacheConfig(tokens_per_block=...) (TensorRT-LLM's spelling) is taken over by EngineConfig, where the
+    plan is checked against it and a model built on the fly gets it."""
+    config = EngineConfig(kv_cache_config=KvCacheConfig(tokens_per_block=16))
+    assert config.tokens_per_block == 16 and config.kv_cache_config.tokens_per_block is None
+    assert EngineConfig(kv_cache_config=KvCacheConfig(tokens_per_block=16), tokens_per_block=16) == config
+    with pytest.raises(ValueError, match=r"^EngineConfig\.tokens_per_block 32 and KvCacheConfig.tokens_per_block 16 "
+                                         "disagree"):
+        EngineConfig(kv_cache_config=KvCacheConfig(tokens_per_block=16), tokens_per_block=32)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -93,7 +106,7 @@ def test_enforce_eager_turns_the_llms_cuda_graphs_off():
 ])
 def test_a_bad_flag_value_names_the_flag(flags, message):
     with pytest.raises(ValueError) as error:
-        BenchConfig.from_flags(flags)
+        configs(flags)
     assert str(error.value).startswith(message)
 
 

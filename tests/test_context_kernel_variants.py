@@ -1,9 +1,11 @@
-"""The 32-rows-per-warp variant of the paged context kernel (``rows_per_warp=32``, define
-KVT_CTX_ROWS_PER_WARP=32) against the float64 reference, over the scenarios the default variant is
-tested on in tests/test_kernels_gpu.py (cached prefix, sliding window with released -1 blocks,
-several tokens_per_block, fp16/bf16, head_dim 64/128, GQA, strided activations); plus CPU checks
-that every specialization of the variant compiles with nvcc, spill-free, at <= 255 registers, and
-that the launcher's shared-memory size is the kernel's.
+"""The paged context kernel's specializations and the launch shapes a CUDA graph gives it.
+
+CPU: every (dtype, head_dim) specialization compiles with nvcc spill-free at <= 255 registers, two
+CTAs fit an SM, and the launcher's shared-memory size is the kernel's. GPU (against the float64
+reference of tests/test_kernels_gpu.py): a sliding window at head_dim 64, and a grid sized for a
+graph's bucket (more query rows and more sequence slots than the step has, padding slots with no
+query rows) that computes the real rows and writes nothing else. The scenarios at head_dim 128,
+every tokens_per_block, GQA groups and strided activations are in tests/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from kvtool.kernels.compiler import KernelCompileError, KernelCompiler, KernelSp
 from kvtool.kernels.paged_context_attention import context_attention_spec, keys_per_tile, smem_bytes
 
 ARCH = "sm_90"
-ROWS = 32
 
 
 def _nvcc():
@@ -31,33 +32,24 @@ def _nvcc():
 needs_nvcc = pytest.mark.skipif(_nvcc() is None, reason="nvcc is not installed")
 
 
-def _variant_specs() -> dict[str, KernelSpec]:
-    specs = []
-    for dtype in (torch.float16, torch.bfloat16):
-        for head_dim in (64, 128):
-            for tokens_per_block in (16, 32, 64, 128):
-                specs.append(context_attention_spec(head_dim, tokens_per_block, dtype, ARCH, rows_per_warp=ROWS))
+def _specs() -> dict[str, KernelSpec]:
+    # tokens_per_block only turns divisions into shifts: one per (dtype, head_dim) says what registers need.
+    specs = [context_attention_spec(head_dim, 16, dtype, ARCH)
+             for dtype in (torch.float16, torch.bfloat16) for head_dim in (64, 128)]
     return {spec.label: spec for spec in specs}
 
 
-VARIANT_SPECS = _variant_specs()
+SPECS = _specs()
 
 
 # ---- CPU: compiles, fits, agrees with the launcher ----
 
-def test_variant_launcher_parameters():
-    assert keys_per_tile(128, 32) == 32 and keys_per_tile(64, 32) == 64 and keys_per_tile(128) == 64
+def test_launcher_parameters():
+    assert keys_per_tile(128) == 32 and keys_per_tile(64) == 64
     # Q tile of 128 rows + double-buffered K and V + flags, rows padded by 8 elements.
-    assert smem_bytes(128, rows_per_warp=32) == (128 + 4 * 32) * 136 * 2 + 2 * 32 * 4
-    assert smem_bytes(64, rows_per_warp=32) == (128 + 4 * 64) * 72 * 2 + 2 * 64 * 4
-    default = context_attention_spec(128, 16, torch.bfloat16, ARCH)
-    assert "KVT_CTX_ROWS_PER_WARP" not in dict(default.defines)  # the default's cache key is unchanged
-    assert dict(context_attention_spec(128, 16, torch.bfloat16, ARCH, rows_per_warp=32).defines)[
-        "KVT_CTX_ROWS_PER_WARP"] == 32
-    with pytest.raises(ValueError, match="4 warps"):
-        context_attention_spec(128, 16, torch.bfloat16, ARCH, num_warps=8, rows_per_warp=32)
-    with pytest.raises(ValueError, match="16 or 32"):
-        context_attention_spec(128, 16, torch.bfloat16, ARCH, rows_per_warp=64)
+    assert smem_bytes(128) == (128 + 4 * 32) * 136 * 2 + 2 * 32 * 4
+    assert smem_bytes(64) == (128 + 4 * 64) * 72 * 2 + 2 * 64 * 4
+    assert dict(context_attention_spec(128, 16, torch.bfloat16, ARCH).defines)["KVT_CTX_BLOCK_N"] == 32
 
 
 def _ptxas(spec: KernelSpec, tmp_path) -> str:
@@ -66,9 +58,9 @@ def _ptxas(spec: KernelSpec, tmp_path) -> str:
 
 
 @needs_nvcc
-def test_every_variant_specialization_compiles_without_spills(tmp_path):
-    specs = list(VARIANT_SPECS.values())
-    with ThreadPoolExecutor(max_workers=8) as pool:
+def test_every_specialization_compiles_without_spills_two_ctas_per_sm(tmp_path):
+    specs = list(SPECS.values())
+    with ThreadPoolExecutor(max_workers=4) as pool:
         logs = list(pool.map(lambda s: _ptxas(s, tmp_path), specs))
     for spec, log in zip(specs, logs):
         registers = int(re.search(r"Used (\d+) registers", log).group(1))
@@ -78,39 +70,22 @@ def test_every_variant_specialization_compiles_without_spills(tmp_path):
         # 2 CTAs of 128 threads per SM: registers (allocated per 8) and shared memory both fit.
         head_dim = dict(spec.defines)["KVT_HEAD_DIM"]
         assert 2 * (-(-registers // 8) * 8) * 128 <= 64 * 1024
-        assert 2 * (smem_bytes(head_dim, rows_per_warp=32) + 1024) <= 228 * 1024
+        assert 2 * (smem_bytes(head_dim) + 1024) <= 228 * 1024
 
 
 @needs_nvcc
-def test_variant_compiles_to_a_cubin_with_the_entry_point(tmp_path):
-    compiler = KernelCompiler(cache_dir=tmp_path, backends=[NvccBackend(_nvcc())])
-    for spec in (context_attention_spec(128, 16, torch.bfloat16, ARCH, rows_per_warp=32),
-                 context_attention_spec(64, 32, torch.float16, ARCH, rows_per_warp=32)):
-        cubin = compiler.compile(spec).cubin_path.read_bytes()
-        assert cubin[:4] == b"\x7fELF" and b"kvt_paged_context_attention" in cubin
-
-
-@needs_nvcc
-def test_variant_refuses_a_shared_memory_size_it_does_not_use(tmp_path):
-    good = context_attention_spec(128, 16, torch.float16, ARCH, rows_per_warp=32)
+def test_kernel_refuses_a_shared_memory_size_it_does_not_use(tmp_path):
+    good = context_attention_spec(128, 16, torch.float16, ARCH)
     defines = dict(good.defines)
-    defines["KVT_CTX_SMEM_BYTES"] = smem_bytes(128)  # the default variant's size: wrong here
+    defines["KVT_CTX_SMEM_BYTES"] = smem_bytes(64)
     compiler = KernelCompiler(cache_dir=tmp_path, backends=[NvccBackend(_nvcc())])
     with pytest.raises(KernelCompileError, match="shared memory"):
         compiler.compile(KernelSpec.create(good.source, ARCH, **defines))
 
 
-# ---- GPU: the variant against the float64 reference ----
+# ---- GPU: against the float64 reference ----
 
-def _gpu_ready() -> bool:
-    import importlib.util
-
-    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-
-
-def gpu_test(test):
-    """Marked like tests/test_kernels_gpu.py: ``gpu``, skipped without a CUDA GPU and CuPy."""
-    return pytest.mark.gpu(pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")(test))
+gpu_test = pytest.mark.gpu  # as tests/test_kernels_gpu.py: skipped without a CUDA GPU and CuPy (conftest.py)
 
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -129,44 +104,27 @@ def library():
     return KernelLibrary()
 
 
-def _run(library, sc, num_seqs: int):
+def _run(library, sc, num_seqs: int, max_query_len: int | None = None, **tensors):
     from kvtool.kernels.paged_context_attention import paged_context_attention
 
     base = _helpers()
     out = base.poisoned_like(sc.query)
-    paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
-                            sc.meta.seq_lens, num_seqs=num_seqs, max_query_len=sc.meta.max_query_len,
-                            scale=sc.scale, sliding_window=sc.window, out=out, rows_per_warp=ROWS)
+    meta = {"block_tables": sc.meta.block_tables, "query_start_loc": sc.meta.query_start_loc,
+            "seq_lens": sc.meta.seq_lens, **tensors}
+    paged_context_attention(library, sc.query, sc.kv_cache, meta["block_tables"], meta["query_start_loc"],
+                            meta["seq_lens"], num_seqs=num_seqs, max_query_len=max_query_len or sc.meta.max_query_len,
+                            scale=sc.scale, sliding_window=sc.window, out=out)
     torch.cuda.synchronize()
     return out
 
 
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("tokens_per_block", [16, 32, 64, 128])
-def test_variant_over_cached_prefix_matches_reference(library, dtype, head_dim, tokens_per_block):
-    base = _helpers()
-    seqs = base.CONTEXT_SEQS + [(50, 1), (7, 1)]  # decode sequences the context kernel must not touch
-    num_context = len(base.CONTEXT_SEQS)
-    sc = base.build_scenario(seqs, num_context=num_context, num_heads=8, num_kv_heads=2, head_dim=head_dim,
-                             tokens_per_block=tokens_per_block, dtype=dtype, seed=100 + head_dim + tokens_per_block)
-    out = _run(library, sc, num_context)
-    base.assert_rows_match(out, base.reference_attention(sc), sc.rows(0, num_context), dtype)
-    assert torch.isnan(out[sc.rows(num_context, len(seqs))]).all(), "decode rows were written"
-
-
-@gpu_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("window", [1, 16, 50, 90, 200, 4096])
-@pytest.mark.parametrize("tokens_per_block", [16, 64])
-def test_variant_with_sliding_window_never_reads_released_blocks(library, dtype, head_dim, window,
-                                                                 tokens_per_block):
+def test_sliding_window_at_head_dim_64_never_reads_released_blocks(library, dtype, window):
     base = _helpers()
     sc = base.build_scenario([(700, 150), (0, 90), (333, 64), (40, 3), (0, 300)], num_context=5, num_heads=8,
-                             num_kv_heads=2, head_dim=head_dim, tokens_per_block=tokens_per_block, dtype=dtype,
-                             seed=window + head_dim, window=window)
+                             num_kv_heads=2, head_dim=64, tokens_per_block=16, dtype=dtype, seed=window, window=window)
     if window < 700:
         assert (sc.meta.block_tables[0] == -1).sum() > 1, "the scenario should release blocks"
     out = _run(library, sc, 5)
@@ -175,49 +133,23 @@ def test_variant_with_sliding_window_never_reads_released_blocks(library, dtype,
 
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (14, 2), (32, 8), (8, 1)])
-def test_variant_supports_gqa_groups(library, dtype, num_heads, num_kv_heads):
+def test_a_grid_sized_for_a_graph_bucket_computes_the_real_rows_and_skips_padding_slots(library, dtype):
+    # Two real context sequences, then three padding slots with no query rows (query_start_loc stays at
+    # the real tokens' end, seq_len 0, block table -1), and a grid for 512 query rows: as a mixed
+    # graph of the 512-token bucket launches it. Rows past the real tokens must stay unwritten.
     base = _helpers()
-    sc = base.build_scenario([(64, 96), (0, 33), (250, 17), (0, 257)], num_context=4, num_heads=num_heads,
-                             num_kv_heads=num_kv_heads, head_dim=128, tokens_per_block=16, dtype=dtype,
-                             seed=7 * num_heads + num_kv_heads)
-    out = _run(library, sc, 4)
-    base.assert_rows_match(out, base.reference_attention(sc), sc.rows(0, 4), dtype)
-
-
-@gpu_test
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_variant_reads_strided_query_and_writes_strided_output(library, dtype, head_dim):
-    from kvtool.kernels.paged_context_attention import paged_context_attention
-
-    base = _helpers()
-    sc = base.build_scenario([(90, 70), (0, 130)], num_context=2, num_heads=8, num_kv_heads=4, head_dim=head_dim,
-                             tokens_per_block=32, dtype=dtype, seed=5, strided_activations=True)
-    assert not sc.query.is_contiguous()
-    wide = torch.full((sc.query.shape[0], 2, 8, head_dim), float("nan"), dtype=dtype, device="cuda")
-    out = wide[:, 1]
-    paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
-                            sc.meta.seq_lens, num_seqs=2, max_query_len=sc.meta.max_query_len, scale=sc.scale,
-                            sliding_window=None, out=out, rows_per_warp=ROWS)
-    torch.cuda.synchronize()
-    base.assert_rows_match(out, base.reference_attention(sc), sc.rows(0, 2), dtype)
-    assert torch.isnan(wide[:, 0]).all()
-
-
-@gpu_test
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_variant_agrees_with_the_default_variant(library, dtype):
-    from kvtool.kernels.paged_context_attention import paged_context_attention
-
-    base = _helpers()
-    sc = base.build_scenario([(0, 600), (1000, 333)], num_context=2, num_heads=16, num_kv_heads=4, head_dim=128,
-                             tokens_per_block=16, dtype=dtype, seed=77)
-    default = base.poisoned_like(sc.query)
-    paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
-                            sc.meta.seq_lens, num_seqs=2, max_query_len=sc.meta.max_query_len, scale=sc.scale,
-                            sliding_window=None, out=default)
-    variant = _run(library, sc, 2)
-    rows = sc.rows(0, 2)
-    base.assert_rows_match(variant, default.float(), rows, dtype, slack=2.0)
-
+    sc = base.build_scenario([(90, 70), (2048, 128)], num_context=2, num_heads=32, num_kv_heads=8, head_dim=128,
+                             tokens_per_block=32, dtype=dtype, seed=21)
+    num_tokens = sc.query.shape[0]
+    padded_query = torch.nn.functional.pad(sc.query, (0, 0, 0, 0, 0, 512 - num_tokens))
+    sc_padded = type(sc)(**{**sc.__dict__, "query": padded_query})
+    pad = 3
+    query_start_loc = torch.cat([sc.meta.query_start_loc,
+                                 torch.full((pad,), num_tokens, dtype=torch.int32, device="cuda")])
+    seq_lens = torch.cat([sc.meta.seq_lens, torch.zeros(pad, dtype=torch.int32, device="cuda")])
+    block_tables = torch.cat([sc.meta.block_tables,
+                              torch.full((pad, sc.meta.block_tables.shape[1]), -1, dtype=torch.int32, device="cuda")])
+    out = _run(library, sc_padded, 2 + pad, max_query_len=512, query_start_loc=query_start_loc, seq_lens=seq_lens,
+               block_tables=block_tables)
+    base.assert_rows_match(out[:num_tokens], base.reference_attention(sc), sc.rows(0, 2), dtype)
+    assert torch.isnan(out[num_tokens:]).all(), "padding rows were written"

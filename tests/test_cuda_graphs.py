@@ -1,7 +1,8 @@
-"""Decode steps replayed from CUDA graphs: which steps qualify and what a padded graph batch holds.
+"""Steps replayed from CUDA graphs: which steps qualify and what a padded graph batch holds.
 
-The replay itself needs a GPU: tests/test_llm_generation.py checks that greedy outputs are the same
-with graphs on and off there. These check the host side, which runs anywhere.
+The replay itself needs a GPU: tests/test_llm_generation.py and tests/test_cuda_graphs_gpu.py check
+that greedy outputs are the same with graphs on and off there. These check the host side, which runs
+anywhere (the padded prefill / mixed metadata itself: tests/test_step_batch.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from test_model_runner import TOKENS_PER_BLOCK, runner  # noqa: F401 - the fixture: a CPU tiny-llama's runner
 
-from kvtool.runtime.cuda_graphs import DecodeBatch, batch_buckets, pad_decode_batch
+from kvtool.runtime.cuda_graphs import DecodeBatch, StaticInputs, batch_buckets, pad_decode_batch
 from kvtool.runtime.model_runner import StepRequest
+from kvtool.runtime.step_batch import GraphLayout, layout_for, token_buckets
 
 
 @pytest.fixture
@@ -82,3 +85,71 @@ def test_a_batch_larger_than_its_bucket_is_refused():
         pad_decode_batch(batch, num_rows=2, max_blocks=1)
     with pytest.raises(ValueError, match="blocks"):
         pad_decode_batch(batch, num_rows=4, max_blocks=0)
+
+
+# ---- prefill / mixed steps ----
+
+class RecordingMixedGraphs:
+    """Stands in for MixedGraphs on a CPU runner: the real bucket layouts, replays recorded."""
+
+    def __init__(self, max_batch_size: int, max_seq_len: int, max_num_tokens: int) -> None:
+        max_blocks = -(-max_seq_len // TOKENS_PER_BLOCK)
+        self.layouts = [GraphLayout.for_tokens(t, max_batch_size, max_blocks) for t in token_buckets(max_num_tokens)]
+        self.replayed: list[tuple[int, int]] = []  # (step tokens, bucket tokens)
+
+    def layout(self, step):
+        return layout_for(self.layouts, step)
+
+    def run(self, step, layout):
+        self.replayed.append((step.num_tokens, layout.num_tokens))
+        return torch.zeros(len(step.sample_rows), 8)
+
+
+def prompt(num_new: int, num_cached: int, first_block: int) -> StepRequest:
+    num_blocks = -(-(num_new + num_cached) // TOKENS_PER_BLOCK)
+    return StepRequest(np.arange(num_new, dtype=np.int32) % 50,
+                       np.arange(first_block, first_block + num_blocks, dtype=np.int32), num_cached, True, True)
+
+
+@pytest.fixture
+def mixed_graphs(runner, monkeypatch):  # noqa: F811 - runner is the fixture
+    graphs = RecordingMixedGraphs(max_batch_size=4, max_seq_len=64, max_num_tokens=64)
+    monkeypatch.setattr(runner, "mixed_graphs", graphs)
+    return graphs
+
+
+def test_a_prompt_over_a_cached_prefix_replays_the_graph_of_its_token_bucket(runner, mixed_graphs):  # noqa: F811
+    logits = runner.execute([prompt(20, 8, 0)])
+    assert mixed_graphs.replayed == [(20, 24)]
+    assert logits.shape == (1, 8)
+
+
+def test_a_mixed_step_of_context_chunks_and_decode_rows_replays_one_graph(runner, mixed_graphs):  # noqa: F811
+    runner.execute([prompt(10, 0, 0), decode_row(7, 5, 4), prompt(3, 0, 8)])
+    assert mixed_graphs.replayed == [(14, 16)]
+
+
+def test_steps_no_mixed_graph_holds_run_eagerly(runner, mixed_graphs, monkeypatch):  # noqa: F811
+    runner.execute([prompt(60, 0, 0)])  # 60 tokens: within the 64-token limit, bucket 64
+    assert mixed_graphs.replayed == [(60, 64)]
+    mixed_graphs.layouts = mixed_graphs.layouts[:-1]  # as if the largest bucket were 48 tokens
+    eager = runner.execute([prompt(60, 0, 0)])
+    assert mixed_graphs.replayed == [(60, 64)] and eager.shape[0] == 1
+    monkeypatch.setattr(runner.pools, "_layer_events", [object()])  # copies landing layer by layer
+    waited = []
+    monkeypatch.setattr(runner.pools, "wait_for_layer", waited.append)
+    runner.execute([prompt(10, 0, 0)])
+    assert waited == list(range(len(runner.model.layers)))
+    assert mixed_graphs.replayed == [(60, 64)]
+
+
+def test_static_inputs_are_views_of_one_buffer_filled_by_one_upload():
+    fields = {"ids": ((5,), torch.int64), "lens": ((3,), torch.int32), "table": ((3, 2), torch.int32)}
+    inputs = StaticInputs(fields, torch.device("cpu"))
+    offsets = [t.data_ptr() - inputs.device_buffer.data_ptr() for t in inputs.tensors.values()]
+    assert offsets == [0, 48, 64]  # each field 16-byte aligned
+    inputs.upload({"ids": np.arange(5), "lens": np.array([1, 2, 3]), "table": np.array([[1, -1], [2, 3], [4, 5]])})
+    assert inputs.tensors["ids"].tolist() == [0, 1, 2, 3, 4]
+    assert inputs.tensors["table"].tolist() == [[1, -1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="exactly the fields"):
+        inputs.upload({"ids": np.arange(5)})

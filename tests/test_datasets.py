@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.errors import DatasetError
 
 
@@ -75,6 +76,10 @@ BAD_LINES = [
     ({"input_ids": [1], "output_tokens": 1, "session_id": "s"}, "'session_id' needs 'turn'"),
     ({"input_ids": [1], "output_tokens": 1, "turn": 0}, "'turn' needs 'session_id'"),
     ({"input_ids": [1], "output_token": 1}, "unknown key(s) ['output_token']"),
+    # Beyond int32 no model has the id (the engine could not even read it): refused here, with the line.
+    ({"input_ids": [1, 2**31], "output_tokens": 1}, f"'input_ids'[1] is {2**31}, beyond any vocabulary"),
+    ({"input_ids": [1, 10**30], "output_tokens": 1}, f"'input_ids'[1] is {10**30}, beyond any vocabulary"),
+    ({"input_ids": [1, 2], "extra_ids": [0, 2**64], "output_tokens": 1}, "'extra_ids'[1] is 18446744073709551616"),
 ]
 
 
@@ -126,3 +131,45 @@ def test_written_lines_read_back_identically(tmp_path):
     path = write_jsonl(tmp_path / "sub" / "d.jsonl", lines)
     assert [json.loads(line) for line in path.read_text().splitlines()] == lines
     assert not [p for p in path.parent.iterdir() if p.name != "d.jsonl"]  # no temporary file left behind
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    data = "\ufeff" + json.dumps({"input_ids": [5, 6], "output_tokens": 2}) + "\n" + \
+        json.dumps({"prompt": "héllo", "max_tokens": 1}) + "\r\n"
+    path.write_bytes(data.encode("utf-8"))
+    dataset = load_dataset(path)
+    assert [r.input_ids for r in dataset.records] == [(5, 6), None]
+    assert dataset.records[1].prompt == "héllo"
+    assert dataset.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()  # of the file as it is
+
+
+def test_largest_int32_token_id_is_read_and_left_to_the_vocabulary_check(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [{"input_ids": [2**31 - 1], "output_tokens": 1}])
+    assert load_dataset(path).records[0].input_ids == (2**31 - 1,)
+
+
+def test_sharegpt_and_text_files_with_a_byte_order_mark_import(tmp_path):
+    from kvtool.workloads.sharegpt import import_sharegpt
+    from kvtool.workloads.text import TextSource
+    from kvtool.models.tokenizer import ByteLevelTokenizer
+
+    conversations = [{"id": "a", "conversations": [{"from": "human", "value": "Hi there"},
+                                                   {"from": "gpt", "value": "Hello!"}]}]
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_bytes(("\ufeff" + json.dumps(conversations)).encode("utf-8"))
+    imported = import_sharegpt(sharegpt)
+    assert imported.num_turns == 1 and imported.lines[0]["prompt"] == "Hi there"
+    text = tmp_path / "text.txt"
+    text.write_bytes("\ufeffOnce upon a time.".encode("utf-8"))
+    source = TextSource.from_file(text, ByteLevelTokenizer(512, None, [0]), chat=False)
+    assert source.words[0] == "Once "
+
+
+def test_a_sharegpt_file_that_is_not_utf8_names_the_file(tmp_path):
+    from kvtool.workloads.sharegpt import import_sharegpt
+
+    path = tmp_path / "latin1.json"
+    path.write_bytes('[{"conversations": [{"from": "human", "value": "caf\xe9"}]}]'.encode("latin-1"))
+    with pytest.raises(DatasetError, match=r"latin1.json is not UTF-8 text"):
+        import_sharegpt(path)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvtool.bench.dataset_stats import dataset_stats
-from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.sharegpt import approximate_token_count, import_sharegpt
+from kvtool.workloads.stats import dataset_stats
+from kvtool.workloads.datasets import load_dataset, write_jsonl
+from kvtool.workloads.sharegpt import approximate_token_count, import_sharegpt
 from kvtool.errors import DatasetError
 
 SHAREGPT = [

@@ -7,9 +7,10 @@ import csv
 import re
 
 import pytest
+import yaml
 from test_cli_bench import invoke
 
-from kvtool.bench.datasets import write_jsonl
+from kvtool.workloads.datasets import write_jsonl
 from kvtool.simulate.cost_model import CostModel
 
 
@@ -49,7 +50,8 @@ def test_explain_splits_the_misses_and_simulates_a_host_cache(abab_report, profi
     assert f"{evicted / missed:.0%} of missed blocks ({evicted}) had been evicted from the primary pool" in text
     assert f"{16 / missed:.0%} of missed blocks (16) were seen for the first time" in text
     # The what-if: a host cache big enough for what was evicted, simulated; the hit rate goes up.
-    match = re.search(r"With a host cache of [\d.,]+ [KMG]?B \(simulated\), the hit rate goes from ([\d.]+) to "
+    # Sizes as every screen shows them (binary units), rounded up to one a user would type.
+    match = re.search(r"With a host cache of [\d.,]+ (?:[KMG]iB|B) \(simulated\), the hit rate goes from ([\d.]+) to "
                       r"([\d.]+) and TTFT p50 from ([\d,]+) to ([\d,]+) ms", text)
     assert match, text
     before, after = float(match.group(1)), float(match.group(2))
@@ -73,3 +75,29 @@ def test_explain_names_a_report_without_the_split_and_a_missing_one(tmp_path, ab
     result = invoke("explain", old, "--profile", profile)
     assert result.exit_code == 0, result.output
     assert "no miss split (written by an older kvtool)" in " ".join(result.output.split())
+
+
+def test_a_repeated_scenario_is_one_paragraph_per_variant_with_its_runs_ranges(tmp_path, tiny_llama_plan, profile):
+    scenario = tmp_path / "repeated.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "dataset": {"generator": "abab", "prompt_len": 128, "num_rounds": 3, "output_len": 2},
+        "bench": {"mode": "sequential", "max_tokens_in_paged_kv_cache": 160},
+        "repeat": 2,
+        "sweep": [{"label": "small-pool"}, {"label": "host", "kv_host_cache_bytes": "1MiB"}]}))
+    out = tmp_path / "repeated"
+    result = invoke("bench", "--config", scenario, "--plan", tiny_llama_plan, "--output", out)
+    assert result.exit_code == 0, result.output
+    with open(out / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    explained = invoke("explain", out, "--profile", profile)
+    assert explained.exit_code == 0, explained.output
+    paragraphs = [" ".join(p.split()) for p in explained.output.split("\n\n") if p.strip()]
+    assert [p.split(":")[0] for p in paragraphs] == ["small-pool", "host"]
+    small_pool = paragraphs[0]
+    p50s = sorted(float(r["ttft_ms_p50"]) for r in rows if r["label"] == "small-pool")
+    span = f"{p50s[0]:,.0f} ms" if f"{p50s[0]:,.0f}" == f"{p50s[-1]:,.0f}" else f"{p50s[0]:,.0f}-{p50s[-1]:,.0f} ms"
+    assert small_pool.startswith(f"small-pool: 6 requests each, over 2 runs; 4 of 48 full prompt blocks were "
+                                 f"reused (hit rate 0.08); TTFT p50 {span}")
+    # The what-ifs are simulated once for the variant, not once per run.
+    assert small_pool.count("(simulated)") == 2 and small_pool.count("(Simulated with") == 1

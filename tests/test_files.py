@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.report import write_summary_csv
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.csv_report import write_summary_csv
 from kvtool.cli import app
-from kvtool.files import atomic_write
+from kvtool.files import FileWriteError, atomic_write
 from kvtool.plan import BuildOptions, build_plan
 
 
@@ -55,5 +56,21 @@ def test_an_interrupted_atomic_write_leaves_the_previous_file(tmp_path):
     with pytest.raises(RuntimeError), atomic_write(target) as out:
         out.write("half")
         raise RuntimeError("killed")
+    assert target.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.csv"]  # no temporary file left
+
+
+def test_a_full_disk_names_the_file_keeps_the_previous_one_and_says_the_fix(tmp_path, monkeypatch):
+    target = tmp_path / "summary.csv"
+    target.write_text("old\n")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(FileWriteError) as error:
+        write_summary_csv(target, [{"label": "new"}])
+    assert str(error.value) == (f"cannot write {target} (the previous file is kept): no space left on device: free "
+                                "space on that file system, or give --output a directory on another one")
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["summary.csv"]  # no temporary file left

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtool.bench import generators
-from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.generators import GeneratorOptions
+from kvtool.workloads import generators
+from kvtool.workloads.datasets import load_dataset, write_jsonl
+from kvtool.workloads.generators import GeneratorOptions
 
 OPTIONS = GeneratorOptions(seed=3)
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from kvtool.kernels.add_rms_norm import add_rms_norm_spec
 from kvtool.kernels.block_copy import block_copy_spec
 from kvtool.kernels.compiler import (
     KernelCompileError,
@@ -30,7 +31,10 @@ from kvtool.kernels.compiler import (
 from kvtool.kernels.kv_append import kv_append_spec
 from kvtool.kernels.nvrtc import NvrtcError, load_nvrtc
 from kvtool.kernels.paged_context_attention import context_attention_spec, smem_bytes
-from kvtool.kernels.paged_decode_attention import decode_attention_spec, heads_per_cta, num_partitions
+from kvtool.kernels.paged_decode_attention import (decode_attention_spec, heads_per_cta, num_partitions,
+                                                   partition_size_for)
+from kvtool.kernels.rope_append import rope_append_spec
+from kvtool.kernels.silu_mul import silu_mul_spec
 
 ARCH = "sm_90"
 NVCC = find_nvcc()
@@ -49,12 +53,17 @@ def _specializations() -> dict[str, tuple[KernelSpec, tuple[str, ...]]]:
     for tokens_per_block in (32, 64, 128):
         specs.append((context_attention_spec(128, tokens_per_block, torch.bfloat16, ARCH), context))
         specs.append((decode_attention_spec(64, tokens_per_block, torch.float16, 2, ARCH), decode))
-    specs.append((context_attention_spec(128, 16, torch.float16, ARCH, num_warps=8), context))
-    specs.append((context_attention_spec(64, 32, torch.bfloat16, ARCH, num_warps=8), context))
     for group_size in (1, 7, 8):  # MHA, an odd GQA group (Qwen2-0.5B: 14 / 2), a wide one
         specs.append((decode_attention_spec(128, 16, torch.float16, group_size, ARCH), decode))
+    # The smallest split-K partition a batch of one chooses (64 keys: 4 steps of the key groups at hd 64).
+    specs.append((decode_attention_spec(64, 16, torch.bfloat16, 8, ARCH, partition_size=64), decode))
     specs.append((kv_append_spec(ARCH), ("kvt_kv_append",)))
     specs.append((block_copy_spec(ARCH), ("kvt_block_copy",)))
+    # The model's fused kernels (tests/test_kernels_fused.py runs them on a GPU).
+    specs.append((add_rms_norm_spec(torch.bfloat16, ARCH), ("kvt_add_rms_norm",)))
+    specs.append((silu_mul_spec(torch.float16, ARCH), ("kvt_silu_mul",)))
+    specs.append((rope_append_spec(64, torch.float16, ARCH), ("kvt_rope_append",)))
+    specs.append((rope_append_spec(128, torch.bfloat16, ARCH), ("kvt_rope_append",)))
     return {spec.label: (spec, symbols) for spec, symbols in specs}
 
 
@@ -180,19 +189,16 @@ def _ctas_per_sm(resources: KernelResources, num_threads: int, dynamic_smem: int
 @needs_nvcc
 def test_the_heaviest_specializations_fit_an_sm_without_register_spills(tmp_path):
     context_4 = context_attention_spec(128, 16, torch.bfloat16, ARCH)
-    context_8 = context_attention_spec(128, 16, torch.float16, ARCH, num_warps=8)
     decode_8 = decode_attention_spec(128, 16, torch.bfloat16, 8, ARCH)
-    specs = [context_4, context_8, decode_8, kv_append_spec(ARCH), block_copy_spec(ARCH)]
+    specs = [context_4, decode_8, kv_append_spec(ARCH), block_copy_spec(ARCH)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         reports = dict(zip([s.label for s in specs], pool.map(lambda s: _ptxas_resources(s, tmp_path), specs)))
     for label, report in reports.items():
         for name, resources in report.items():
             assert resources.spill_bytes == 0, f"{name} of {label} spills registers: {resources}"
-    # Two context CTAs per SM (load of one tile overlaps the math of the other), one at 8 warps.
+    # Two context CTAs per SM (load of one tile overlaps the math of the other).
     context = reports[context_4.label]["kvt_paged_context_attention"]
     assert _ctas_per_sm(context, 128, smem_bytes(128)) >= 2
-    context = reports[context_8.label]["kvt_paged_context_attention"]
-    assert _ctas_per_sm(context, 256, smem_bytes(128, num_warps=8)) >= 1
     # Decode is memory-bound: with 8 query heads per CTA (the most registers), 4 CTAs per SM still
     # keep 4 x 128 threads x 4 x 16 B = 32 KiB of loads in flight per SM (HBM3 needs about 15).
     assert _ctas_per_sm(reports[decode_8.label]["kvt_paged_decode_attention"], 128) >= 4
@@ -235,6 +241,15 @@ def test_decode_splits_sequences_longer_than_a_partition():
     assert num_partitions(512, 512) == 1
     assert num_partitions(513, 512) == 2
     assert num_partitions(4096, 512) == 8
+
+
+def test_small_decode_batches_split_into_smaller_partitions_until_every_sm_has_two_ctas():
+    # qwen3-8b (8 KV heads, one chunk each) on 132 SMs: batch 1 gets 64-key partitions (8 x 64 = 512
+    # CTAs for a 4k sequence), batch 2 128, batch 4 256, batch 8 and more the full 512.
+    assert [partition_size_for(8 * batch, 132) for batch in (1, 2, 4, 8, 64)] == [64, 128, 256, 512, 512]
+    assert partition_size_for(1, 1000) == 64  # nothing fills a huge GPU: the smallest partitions
+    with pytest.raises(ValueError, match="num_row_ctas"):
+        partition_size_for(0, 132)
 
 
 @needs_nvcc

@@ -3,34 +3,23 @@
 Every test poisons what the kernel must not rely on: outputs start NaN-filled (a row left
 unwritten stays NaN), and every pool slot that holds no real token (blocks nobody owns, slots past
 a sequence's end, blocks released by a sliding window) is NaN, so a stray read shows up as a NaN
-in the result. References are computed in fp32 from the same fp16/bf16 inputs, straight from each
-sequence's logical K/V (no paging), and compared with per-dtype error bounds.
+in the result. References are computed in float64 from the same fp16/bf16 inputs, straight from
+each sequence's logical K/V (no paging), and compared with per-dtype error bounds.
 
-These tests are the first to run on real hardware: the scenario builder and the reference were
-checked on the CPU against kvtool.layers.attention.TorchPagedAttention.
+The scenario builder and the reference (tests/attention_scenarios.py) are checked on the CPU too:
+tests/test_attention_oracle.py runs kvtool.layers.attention.TorchPagedAttention against them.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
-from dataclasses import dataclass
-
+import attention_scenarios as scenarios
 import pytest
 import torch
+from attention_scenarios import (CONTEXT_SEQS, DTYPES, Scenario, assert_rows_match, decode_seqs, poisoned_like,
+                                 reference_attention)
 
-from kvtool.layers.attention_metadata import AttentionMetadata
+pytestmark = pytest.mark.gpu  # skipped, saying what is missing, without a CUDA GPU and CuPy (conftest.py)
 
-
-def _gpu_ready() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")]
-
-DTYPES = [torch.float16, torch.bfloat16]
-# fp32 reference vs kernels that round P (context) and the output to 16 bits.
-TOLERANCE = {torch.float16: {"atol": 3e-3, "rtol": 1e-2}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 DEVICE = "cuda"
 
 
@@ -43,137 +32,9 @@ def library():
 
 # ---- random paged scenarios ----
 
-@dataclass
-class Scenario:
-    seqs: list[tuple[int, int]]  # (cached tokens, new tokens) per sequence; context ones first
-    query: torch.Tensor          # [num_tokens, num_heads, head_dim]
-    new_key: torch.Tensor        # [num_tokens, num_kv_heads, head_dim]
-    new_value: torch.Tensor
-    keys: list[torch.Tensor]     # per sequence [seq_len, num_kv_heads, head_dim], the logical truth
-    values: list[torch.Tensor]
-    pool: torch.Tensor           # [num_blocks, num_layers, 2, T, num_kv_heads, head_dim]
-    layer: int
-    meta: AttentionMetadata
-    window: int | None
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.pool[:, self.layer]  # strided view, as the runtime hands it to attention
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.query.shape[-1])
-
-    def rows(self, first_seq: int, last_seq: int) -> torch.Tensor:
-        starts = self.meta.query_start_loc.tolist()
-        return torch.arange(starts[first_seq], starts[last_seq], device=DEVICE)
-
-
-def build_scenario(seqs: list[tuple[int, int]], *, num_context: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, tokens_per_block: int, dtype: torch.dtype, seed: int,
-                   window: int | None = None, new_tokens_in_cache: bool = True, num_layers: int = 3,
-                   layer: int = 1, strided_activations: bool = False) -> Scenario:
-    """Sequences with random K/V scattered over random blocks of a NaN-filled pool.
-
-    Blocks wholly before every new token's window are released (-1 in the table, NaN in the pool).
-    With ``new_tokens_in_cache`` the new tokens' K/V are already stored (as after the append).
-    """
-    assert all(n == 1 for _, n in seqs[num_context:]), "decode sequences have one new token"
-    gen = torch.Generator().manual_seed(seed)
-    T = tokens_per_block
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
-
-    keys = [randn(c + n, num_kv_heads, head_dim) for c, n in seqs]
-    values = [randn(c + n, num_kv_heads, head_dim) for c, n in seqs]
-    needed = [math.ceil((c + n) / T) for c, n in seqs]
-    num_blocks = sum(needed) + 7  # some blocks belong to nobody and stay NaN
-    order = iter(torch.randperm(num_blocks, generator=gen).tolist())
-    max_blocks = max(needed) + 1  # always at least one -1 padding column
-    block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
-    for i, (c, _n) in enumerate(seqs):
-        first_visible = 0 if window is None else max(0, c - window + 1)
-        for b in range(needed[i]):
-            block = next(order)
-            if (b + 1) * T > first_visible:  # else released by the window: stays -1, its block NaN
-                block_tables[i, b] = block
-
-    pool = torch.full((num_blocks, num_layers, 2, T, num_kv_heads, head_dim), float("nan"), dtype=dtype,
-                      device=DEVICE)
-    table_dev = block_tables.to(DEVICE)
-    for i, (c, n) in enumerate(seqs):
-        stored = c + n if new_tokens_in_cache else c
-        positions = torch.arange(stored, device=DEVICE)
-        blocks = table_dev[i, (positions // T)].long()
-        keep = blocks >= 0
-        positions, blocks = positions[keep], blocks[keep]
-        pool[blocks, layer, 0, positions % T] = keys[i][positions]
-        pool[blocks, layer, 1, positions % T] = values[i][positions]
-
-    query_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
-    seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
-    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.cumsum(query_lens, 0)
-    positions = torch.cat([torch.arange(c, c + n) for c, n in seqs])
-    seq_index = torch.repeat_interleave(torch.arange(len(seqs)), query_lens.long())
-    slot_mapping = block_tables[seq_index, positions // T].long() * T + positions % T
-    num_tokens = int(query_lens.sum())
-    new_key = torch.cat([keys[i][c:] for i, (c, _n) in enumerate(seqs)])
-    new_value = torch.cat([values[i][c:] for i, (c, _n) in enumerate(seqs)])
-    query = randn(num_tokens, num_heads, head_dim, scale=1.5)  # sharper softmax than N(0, 1)
-    if strided_activations:
-        # As a fused QKV projection yields them: views into one [num_tokens, (H + 2 KVH) * D] tensor.
-        fused = torch.full((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), float("nan"),
-                           dtype=dtype, device=DEVICE)
-        q_view, k_view, v_view = fused.split([num_heads * head_dim, num_kv_heads * head_dim,
-                                              num_kv_heads * head_dim], dim=1)
-        q_view.copy_(query.flatten(1))
-        k_view.copy_(new_key.flatten(1))
-        v_view.copy_(new_value.flatten(1))
-        query = q_view.view(num_tokens, num_heads, head_dim)
-        new_key = k_view.view(num_tokens, num_kv_heads, head_dim)
-        new_value = v_view.view(num_tokens, num_kv_heads, head_dim)
-    meta = AttentionMetadata(
-        positions=positions.to(DEVICE), query_start_loc=query_start_loc.to(DEVICE),
-        query_lens=query_lens.to(DEVICE), seq_lens=seq_lens.to(DEVICE), block_tables=table_dev,
-        slot_mapping=slot_mapping.to(DEVICE), tokens_per_block=T, num_context_seqs=num_context,
-        max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()))
-    return Scenario(seqs, query, new_key, new_value, keys, values, pool, layer, meta, window)
-
-
-def reference_attention(sc: Scenario) -> torch.Tensor:
-    """Attention of every new token over its sequence's logical K/V, computed in float64 (immune to
-    TF32 settings), returned as float32 [num_tokens, H, D]."""
-    num_heads = sc.query.shape[1]
-    out = torch.zeros(sc.query.shape, dtype=torch.float64, device=DEVICE)
-    starts = sc.meta.query_start_loc.tolist()
-    for i, (c, n) in enumerate(sc.seqs):
-        group = num_heads // sc.keys[i].shape[1]
-        k = sc.keys[i].double().repeat_interleave(group, dim=1)    # [S, H, D]
-        v = sc.values[i].double().repeat_interleave(group, dim=1)
-        q = sc.query[starts[i]:starts[i] + n].double()             # [n, H, D]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * sc.scale
-        q_pos = torch.arange(c, c + n, device=DEVICE)[:, None]
-        k_pos = torch.arange(c + n, device=DEVICE)[None, :]
-        visible = k_pos <= q_pos
-        if sc.window is not None:
-            visible &= k_pos > q_pos - sc.window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[starts[i]:starts[i] + n] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out.float()
-
-
-def assert_rows_match(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype,
-                      slack: float = 1.0):
-    got = actual[rows].float()
-    assert torch.isfinite(got).all(), f"{int((~torch.isfinite(got)).any(-1).any(-1).sum())} rows are not finite"
-    bounds = {name: slack * bound for name, bound in TOLERANCE[dtype].items()}
-    torch.testing.assert_close(got, expected[rows], **bounds)
-
-
-def poisoned_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.full(tensor.shape, float("nan"), dtype=tensor.dtype, device=tensor.device)
+def build_scenario(seqs: list[tuple[int, int]], **kwargs) -> Scenario:
+    """attention_scenarios.build_scenario on the GPU."""
+    return scenarios.build_scenario(seqs, device=DEVICE, **kwargs)
 
 
 # ---- KV append ----
@@ -204,16 +65,13 @@ def test_kv_append_stores_each_token_at_its_slot_and_nothing_else(library, dtype
 
 # ---- paged context attention ----
 
-CONTEXT_SEQS = [(0, 100), (300, 77), (129, 64), (0, 1), (5, 130), (1000, 200)]
-
-
-def _run_context(library, sc: Scenario, num_context: int, num_warps: int = 4) -> torch.Tensor:
+def _run_context(library, sc: Scenario, num_context: int) -> torch.Tensor:
     from kvtool.kernels.paged_context_attention import paged_context_attention
 
     out = poisoned_like(sc.query)
     paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
                             sc.meta.seq_lens, num_seqs=num_context, max_query_len=sc.meta.max_query_len,
-                            scale=sc.scale, sliding_window=sc.window, out=out, num_warps=num_warps)
+                            scale=sc.scale, sliding_window=sc.window, out=out)
     torch.cuda.synchronize()
     return out
 
@@ -228,16 +86,6 @@ def test_context_attention_over_cached_prefix_matches_reference(library, dtype, 
     out = _run_context(library, sc, len(CONTEXT_SEQS))
     assert_rows_match(out, reference_attention(sc), sc.rows(0, len(CONTEXT_SEQS)), dtype)
     assert torch.isnan(out[sc.rows(len(CONTEXT_SEQS), len(seqs))]).all(), "decode rows were written"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("window", [None, 90])
-def test_context_attention_with_eight_warps_per_cta_matches_reference(library, dtype, head_dim, window):
-    sc = build_scenario(CONTEXT_SEQS, num_context=len(CONTEXT_SEQS), num_heads=8, num_kv_heads=2,
-                        head_dim=head_dim, tokens_per_block=32, dtype=dtype, seed=head_dim, window=window)
-    out = _run_context(library, sc, len(CONTEXT_SEQS), num_warps=8)
-    assert_rows_match(out, reference_attention(sc), sc.rows(0, len(CONTEXT_SEQS)), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -282,13 +130,6 @@ def test_context_attention_reads_strided_query_and_writes_strided_output(library
 
 # ---- paged decode attention ----
 
-def _decode_seqs(seed: int, count: int, max_cached: int) -> list[tuple[int, int]]:
-    gen = torch.Generator().manual_seed(seed)
-    cached = torch.randint(0, max_cached, (count,), generator=gen).tolist()
-    # Partition edges: seq_len 1, 512 (one partition), 513 (two).
-    return [(c, 1) for c in cached + [0, 511, 512]]
-
-
 def _run_decode(library, sc: Scenario, num_context: int, partition_size: int | None = None) -> torch.Tensor:
     from kvtool.kernels.paged_decode_attention import PARTITION_SIZE, paged_decode_attention
 
@@ -306,7 +147,7 @@ def _run_decode(library, sc: Scenario, num_context: int, partition_size: int | N
 @pytest.mark.parametrize("tokens_per_block", [16, 32, 64, 128])
 def test_decode_attention_matches_reference_across_split_k_partitions(library, dtype, head_dim, tokens_per_block):
     context = [(10, 20)]  # a context sequence first: the decode kernel must skip its rows
-    seqs = context + _decode_seqs(seed=head_dim + tokens_per_block, count=13, max_cached=3000)
+    seqs = context + decode_seqs(seed=head_dim + tokens_per_block, count=13, max_cached=3000)
     sc = build_scenario(seqs, num_context=1, num_heads=8, num_kv_heads=2, head_dim=head_dim,
                         tokens_per_block=tokens_per_block, dtype=dtype, seed=tokens_per_block)
     out = _run_decode(library, sc, num_context=1)
@@ -334,7 +175,7 @@ def test_decode_attention_over_a_long_sequence_with_many_partitions(library, dty
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (14, 2), (32, 8), (16, 1), (12, 1)])
 def test_decode_attention_supports_gqa_groups(library, dtype, num_heads, num_kv_heads):
-    sc = build_scenario(_decode_seqs(seed=num_heads, count=6, max_cached=1500), num_context=0,
+    sc = build_scenario(decode_seqs(seed=num_heads, count=6, max_cached=1500), num_context=0,
                         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=128, tokens_per_block=16,
                         dtype=dtype, seed=num_heads * 31 + num_kv_heads)
     out = _run_decode(library, sc, num_context=0)
@@ -346,7 +187,7 @@ def test_decode_attention_supports_gqa_groups(library, dtype, num_heads, num_kv_
 @pytest.mark.parametrize("tokens_per_block", [16, 128])
 def test_decode_attention_with_sliding_window_never_reads_released_blocks(library, dtype, window,
                                                                           tokens_per_block):
-    seqs = _decode_seqs(seed=window, count=8, max_cached=2500)
+    seqs = decode_seqs(seed=window, count=8, max_cached=2500)
     sc = build_scenario(seqs, num_context=0, num_heads=8, num_kv_heads=2, head_dim=64,
                         tokens_per_block=tokens_per_block, dtype=dtype, seed=window + 1, window=window)
     out = _run_decode(library, sc, num_context=0)

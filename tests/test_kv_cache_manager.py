@@ -224,13 +224,33 @@ def test_truncated_hash_keeps_every_prompt_apart():
 # ---- eviction -------------------------------------------------------------------------------
 
 def test_leaf_blocks_evicted_before_parents():
+    # Release order alone would pick the leaf (a sequence releases its last block first); here the
+    # parent is the first candidate by priority and LRU, so only the leaf-only rule saves it.
     m = make(num_primary_blocks=5)
-    a = prompt(0, 3 * T + 1)
-    run_context(m, 1, a)  # a0 -> a1 -> a2 cached, the 1-token block freed
-    run_context(m, 2, prompt(50, 3 * T), release=False)  # 2 free blocks + 1 eviction
-    assert matched_blocks(m, a) == 2  # the leaf a2 went, the chain a0 -> a1 is intact
-    m.allocate(2, 4 * T)
-    assert matched_blocks(m, a) == 1
+    parent, child = prompt(0, T), prompt(20, T)
+    run_context(m, 1, parent + [1], priority=10)  # the parent block is cached at priority 10
+    run_context(m, 2, parent + child + [1], priority=80)  # reuses it; the child is cached at 80
+    assert matched_blocks(m, parent + child + [1]) == 2
+    run_context(m, 3, prompt(50, 4 * T), release=False)  # 3 free blocks + 1 eviction
+    assert matched_blocks(m, parent + child + [1]) == 1  # the leaf went, its lower-priority parent stayed
+    assert m.check_invariants() == []
+    m.allocate(3, 5 * T)
+    assert matched_blocks(m, parent + [1]) == 0
+
+
+def test_leaf_blocks_offloaded_before_parents():
+    # As above with a host tier: the child goes to the host, the parent stays in the primary pool.
+    m = make(num_primary_blocks=5, num_secondary_blocks=4, event_buffer_max_size=64)
+    parent, child = prompt(0, T), prompt(20, T)
+    run_context(m, 1, parent + [1], priority=60)
+    run_context(m, 2, parent + child + [1], priority=80)
+    stored = {tuple(e.token_ids): e.block_hash for e in m.take_events() if e.kind == KvCacheEventKind.STORED}
+    run_context(m, 3, prompt(50, 4 * T), release=False)  # 3 free blocks + 1 offload
+    offloaded = [e.block_hash for e in m.take_events() if e.kind == KvCacheEventKind.OFFLOADED]
+    assert offloaded == [stored[tuple(child)]]
+    match = m.match_prefix(parent + child + [1])
+    assert (match.num_matched_blocks, match.num_secondary_blocks) == (2, 1)
+    assert m.check_invariants() == []
 
 
 def test_leaf_evicted_before_older_parent():
@@ -340,6 +360,18 @@ def test_low_priority_block_is_dropped_not_offloaded():
     assert m.match_prefix(high).num_secondary_blocks == 1
 
 
+def test_low_priority_block_is_offloaded_first():
+    # Both blocks may be offloaded; the room for the new request is taken from the lower priority,
+    # although it was used more recently.
+    m = make(num_primary_blocks=4, num_secondary_blocks=4)
+    high, low = prompt(0, T + 1), prompt(20, T + 1)
+    run_context(m, 1, high, priority=80)
+    run_context(m, 2, low, priority=40)
+    run_context(m, 3, prompt(50, 3 * T), release=False)  # 2 free blocks + 1 offload
+    assert (m.match_prefix(low).num_secondary_blocks, m.match_prefix(high).num_secondary_blocks) == (1, 0)
+    assert (matched_blocks(m, low), matched_blocks(m, high)) == (1, 1)
+
+
 def test_onboarded_host_block_frees_its_secondary_block():
     m = make(num_primary_blocks=2, num_secondary_blocks=1)
     a = prompt(0, T + 1)
@@ -397,6 +429,16 @@ def test_sliding_window_releases_blocks_outside_window():
     assert list(table[:3]) == [-1, -1, -1] and all(table[3:] >= 0)
     stats = m.stats().primary
     assert (stats.num_used_blocks, stats.num_cached_blocks) == (2, 3)  # with reuse they stay cached
+    assert m.check_invariants() == []
+
+
+def test_sliding_window_keeps_a_block_partly_inside_the_window():
+    m = make(max_attention_window=2 * T)
+    tokens = prompt(0, 5 * T + 2)
+    m.add_sequence(1, tokens, len(tokens))
+    m.mark_computed(1, 5 * T + 1)  # the next token sees positions > 3T + 1: block 3 is still read
+    table = m.block_ids(1)
+    assert list(table[:3]) == [-1, -1, -1] and all(table[3:] >= 0)
     assert m.check_invariants() == []
 
 

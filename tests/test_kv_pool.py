@@ -117,6 +117,53 @@ def test_host_cache_larger_than_available_memory_is_refused_with_both_numbers():
 
 def test_start_up_does_not_grow_with_host_cache_size():
     llm = LLM(model="preset:tiny-llama", kv_cache_config=KvCacheConfig(host_cache_size=2 << 30))
-    assert llm.engine.runner.pools.host.num_allocated_bytes == 0
+    assert llm.engine.executor.pools.host.num_allocated_bytes == 0
     llm.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
-    assert llm.engine.runner.pools.host.num_allocated_bytes == 0  # nothing was evicted
+    assert llm.engine.executor.pools.host.num_allocated_bytes == 0  # nothing was evicted
+
+
+def test_host_chunks_are_allocated_ahead_of_the_chunk_in_use_on_a_background_thread():
+    from kvtool.runtime.kv_pool import HostBlockPool
+
+    pool = HostBlockPool(SHAPE, num_blocks=10, pin_memory=False, ahead_chunks=2, chunk_bytes=2 * SHAPE.num_bytes)
+    for future in list(pool._pending.values()):
+        future.result()
+    assert [c is not None for c in pool._chunks] == [True, True, False, False, False]
+    ahead = pool._chunks[1]
+    assert pool.block(3).data_ptr() == ahead[1].data_ptr()  # the chunk allocated ahead, not a new one
+    for future in list(pool._pending.values()):
+        future.result()
+    assert [c is not None for c in pool._chunks] == [True, True, True, True, False]  # two after chunk 1
+    pool.block(9)  # the last chunk: nothing lies beyond it
+    assert all(c is not None for c in pool._chunks) and not any(f.running() for f in pool._pending.values())
+    assert pool.num_allocated_bytes == 10 * SHAPE.num_bytes
+
+
+def test_only_a_pinned_host_pool_allocates_ahead():
+    from kvtool.runtime.kv_pool import HOST_AHEAD_BYTES, HostBlockPool
+
+    assert HostBlockPool(SHAPE, num_blocks=100, pin_memory=False).ahead_chunks == 0
+    # A pinned pool (a GPU machine) of qwen3-8b blocks: chunks of 13 blocks of 4.7 MB, 1 GiB ahead.
+    big = BlockShape(num_layers=36, tokens_per_block=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    chunk_bytes = (64 << 20) // big.num_bytes * big.num_bytes
+    assert -(-HOST_AHEAD_BYTES // chunk_bytes) == 17
+
+
+class FakeKernels:
+    """Stands in for a KernelLibrary: marks the pools as a GPU's (batched copies between tiers)."""
+
+
+def test_a_large_step_with_few_runs_moves_on_the_copy_engines_and_a_scattered_one_by_the_copy_kernel():
+    pools = KvCachePools(SHAPE, num_primary_blocks=200, num_secondary_blocks=200, device=torch.device("cpu"),
+                         layered_copy_min_bytes=1)
+    pools._kernels = FakeKernels()  # decide as on a GPU with the copy engines
+    consecutive = copy_batches(np.full(64, PRIMARY), np.arange(64), np.full(64, SECONDARY), np.arange(100, 164),
+                               np.full(64, 4))
+    scattered = copy_batches(np.full(64, PRIMARY), np.arange(0, 128, 2), np.full(64, SECONDARY), np.arange(64),
+                             np.full(64, 4))
+    assert pools.copies_layer_by_layer(consecutive) and pools.copies_layer_by_layer(scattered)
+    assert pools.step_copy_method(consecutive, layered=True) == "memcpy"  # one transfer per layer
+    assert pools.step_copy_method(scattered, layered=True) == "kernel"  # 64 per layer: one launch instead
+    assert pools.step_copy_method(scattered, layered=False) == "memcpy"  # whole blocks: 64 transfers once
+    pools._kernels = None  # the CPU: torch copies, as before
+    assert pools.step_copy_method(scattered, layered=True) == "memcpy"

@@ -9,7 +9,6 @@ far below the gap between the top two logits, so token identity is a stable chec
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from dataclasses import dataclass
 
@@ -27,11 +26,7 @@ TOKENS_PER_BLOCK = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def _gpu_ready() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-
-
-ON_A_GPU = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ready(), reason="needs a CUDA GPU and CuPy")]
+ON_A_GPU = [pytest.mark.gpu]  # skipped, saying what is missing, without a CUDA GPU and CuPy (conftest.py)
 
 
 @dataclass(frozen=True)
@@ -163,18 +158,18 @@ def test_a_fully_cached_prompt_batched_with_a_new_prompt_gives_the_same_outputs(
     llm.generate(repeated, GREEDY)
     outputs = llm.generate([repeated, new], GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == alone
-    assert llm.engine.requests[outputs[0].request_id].num_reused_tokens == 96
+    assert outputs[0].request.num_reused_tokens == 96
 
 
 @pytest.mark.parametrize("max_batch_size", [3, 8])
 def test_greedy_outputs_identical_with_cuda_graphs_on_and_off(target, reference_tokens, max_batch_size):
     # 3: the first three prompts decode in the bucket of 3, the last alone in the bucket of 1; 8: all
-    # four in the bucket of 4. Decode steps replay graphs; prompts run eagerly either way.
+    # four in the bucket of 4. Decode steps replay graphs (prompts too: tests/test_cuda_graphs_gpu.py).
     if target.setup.device != "cuda":
         pytest.skip("CUDA graphs replay decode steps on a GPU only")
     eager, _ = greedy_tokens(target, shared_prefix_prompts(), max_batch_size=max_batch_size, cuda_graphs=False)
     llm = target.llm(max_batch_size=max_batch_size)
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.executor.decode_graphs
     assert llm.cuda_graphs and graphs is not None
     replayed = []
     run = graphs.run
@@ -194,7 +189,7 @@ def test_prompt_logits_match_transformers(setup, tolerance, hf_checkpoint, tmp_p
     llm = target.llm()
     num_blocks = -(-len(prompt) // TOKENS_PER_BLOCK)
     request = StepRequest(np.asarray(prompt, dtype=np.int32), np.arange(num_blocks, dtype=np.int32), 0, True, True)
-    ours = llm.engine.runner.execute([request])[0].cpu()  # [vocab] float32
+    ours = llm.engine.executor.execute([request])[0].cpu()  # [vocab] float32
     llm.shutdown()
     with torch.no_grad():
         reference = hf_checkpoint(setup.model).model(torch.tensor([prompt])).logits[0, -1].float()
@@ -228,7 +223,7 @@ def test_max_utilization_pauses_and_still_produces_the_same_outputs(plan_dir):
               kv_cache_config=KvCacheConfig(enable_block_reuse=False, max_tokens=15 * TOKENS_PER_BLOCK),
               scheduler_config=SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION))
     outputs = llm.generate(prompts, params)
-    assert [r.num_pauses for r in llm.engine.requests.values()] == [0, 1, 0, 0]
+    assert [o.request.num_pauses for o in outputs] == [0, 1, 0, 0]
     unconstrained = LLM(model=plan_dir, max_batch_size=1).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in unconstrained]
 
@@ -238,8 +233,7 @@ def test_second_request_with_same_five_block_prefix_reuses_five_blocks(plan_dir)
     prefix = [rng.randrange(10, 1000) for _ in range(5 * TOKENS_PER_BLOCK)]
     llm = LLM(model=plan_dir, kv_cache_config=KvCacheConfig(enable_partial_reuse=False))
     llm.generate(prefix + [11, 12, 13], GREEDY)
-    llm.generate(prefix + [21, 22, 23], GREEDY)
-    second = llm.engine.requests[1]
+    second = llm.generate(prefix + [21, 22, 23], GREEDY).request
     assert second.num_reused_blocks == 5
     assert second.num_reused_tokens == 5 * TOKENS_PER_BLOCK
 
@@ -247,11 +241,10 @@ def test_second_request_with_same_five_block_prefix_reuses_five_blocks(plan_dir)
 def test_cache_salt_prevents_reuse(plan_dir):
     prompt = shared_prefix_prompts(1)[0]
     llm = LLM(model=plan_dir)
-    llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"))
-    llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-b"))
-    llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-a"))
+    outputs = [llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, cache_salt=salt))
+               for salt in ("tenant-a", "tenant-b", "tenant-a")]
     # The third request shares the first's 6 full blocks (103 prompt tokens: 6 blocks and 7 tokens).
-    assert [r.num_reused_tokens for r in llm.engine.requests.values()] == [0, 0, 6 * TOKENS_PER_BLOCK]
+    assert [o.request.num_reused_tokens for o in outputs] == [0, 0, 6 * TOKENS_PER_BLOCK]
 
 
 def test_extra_ids_prevent_reuse_across_prompt_tables(plan_dir):
@@ -260,10 +253,8 @@ def test_extra_ids_prevent_reuse_across_prompt_tables(plan_dir):
     table_2 = [2] * 16 + [0] * (len(prompt) - 16)
     llm = LLM(model=plan_dir)
     params = SamplingParams(max_tokens=2, temperature=0)
-    llm.generate([prompt], params, extra_ids=[table_1])
-    llm.generate([prompt], params, extra_ids=[table_2])
-    llm.generate([prompt], params, extra_ids=[table_1])
-    assert [r.num_reused_tokens for r in llm.engine.requests.values()] == [0, 0, 6 * TOKENS_PER_BLOCK]
+    outputs = [llm.generate([prompt], params, extra_ids=[table])[0] for table in (table_1, table_2, table_1)]
+    assert [o.request.num_reused_tokens for o in outputs] == [0, 0, 6 * TOKENS_PER_BLOCK]
 
 
 def test_prompt_longer_than_max_seq_len_fails_alone(plan_dir):

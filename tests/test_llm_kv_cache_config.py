@@ -74,7 +74,7 @@ def test_a_built_plan_with_another_block_size_is_refused_naming_it(tmp_path):
                                                                                  max_seq_len=64))
     with pytest.raises(KvtoolError) as error:
         LLM(model=str(plan_dir), kv_cache_config=KvCacheConfig(tokens_per_block=16))
-    assert f"does not match the plan {plan_dir}, built with tokens_per_block=32" in str(error.value)
+    assert f"does not match the plan {plan_dir}, built with --tokens_per_block 32" in str(error.value)
     assert ".cache" not in str(error.value)
 
 

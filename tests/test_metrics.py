@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvtool.bench.metrics import LatencyStats, percentile, request_metrics, summarize
-from kvtool.bench.datasets import DatasetRecord
+from kvtool.reports.metrics import LatencyStats, percentile, request_metrics, summarize
+from kvtool.workloads.datasets import DatasetRecord
 from kvtool.runtime.request import Request
 
 

@@ -13,12 +13,13 @@ import csv
 import numpy as np
 from reference_kv_cache import MISS_REASONS as REFERENCE_REASONS
 from rich.console import Console
+from step_limit import StepLimit
 from typer.testing import CliRunner
 
 from kvtool._core import CacheConfig, KVCacheManager, MissReasons, Scheduler, SchedulerConfig
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.metrics import CSV_COLUMNS, MISS_COLUMNS
-from kvtool.bench.runner import _MISS_NAMES, summary_table
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.metrics import CSV_COLUMNS, MISS_COLUMNS
+from kvtool.reports.summary_table import _MISS_NAMES, summary_table
 from kvtool.cli import app
 from kvtool.runtime.request import MISS_REASONS
 
@@ -234,7 +235,9 @@ def test_request_stats_keep_the_reasons_of_the_first_admission():
 
     def run(request_id, **kwargs):
         scheduler.add_request(request_id, tokens, 1, **kwargs)
+        limit = StepLimit(10, f"request {request_id} (3 blocks, 1 new token) running alone")
         while scheduler.has_unfinished_requests():
+            limit.step()
             batch = scheduler.schedule()
             sampling = [r.request_id for r in batch.requests if r.samples]
             scheduler.complete_step(sampling, [0] * len(sampling))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
 from kvtool.models.presets import preset_config, preset_names
 
 # meta-llama/Llama-3.1-8B config.json as transformers 4.x writes it (rope_theta + rope_scaling).
@@ -65,7 +65,8 @@ def test_qwen2_always_has_a_qkv_bias_and_no_output_bias():
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"num_key_value_heads": 5}, "multiple of num_kv_heads"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling type 'longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"yarn scaling needs a positive \['original_max_pos"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 scaling needs"),
     ({"eos_token_id": 200000}, "outside the vocabulary"),
     ({"hidden_size": None}, "hidden_size must be a positive integer"),

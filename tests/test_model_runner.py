@@ -19,7 +19,7 @@ def runner(tmp_path_factory):
     build_plan("preset:tiny-llama", out, BuildOptions(tokens_per_block=TOKENS_PER_BLOCK, max_seq_len=64,
                                                        max_batch_size=4, max_num_tokens=64))
     llm = LLM(model=str(out))
-    yield llm.engine.runner
+    yield llm.engine.executor
     llm.shutdown()
 
 

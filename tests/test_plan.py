@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from kvtool.errors import PlanError
 from kvtool.layers.attention import TorchPagedAttention
-from kvtool.models.config import weight_shapes
+from kvtool.models.model_config import weight_shapes
 from kvtool.models.presets import preset_config
 from kvtool.plan import FORMAT_VERSION, BuildOptions, build_plan, load_plan, resolve_model
 from kvtool.plan.format import write_manifest

@@ -19,7 +19,8 @@ def test_build_compiles_kernels_into_the_plan_and_load_verifies_them(tmp_path):
     plan = load_plan(plan_dir)
     artifacts = plan.manifest["kernel_artifacts"]
     assert plan.manifest["kernel_target"] == "sm_90"
-    assert len(artifacts) == 4 and all((plan_dir / a["file"]).is_file() for a in artifacts)
+    # Attention (context, decode at each partition size), KV append, block copy, the fused kernels.
+    assert len(artifacts) == 10 and all((plan_dir / a["file"]).is_file() for a in artifacts)
     # A cubin that changed after the build is refused like edited weights.
     (plan_dir / artifacts[0]["file"]).write_bytes(b"not a cubin")
     with pytest.raises(PlanError, match="rebuild"):

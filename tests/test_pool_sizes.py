@@ -49,16 +49,40 @@ def test_a_max_tokens_no_memory_could_hold_names_the_flag_and_both_sizes():
     assert f"{24 * GiB:,} bytes" in message and "choose at most 393,216 tokens" in message
 
 
+def test_a_block_larger_than_the_cpu_cap_names_the_cap_and_the_flag_that_lifts_it():
+    # 1 GiB blocks: the available memory would hold 18 of them, the 256 MiB cap none.
+    with pytest.raises(KvtoolError) as error:
+        sizes(block_bytes=GiB, tokens_per_block=256, free=20 * GiB)
+    message = str(error.value)
+    assert "one block of 256 tokens takes 1,073,741,824 bytes (1.0 GiB), more than the 256.0 MiB a CPU primary " \
+           "pool is capped at without --max_tokens_in_paged_kv_cache" in message
+    assert "give --max_tokens_in_paged_kv_cache 256 or more (up to 4,608 tokens fit" in message
+    assert "--tokens_per_block" in message and "budget is" not in message
+    lifted = sizes(block_bytes=GiB, tokens_per_block=256, free=20 * GiB, max_tokens=512)
+    assert lifted.num_primary_blocks == 2
+
+
+def test_a_fraction_too_small_for_one_block_names_the_flag_not_the_field():
+    with pytest.raises(KvtoolError) as error:
+        sizes(fraction=1e-6, free=GiB, on_cpu=False)
+    message = str(error.value)
+    assert "one block of 16 tokens takes 1,048,576 bytes (1.0 MiB) but the budget is 1,073 bytes (1.0 KiB): " \
+           "--kv_cache_free_gpu_mem_fraction 1e-06 of the 1,073,741,824 bytes (1.0 GiB) of free device " \
+           "memory" in message
+    assert "free_gpu_memory_fraction=" not in message and "max_tokens=" not in message
+
+
 def test_a_host_cache_smaller_than_one_block_is_an_error():
-    with pytest.raises(KvtoolError, match=r"--kv_host_cache_bytes\) of 1,000 bytes is smaller than one KV block "
-                                          r"\(1,048,576 bytes, 16 tokens\)"):
+    with pytest.raises(KvtoolError, match=r"--kv_host_cache_bytes of 1,000 bytes is smaller than one KV block of 16 "
+                                          r"tokens, 1,048,576 bytes \(1.0 MiB\): give at least"):
         sizes(max_tokens=160, host=1000)
     assert sizes(max_tokens=160, host=0).num_secondary_blocks == 0
 
 
 def test_a_host_cache_beyond_memory_is_a_limit_the_workload_may_never_reach():
     available = 24 * GiB
-    with pytest.raises(KvtoolError, match=f"exceeds the {available - 10 * MiB:,} bytes of host memory available"):
+    with pytest.raises(KvtoolError,
+                       match=rf"exceeds the {available - 10 * MiB:,} bytes \([\d.]+ GiB\) of host memory available"):
         sizes(max_tokens=160, host=45_000_000_000, available=available)  # no workload known: refused
     fits = sizes(max_tokens=160, host=45_000_000_000, available=available, workload=300)
     assert fits.num_secondary_blocks == 45_000_000_000 // MiB
@@ -66,7 +90,8 @@ def test_a_host_cache_beyond_memory_is_a_limit_the_workload_may_never_reach():
     too_much = 30 * GiB // MiB
     with pytest.raises(KvtoolError) as error:
         sizes(max_tokens=160, host=45_000_000_000, available=available, workload=too_much)
-    assert f"can fill {30 * GiB:,} bytes of it, {6 * GiB + 10 * MiB:,} more than available" in str(error.value)
+    assert (f"can fill {30 * GiB:,} bytes (30.0 GiB) of it, {6 * GiB + 10 * MiB:,} bytes (6.0 GiB) more than "
+            "available") in str(error.value)
 
 
 def test_on_a_cpu_the_host_pool_shares_memory_with_the_primary_pool():
@@ -81,7 +106,7 @@ def test_the_llm_reports_the_pools_it_created(monkeypatch):
     llm = LLM(model="preset:tiny-llama", max_seq_len=256,
               kv_cache_config=KvCacheConfig(max_tokens=4096, tokens_per_block=16, host_cache_size=1 << 20))
     created = llm.pool_sizes
-    assert created.num_primary_blocks * 16 == 4096 == llm.engine.runner.pools.num_primary_blocks * 16
+    assert created.num_primary_blocks * 16 == 4096 == llm.engine.executor.pools.num_primary_blocks * 16
     assert created.as_row() == {"kv_primary_blocks": 256, "kv_primary_tokens": 4096, "kv_primary_bytes": 4 << 20,
                                 "kv_host_blocks": 64, "kv_host_tokens": 1024, "kv_host_bytes": 1 << 20}
     assert created.describe("cpu") == ("KV cache: primary 256 blocks x 16 tokens = 4,096 tokens (4.0 MiB, cpu); "

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvtool.models.config import torch_dtype, weight_shapes
+from kvtool.models.model_config import torch_dtype, weight_shapes
 from kvtool.models.presets import preset_config
 from kvtool.plan import BuildOptions, build_plan, load_plan
 

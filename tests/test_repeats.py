@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtool.bench.repeats import Spread, group_by_label, mann_whitney_p, median_row, verdict
+from kvtool.reports.repeats import Spread, group_by_label, mann_whitney_p, median_row, verdict
 
 
 def permutation_p(a, b) -> float:

@@ -12,12 +12,14 @@ import csv
 import pytest
 from bench_fakes import FakeClock, FakeEngine, FakeLLM, FakeTokenizer
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.config import BenchConfig
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.precheck import request_problems
-from kvtool.bench.replay import ReplayOptions, Replayer, bench_requests, poisson_due_times, session_key
+from kvtool.bench.replay import Replayer, poisson_due_times, session_key
 from kvtool.bench.runner import run_bench
+from kvtool.config import ReplayOptions
 from kvtool.errors import DatasetError
+from kvtool.flags import configs
+from kvtool.workloads.requests import dataset_requests
 
 
 def dataset_of(tmp_path, lines, name="d.jsonl"):
@@ -25,8 +27,14 @@ def dataset_of(tmp_path, lines, name="d.jsonl"):
 
 
 def flags(**values):
-    """The configuration `kvtool bench` builds from these flags."""
-    return BenchConfig.from_flags(values)
+    """The configuration `kvtool bench` builds from these flags: (EngineConfig, ReplayOptions)."""
+    return configs(values)
+
+
+def bench(llm, dataset, config, **kwargs):
+    """run_bench of the dataset through the fake LLM, configured as ``config`` (from flags) asks."""
+    llm.config, replay = config
+    return run_bench(llm, dataset, replay, **kwargs)
 
 
 def req(ids, out=2, **extra):
@@ -40,11 +48,11 @@ class Harness:
         self.clock = FakeClock()
         self.engine = FakeEngine(clock=self.clock, advance=self.clock.advance, vocab_size=vocab_size, **engine_kwargs)
         self.tokenizer = FakeTokenizer(vocab_size)
-        self.replayer = Replayer(self.engine, options, clock=self.clock, sleep=self.clock.sleep)
+        self.replayer = Replayer(self.engine, options, clock=self.clock)
         self.finished = []
 
     def run(self, dataset, *, timed=True, requests=None):
-        requests = requests if requests is not None else bench_requests(dataset, tokenizer=self.tokenizer)
+        requests = requests if requests is not None else dataset_requests(dataset, tokenizer=self.tokenizer)
         return self.replayer.run(requests, lambda request, start: self.finished.append(request), timed=timed)
 
 
@@ -144,7 +152,7 @@ def test_session_history_carries_over_from_warmup_to_the_measured_run(tmp_path):
     h = Harness()
     dataset = dataset_of(tmp_path, [{"session_id": "a", "turn": 0, "input_ids": [11, 12], "output_tokens": 2},
                                     {"session_id": "a", "turn": 1, "input_ids": [13], "output_tokens": 1}])
-    requests = bench_requests(dataset, tokenizer=h.tokenizer)
+    requests = dataset_requests(dataset, tokenizer=h.tokenizer)
     h.run(dataset, requests=requests[:1], timed=False)
     h.run(dataset, requests=requests[1:])
     first, second = h.finished
@@ -169,7 +177,7 @@ def test_later_followups_go_before_new_requests_under_a_concurrency_limit(tmp_pa
     assert [index(f) for f in h.finished] == [0, 2, 1]
 
 
-def test_bench_requests_are_greedy_ignore_eos_and_carry_priority_and_salt(tmp_path):
+def test_dataset_requests_are_greedy_ignore_eos_and_carry_priority_and_salt(tmp_path):
     h = Harness()
     h.run(dataset_of(tmp_path, [req([11, 12], out=5, priority=90, cache_salt="alice"), req([13], out=1)]))
     first, second = (f.sampling_params for f in sorted(h.finished, key=index))
@@ -196,7 +204,7 @@ def test_text_prompts_are_tokenized_and_later_turns_get_no_second_bos(tmp_path):
 
 def test_token_ids_outside_the_vocabulary_name_the_line(tmp_path):
     dataset = dataset_of(tmp_path, [req([1, 2]), req([3, 5000])], name="v.jsonl")
-    requests = bench_requests(dataset, tokenizer=FakeTokenizer(1000))
+    requests = dataset_requests(dataset, tokenizer=FakeTokenizer(1000))
     assert request_problems(requests, FakeEngine()) == [
         f"{tmp_path / 'v.jsonl'} line 2: token id 5000 is outside the model's vocabulary [0, 1000)"]
 
@@ -206,8 +214,7 @@ def test_every_request_the_engine_would_refuse_is_listed_before_anything_runs(tm
     dataset = dataset_of(tmp_path, lines, name="long.jsonl")
     llm, clock = fake_llm(max_seq_len=8)
     with pytest.raises(DatasetError) as error:
-        run_bench(llm, dataset, flags(), label="x", requests_csv=tmp_path / "r.csv", clock=clock,
-                  sleep=clock.sleep)
+        bench(llm, dataset, flags(), label="x", requests_csv=tmp_path / "r.csv")
     message = str(error.value)
     assert message.startswith(f"8 of the 10 requests in {tmp_path / 'long.jsonl'} cannot run")
     assert "long.jsonl line 2: 7 prompt tokens + 2 output tokens exceed max_seq_len 8" in message
@@ -220,7 +227,7 @@ def test_a_session_turn_is_checked_with_its_history(tmp_path):
     # Turn 1's prompt: 3 + 2 generated + 3 new = 8 tokens, + 2 to generate = 10 > max_seq_len 9.
     dataset = dataset_of(tmp_path, [req([11] * 3, session_id="s", turn=0), req([12] * 3, session_id="s", turn=1)],
                          name="chat.jsonl")
-    requests = bench_requests(dataset, tokenizer=FakeTokenizer(1000))
+    requests = dataset_requests(dataset, tokenizer=FakeTokenizer(1000))
     problem, = request_problems(requests, FakeEngine(max_seq_len=9))
     assert problem.endswith("chat.jsonl line 2: 8 prompt tokens + 2 output tokens exceed max_seq_len 9")
 
@@ -230,8 +237,7 @@ def test_a_request_refused_during_the_run_is_an_error_row_and_the_run_goes_on(tm
     dataset = dataset_of(tmp_path, [req([11]), req([12] * 3), req([13]), req([12] * 2, session_id="s", turn=0),
                                     req([14], session_id="s", turn=1)], name="d.jsonl")
     llm, clock = fake_llm(refuse_when_added=refuse)
-    result = run_bench(llm, dataset, flags(mode="sequential"), label="x", requests_csv=tmp_path / "r.csv",
-                       clock=clock, sleep=clock.sleep)
+    result = bench(llm, dataset, flags(mode="sequential"), label="x", requests_csv=tmp_path / "r.csv")
     rows = {row["request_id"]: row for row in read_rows(tmp_path / "r.csv")}
     assert set(rows) == {"0", "1", "2", "3", "4"}
     assert "d.jsonl line 2: the engine refused the request (3 prompt tokens): request" in rows["1"]["error"]
@@ -244,8 +250,7 @@ def test_a_request_refused_during_the_run_is_an_error_row_and_the_run_goes_on(tm
 def test_an_error_that_stops_the_engine_keeps_what_finished(tmp_path):
     dataset = dataset_of(tmp_path, [req([11 + i] * 4, out=2) for i in range(6)])
     llm, clock = fake_llm(fail_at_step=5)
-    result = run_bench(llm, dataset, flags(mode="sequential"), label="f", requests_csv=tmp_path / "r.csv",
-                       clock=clock, sleep=clock.sleep)
+    result = bench(llm, dataset, flags(mode="sequential"), label="f", requests_csv=tmp_path / "r.csv")
     assert result.interrupted and "step 5: the engine failed" in str(result.failure)
     assert result.row["run_error"] == "step 5: the engine failed" and result.row["num_requests"] == 2
     assert [row["request_id"] for row in read_rows(tmp_path / "r.csv")] == ["0", "1"]
@@ -266,7 +271,7 @@ def test_schedule_validation():
 
 def fake_llm(**kwargs):
     clock = FakeClock()
-    llm = FakeLLM(clock=clock, advance=clock.advance, **kwargs)
+    llm = FakeLLM(clock=clock, **kwargs)
     return llm, clock
 
 
@@ -279,8 +284,7 @@ def test_warmup_requests_run_first_uncounted_and_stats_reset_after_them(tmp_path
     prefix = list(range(100, 116))
     dataset = dataset_of(tmp_path, [req(prefix + [i], out=2, request_id=f"r{i}") for i in range(5)])
     llm, clock = fake_llm()
-    result = run_bench(llm, dataset, flags(warmup=2), label="w", requests_csv=tmp_path / "r.csv",
-                       clock=clock, sleep=clock.sleep)
+    result = bench(llm, dataset, flags(warmup=2), label="w", requests_csv=tmp_path / "r.csv")
     rows = read_rows(tmp_path / "r.csv")
     assert [row["request_id"] for row in rows] == ["r2", "r3", "r4"]
     assert llm.engine.num_resets == 1
@@ -293,16 +297,16 @@ def test_warmup_requests_run_first_uncounted_and_stats_reset_after_them(tmp_path
 def test_warmup_counts_in_stats_keeps_the_counters(tmp_path):
     dataset = dataset_of(tmp_path, [req([11] * 8) for _ in range(3)])
     llm, clock = fake_llm()
-    run_bench(llm, dataset, flags(warmup=1, warmup_counts_in_stats=True), label="w",
-              requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep)
+    bench(llm, dataset, flags(warmup=1, warmup_counts_in_stats=True), label="w",
+              requests_csv=tmp_path / "r.csv")
     assert llm.engine.num_resets == 0
 
 
 def test_num_requests_limits_the_measured_requests(tmp_path):
     dataset = dataset_of(tmp_path, [req([11 + i] * 4) for i in range(6)])
     llm, clock = fake_llm()
-    result = run_bench(llm, dataset, flags(warmup=1, num_requests=2), label="n",
-                       requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep)
+    result = bench(llm, dataset, flags(warmup=1, num_requests=2), label="n",
+                       requests_csv=tmp_path / "r.csv")
     assert [row["request_id"] for row in read_rows(tmp_path / "r.csv")] == ["1", "2"]
     assert result.row["num_requests_limit"] == 2
 
@@ -310,8 +314,8 @@ def test_num_requests_limits_the_measured_requests(tmp_path):
 def test_summary_row_records_configuration_metrics_stats_device_and_version(tmp_path):
     dataset = dataset_of(tmp_path, [req(range(10, 20)), req(range(30, 40))])
     llm, clock = fake_llm()
-    result = run_bench(llm, dataset, flags(kv_host_cache_bytes="1GiB", scheduler_policy="MAX_UTILIZATION"),
-                       label="cfg", requests_csv=tmp_path / "r.csv", clock=clock, sleep=clock.sleep,
+    result = bench(llm, dataset, flags(kv_host_cache_bytes="1GiB", scheduler_policy="MAX_UTILIZATION"),
+                       label="cfg", requests_csv=tmp_path / "r.csv",
                        config_columns={"model": "preset:fake"})
     row = result.row
     assert row["label"] == "cfg" and row["interrupted"] is False and row["model"] == "preset:fake"
@@ -329,8 +333,7 @@ def test_summary_row_records_configuration_metrics_stats_device_and_version(tmp_
 def test_interrupted_run_keeps_finished_rows_and_summarizes_them(tmp_path):
     dataset = dataset_of(tmp_path, [req([11 + i] * 4, out=2) for i in range(6)])
     llm, clock = fake_llm(interrupt_at_step=5)
-    result = run_bench(llm, dataset, flags(mode="sequential"), label="int", requests_csv=tmp_path / "r.csv",
-                       clock=clock, sleep=clock.sleep)
+    result = bench(llm, dataset, flags(mode="sequential"), label="int", requests_csv=tmp_path / "r.csv")
     # Two steps per request: requests 0 and 1 finished before the Ctrl-C during step 5.
     assert result.interrupted and result.row["interrupted"] is True
     assert [row["request_id"] for row in read_rows(tmp_path / "r.csv")] == ["0", "1"]
@@ -342,5 +345,4 @@ def test_nothing_to_measure_is_a_clear_error(tmp_path):
     dataset = dataset_of(tmp_path, [req([11])])
     llm, clock = fake_llm()
     with pytest.raises(ValueError, match="nothing to measure"):
-        run_bench(llm, dataset, flags(warmup=1), label="x", requests_csv=tmp_path / "r.csv",
-                  clock=clock, sleep=clock.sleep)
+        bench(llm, dataset, flags(warmup=1), label="x", requests_csv=tmp_path / "r.csv")

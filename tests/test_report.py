@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import csv
+import errno
 import os
 
 import pytest
 
-from kvtool.bench.datasets import DatasetRecord
-from kvtool.bench.metrics import CSV_COLUMNS, MISS_COLUMNS, request_metrics
-from kvtool.bench.report import (
+from kvtool.workloads.datasets import DatasetRecord
+from kvtool.reports.metrics import CSV_COLUMNS, MISS_COLUMNS, request_metrics
+from kvtool.reports.csv_report import (
     RequestCsvWriter,
     format_cell,
     output_paths,
     read_csv,
+    read_report,
     request_metrics_from_row,
     write_summary_csv,
 )
 from kvtool.errors import KvtoolError
+from kvtool.files import FileWriteError
 from kvtool.runtime.request import Request
 
 EXPECTED_COLUMNS = ["label", "engine", "request_id", "session_id", "turn", "input_tokens", "output_tokens", "reused_tokens",
@@ -146,3 +149,67 @@ def test_the_miss_reasons_round_trip_and_older_reports_without_them_still_read(t
     old = {column: value for column, value in new.items() if not column.startswith("missed_")}
     back = request_metrics_from_row(old)
     assert back.missed_blocks is None and back.missed_last_token_blocks is None and back.reused_tokens == 0
+
+
+def test_rows_waiting_for_a_flush_never_reach_the_disk_in_part(tmp_path):
+    # Far more than a file buffer (8 KiB) of rows between two flushes: what a crash leaves is whole rows.
+    path = tmp_path / "requests.csv"
+    writer = RequestCsvWriter(path, flush_seconds=3600.0)
+    for i in range(200):
+        writer.write(metrics(f"r{i}"))
+        assert path.read_bytes().endswith(b"\n")
+    assert _ids_on_disk(path) == []
+    writer.flush()
+    assert _ids_on_disk(path) == [f"r{i}" for i in range(200)] and path.read_bytes().endswith(b"\r\n")
+    writer.close()
+
+
+def test_a_write_the_disk_refuses_cuts_the_file_back_to_its_last_complete_row(tmp_path, monkeypatch):
+    path = tmp_path / "requests.csv"
+    writer = RequestCsvWriter(path, flush_seconds=0.0)
+    writer.write(metrics("a"))
+    writer.write(metrics("b"))
+    kept = path.read_bytes()
+    real_write = os.write
+
+    def full_disk(fd, data):  # takes 10 bytes of the row, then the disk is full
+        if full_disk.room:
+            full_disk.room = 0
+            return real_write(fd, bytes(data[:10]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    full_disk.room = 10
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(FileWriteError) as error:
+        writer.write(metrics("c"))
+    assert str(error.value) == (f"cannot write {path} (it ends at its last complete row, 2 rows; 1 more not written): "
+                                "no space left on device: free space on that file system, or give --output a "
+                                "directory on another one")
+    assert path.read_bytes() == kept
+    writer.close()  # nothing more to write: no second error
+    assert _ids_on_disk(path) == ["a", "b"]
+
+
+def test_a_last_row_cut_short_is_left_out_where_allowed_and_named_by_file_and_line(tmp_path):
+    path = tmp_path / "requests.csv"
+    with RequestCsvWriter(path) as writer:
+        for name in "abc":
+            writer.write(metrics(name))
+    path.write_bytes(path.read_bytes()[:-30])  # the last row loses its end, as a killed writer's could
+    report = read_report(path, allow_cut=True)
+    assert [row["request_id"] for row in report.rows] == ["a", "b"] and report.cut_line == 4
+    assert report.cut_note(path) == (f"{path} line 4 is cut short (the run was killed or its disk filled while "
+                                     "writing it): that row is left out")
+    with pytest.raises(KvtoolError, match=rf"report {path} line 4 is cut short or damaged \("):
+        read_csv(path)
+
+
+def test_a_row_with_the_wrong_number_of_cells_is_an_error_naming_the_line(tmp_path):
+    path = tmp_path / "summary.csv"
+    path.write_text("label,ttft_ms_mean\r\na,1\r\nb,2,3\r\nc,4\r\n")
+    for allow_cut in (False, True):
+        with pytest.raises(KvtoolError, match=rf"report {path} line 3 is cut short or damaged \(3 cells where the "
+                                              r"header has 2\)"):
+            read_report(path, allow_cut=allow_cut)
+    path.write_text("label,ttft_ms_mean\na,1")  # complete, but without its line end: cut or not, nobody can tell
+    assert read_report(path, allow_cut=True) == ([], 2)

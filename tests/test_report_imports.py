@@ -14,10 +14,10 @@ SCRIPT = """
 import sys
 sys.modules["kvtool._core"] = None
 sys.modules["torch"] = None
-from kvtool.bench.datasets import load_dataset
-from kvtool.bench.metrics import RequestMetrics, summarize
-from kvtool.bench.report import RequestCsvWriter, write_summary_csv
-from kvtool.bench.compare import load_variants
+from kvtool.workloads.datasets import load_dataset
+from kvtool.reports.metrics import RequestMetrics, summarize
+from kvtool.reports.csv_report import RequestCsvWriter, write_summary_csv
+from kvtool.reports.compare_table import load_variants
 from kvtool.runtime.request import Request
 from kvtool.errors import DatasetError
 print("imported")

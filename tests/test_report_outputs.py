@@ -16,11 +16,11 @@ import yaml
 from test_cli_bench import fake_llms, invoke, read_rows  # noqa: F401 - a fixture
 from test_metrics import record
 
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.metrics import (PERCENTILES, SummaryOptions, parse_percentiles, percentile_name, request_metrics,
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.reports.metrics import (PERCENTILES, SummaryOptions, parse_percentiles, percentile_name, request_metrics,
                                   summarize)
-from kvtool.bench.report import format_cell
-from kvtool.bench.slo import Slo, parse_slo
+from kvtool.reports.csv_report import format_cell
+from kvtool.reports.slo import Slo, parse_slo
 
 
 @pytest.fixture
@@ -272,7 +272,7 @@ def test_simulate_shares_the_reporting_flags(tmp_path, tiny_llama_plan, dataset)
 
 
 def test_a_report_that_cannot_be_written_is_one_error_after_the_csvs(tmp_path, dataset, fake_llms, monkeypatch):  # noqa: F811 - fake_llms is the fixture
-    from kvtool.bench import json_report
+    from kvtool.reports import json_report
 
     def full_disk(path, document):
         raise OSError(28, "No space left on device", str(path))

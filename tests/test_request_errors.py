@@ -3,9 +3,9 @@ only in numbers, most frequent first, a few shown."""
 
 from __future__ import annotations
 
-from kvtool.bench.metrics import CSV_COLUMNS
-from kvtool.bench.report import write_summary_csv
-from kvtool.bench.request_errors import ErrorGroup, FailedRequests, failed_requests, group_errors
+from kvtool.reports.metrics import CSV_COLUMNS
+from kvtool.reports.csv_report import write_summary_csv
+from kvtool.reports.request_errors import ErrorGroup, FailedRequests, failed_requests, group_errors
 
 
 def test_errors_that_differ_only_in_numbers_are_one_group_led_by_the_first():

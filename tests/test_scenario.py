@@ -43,23 +43,23 @@ def test_the_shipped_scenarios_are_all_there_and_valid():
 def test_block_size_sweep_builds_one_plan_per_block_size():
     scenario = load_scenario(CONFIG_DIR / "block_size_sweep.yaml")
     assert [v.build["tokens_per_block"] for v in scenario.variants] == [16, 32, 64, 128]
-    assert all(v.config.kv_cache_config.tokens_per_block is None for v in scenario.variants)  # baked into the plan instead
+    assert all(v.engine.tokens_per_block is None for v in scenario.variants)  # baked into the plan instead
 
 
 def test_offload_scenario_compares_host_cache_on_and_off():
-    variants = {v.label: v.config for v in load_scenario(CONFIG_DIR / "offload_abab.yaml").variants}
-    assert variants["reuse"].kv_cache_config.host_cache_size == 0
-    assert variants["reuse+offload"].kv_cache_config.host_cache_size == 512 << 20
-    assert {c.kv_cache_config.max_tokens for c in variants.values()} == {1152}
-    assert {c.replay.mode for c in variants.values()} == {"sequential"}
+    variants = {v.label: v for v in load_scenario(CONFIG_DIR / "offload_abab.yaml").variants}
+    assert variants["reuse"].engine.kv_cache_config.host_cache_size == 0
+    assert variants["reuse+offload"].engine.kv_cache_config.host_cache_size == 512 << 20
+    assert {v.engine.kv_cache_config.max_tokens for v in variants.values()} == {1152}
+    assert {v.replay.mode for v in variants.values()} == {"sequential"}
 
 
 def test_variants_merge_base_flags_and_overrides(tmp_path):
     scenario = load_scenario(write_yaml(tmp_path, BASE))
     assert scenario.name == "demo"
     on, off = scenario.variants
-    assert (on.label, on.config.kv_cache_config.enable_block_reuse, on.config.replay.mode) == ("on", True, "sequential")
-    assert (off.label, off.config.kv_cache_config.enable_block_reuse) == ("off", False)
+    assert (on.label, on.engine.kv_cache_config.enable_block_reuse, on.replay.mode) == ("on", True, "sequential")
+    assert (off.label, off.engine.kv_cache_config.enable_block_reuse) == ("off", False)
     assert on.dataset.generator == "random" and on.dataset.parameters["num_requests"] == 4
 
 
@@ -83,7 +83,7 @@ def test_unknown_keys_are_named_with_the_file_and_the_allowed_keys(tmp_path, cha
 
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["bench"].update(scheduler_policy="fastest"), "scheduler_policy 'fastest' is unknown"),
-    (lambda d: d.update(build={"tokens_per_block": 24}), "tokens_per_block must be a power of 2"),
+    (lambda d: d.update(build={"tokens_per_block": 24}), "build.tokens_per_block must be a power of 2"),
     (lambda d: d["sweep"].append({"label": "on"}), "label 'on' is used twice"),
     (lambda d: d.update(plan="plans/x"), "either `model:`"),
     (lambda d: d.pop("dataset"), "no `dataset:`"),
@@ -104,10 +104,10 @@ def test_set_overrides_and_command_line_model_win(tmp_path):
     scenario = load_scenario(path, sets=["bench.max_batch_size=4", "sweep.0.label=reuse", "dataset.input_len=16"],
                              model="preset:small-llama")
     assert [v.label for v in scenario.variants] == ["reuse", "off"]
-    assert all(v.config.max_batch_size == 4 and v.model == "preset:small-llama" for v in scenario.variants)
+    assert all(v.engine.max_batch_size == 4 and v.model == "preset:small-llama" for v in scenario.variants)
     assert scenario.variants[0].dataset.parameters["input_len"] == 16
     only_plan = load_scenario(path, plan=tmp_path / "myplan", bench_overrides={"warmup": 1})
-    assert all(v.plan == tmp_path / "myplan" and v.model is None and v.config.replay.warmup == 1
+    assert all(v.plan == tmp_path / "myplan" and v.model is None and v.replay.warmup == 1
                for v in only_plan.variants)
 
 
@@ -125,14 +125,14 @@ def test_tokens_per_block_is_a_flag_checked_against_a_fixed_plan(tmp_path):
     document = {**BASE, "plan": "plans/fixed", "sweep": [{"label": "a", "tokens_per_block": 16}]}
     document.pop("model")
     variant, = load_scenario(write_yaml(tmp_path, document)).variants
-    assert variant.plan == Path("plans/fixed") and variant.config.kv_cache_config.tokens_per_block == 16 and not variant.build
+    assert variant.plan == Path("plans/fixed") and variant.engine.tokens_per_block == 16 and not variant.build
 
 
 def test_runtime_limits_above_the_default_build_are_built_in(tmp_path):
     document = {**BASE, "bench": {"max_batch_size": 32, "max_num_tokens": 256}}
     variant = load_scenario(write_yaml(tmp_path, document)).variants[0]
     assert variant.build == {"max_batch_size": 32}  # 256 tokens per step fit the default plan
-    assert variant.config.max_batch_size == 32
+    assert variant.engine.max_batch_size == 32
 
 
 # -- running a sweep --------------------------------------------------------------------------
@@ -145,9 +145,10 @@ class Recorder:
         self.plans.append(dict(variant.build))
         return f"plans/{variant.label}"
 
-    def create(self, plan_dir, config, dataset=None):
+    def create(self, plan_dir, config, replay, dataset=None):
         interrupt = 3 if len(self.llms) == self.interrupt_in_variant else None
-        llm = FakeLLM(interrupt_at_step=interrupt, enable_block_reuse=config.kv_cache_config.enable_block_reuse)
+        llm = FakeLLM(interrupt_at_step=interrupt, enable_block_reuse=config.kv_cache_config.enable_block_reuse,
+                      config=config)
         self.llms.append((plan_dir, config, llm))
         return llm
 
@@ -206,7 +207,7 @@ def test_the_demo_scenarios_load_with_the_plan_and_dataset_the_demo_gives(tmp_pa
         # 4 runs per variant is the fewest for which compare's Mann-Whitney test can give a verdict.
         assert scenario.repeat >= 4 and len(scenario.variants) == 2, path
         assert all(v.plan == tmp_path / "plan" and v.dataset.path == dataset for v in scenario.variants), path
-        assert all(v.config.replay.warmup == 2 for v in scenario.variants) and scenario.warmup_rounds == 1, path
+        assert all(v.replay.warmup == 2 for v in scenario.variants) and scenario.warmup_rounds == 1, path
 
 
 def test_warmup_rounds_run_every_variant_first_and_leave_no_trace(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtool import _core
 from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, reference_output, run_steps
 
@@ -31,6 +33,26 @@ def test_guaranteed_no_evict_admits_only_what_fits_for_whole_lifetime():
     first_step_of_2 = min(i for i, batch in enumerate(run.batches) if 2 in scheduled_ids(batch))
     assert first_step_of_2 > min(run.finish_steps[0], run.finish_steps[1])
     assert {i: run.outputs[i] for i in prompts} == {i: reference_output(p, 8) for i, p in prompts.items()}
+
+
+@pytest.mark.parametrize("policy", [GNE, MAX_UTILIZATION], ids=["guaranteed_no_evict", "max_utilization"])
+def test_a_queued_request_that_does_not_fit_holds_back_the_ones_behind_it(policy):
+    # 8 blocks of 4 tokens. A runs (2 prompt blocks, 4 over its lifetime); B, next in line, needs 7
+    # prompt blocks (8 over its lifetime): it waits for A. C would fit beside A, but comes after B.
+    scheduler, model = make_scheduler(num_primary_blocks=8, capacity_scheduler_policy=policy, max_batch_size=4)
+    prompts = {0: distinct_prompt(0, 8), 1: distinct_prompt(1, 28), 2: distinct_prompt(2, 4)}
+    add(scheduler, 0, prompts[0], 8)
+    add(scheduler, 1, prompts[1], 1)
+    add(scheduler, 2, prompts[2], 4)
+    run = run_steps(scheduler, model, until=lambda run: len(run.batches) == 1)
+    assert scheduled_ids(run.batches[0]) == {0}
+    assert [scheduler.request_state(i) for i in (1, 2)] == [State.QUEUED, State.QUEUED]
+    run = run_steps(scheduler, model, run)
+    first_step = {i: min(k for k, batch in enumerate(run.batches) if i in scheduled_ids(batch)) for i in prompts}
+    assert first_step[2] >= first_step[1] > 0
+    assert {i: run.outputs[i] for i in prompts} == {0: reference_output(prompts[0], 8),
+                                                    1: reference_output(prompts[1], 1),
+                                                    2: reference_output(prompts[2], 4)}
 
 
 def test_max_utilization_admits_what_fits_now():

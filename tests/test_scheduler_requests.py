@@ -26,7 +26,8 @@ def test_pool_smaller_than_one_request_is_rejected():
     with pytest.raises(ValueError) as error:
         add(scheduler, 3, distinct_prompt(3, 10), 8)
     assert str(error.value) == ("request 3: the primary pool of 4 blocks (16 tokens) cannot hold one request of "
-                                "18 tokens: raise max_tokens / free_gpu_memory_fraction")
+                                "18 tokens: raise --max_tokens_in_paged_kv_cache or "
+                                "--kv_cache_free_gpu_mem_fraction")
     add(scheduler, 4, distinct_prompt(4, 10), 6)  # 16 tokens: fits
 
 
@@ -47,8 +48,8 @@ def test_bad_request_is_rejected_naming_it(prompt, max_new_tokens, kwargs, expec
     ([], 4, {}, "request has an empty prompt: give at least one token"),
     ([1, 2, 3], 0, {}, "request: max_new_tokens must be >= 1, got 0"),
     ([1, 2, 3], 4, {"priority": 101}, "request: priority must be in 0..100, got 101"),
-    ([1] * 100, 30, {}, "request: prompt of 100 tokens + max_new_tokens 30 = 130 tokens exceeds max_seq_len 128: "
-                        "shorten the prompt, lower max_new_tokens or raise max_seq_len"),
+    ([1] * 100, 30, {}, "request: prompt of 100 tokens + 30 output tokens = 130 tokens exceeds --max_seq_len 128: "
+                        "shorten the prompt, generate fewer tokens or raise --max_seq_len"),
     ([1, 2, 3], 4, {}, None),
 ])
 def test_request_problem_says_what_add_request_would_refuse_and_changes_nothing(prompt, max_new_tokens, kwargs,
@@ -90,7 +91,7 @@ def test_bad_scheduler_config_is_rejected_naming_the_field():
     cache_config = _core.CacheConfig(tokens_per_block=16, num_primary_blocks=8)
     with pytest.raises(ValueError, match="max_batch_size"):
         _core.Scheduler(cache_config, _core.SchedulerConfig(max_batch_size=0))
-    with pytest.raises(ValueError, match=r"max_num_tokens \(8\) must be >= tokens_per_block \(16\)"):
+    with pytest.raises(ValueError, match=r"--max_num_tokens \(8\) must be >= --tokens_per_block \(16\)"):
         _core.Scheduler(cache_config, _core.SchedulerConfig(max_num_tokens=8, enable_chunked_context=True))
 
 

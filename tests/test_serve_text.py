@@ -3,7 +3,9 @@ waits for its last byte, and a stop string is never sent, not even its first cha
 
 from __future__ import annotations
 
+from kvtool import SamplingParams
 from kvtool.models.tokenizer import ByteLevelTokenizer
+from kvtool.runtime.request import Request
 from kvtool.serve.detokenize import TextAssembler
 
 TOKENIZER = ByteLevelTokenizer(512, None, [])
@@ -13,11 +15,20 @@ def ids(text: str) -> list[int]:
     return TOKENIZER.encode(text)
 
 
+def assembler(stop=None) -> TextAssembler:
+    return TextAssembler(Request([1], SamplingParams(stop=stop)), TOKENIZER)
+
+
 def stream(text: str, stop=None, finish_at: int | None = None) -> list[str]:
-    """The deltas sent while the output grows one token at a time (finished at ``finish_at`` tokens)."""
-    assembler, tokens = TextAssembler(TOKENIZER, stop), ids(text)
+    """The deltas sent while the output grows one token at a time (finished at ``finish_at`` tokens), each
+    token given to the detokenizer as the engine gives it."""
+    text_assembler, tokens = assembler(stop), ids(text)
     end = len(tokens) if finish_at is None else finish_at
-    return [assembler.delta(tokens[:n], finished=n == end) for n in range(1, end + 1)]
+    pieces = []
+    for n in range(1, end + 1):
+        text_assembler.detokenizer.append(tokens[n - 1])
+        pieces.append(text_assembler.delta(finished=n == end))
+    return pieces
 
 
 def test_pieces_add_up_to_the_text_and_a_split_character_waits_for_its_last_byte():
@@ -32,4 +43,7 @@ def test_a_stop_string_is_held_back_and_cut_from_the_end():
     pieces = stream(text, stop=["STOP"], finish_at=len(ids("one, two. STOP")))
     assert "".join(pieces) == "one, two. "
     assert all("S" not in piece for piece in pieces)
-    assert TextAssembler(TOKENIZER, ["STOP"]).full_text(ids(text)) == "one, two. "
+    whole = assembler(["STOP"])
+    for token_id in ids(text):
+        whole.detokenizer.append(token_id)
+    assert whole.full_text() == "one, two. "

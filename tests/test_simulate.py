@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from test_cli_bench import invoke, read_rows
 
-from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import load_dataset, write_jsonl
+from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.runner import run_bench
+from kvtool.flags import configs
 from kvtool.plan import load_plan
 from kvtool.simulate.cost_model import (TERMS, CostModel, StepShape, fit_coefficients, load_profile,
                                         profile_path, save_profile, step_shape)
-from kvtool.simulate.llm import SimulatedLLM
+from kvtool.simulate.simulated_llm import SimulatedLLM
 from kvtool.simulate.profiles import this_device
 from kvtool.simulate.published import estimate
 
@@ -104,10 +104,9 @@ def test_published_estimate_of_an_8b_model_on_h100_is_memory_bound_and_labelled_
 
 def _simulate(plan_dir, lines, tmp_path, coefficients, **flags):
     dataset = load_dataset(write_jsonl(tmp_path / "data.jsonl", lines))
-    config = BenchConfig.from_flags(flags)
-    llm = SimulatedLLM(load_plan(plan_dir), CostModel(device="cpu: test", coefficients=coefficients),
-                       **config.llm_kwargs())
-    result = run_bench(llm, dataset, config, label="sim", requests_csv=tmp_path / "requests.csv")
+    engine, replay = configs(flags)
+    llm = SimulatedLLM(load_plan(plan_dir), CostModel(device="cpu: test", coefficients=coefficients), engine)
+    result = run_bench(llm, dataset, replay, label="sim", requests_csv=tmp_path / "requests.csv")
     return result, {r.request_id: r for r in result.requests}
 
 
@@ -165,8 +164,9 @@ def test_calibrate_measures_the_plan_and_saves_the_fit_beside_it(calibrated_plan
     assert not model.estimated and model.device == this_device()
     assert model.fit.num_held_out_points >= 2 and model.fit.median_abs_error < 1.0
     assert all(value >= 0 for value in model.coefficients.values()) and model.coefficients["copied_byte"] > 0
-    # On tiny-llama a step is mostly fixed cost: which context term carries the rest varies between runs.
-    assert model.predict(StepShape(1, 256, 0, 256 * 128.5)) > model.predict(StepShape(1, 16, 0, 16 * 8.5)) > 0
+    # On tiny-llama a step is mostly fixed cost: which context term carries the rest varies between runs, and
+    # on a loaded machine the quick grid may drop every context term (a negative fit): never cheaper, though.
+    assert model.predict(StepShape(1, 256, 0, 256 * 128.5)) >= model.predict(StepShape(1, 16, 0, 16 * 8.5)) > 0
     assert "held-out error on" in output and "ms per 1k context tokens" in output
 
 
@@ -280,3 +280,152 @@ def test_a_gpu_cost_model_without_its_free_memory_needs_a_pool_size(tiny_llama_p
                    "--max_tokens_in_paged_kv_cache", 4096, "--output", tmp_path / "out")
     assert sized.exit_code == 0, sized.output
     assert read_rows(tmp_path / "out" / "summary.csv")[0]["kv_primary_tokens"] == "4096"
+
+
+# -- what is simulated: dtype, build options, no weights ------------------------------------------
+
+QWEN3_8B_KV_BYTES_PER_TOKEN = 2 * 36 * 8 * 128  # K and V x layers x KV heads x head_dim, per byte of the dtype
+
+
+def flat(output: str) -> str:
+    return " ".join(output.split())
+
+
+def test_a_gpu_profile_simulates_bfloat16_unless_dtype_says_otherwise(shared_prefix_dataset, tmp_path):
+    plans = tmp_path / "plans"
+    rows = {}
+    for name, extra in (("implied", []), ("float32", ["--dtype", "float32"])):
+        result = invoke("simulate", "--model", "preset:qwen3-8b", "--profile", "h100", "--dataset",
+                        shared_prefix_dataset, "--plan_cache_dir", plans, "--output", tmp_path / name, *extra)
+        assert result.exit_code == 0, result.output
+        rows[name] = read_rows(tmp_path / name / "summary.csv")[0]
+        assert "kvtool simulate summary: simulated, cost profile cuda-nvidia-h100-sxm5-80gb (estimated)" in \
+            flat(result.output)
+    implied, float32 = rows["implied"], rows["float32"]
+    assert (implied["plan_dtype"], implied["plan_kv_cache_dtype"]) == ("bfloat16", "bfloat16")
+    assert (float32["plan_dtype"], float32["plan_kv_cache_dtype"]) == ("float32", "float32")
+    for row, dtype_bytes in ((implied, 2), (float32, 4)):
+        assert int(row["kv_primary_bytes"]) == int(row["kv_primary_tokens"]) * QWEN3_8B_KV_BYTES_PER_TOKEN * dtype_bytes
+    # Half the bytes per token, and more memory left by 16 GB of weights instead of 33: over twice the tokens.
+    assert int(implied["kv_primary_tokens"]) > 2 * int(float32["kv_primary_tokens"])
+    assert float(implied["ttft_ms_p50"]) < float(float32["ttft_ms_p50"])
+    assert not plans.exists() or not any(plans.iterdir())
+
+
+@pytest.mark.parametrize("device, dtype", [("cuda: Some GPU", "bfloat16"), ("cpu: Some CPU", "float32")])
+def test_a_calibrated_profile_implies_the_dtype_of_its_device(shared_prefix_dataset, tmp_path, device, dtype):
+    profile = tmp_path / "profile.json"
+    profile.write_text(CostModel(device=device, coefficients={"step": 1e-3},
+                                 details={"free_memory_bytes": 1 << 30}).to_json())
+    result = invoke("simulate", "--model", "preset:tiny-llama", "--profile", profile, "--dataset",
+                    shared_prefix_dataset, "--plan_cache_dir", tmp_path / "plans", "--output", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert read_rows(tmp_path / "out" / "summary.csv")[0]["plan_dtype"] == dtype
+    assert f"{dtype} weights, {dtype} KV cache" in flat(result.output)
+    assert "(calibrated)" in flat(result.output)
+
+
+def test_build_options_of_a_model_are_simulated_without_writing_weights(shared_prefix_dataset, tmp_path):
+    plans = tmp_path / "plans"
+    result = invoke("simulate", "--model", "preset:qwen3-8b", "--profile", "h200", "--dataset", shared_prefix_dataset,
+                    "--plan_cache_dir", plans, "--output", tmp_path / "out", "--dtype", "float16",
+                    "--max_seq_len", 8192, "--max_batch_size", 64, "--max_num_tokens", 16384, "--tokens_per_block", 64)
+    assert result.exit_code == 0, result.output
+    row = read_rows(tmp_path / "out" / "summary.csv")[0]
+    assert {k: row[f"plan_{k}"] for k in ("dtype", "max_seq_len", "max_batch_size", "max_num_tokens",
+                                          "tokens_per_block")} == {
+        "dtype": "float16", "max_seq_len": "8192", "max_batch_size": "64", "max_num_tokens": "16384",
+        "tokens_per_block": "64"}
+    assert "preset:qwen3-8b from its shapes (no weights written or read)" in flat(result.output)
+    assert not plans.exists() or not any(plans.iterdir())
+
+
+def _scramble_weights(plan_dir):
+    """Overwrites the tensor data (not the header) and forgets the verified checksum: any read or hash of
+    the weights would now fail, and a use of them would give garbage."""
+    from kvtool.plan.format import WEIGHTS_FILE
+
+    weights = plan_dir / WEIGHTS_FILE
+    data = bytearray(weights.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    data[header_end:] = bytes(len(data) - header_end)
+    weights.write_bytes(bytes(data))
+    for record in plan_dir.glob("weights.verified*"):
+        record.unlink()
+    return weights
+
+
+def test_a_built_plan_is_simulated_without_reading_its_weights(shared_prefix_dataset, tmp_path):
+    from kvtool.errors import PlanError
+    from kvtool.plan import BuildOptions, build_plan
+
+    plan_dir = build_plan("preset:tiny-llama", tmp_path / "plan", BuildOptions(tokens_per_block=16, max_seq_len=512))
+    weights = _scramble_weights(plan_dir)
+    with pytest.raises(PlanError, match="does not match its recorded checksum"):
+        load_plan(plan_dir)  # what a real run would say
+    result = invoke("simulate", "--plan", plan_dir, "--profile", "h100", "--dataset", shared_prefix_dataset,
+                    "--output", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert f"the plan {plan_dir} (its weights are not read): float32 weights" in flat(result.output)
+    refused = invoke("simulate", "--plan", plan_dir, "--profile", "h100", "--dtype", "bfloat16", "--dataset",
+                     shared_prefix_dataset)
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert f"--dtype bfloat16: the plan {plan_dir} was built with --dtype float32" in flat(refused.output)
+    assert not list(plan_dir.glob("weights.verified*")) and weights.read_bytes().endswith(bytes(64))
+
+
+def test_a_model_built_in_the_cache_is_simulated_as_built_and_other_options_from_shapes(shared_prefix_dataset,
+                                                                                       tmp_path):
+    from kvtool.plan import BuildOptions, resolve_model
+
+    plans = tmp_path / "plans"
+    # What `bench --model preset:tiny-llama` builds on a GPU (and `calibrate --model` there): the h100's dtype.
+    cached = resolve_model("preset:tiny-llama", options=BuildOptions(dtype="bfloat16"), cache_dir=plans).path
+    weights = _scramble_weights(cached)
+    same = invoke("simulate", "--model", "preset:tiny-llama", "--profile", "h100", "--dataset", shared_prefix_dataset,
+                  "--plan_cache_dir", plans, "--output", tmp_path / "same")
+    assert same.exit_code == 0, same.output
+    assert f"the plan {cached} (its weights are not read)" in flat(same.output)
+    other = invoke("simulate", "--model", "preset:tiny-llama", "--profile", "h100", "--dataset", shared_prefix_dataset,
+                   "--plan_cache_dir", plans, "--output", tmp_path / "other", "--tokens_per_block", 64)
+    assert other.exit_code == 0, other.output
+    assert "preset:tiny-llama from its shapes" in flat(other.output)
+    assert [p.name for p in plans.iterdir()] == [cached.name]  # nothing built, nothing rebuilt
+    assert weights.read_bytes().endswith(bytes(64))
+
+
+def test_a_checkpoint_is_simulated_from_its_config_alone(hf_checkpoint, shared_prefix_dataset, tmp_path):
+    checkpoint = tmp_path / "qwen3"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_bytes((hf_checkpoint("qwen3_qk_norm").path / "config.json").read_bytes())
+    plans = tmp_path / "plans"
+    result = invoke("simulate", "--model", checkpoint, "--profile", "a100", "--dataset", shared_prefix_dataset,
+                    "--plan_cache_dir", plans, "--output", tmp_path / "out", "--tokens_per_block", 16)
+    assert result.exit_code == 0, result.output
+    row = read_rows(tmp_path / "out" / "summary.csv")[0]
+    assert (row["plan_path"], row["model_family"], row["model_hidden_size"], row["plan_dtype"]) == \
+        (str(checkpoint), "qwen3", "64", "bfloat16")
+    assert int(row["reused_blocks"]) == 5 * 4
+    assert not plans.exists() or not any(plans.iterdir())
+
+
+def test_a_gguf_file_not_built_is_refused_with_the_build_command(shared_prefix_dataset, tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    result = invoke("simulate", "--model", gguf, "--profile", "h100", "--dataset", shared_prefix_dataset,
+                    "--plan_cache_dir", tmp_path / "plans")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"kvtool build --model {gguf} --dtype bfloat16 --tokens_per_block 32 --output PLAN" in flat(result.output)
+
+
+def test_a_sweep_of_a_model_simulates_every_variant_in_the_profiles_dtype(shared_prefix_dataset, tmp_path):
+    plans = tmp_path / "plans"
+    for extra, dtype in (([], "bfloat16"), (["--dtype", "float32"], "float32")):
+        out = tmp_path / dtype
+        result = invoke("simulate", "--model", "preset:qwen3-8b", "--profile", "h100", "--dataset",
+                        shared_prefix_dataset, "--sweep", "enable_kv_cache_reuse=false,true", "--plan_cache_dir", plans,
+                        "--output", out, *extra)
+        assert result.exit_code == 0, result.output
+        assert [row["plan_dtype"] for row in read_rows(out / "summary.csv")] == [dtype, dtype]
+        assert "kvtool simulate summary: simulated" in flat(result.output)
+    assert not plans.exists() or not any(plans.iterdir())

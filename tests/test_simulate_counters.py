@@ -22,6 +22,20 @@ COUNTERS = ("reused_blocks", "missed_blocks", "cache_hit_rate", "early_reused_bl
             "offloaded_bytes", "onboarded_bytes", "primary_blocks", "primary_free_blocks", "primary_cached_blocks",
             "secondary_blocks", "secondary_free_blocks", "secondary_cached_blocks", "num_requests", "num_errors")
 REQUEST_FIELDS = ("input_tokens", "output_tokens", "reused_tokens", "onboarded_blocks", "error")
+# Each scenario at about a quarter of its size (prompts and pools scaled together, so the same evictions,
+# offloads and chunking happen): the real runs are what this test spends its time on.
+SMALLER = {
+    "block_size_sweep": ["dataset.prefix_len=250", "dataset.suffix_len=25", "dataset.num_requests=12",
+                         "dataset.output_len=4"],
+    "host_cache_sweep": ["dataset.prefix_len=128", "dataset.num_requests=24", "dataset.output_len=4",
+                         "bench.max_tokens_in_paged_kv_cache=384"],
+    "multi_turn": ["dataset.num_sessions=4", "dataset.system_prompt_len=64", "dataset.user_turn_len=32",
+                   "dataset.answer_len=8"],
+    "offload_abab": ["dataset.prompt_len=256", "bench.max_tokens_in_paged_kv_cache=320"],
+    "scheduler_policies": ["dataset.num_requests=12", "dataset.output_len=8"],
+    "system_prompt": ["dataset.num_groups=2", "dataset.prompts_per_group=4", "dataset.system_prompt_len=256",
+                      "dataset.question_len=32", "dataset.output_len=4"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +48,13 @@ def profile(tmp_path_factory):
 
 @pytest.mark.parametrize("scenario_file", SCENARIOS, ids=[p.stem for p in SCENARIOS])
 def test_simulated_counters_equal_the_real_run(scenario_file, profile, tmp_path):
-    scenario = load_scenario(scenario_file, model="preset:tiny-llama")
+    scenario = load_scenario(scenario_file, model="preset:tiny-llama", sets=SMALLER.get(scenario_file.stem, ()))
     quiet = Console(quiet=True)
     real = run_scenario(scenario, tmp_path / "real", console=quiet, llm_factory=create_llm,
                         plan_resolver=resolve_variant_plan)
     simulated = run_scenario(scenario, tmp_path / "simulated", console=quiet,
-                             llm_factory=lambda model, config, dataset: create_simulated_llm(
-                                 model, config, dataset, profile=profile),
+                             llm_factory=lambda model, engine, replay, dataset: create_simulated_llm(
+                                 model, engine, replay, dataset, profile=profile),
                              plan_resolver=resolve_variant_plan)
     assert real.failure is None and simulated.failure is None
     assert [r["label"] for r in real.rows] == [r["label"] for r in simulated.rows]

@@ -10,9 +10,9 @@ import pytest
 from gguf_files import CHATML_TEMPLATE, MERGES, SPECIAL_TOKENS, tokenizer_vocabulary
 from typer.testing import CliRunner
 
-from kvtool.bench.datasets import load_dataset
-from kvtool.bench.generators import GeneratorOptions
-from kvtool.bench.text_workloads import TextSource, text_abab, text_multi_turn, text_system_prompt
+from kvtool.workloads.datasets import load_dataset
+from kvtool.workloads.generators import GeneratorOptions
+from kvtool.workloads.text import TextSource, text_abab, text_multi_turn, text_system_prompt
 from kvtool.cli import app
 from kvtool.errors import KvtoolError
 from kvtool.models.tokenizer import ByteLevelTokenizer, HuggingFaceTokenizer

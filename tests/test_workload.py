@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from bench_fakes import FakeTokenizer
 
-from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.replay import bench_requests
-from kvtool.bench.workload import max_num_blocks
+from kvtool.workloads.datasets import load_dataset, write_jsonl
+from kvtool.workloads.requests import dataset_requests
+from kvtool.workloads.blocks import max_num_blocks
 
 
 def requests_of(tmp_path, lines):
-    return bench_requests(load_dataset(write_jsonl(tmp_path / "d.jsonl", lines)), tokenizer=FakeTokenizer(1000))
+    return dataset_requests(load_dataset(write_jsonl(tmp_path / "d.jsonl", lines)), tokenizer=FakeTokenizer(1000))
 
 
 def test_shared_prompt_blocks_count_once_and_generated_blocks_per_request(tmp_path):

@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtool.bench.datasets import load_dataset
-from kvtool.bench.metrics import RequestMetrics, summarize
-from kvtool.bench.report import RequestCsvWriter, write_summary_csv
+from kvtool.workloads.datasets import load_dataset
+from kvtool.reports.metrics import RequestMetrics, summarize
+from kvtool.reports.csv_report import RequestCsvWriter, write_summary_csv
 from kvtool.errors import DatasetError
 
 MS_PER_S = 1000.0

@@ -25,7 +25,7 @@ import torch
 
 from kvtool.cpu_kernels import CpuKernels
 from kvtool.layers.cpu_linear import can_pack_dtype
-from kvtool.models.config import ModelConfig, weight_shapes
+from kvtool.models.model_config import ModelConfig, weight_shapes
 from kvtool.plan import load_plan
 
 GIB = 1 << 30

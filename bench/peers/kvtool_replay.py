@@ -16,10 +16,10 @@ from common import replay_arguments, write_outputs
 from machine import read_cpu_info
 
 from kvtool import LLM
-from kvtool.bench.config import BenchConfig
-from kvtool.bench.datasets import load_dataset
-from kvtool.bench.report import write_summary_csv
 from kvtool.bench.runner import run_bench
+from kvtool.flags import configs
+from kvtool.reports.csv_report import write_summary_csv
+from kvtool.workloads.datasets import load_dataset
 
 
 def main() -> None:
@@ -34,15 +34,15 @@ def main() -> None:
         flags["mode"] = "sequential"
     elif args.concurrency > 1:
         flags["concurrency"] = args.concurrency
-    config = BenchConfig.from_flags(flags)
-    config = dataclasses.replace(config, kv_cache_config=dataclasses.replace(
-        config.kv_cache_config, enable_partial_reuse=args.partial_reuse == "on"))
+    engine, replay = configs(flags)
+    engine = dataclasses.replace(engine, kv_cache_config=dataclasses.replace(
+        engine.kv_cache_config, enable_partial_reuse=args.partial_reuse == "on"))
     args.output.mkdir(parents=True, exist_ok=True)
-    with LLM(model=args.model, **config.llm_kwargs()) as llm:
+    with LLM(model=args.model, config=engine) as llm:
         columns = {"model": args.model, "enable_partial_reuse": args.partial_reuse == "on",
-                   "cpu_kernels_isa": llm.engine.runner.cpu_kernels_isa,
+                   "cpu_kernels_isa": llm.engine.executor.cpu_kernels_isa,
                    "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), **read_cpu_info().as_row()}
-        result = run_bench(llm, load_dataset(args.dataset), config, label=args.label,
+        result = run_bench(llm, load_dataset(args.dataset), replay, label=args.label,
                            requests_csv=args.output / "requests.csv", config_columns=columns)
     write_summary_csv(args.output / "summary.csv", [result.row])
     write_outputs(args.output / "outputs.jsonl", result.requests)

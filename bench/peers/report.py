@@ -20,8 +20,8 @@ from pathlib import Path
 from common import load_requests, read_outputs
 from load import OTHER_CPU_LIMIT_PCT, is_loaded, other_cpu_pct
 
-from kvtool.bench.metrics import summarize
-from kvtool.bench.report import RequestCsvWriter, read_csv, request_metrics_from_row, write_summary_csv
+from kvtool.reports.metrics import summarize
+from kvtool.reports.csv_report import RequestCsvWriter, read_csv, request_metrics_from_row, write_summary_csv
 
 FIGURES = ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "output_tokens_per_s",
            "requests_per_s")

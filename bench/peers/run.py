@@ -46,9 +46,9 @@ DTYPES = ("float32", "bfloat16")
 
 def prepare(work: Path, args) -> tuple[dict[str, Path], Path, dict[str, Path]]:
     """(plans by dtype, checkpoint, datasets: 'fixed' and 'poisson') under ``work``, each made once."""
-    from kvtool.bench.generators import GeneratorOptions
+    from kvtool.workloads.generators import GeneratorOptions
     from kvtool.bench.replay import poisson_due_times
-    from kvtool.bench.text_workloads import TextSource, text_system_prompt
+    from kvtool.workloads.text import TextSource, text_system_prompt
     from kvtool.models.gguf import dequantize_gguf, resolve_gguf
     from kvtool.plan import BuildOptions, build_plan, load_plan
 

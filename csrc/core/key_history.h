@@ -26,8 +26,10 @@ class KeyHistory {
  public:
   static constexpr uint8_t kDroppedFromPrimary = 1;  // last dropped from the primary pool
   static constexpr uint8_t kDroppedFromHost = 2;     // last dropped from the secondary (host) pool
-  static constexpr uint8_t kDropped = kDroppedFromPrimary | kDroppedFromHost;
   static constexpr uint8_t kStoredPlain = 4;         // the plain key of a node stored with another identity
+  static constexpr uint8_t kDroppedFromTier3 = 8;    // last dropped from the third tier (or gone from the store)
+  static constexpr uint8_t kFetchFailed = 16;        // last dropped because staging it from the third tier failed
+  static constexpr uint8_t kDropped = kDroppedFromPrimary | kDroppedFromHost | kDroppedFromTier3 | kFetchFailed;
 
   // capacity 0 remembers nothing (block reuse off: no node is ever stored).
   explicit KeyHistory(size_t capacity) : capacity_(capacity) {
@@ -68,9 +70,9 @@ class KeyHistory {
   }
 
  private:
-  // A slot, and a queued update, is (key << 3) | flags; a slot is 0 when empty. A key loses its
-  // top 3 bits, so two full 64-bit keys share a slot with a chance of 2^-61.
-  static constexpr int kFlagBits = 3;
+  // A slot, and a queued update, is (key << 5) | flags; a slot is 0 when empty. A key loses its
+  // top 5 bits, so two full 64-bit keys share a slot with a chance of 2^-59.
+  static constexpr int kFlagBits = 5;
   static constexpr uint64_t kFlagMask = (1u << kFlagBits) - 1;
   static constexpr size_t kMaxPending = 64;  // 16 or 256 were slower
 

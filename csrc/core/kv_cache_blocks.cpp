@@ -11,19 +11,24 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
     : config(c),
       tpb(c.tokens_per_block),
       key_hash_bits(bits),
-      key_index((c.validate(), static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks)),
-      partial_index(c.enable_partial_reuse ? static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks
-                                           : 0),
-      // A key is remembered for at least 2 x (primary + secondary blocks) later drops: a block
-      // evicted while up to twice the whole cache was computed after it still counts as evicted.
-      key_history(c.enable_block_reuse ? 2 * (static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks)
-                                       : 0) {
+      key_index((c.validate(), static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks + c.num_tier3_blocks)),
+      partial_index(c.enable_partial_reuse
+                        ? static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks + c.num_tier3_blocks
+                        : 0),
+      // A key is remembered for at least 2 x (blocks of every tier) later drops: a block evicted
+      // while up to twice the whole cache was computed after it still counts as evicted.
+      key_history(c.enable_block_reuse
+                      ? 2 * (static_cast<size_t>(c.num_primary_blocks) + c.num_secondary_blocks + c.num_tier3_blocks)
+                      : 0) {
   if (bits < 0 || bits > 64) {
     throw std::invalid_argument("key_hash_bits=" + std::to_string(bits) + " is outside 0..64: use 64");
   }
-  const size_t max_nodes = config.enable_block_reuse
-                               ? static_cast<size_t>(config.num_primary_blocks) + config.num_secondary_blocks
-                               : 0;
+  has_t3 = config.has_tier3() && config.enable_block_reuse;
+  t3 = config.tier3_pool;
+  const size_t max_nodes =
+      config.enable_block_reuse
+          ? static_cast<size_t>(config.num_primary_blocks) + config.num_secondary_blocks + config.num_tier3_blocks
+          : 0;
   nodes.assign(max_nodes + 1, Node{});
   root = static_cast<NodeId>(max_nodes);
   nodes[root].live = true;
@@ -38,6 +43,16 @@ KVCacheManager::Impl::Impl(CacheConfig c, int32_t bits)
   secondary_free.reserve(config.num_secondary_blocks);
   secondary_onboarded.reserve(config.num_secondary_blocks);
   for (BlockId b = config.num_secondary_blocks; b-- > 0;) secondary_free.push_back(b);
+  if (has_t3) {
+    tier3_node.assign(config.num_tier3_blocks, kNoNode);
+    tier3_free.reserve(config.num_tier3_blocks);
+    tier3_fetched.reserve(config.num_tier3_blocks);
+    for (BlockId b = config.num_tier3_blocks; b-- > 0;) tier3_free.push_back(b);
+    root_key = root_digest(config.plan_digest);
+    node_digests.assign(nodes.size(), BlockDigest{});
+    node_tier3.assign(nodes.size(), NodeTier3{});
+  }
+  node_clock.assign(nodes.size(), NodeClock{});
 }
 
 NodeId KVCacheManager::Impl::find_child(NodeId parent, uint64_t hash, const TokenId* token_ids,
@@ -79,14 +94,17 @@ void KVCacheManager::Impl::add_child(NodeId parent, NodeId n) {
   x.prev_sibling = kNoNode;
   ++p.num_children;
   if (x.pool == PoolKind::kPrimary) ++p.num_primary_children;
+  if (in_tier3(n)) ++node_tier3[parent].num_tier3_children;
   x.next_sibling = p.first_child;
   if (p.first_child != kNoNode) nodes[p.first_child].prev_sibling = n;
   p.first_child = n;
 }
 
-NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
-                                        const ExtraId* extra_ids, const Sequence& seq, SequenceId seq_id,
-                                        BlockId block) {
+// A new node for block `block` of `pool` below parent: keyed, indexed, in the tree. The callers
+// set what depends on how it came (computed by a sequence, or found in the remote store).
+inline NodeId KVCacheManager::Impl::insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
+                                         const ExtraId* extra_ids, uint64_t lora_task_id, uint64_t cache_salt,
+                                         uint64_t identity, PoolKind pool, BlockId block, int32_t priority) {
   const NodeId n = free_node_ids.back();
   free_node_ids.pop_back();
   Node& x = nodes[n];
@@ -94,43 +112,83 @@ NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const Toke
   fresh.hash = hash;
   fresh.block_id = block;
   fresh.generation = x.generation;  // the slot keeps counting
-  fresh.priority = static_cast<uint8_t>(seq.priority);
+  fresh.priority = static_cast<uint8_t>(priority);
+  fresh.pool = pool;
   fresh.live = true;
   fresh.has_extras = any_extra(extra_ids, tpb);
-  fresh.owner_running = true;
-  fresh.lora_task_id = seq.lora_task_id;
-  fresh.cache_salt = seq.cache_salt;
-  fresh.owner = seq_id;
+  fresh.lora_task_id = lora_task_id;
+  fresh.cache_salt = cache_salt;
   x = fresh;
   std::memcpy(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, sizeof(TokenId) * tpb);
   if (x.has_extras) {
     if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
     std::memcpy(&node_extra_ids[static_cast<size_t>(n) * tpb], extra_ids, sizeof(ExtraId) * tpb);
   }
-  primary_node[block] = n;
+  (pool == PoolKind::kPrimary ? primary_node : secondary_node)[block] = n;
   add_child(parent, n);
   key_index.insert(hash, n);
   if (config.enable_partial_reuse) {
-    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], seq.identity);
+    x.partial_key = partial_key(parent == root ? 0 : nodes[parent].hash, token_ids[0], identity);
     const int32_t num_siblings = nodes[parent].num_children - 1;
     if (parent == root || num_siblings > 0) index_partial(n);
     if (parent != root && num_siblings == 1 && !nodes[x.next_sibling].in_partial_index) {
       index_partial(x.next_sibling);  // no longer an only child
     }
   }
+  return n;
+}
+
+NodeId KVCacheManager::Impl::store_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
+                                        const ExtraId* extra_ids, const Sequence& seq, SequenceId seq_id,
+                                        BlockId block, const BlockRetention& retention) {
+  const NodeId n = insert_node(parent, hash, token_ids, extra_ids, seq.lora_task_id, seq.cache_salt, seq.identity,
+                               PoolKind::kPrimary, block, retention.priority);
+  Node& x = nodes[n];
+  set_retention(n, retention);
+  x.owner_running = true;
+  x.owner = seq_id;
+  ++stats.tiers[static_cast<int>(PoolKind::kPrimary)].stored_blocks;
+  if (has_t3) node_digests[n] = block_digest(digest_of(parent), token_ids, extra_ids, tpb, seq.lora_task_id, seq.cache_salt);
   on_child_held(parent);  // its block is referenced: held from the start
   emit_event(KvCacheEventKind::kStored, n, true);
   return n;
 }
 
+// A node for a block another engine stored in the remote store: it arrives in host block `block`
+// (its fetch emitted by the caller), keyed like a block this manager computed.
+NodeId KVCacheManager::Impl::store_discovered_node(NodeId parent, uint64_t hash, const TokenId* token_ids,
+                                                   const ExtraId* extra_ids, const SequenceSpec& spec,
+                                                   const BlockDigest& digest, BlockId block, int32_t priority) {
+  const NodeId n = insert_node(parent, hash, token_ids, extra_ids, spec.lora_task_id, spec.cache_salt,
+                               key_identity(spec.lora_task_id, spec.cache_salt), PoolKind::kSecondary, block, priority);
+  node_digests[n] = digest;
+  set_retention(n, BlockRetention{priority, -1, false});
+  lru_push(n);
+  emit_event(KvCacheEventKind::kStored, n, true);
+  return n;
+}
+
+void KVCacheManager::Impl::release_lower_block(NodeId n) {
+  Node& x = nodes[n];
+  if (x.pool == PoolKind::kSecondary) {
+    secondary_node[x.block_id] = kNoNode;
+    secondary_onboarded.push_back(x.block_id);  // an onboard of this step may still read it
+  } else if (in_tier3(n)) {
+    tier3_node[x.block_id] = kNoNode;
+    tier3_free.push_back(x.block_id);  // adopted without a copy: nothing reads the slot
+    --node_tier3[x.parent].num_tier3_children;
+  }
+  if (has_t3) node_tier3[n].from_tier3 = false;
+}
+
 void KVCacheManager::Impl::move_to_primary(NodeId n, BlockId block) {
   Node& x = nodes[n];
   lru_remove(n);
-  secondary_node[x.block_id] = kNoNode;
-  secondary_onboarded.push_back(x.block_id);  // an onboard of this step may still read it
+  release_lower_block(n);
   x.pool = PoolKind::kPrimary;
   x.block_id = block;
   x.pinned = false;
+  stop_retention_clock(n);  // referenced: its retention clock stops
   primary_node[block] = n;
   ++nodes[x.parent].num_primary_children;
   on_child_held(x.parent);  // the caller referenced its block: held from the start
@@ -142,6 +200,7 @@ void KVCacheManager::Impl::ref_block(BlockId b) {
     const NodeId n = primary_node[b];
     if (n != kNoNode) {
       lru_remove(n);
+      stop_retention_clock(n);  // referenced: its retention clock stops
       on_referenced(n);
     }
   }
@@ -156,6 +215,7 @@ void KVCacheManager::Impl::unref_block(BlockId b, SequenceId seq_id) {
       primary_free.push_back(b);
     } else {
       lru_push(n);
+      if (uses_durations) start_retention_clock(n);
       on_unreferenced(n);
     }
   }

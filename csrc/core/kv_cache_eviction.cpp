@@ -1,5 +1,5 @@
 // Eviction and host offload of KVCacheManager: taking new primary blocks, choosing LRU victims,
-// offloading them to the secondary pool or dropping them.
+// offloading them to the secondary pool (and from there spilling to the third tier) or dropping them.
 #include <stdexcept>
 
 #include "kv_cache_manager_impl.h"
@@ -31,9 +31,47 @@ BlockId KVCacheManager::Impl::acquire_secondary() {
   if (num_free_secondary() == 0) {
     const NodeId victim = find_victim(PoolKind::kSecondary);
     if (victim == kNoNode) return kNoBlock;
-    drop_tree(victim);  // a leaf: its block goes back to secondary_free
+    // Spilled down when its priority allows and a third-tier slot can be had, else dropped with
+    // its third-tier descendants. Either way its block goes back to secondary_free.
+    if (!(has_t3 && nodes[victim].priority >= config.secondary_offload_min_priority && spill(victim))) {
+      drop_tree(victim);
+    }
   }
   return pop_free_secondary();
+}
+
+// As for host blocks, a slot a fetch of this step still reads is handed out last.
+BlockId KVCacheManager::Impl::acquire_tier3() {
+  if (tier3_free.empty() && tier3_fetched.empty()) {
+    const NodeId victim = find_victim(t3);
+    if (victim == kNoNode) return kNoBlock;
+    drop_node(victim);  // a leaf: its slot goes back to tier3_free
+  }
+  std::vector<BlockId>& from = tier3_free.empty() ? tier3_fetched : tier3_free;
+  const BlockId b = from.back();
+  from.pop_back();
+  return b;
+}
+
+// Moves the host node victim (no children outside the third tier) into a third-tier slot; its
+// host block is freed for the caller, whose copy into it runs after the spill has read it.
+bool KVCacheManager::Impl::spill(NodeId victim) {
+  const BlockId dst = acquire_tier3();  // may drop a third-tier leaf (one of victim's children too)
+  if (dst == kNoBlock) return false;
+  Node& x = nodes[victim];
+  const BlockId host = x.block_id;
+  emit_tier3_copy(PoolKind::kSecondary, host, t3, dst, node_digests[victim]);
+  lru_remove(victim);
+  secondary_node[host] = kNoNode;
+  secondary_free.push_back(host);
+  x.pool = t3;
+  x.block_id = dst;
+  node_tier3[victim].from_tier3 = false;
+  tier3_node[dst] = victim;
+  ++node_tier3[x.parent].num_tier3_children;
+  lru_push(victim);
+  ++stats.tier3_traffic.spilled_blocks;
+  return true;
 }
 
 BlockId KVCacheManager::Impl::pop_free_secondary() {
@@ -51,15 +89,19 @@ int KVCacheManager::Impl::lowest_priority(const LruLists& l) {
   return -1;
 }
 
-// Lowest priority first, least recently used within a priority, leaves only: a primary node
-// with primary children (or any node with children in the secondary pool) is skipped, so a
+// Lowest priority first, least recently used within a priority, leaves of their tier only: a
+// node with children in its own tier or a faster one is skipped (a primary node with primary
+// children, a host node with children outside the third tier, a third-tier node with any), so a
 // chain is never broken in the middle.
 NodeId KVCacheManager::Impl::find_victim(PoolKind pool) const {
   const LruLists& l = lru[static_cast<int>(pool)];
   for (int p = 0; p < kNumPriorities; ++p) {
     for (NodeId n = l.head[p]; n != kNoNode; n = nodes[n].lru_next) {
       const Node& x = nodes[n];
-      if (!x.pinned && (pool == PoolKind::kPrimary ? x.num_primary_children : x.num_children) == 0) return n;
+      const int32_t num_blocking = pool == PoolKind::kPrimary     ? x.num_primary_children
+                                   : pool == PoolKind::kSecondary ? x.num_children - (has_t3 ? node_tier3[n].num_tier3_children : 0)
+                                                                  : x.num_children;
+      if (!x.pinned && num_blocking == 0) return n;
     }
   }
   return kNoNode;
@@ -104,7 +146,8 @@ void KVCacheManager::Impl::take_new_primary_blocks(int32_t count, std::vector<Bl
 // differently (a pinned or non-leaf head, a victim that would be dropped, a secondary victim
 // that is not the head of an older list).
 int32_t KVCacheManager::Impl::offload_run(int32_t max_blocks, std::vector<BlockId>& out) {
-  if (config.num_secondary_blocks == 0) return 0;
+  // With a third tier a host victim is spilled, not dropped: one take_new_primary_block at a time.
+  if (config.num_secondary_blocks == 0 || has_t3) return 0;
   LruLists& from = lru[static_cast<int>(PoolKind::kPrimary)];
   LruLists& to = lru[static_cast<int>(PoolKind::kSecondary)];
   const int p = lowest_priority(from);
@@ -210,26 +253,33 @@ BlockId KVCacheManager::Impl::evict_primary(NodeId victim) {
   return block;
 }
 
-// Drops n and its descendants (all in the secondary pool) from the cache, leaves first.
-// Secondary blocks go back to secondary_free; a primary block is left to the caller.
-void KVCacheManager::Impl::drop_tree(NodeId top) {
+// Drops n and its descendants (all in slower tiers) from the cache, leaves first. Secondary and
+// third-tier blocks go back to their free lists; a primary block is left to the caller.
+// `reason`: the key history's drop flag, 0 for the tier each node leaves.
+void KVCacheManager::Impl::drop_tree(NodeId top, uint8_t reason) {
   if (nodes[top].first_child == kNoNode) {
-    drop_node(top);  // the common case: a leaf
+    drop_node(top, reason);  // the common case: a leaf
     return;
   }
   std::vector<NodeId> order{top};
   for (size_t i = 0; i < order.size(); ++i) {
     for (NodeId c = nodes[order[i]].first_child; c != kNoNode; c = nodes[c].next_sibling) order.push_back(c);
   }
-  for (size_t i = order.size(); i-- > 0;) drop_node(order[i]);
+  for (size_t i = order.size(); i-- > 0;) drop_node(order[i], reason);
 }
 
-void KVCacheManager::Impl::drop_node(NodeId n) {
+void KVCacheManager::Impl::drop_node(NodeId n, uint8_t reason) {
   Node& x = nodes[n];
   emit_event(KvCacheEventKind::kRemoved, n, false);
   ++stats.evicted_blocks;
-  key_history.update(x.hash,
-                     x.pool == PoolKind::kPrimary ? KeyHistory::kDroppedFromPrimary : KeyHistory::kDroppedFromHost);
+  if (reason == 0) {
+    reason = x.pool == PoolKind::kPrimary     ? KeyHistory::kDroppedFromPrimary
+             : x.pool == PoolKind::kSecondary ? KeyHistory::kDroppedFromHost
+                                              : KeyHistory::kDroppedFromTier3;
+  }
+  // A failed staging is the third tier's loss, whatever block the node was fetched into.
+  ++stats.tiers[static_cast<int>(reason == KeyHistory::kFetchFailed ? t3 : x.pool)].evicted_blocks;
+  key_history.update(x.hash, reason);
   lru_remove(n);
   key_index.erase(x.hash, n);
   if (x.in_partial_index) partial_index.erase(x.partial_key, n);
@@ -237,8 +287,11 @@ void KVCacheManager::Impl::drop_node(NodeId n) {
   if (x.pool == PoolKind::kSecondary) {
     secondary_node[x.block_id] = kNoNode;
     secondary_free.push_back(x.block_id);
-  } else {
+  } else if (x.pool == PoolKind::kPrimary) {
     primary_node[x.block_id] = kNoNode;
+  } else {
+    tier3_node[x.block_id] = kNoNode;
+    tier3_free.push_back(x.block_id);
   }
   // A dead slot is only marked so (store_node writes every field when it is reused); its
   // generation tells sequences holding its id that it is gone.

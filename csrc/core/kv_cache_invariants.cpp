@@ -20,6 +20,28 @@ CacheStats KVCacheManager::stats() const {
   s.secondary.num_free_blocks = m.num_free_secondary();
   s.secondary.num_used_blocks = 0;  // sequences never hold host blocks
   s.secondary.num_cached_blocks = s.secondary.num_blocks - s.secondary.num_free_blocks;
+  s.tier3.num_blocks = m.has_t3 ? m.config.num_tier3_blocks : 0;
+  s.tier3.num_free_blocks = static_cast<int32_t>(m.tier3_free.size() + m.tier3_fetched.size());
+  s.tier3.num_cached_blocks = s.tier3.num_blocks - s.tier3.num_free_blocks;
+  // Per tier, from the counters kept (primary arrivals, evictions, third-tier hits) and the rest.
+  TierStats& primary = s.tiers[static_cast<int>(PoolKind::kPrimary)];
+  TierStats& host = s.tiers[static_cast<int>(PoolKind::kSecondary)];
+  const int64_t third_hits = m.has_t3 ? s.tiers[static_cast<int>(m.t3)].hit_blocks : 0;
+  const int64_t spilled_tokens = s.tier3_traffic.spilled_blocks * m.tpb;
+  const int64_t partial_tokens = m.tier_counters.partial_primary_tokens;
+  primary.hit_blocks = s.reused_blocks - s.onboarded_blocks;
+  primary.num_tokens_in = s.num_onboarded_tokens + partial_tokens;
+  primary.num_tokens_out = s.num_offloaded_tokens + partial_tokens;
+  host.hit_blocks = s.onboarded_blocks - third_hits;
+  host.stored_blocks = s.offloaded_blocks + s.tier3_traffic.staged_blocks;
+  host.num_tokens_in = s.num_offloaded_tokens + m.tier_counters.fetch_tokens;
+  host.num_tokens_out = s.num_onboarded_tokens + spilled_tokens;
+  if (m.has_t3) {
+    TierStats& third = s.tiers[static_cast<int>(m.t3)];
+    third.stored_blocks = s.tier3_traffic.spilled_blocks;
+    third.num_tokens_in = spilled_tokens;
+    third.num_tokens_out = m.tier_counters.fetch_tokens;
+  }
   return s;
 }
 
@@ -90,33 +112,69 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
     }
   }
 
+  // Third tier: every slot exactly one of free / cached.
+  const int32_t num_tier3 = m.has_t3 ? m.config.num_tier3_blocks : 0;
+  std::vector<char> in_tier3_free(num_tier3, 0);
+  for (const std::vector<BlockId>* list : {&m.tier3_free, &m.tier3_fetched}) {
+    for (BlockId b : *list) {
+      if (b < 0 || b >= num_tier3 || in_tier3_free[b]++) fail("third-tier slot " + s(b) + " is on the free lists twice or out of range");
+    }
+  }
+  for (BlockId b = 0; b < num_tier3; ++b) {
+    if ((in_tier3_free[b] != 0) == (m.tier3_node[b] != kNoNode)) {
+      fail("third-tier slot " + s(b) + " is not exactly one of free / cached");
+    }
+  }
+  for (const auto& fetch : m.staging) {
+    if (!m.nodes[fetch.node].live || !m.node_tier3[fetch.node].staging || m.nodes[fetch.node].pool != PoolKind::kSecondary ||
+        m.nodes[fetch.node].block_id != fetch.host_block) {
+      fail("staged fetch into host block " + s(fetch.host_block) + " has no staging node there");
+    }
+  }
+  // Tiers by speed: a child lives in its parent's tier or a slower one.
+  const auto rank = [&m](const auto& x) { return x.pool == PoolKind::kPrimary ? 0 : x.pool == PoolKind::kSecondary ? 1 : 2; };
+
   // Prefix tree.
   const NodeId root = m.root;
   const int32_t num_slots = static_cast<int32_t>(m.nodes.size());
   std::vector<int32_t> children(num_slots, 0), primary_children(num_slots, 0), held_children(num_slots, 0);
+  std::vector<int32_t> tier3_children(num_slots, 0);
   int32_t num_live = 0, num_unheld = 0;
   if (!m.config.enable_block_reuse && num_slots > 1) fail("nodes exist although block reuse is disabled");
   for (NodeId n = 0; n < num_slots; ++n) {
     const auto& x = m.nodes[n];
     if (n == root || !x.live) continue;
     ++num_live;
-    const std::string name = "node " + s(n) + " (block " + s(x.block_id) + (x.pool == PoolKind::kPrimary ? " primary)" : " secondary)");
-    if (x.pinned) fail(name + " is still pinned between calls");
+    static const char* const pool_names[] = {" primary)", " secondary)", " disk)", " remote)"};
+    const std::string name = "node " + s(n) + " (block " + s(x.block_id) + pool_names[static_cast<int>(x.pool)];
+    const bool staging = m.has_t3 && m.node_tier3[n].staging;
+    if (x.pinned != staging) fail(name + (x.pinned ? " is still pinned between calls" : " is staging but not pinned"));
     if (x.pool == PoolKind::kPrimary) {
       if (x.block_id < 0 || x.block_id >= num_primary || m.primary_node[x.block_id] != n) fail(name + " and its primary block disagree");
-    } else if (x.block_id < 0 || x.block_id >= num_secondary || m.secondary_node[x.block_id] != n) {
-      fail(name + " and its secondary block disagree");
+    } else if (x.pool == PoolKind::kSecondary) {
+      if (x.block_id < 0 || x.block_id >= num_secondary || m.secondary_node[x.block_id] != n) {
+        fail(name + " and its secondary block disagree");
+      }
+    } else if (!m.in_tier3(n) || x.block_id < 0 || x.block_id >= num_tier3 || m.tier3_node[x.block_id] != n) {
+      fail(name + " and its third-tier slot disagree");
+    }
+    if (m.has_t3 && m.node_tier3[n].from_tier3 && x.pool != PoolKind::kSecondary) {
+      fail(name + " is marked staged from the third tier outside the host tier");
     }
     if (x.parent < 0 || x.parent >= num_slots || !m.nodes[x.parent].live) {
       fail(name + " has a parent that is not in the tree");
       continue;
     }
     ++children[x.parent];
+    if (m.in_tier3(n)) ++tier3_children[x.parent];
+    if (x.parent != root && rank(x) < rank(m.nodes[x.parent])) fail(name + " lives in a faster tier than its parent");
+    if (m.has_t3) {
+      const BlockDigest d = block_digest(m.digest_of(x.parent), m.node_tokens(n), m.node_extras(n), m.tpb, x.lora_task_id,
+                                         x.cache_salt);
+      if (d != m.node_digests[n]) fail(name + " has a third-tier key that does not match its tokens and parent");
+    }
     if (x.pool == PoolKind::kPrimary) {
       ++primary_children[x.parent];
-      if (x.parent != root && m.nodes[x.parent].pool != PoolKind::kPrimary) {
-        fail(name + " is in the primary pool but its parent is only in the secondary pool");
-      }
       const bool held = m.is_held(n);
       if (held) ++held_children[x.parent];
       if (!held) ++num_unheld;
@@ -151,6 +209,7 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
       ++listed;
     }
     if (listed != children[n] || x.num_children != children[n] || x.num_primary_children != primary_children[n] ||
+        (m.has_t3 && m.node_tier3[n].num_tier3_children != tier3_children[n]) ||
         (n != root && x.num_held_children != held_children[n])) {
       fail("node " + s(n) + " has wrong child counts (" + s(x.num_children) + "/" + s(x.num_primary_children) + "/" +
            s(x.num_held_children) + " kept, " + s(children[n]) + "/" + s(primary_children[n]) + "/" +
@@ -164,7 +223,7 @@ std::vector<std::string> KVCacheManager::check_invariants() const {
 
   // LRU lists hold exactly the unreferenced nodes of their pool, at their priority.
   int32_t num_listed = 0, num_should = 0;
-  for (int pool = 0; pool < 2; ++pool) {
+  for (int pool = 0; pool < kNumPools; ++pool) {
     const auto& l = m.lru[pool];
     for (int p = 0; p < kNumPriorities; ++p) {
       NodeId prev = kNoNode;

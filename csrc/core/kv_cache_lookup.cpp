@@ -37,7 +37,8 @@ KVCacheManager::Impl::PrefixMatch KVCacheManager::Impl::find_prefix(const Sequen
     const ExtraId* e = extras ? extras + i * tpb : nullptr;
     const uint64_t h = match.hashes[i];
     const NodeId n = find_child(parent, h, t, e, spec.lora_task_id, spec.cache_salt);
-    if (n == kNoNode) break;
+    // A third-tier block is shared only once staged into the host tier (kv_cache_tier3.cpp).
+    if (n == kNoNode || (has_t3 && !is_local(n))) break;
     if (match.nodes.empty()) match.nodes.reserve(num_matchable - i);  // one allocation for the chain
     match.nodes.push_back(n);
     match.last_hash = h;
@@ -62,7 +63,7 @@ KVCacheManager::Impl::PrefixMatch KVCacheManager::Impl::find_prefix(const Sequen
   auto consider = [&](NodeId n) {
     const Node& x = nodes[n];
     if (x.parent != parent || x.partial_key != key || x.lora_task_id != spec.lora_task_id ||
-        x.cache_salt != spec.cache_salt) {
+        x.cache_salt != spec.cache_salt || (has_t3 && !is_local(n))) {
       return false;
     }
     const TokenId* nt = node_tokens(n);
@@ -136,6 +137,11 @@ MissReasons KVCacheManager::Impl::classify_misses(const SequenceSpec& spec, Pref
   for (; i < num_prompt_blocks; ++i) {
     hash_up_to(i + 1);
     const uint64_t key = match.hashes[i];
+    // Cached in the third tier, but not staged into the host tier before the request came.
+    if (has_t3 && key_index.find(key, [&](NodeId n) { return nodes[n].hash == key && !is_local(n); }) != kNoNode) {
+      ++missed.not_staged;
+      continue;
+    }
     const uint8_t flags = key_history.flags(key);
     if ((flags & KeyHistory::kDroppedFromPrimary) != 0) {
       ++missed.evicted_primary;
@@ -143,6 +149,14 @@ MissReasons KVCacheManager::Impl::classify_misses(const SequenceSpec& spec, Pref
     }
     if ((flags & KeyHistory::kDroppedFromHost) != 0) {
       ++missed.evicted_host;
+      continue;
+    }
+    if ((flags & KeyHistory::kDroppedFromTier3) != 0) {
+      ++(t3 == PoolKind::kDisk ? missed.evicted_disk : missed.evicted_remote);
+      continue;
+    }
+    if ((flags & KeyHistory::kFetchFailed) != 0) {
+      ++missed.fetch_failed;
       continue;
     }
     // The plain key was stored: by a node of another identity (kStoredPlain), or by a plain node

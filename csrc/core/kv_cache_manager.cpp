@@ -40,6 +40,28 @@ void CacheConfig::validate() const {
     throw std::invalid_argument("event_buffer_max_size=" + str(event_buffer_max_size) +
                                 " is negative: use 0 to record no events");
   }
+  if (num_tier3_blocks < 0) {
+    throw std::invalid_argument("num_tier3_blocks=" + str(num_tier3_blocks) +
+                                " is negative: use 0 for no third tier");
+  }
+  if (tier3_pool != PoolKind::kDisk && tier3_pool != PoolKind::kRemote) {
+    throw std::invalid_argument("tier3_pool=" + str(static_cast<int>(tier3_pool)) +
+                                " is not a third tier: use PoolKind.DISK or PoolKind.REMOTE");
+  }
+  if (num_tier3_blocks > 0 && num_secondary_blocks == 0) {
+    throw std::invalid_argument("num_tier3_blocks=" + str(num_tier3_blocks) +
+                                " needs a host tier: the third tier spills from it and stages into it; "
+                                "give num_secondary_blocks > 0");
+  }
+  // A store shared by engines must tell plans apart: without an identity two models would read
+  // each other's blocks.
+  bool plan_digest_set = false;
+  for (uint8_t b : plan_digest) plan_digest_set = plan_digest_set || b != 0;
+  if (num_tier3_blocks > 0 && tier3_pool == PoolKind::kRemote && !plan_digest_set) {
+    throw std::invalid_argument(
+        "plan_digest is all zero: a remote tier keys blocks by the plan's identity; give the digest of the "
+        "model, dtype and KV shapes (kvtool.runtime.tier3_store.plan_digest)");
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -67,19 +89,21 @@ void KVCacheManager::Impl::validate_spec(const SequenceSpec& spec) const {
   if (spec.priority < 0 || spec.priority > 100) {
     throw std::invalid_argument("priority=" + str(spec.priority) + " is outside 0..100");
   }
+  validate_retention(spec.retention);
 }
 
 // Moves the unreferenced primary node n into block, a block of seq_id holding the same KV (its
 // duplicate computation); n's old block becomes free. The node keeps its identity, children and
 // generation; the sequence now holds it, so it counts as computed by that sequence.
-void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id) {
+void KVCacheManager::Impl::take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id,
+                                          int64_t block_index) {
   Node& x = nodes[n];
   lru_remove(n);
   primary_node[x.block_id] = kNoNode;
   primary_free.push_back(x.block_id);
   x.block_id = block;
   primary_node[block] = n;
-  x.priority = static_cast<uint8_t>(seq.priority);
+  set_retention(n, block_retention(seq.retention, seq.priority, block_index));
   x.owner = seq_id;
   x.owner_running = true;
   on_referenced(n);
@@ -99,7 +123,7 @@ bool KVCacheManager::Impl::take_over_idle_ancestors(SequenceId seq_id, Sequence&
   NodeId c = seq.last_node;
   for (int32_t k = 0; k < num_idle; ++k) {
     const NodeId up = nodes[c].parent;
-    take_over_node(c, seq.block_ids[i - 1 - k], seq, seq_id);
+    take_over_node(c, seq.block_ids[i - 1 - k], seq, seq_id, i - 1 - k);
     c = up;
   }
   return true;
@@ -159,19 +183,19 @@ void KVCacheManager::Impl::store_blocks(SequenceId seq_id, Sequence& seq) {
     // A parent without children (one this loop just stored, typically) has no match to find.
     NodeId n = nodes[parent].num_children == 0 ? kNoNode : find_child(parent, h, t, e, seq.lora_task_id, seq.cache_salt);
     if (n == kNoNode) {
-      n = store_node(parent, h, t, e, seq, seq_id, block);
+      n = store_node(parent, h, t, e, seq, seq_id, block, block_retention(seq.retention, seq.priority, i));
       // These tokens under another identity: remembered by their plain key (classify_misses).
       if (plain_differs && seq.plain_hashes[i] != h) {
         key_history.update(seq.plain_hashes[i], KeyHistory::kStoredPlain);
       }
-    } else if (nodes[n].pool == PoolKind::kSecondary) {
+    } else if (nodes[n].pool != PoolKind::kPrimary) {  // the host tier or the third
       move_to_primary(n, block);
-      nodes[n].priority = static_cast<uint8_t>(seq.priority);
+      set_retention(n, block_retention(seq.retention, seq.priority, i));
       nodes[n].owner = seq_id;
       nodes[n].owner_running = true;
       emit_event(KvCacheEventKind::kOnboarded, n, false);
     } else if (primary_refcount[nodes[n].block_id] == 0) {
-      take_over_node(n, block, seq, seq_id);  // frees the cached copy's block: nothing is pinned
+      take_over_node(n, block, seq, seq_id, i);  // frees the cached copy's block: nothing is pinned
     }
     seq.last_node = n;
     seq.last_node_generation = nodes[n].generation;
@@ -235,6 +259,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, const Sequence
 
 AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&& spec, int32_t num_tokens) {
   Impl& m = *impl_;
+  m.check_no_staging("add_sequence");
   if (m.sequences.count(seq_id)) {
     throw std::invalid_argument("sequence id " + str(seq_id) + " is already known: release it first or use a new id");
   }
@@ -263,6 +288,7 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   seq.cache_salt = spec.cache_salt;
   seq.identity = key_identity(spec.lora_task_id, spec.cache_salt);
   seq.priority = spec.priority;
+  seq.retention = std::move(spec.retention);
 
   // Pin what this sequence is about to read so the allocations below cannot evict it.
   for (NodeId n : match.nodes) {
@@ -272,7 +298,11 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
   // Share the primary blocks first: referenced, they are out of the eviction candidates.
   seq.block_ids.reserve(std::max<int32_t>(m.blocks_for(num_tokens), static_cast<int32_t>(match.nodes.size()) + 1));
   for (NodeId n : match.nodes) {
-    if (m.nodes[n].pool == PoolKind::kPrimary) m.ref_block(m.nodes[n].block_id);
+    if (m.nodes[n].pool == PoolKind::kPrimary) {
+      m.ref_block(m.nodes[n].block_id);
+    } else if (m.has_t3 && m.node_tier3[n].from_tier3) {
+      ++m.stats.tiers[static_cast<int>(m.t3)].hit_blocks;  // staged from the third tier for this
+    }
   }
   // Then onboard host blocks in chain order (a parent is primary before its child arrives).
   for (NodeId n : match.nodes) {
@@ -287,11 +317,21 @@ AddSequenceResult KVCacheManager::add_sequence(SequenceId seq_id, SequenceSpec&&
     }
     seq.block_ids.push_back(x.block_id);
   }
+  // A range of this sequence covering a shared block gives it its priority (as TensorRT-LLM's
+  // reuse does); blocks outside its ranges keep theirs.
+  for (size_t i = 0; i < match.nodes.size() && !seq.retention.empty(); ++i) {
+    const Impl::BlockRetention r = m.block_retention(seq.retention, seq.priority, static_cast<int64_t>(i));
+    if (r.in_range) m.set_retention(match.nodes[i], r);
+  }
   if (match.partial_source != kNoNode) {
     const BlockId dst = m.take_new_primary_block();
     Impl::Node& src = m.nodes[match.partial_source];
     m.emit_copy(src.pool, src.block_id, PoolKind::kPrimary, dst, match.num_partial_tokens);
-    if (src.pool == PoolKind::kSecondary) m.stats.num_onboarded_tokens += match.num_partial_tokens;
+    if (src.pool == PoolKind::kSecondary) {
+      m.stats.num_onboarded_tokens += match.num_partial_tokens;
+    } else {
+      m.tier_counters.partial_primary_tokens += match.num_partial_tokens;
+    }
     src.pinned = false;
     seq.block_ids.push_back(dst);
     ++m.stats.partial_reused_blocks;
@@ -332,6 +372,7 @@ bool KVCacheManager::can_allocate(SequenceId seq_id, int32_t num_tokens) const {
 
 void KVCacheManager::allocate(SequenceId seq_id, int32_t num_tokens) {
   Impl& m = *impl_;
+  m.check_no_staging("allocate");
   auto& seq = m.get(seq_id);
   const int32_t need = m.blocks_for(num_tokens) - static_cast<int32_t>(seq.block_ids.size());
   if (need <= 0) return;
@@ -353,6 +394,7 @@ void KVCacheManager::append_tokens(SequenceId seq_id, const std::vector<TokenId>
 
 void KVCacheManager::mark_computed(SequenceId seq_id, int32_t num_computed_tokens) {
   Impl& m = *impl_;
+  m.check_no_staging("mark_computed");
   auto& seq = m.get(seq_id);
   if (num_computed_tokens < seq.num_computed_tokens) {
     throw std::invalid_argument("num_computed_tokens=" + str(num_computed_tokens) + " for sequence " + str(seq_id) +
@@ -395,13 +437,18 @@ int32_t KVCacheManager::num_computed_tokens(SequenceId seq_id) const {
 
 std::vector<BlockId> KVCacheManager::block_ids(SequenceId seq_id) const { return impl_->get(seq_id).block_ids; }
 
-std::vector<CopyOp> KVCacheManager::take_copy_ops() {
-  std::vector<CopyOp> out(impl_->copy_ops);  // the manager keeps its buffer's capacity
-  impl_->copy_ops.clear();
+std::vector<CopyOp> KVCacheManager::take_copy_ops(std::vector<BlockDigest>* tier3_keys) {
+  Impl& m = *impl_;
+  std::vector<CopyOp> out(m.copy_ops);  // the manager keeps its buffer's capacity
+  m.copy_ops.clear();
+  if (tier3_keys != nullptr) tier3_keys->assign(m.copy_op_keys.begin(), m.copy_op_keys.end());
+  m.copy_op_keys.clear();
   // The onboards are handed over: the blocks they read may be overwritten by later steps' copies.
-  std::vector<BlockId>& onboarded = impl_->secondary_onboarded;
-  impl_->secondary_free.insert(impl_->secondary_free.end(), onboarded.begin(), onboarded.end());
+  std::vector<BlockId>& onboarded = m.secondary_onboarded;
+  m.secondary_free.insert(m.secondary_free.end(), onboarded.begin(), onboarded.end());
   onboarded.clear();
+  m.tier3_free.insert(m.tier3_free.end(), m.tier3_fetched.begin(), m.tier3_fetched.end());
+  m.tier3_fetched.clear();
   return out;
 }
 
@@ -414,6 +461,7 @@ std::vector<KvCacheEvent> KVCacheManager::take_events() {
 
 void KVCacheManager::reset_stats() {
   impl_->stats = CacheStats{};
+  impl_->tier_counters = Impl::TierCounters{};
 }
 
 }  // namespace kvtool

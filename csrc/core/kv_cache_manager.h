@@ -12,6 +12,10 @@
 
 namespace kvtool {
 
+// Throws std::invalid_argument naming the range: ranges must be sorted and not overlap, each with
+// 0 <= token_start < token_end (or -1: to the end), priority 0..100, duration_ms > 0 (or -1).
+void validate_retention(const std::vector<RetentionRange>& ranges);
+
 class KVCacheManager {
  public:
   explicit KVCacheManager(CacheConfig config);  // validates config
@@ -65,9 +69,33 @@ class KVCacheManager {
   int32_t num_computed_tokens(SequenceId seq_id) const;
   std::vector<BlockId> block_ids(SequenceId seq_id) const;  // primary block table, kNoBlock where released
 
-  // Copy operations emitted since the last call, in the order they must run.
-  std::vector<CopyOp> take_copy_ops();
+  // Copy operations emitted since the last call, in the order they must run; tier3_keys gets the
+  // key of each copy into or out of the third tier, in the same order.
+  std::vector<CopyOp> take_copy_ops(std::vector<BlockDigest>* tier3_keys = nullptr);
   std::vector<KvCacheEvent> take_events();
+
+  // ---- retention (TensorRT-LLM's KvCacheRetentionConfig) ----
+  // The manager's clock in milliseconds (the engine's, or a simulated one): priorities whose
+  // duration ran out by now revert to kDefaultPriority. Never decreases (std::invalid_argument).
+  void set_time(int64_t now_ms);
+  int64_t time() const;
+
+  // ---- the third tier (docs/architecture.md#kv-cache-rules) ----
+  // The keys of the prompt's matchable blocks after its cached chain in the primary and host
+  // tiers, for the store to check which it holds (no side effects).
+  Tier3Lookup tier3_lookup(const SequenceSpec& spec) const;
+  // Stages the first num_present blocks of tier3_lookup's keys (those the store holds) into the
+  // host tier: each gets a host block and a fetch (third tier -> host) in the copy operations.
+  // The staging stays open until complete_staging; meanwhile add_sequence, allocate and
+  // mark_computed throw std::logic_error. Disk: only blocks in the manager's index are staged.
+  // Remote: index entries past num_present are dropped (the store no longer holds them).
+  StageResult stage_tier3(const SequenceSpec& spec, int32_t num_present);
+  // The data plane ran the staging's fetches: those into failed_host_blocks (and the chain after
+  // the first of them) are dropped, a miss; the others become host blocks like any.
+  void complete_staging(const std::vector<BlockId>& failed_host_blocks);
+  bool staging_open() const;
+  // The third-tier keys of the prompt's full blocks, first block first (needs a third tier).
+  std::vector<BlockDigest> tier3_keys(const SequenceSpec& spec) const;
 
   CacheStats stats() const;
   // Zeroes the counters (reuse, allocation, offload, eviction); the cache itself is kept.

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "block_digest.h"
 #include "block_key.h"
 #include "key_history.h"
 #include "kv_cache_manager.h"
@@ -17,6 +18,7 @@
 namespace kvtool {
 
 inline constexpr int32_t kNumPriorities = 101;  // retention priorities 0..100
+inline constexpr int64_t kNever = INT64_MAX;     // a retention priority that never reverts
 
 struct KVCacheManager::Impl {
   struct Node {
@@ -46,6 +48,18 @@ struct KVCacheManager::Impl {
     SequenceId owner = 0;           // the sequence that computed it
     uint64_t lru_stamp = 0;         // when it last entered an LRU list (tie-break of partial sources)
   };
+  // A node's third-tier state, beside it: the manager without a third tier never touches it.
+  struct NodeTier3 {
+    int32_t num_tier3_children = 0;  // children in the third tier
+    bool from_tier3 = false;         // staged from the third tier into the host tier, not reused since
+    bool staging = false;            // its fetch is not confirmed yet (complete_staging)
+  };
+  // A node's retention clock, beside it: read only once some range gave a duration
+  // (uses_durations), so the release and reuse of blocks touch no more memory than before.
+  struct NodeClock {
+    int64_t duration_ms = -1;        // its priority reverts this long after its release; -1: never
+    int64_t expires_at_ms = kNever;  // when it reverts (set while unreferenced)
+  };
 
   // One list per retention priority, least recently used first.
   struct LruLists {
@@ -63,6 +77,7 @@ struct KVCacheManager::Impl {
     uint64_t cache_salt = 0;
     uint64_t identity = 0;           // key_identity(lora_task_id, cache_salt)
     int32_t priority = kDefaultPriority;
+    std::vector<RetentionRange> retention;
     std::vector<BlockId> block_ids;  // primary block table, kNoBlock where the window released
     std::vector<uint64_t> block_hashes;  // keys of its first full blocks, as far as computed
     // Plain keys (the same tokens' keys with LoRA 0, salt 0, no extra ids) of its first full
@@ -89,6 +104,24 @@ struct KVCacheManager::Impl {
     NodeId partial_source = kNoNode;
     int32_t num_partial_tokens = 0;
     bool partial_source_evictable = false;  // pinned during the copy: one block less to evict
+  };
+
+  // A block's retention: the range holding its first token, else the sequence's priority.
+  struct BlockRetention {
+    int32_t priority = kDefaultPriority;
+    int64_t duration_ms = -1;
+    bool in_range = false;
+  };
+  // A node's priority reverting at expires_at_ms; stale once the node's own time differs.
+  struct Expiry {
+    int64_t expires_at_ms = 0;
+    NodeId node = kNoNode;
+    uint32_t generation = 0;
+  };
+  // A fetch of an open staging (third tier -> host block), in chain order.
+  struct StagedFetch {
+    NodeId node = kNoNode;
+    BlockId host_block = kNoBlock;
   };
 
   Impl(CacheConfig config, int32_t key_hash_bits);
@@ -131,13 +164,26 @@ struct KVCacheManager::Impl {
     partial_index.insert(nodes[n].partial_key, n);
     nodes[n].in_partial_index = true;
   }
+  // Inline (kv_cache_blocks.cpp, its only user): storing computed blocks is the manager's hot path.
+  inline NodeId insert_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
+                     uint64_t lora_task_id, uint64_t cache_salt, uint64_t identity, PoolKind pool, BlockId block,
+                     int32_t priority);
   NodeId store_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
-                    const Sequence& seq, SequenceId seq_id, BlockId block);
+                    const Sequence& seq, SequenceId seq_id, BlockId block, const BlockRetention& retention);
+  // A node for a block found in the remote store, in host block `block` (stage_tier3).
+  NodeId store_discovered_node(NodeId parent, uint64_t hash, const TokenId* token_ids, const ExtraId* extra_ids,
+                               const SequenceSpec& spec, const BlockDigest& digest, BlockId block, int32_t priority);
   void move_to_primary(NodeId n, BlockId block);  // onboard / adopt into an already referenced block
+  // The node's block in a pool other than the primary one leaves it (its slot freed or deferred).
+  void release_lower_block(NodeId n);
   void ref_block(BlockId b);
   void unref_block(BlockId b, SequenceId seq_id);
   void emit_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, int32_t num_tokens) {
     copy_ops.push_back(CopyOp{src_pool, src, dst_pool, dst, num_tokens});
+  }
+  void emit_tier3_copy(PoolKind src_pool, BlockId src, PoolKind dst_pool, BlockId dst, const BlockDigest& key) {
+    emit_copy(src_pool, src, dst_pool, dst, tpb);
+    copy_op_keys.push_back(key);
   }
   void emit_event(KvCacheEventKind kind, NodeId n, bool with_tokens) {
     if (config.event_buffer_max_size > 0) {
@@ -153,6 +199,8 @@ struct KVCacheManager::Impl {
   void take_new_primary_blocks(int32_t count, std::vector<BlockId>& out);  // appends count blocks
   BlockId acquire_primary();
   BlockId acquire_secondary();       // kNoBlock when no secondary block can be had
+  BlockId acquire_tier3();           // kNoBlock when no third-tier slot can be had
+  bool spill(NodeId victim);         // host -> third tier; false (nothing changed) when no slot
   BlockId pop_free_secondary();      // a free secondary block, kNoBlock when none is free
   int32_t num_free_secondary() const {
     return static_cast<int32_t>(secondary_free.size() + secondary_onboarded.size());
@@ -161,11 +209,52 @@ struct KVCacheManager::Impl {
   NodeId find_victim(PoolKind pool) const;
   int32_t offload_run(int32_t max_blocks, std::vector<BlockId>& out);  // blocks taken, 0 if none
   BlockId evict_primary(NodeId victim);
-  void drop_tree(NodeId n);
-  void drop_node(NodeId n);  // a node without children
+  void drop_tree(NodeId n, uint8_t reason = 0);
+  void drop_node(NodeId n, uint8_t reason = 0);  // a node without children
   void advance_scout_walk();
   void advance_scout_bucket();
   static constexpr size_t kForecastDistance = 12;  // drops between a bucket prefetch and its use
+
+  // ---- retention (kv_cache_retention.cpp) ----
+  // The range holding the block's first token decides (TensorRT-LLM's per-block rule).
+  BlockRetention block_retention(const std::vector<RetentionRange>& ranges, int32_t priority, int64_t block) const {
+    const int64_t first = block * tpb;
+    for (const RetentionRange& r : ranges) {
+      if (first < r.token_start) break;  // sorted: no later range holds it either
+      if (r.token_end < 0 || first < r.token_end) return BlockRetention{r.priority, r.duration_ms, true};
+    }
+    return BlockRetention{priority, -1, false};
+  }
+  void set_retention(NodeId n, const BlockRetention& r) {
+    nodes[n].priority = static_cast<uint8_t>(r.priority);
+    if (r.duration_ms >= 0) uses_durations = true;
+    if (uses_durations) node_clock[n] = NodeClock{r.duration_ms, kNever};
+  }
+  void stop_retention_clock(NodeId n) {  // referenced again
+    if (uses_durations) node_clock[n].expires_at_ms = kNever;
+  }
+  void start_retention_clock(NodeId n);  // the node was released: its priority's duration starts (uses_durations)
+  void expire_retention();               // priorities whose time is up revert to kDefaultPriority
+
+  // ---- the third tier (kv_cache_tier3.cpp) ----
+  bool in_tier3(NodeId n) const { return has_t3 && nodes[n].pool == t3; }
+  // In the primary or host tier and not being staged: a prompt can share or onboard it (with a
+  // third tier; without one every node is).
+  bool is_local(NodeId n) const {
+    const Node& x = nodes[n];
+    return (x.pool == PoolKind::kPrimary || x.pool == PoolKind::kSecondary) && !node_tier3[n].staging;
+  }
+  const BlockDigest& digest_of(NodeId n) const { return n == root ? root_key : node_digests[n]; }
+  // The prompt's leading blocks in the primary or host tier (`local`), then its matchable blocks
+  // after them as far as max_blocks: their nodes (kNoNode where not cached) and keys.
+  struct Tier3Walk {
+    std::vector<NodeId> local;
+    std::vector<NodeId> nodes;
+    std::vector<BlockDigest> keys;
+    std::vector<uint64_t> hashes;  // 64-bit keys of every walked block, local ones first
+  };
+  Tier3Walk walk_tier3(const SequenceSpec& spec, size_t max_blocks) const;
+  void check_no_staging(const char* what) const;
 
   // ---- prefix lookups (kv_cache_lookup.cpp) ----
   PrefixMatch find_prefix(const SequenceSpec& spec) const;
@@ -192,7 +281,7 @@ struct KVCacheManager::Impl {
   }
   int32_t num_available() const { return static_cast<int32_t>(primary_free.size()) + num_unheld_primary; }
   void validate_spec(const SequenceSpec& spec) const;
-  void take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id);
+  void take_over_node(NodeId n, BlockId block, const Sequence& seq, SequenceId seq_id, int64_t block_index);
   bool take_over_idle_ancestors(SequenceId seq_id, Sequence& seq, int32_t i);
   Sequence& get(SequenceId id);
   const Sequence& get(SequenceId id) const;
@@ -205,7 +294,7 @@ struct KVCacheManager::Impl {
   int32_t key_hash_bits = kFullKeyHashBits;
   NodeId root = kNoNode;  // sentinel node: parent of every first block, never in a block
 
-  std::vector<Node> nodes;                 // [num_primary + num_secondary + 1 (root)]
+  std::vector<Node> nodes;                 // [num_primary + num_secondary + num_tier3 + 1 (root)]
   std::vector<NodeId> free_node_ids;
   std::vector<TokenId> node_token_ids;     // [num nodes * tokens_per_block]
   std::vector<ExtraId> node_extra_ids;     // same shape, allocated at the first non-zero extra id
@@ -225,7 +314,23 @@ struct KVCacheManager::Impl {
   // Secondary blocks freed by an onboard since the last take_copy_ops: handed out only when
   // secondary_free is empty, so a step's offloads do not overwrite host blocks its onboards read.
   std::vector<BlockId> secondary_onboarded;
-  LruLists lru[2];                         // by PoolKind
+  LruLists lru[kNumPools];                 // by PoolKind
+  // The third tier (config.tier3_pool): slots of the disk files, or entries of the remote index.
+  bool has_t3 = false;
+  PoolKind t3 = PoolKind::kDisk;
+  std::vector<NodeTier3> node_tier3;       // [nodes], with a third tier
+  std::vector<NodeId> tier3_node;          // [num_tier3_blocks]
+  std::vector<BlockId> tier3_free;         // stack
+  std::vector<BlockId> tier3_fetched;      // freed by a fetch since the last take_copy_ops (deferred)
+  BlockDigest root_key{};                  // root_digest(plan_digest)
+  std::vector<BlockDigest> node_digests;   // [nodes], with a third tier: each node's key
+  std::vector<BlockDigest> copy_op_keys;   // keys of the third-tier copies in copy_ops, in order
+  std::vector<StagedFetch> staging;        // the open staging's fetches (empty: none open)
+  // Retention: the manager's clock (set_time) and the priorities due to revert.
+  int64_t now_ms = 0;
+  bool uses_durations = false;             // some block got a duration: node_clock is kept
+  std::vector<NodeClock> node_clock;       // [nodes]
+  std::vector<Expiry> expiry_heap;         // min-heap by expires_at_ms
   int32_t num_unheld_primary = 0;          // primary nodes not held: evictable, part of num_available
   int32_t num_used_primary = 0;            // primary blocks with refcount > 0
   uint64_t lru_clock = 0;
@@ -235,6 +340,12 @@ struct KVCacheManager::Impl {
   NodeId scout_bucket = kNoNode;           // next node whose index buckets to load
   int32_t scout_steps_left = 0;            // buckets still worth loading (drops to come)
   std::vector<CopyOp> copy_ops;
+  // Besides `stats`, what stats() derives the per-tier figures from (the copies themselves are
+  // not counted one by one: a full cache offloads a block per block it hands out).
+  struct TierCounters {
+    int64_t partial_primary_tokens = 0;  // partial copies within the primary pool
+    int64_t fetch_tokens = 0;            // third tier -> host, emitted
+  } tier_counters;
   std::deque<KvCacheEvent> events;
   int64_t next_event_id = 0;
   CacheStats stats;
@@ -288,6 +399,7 @@ inline void KVCacheManager::Impl::remove_child(NodeId n) {
   if (x.next_sibling != kNoNode) nodes[x.next_sibling].prev_sibling = x.prev_sibling;
   --p.num_children;
   if (x.pool == PoolKind::kPrimary) --p.num_primary_children;
+  if (in_tier3(n)) --node_tier3[x.parent].num_tier3_children;
   x.prev_sibling = x.next_sibling = kNoNode;
 }
 

@@ -138,18 +138,21 @@ std::vector<T> to_vector(nb::handle obj, const char* name) {
 // operations themselves, so handing a batch to Python copies nothing.
 struct CopyOpArrays {
   std::vector<CopyOp> ops;
+  std::vector<BlockDigest> tier3_keys;  // one per operation into or out of the third tier, in order
   size_t size() const { return ops.size(); }
 };
 
 // A SequenceSpec from the keyword arguments of the Python methods.
 inline SequenceSpec to_sequence_spec(IntArrayLike token_ids, IntArrayLike extra_ids, uint64_t lora_task_id,
-                                     uint64_t cache_salt, int32_t priority) {
+                                     uint64_t cache_salt, int32_t priority,
+                                     std::vector<RetentionRange> retention = {}) {
   SequenceSpec spec;
   spec.token_ids = to_vector<TokenId>(token_ids, "token_ids");
   if (!extra_ids.is_none()) spec.extra_ids = to_vector<ExtraId>(extra_ids, "extra_ids");
   spec.lora_task_id = lora_task_id;
   spec.cache_salt = cache_salt;
   spec.priority = priority;
+  spec.retention = std::move(retention);
   return spec;
 }
 

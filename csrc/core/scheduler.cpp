@@ -58,10 +58,10 @@ Scheduler::Impl::Impl(CacheConfig cache_config, SchedulerConfig scheduler_config
   tokens_per_block = cache_manager.config().tokens_per_block;
   if (config.enable_chunked_context && config.max_num_tokens < tokens_per_block) {
     // Every chunk but the last ends on a block boundary, so a step must hold at least one block.
-    throw std::invalid_argument("SchedulerConfig.max_num_tokens (" + std::to_string(config.max_num_tokens) +
-                                ") must be >= tokens_per_block (" + std::to_string(tokens_per_block) +
-                                ") with enable_chunked_context: context chunks are whole blocks; "
-                                "raise max_num_tokens");
+    throw std::invalid_argument("--max_num_tokens (" + std::to_string(config.max_num_tokens) +
+                                ") must be >= --tokens_per_block (" + std::to_string(tokens_per_block) +
+                                ") with --enable_chunked_context: context chunks are whole blocks; "
+                                "raise --max_num_tokens");
   }
 }
 
@@ -69,6 +69,11 @@ Request& Scheduler::Impl::record(int64_t request_id) {
   auto it = requests.find(request_id);
   if (it == requests.end()) throw UnknownRequestError(request_name(request_id) + " is unknown to the scheduler");
   return it->second;
+}
+
+Request* Scheduler::Impl::find(int64_t request_id) {
+  auto it = requests.find(request_id);
+  return it == requests.end() ? nullptr : &it->second;
 }
 
 const Request& Scheduler::Impl::record(int64_t request_id) const {
@@ -155,22 +160,22 @@ std::optional<std::string> Scheduler::Impl::prompt_problem(const std::string& na
   }
   const int64_t num_lifetime_tokens = num_prompt_tokens + max_new_tokens;
   if (num_lifetime_tokens > s.config.max_seq_len) {
-    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens + max_new_tokens " +
-           std::to_string(max_new_tokens) + " = " + std::to_string(num_lifetime_tokens) +
-           " tokens exceeds max_seq_len " + std::to_string(s.config.max_seq_len) +
-           ": shorten the prompt, lower max_new_tokens or raise max_seq_len";
+    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens + " +
+           std::to_string(max_new_tokens) + " output tokens = " + std::to_string(num_lifetime_tokens) +
+           " tokens exceeds --max_seq_len " + std::to_string(s.config.max_seq_len) +
+           ": shorten the prompt, generate fewer tokens or raise --max_seq_len";
   }
   if (!s.config.enable_chunked_context && num_prompt_tokens > s.config.max_num_tokens) {
-    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens exceeds max_num_tokens " +
+    return name + ": prompt of " + std::to_string(num_prompt_tokens) + " tokens exceeds --max_num_tokens " +
            std::to_string(s.config.max_num_tokens) +
-           " tokens per step: enable chunked context (enable_chunked_context=True) or raise max_num_tokens";
+           " tokens per step: enable chunked context (--enable_chunked_context) or raise --max_num_tokens";
   }
   const int32_t num_primary_blocks = s.cache_manager.config().num_primary_blocks;
   if (s.num_blocks_for(static_cast<int32_t>(num_lifetime_tokens)) > num_primary_blocks) {
     return name + ": the primary pool of " + std::to_string(num_primary_blocks) + " blocks (" +
            std::to_string(static_cast<int64_t>(num_primary_blocks) * s.tokens_per_block) +
            " tokens) cannot hold one request of " + std::to_string(num_lifetime_tokens) +
-           " tokens: raise max_tokens / free_gpu_memory_fraction";
+           " tokens: raise --max_tokens_in_paged_kv_cache or --kv_cache_free_gpu_mem_fraction";
   }
   return std::nullopt;
 }
@@ -187,6 +192,11 @@ void Scheduler::add_request(int64_t request_id, SequenceSpec prompt, int32_t max
   }
   if (auto problem = s.prompt_problem(name, summarize_prompt(prompt, s.config.vocab_size), max_new_tokens)) {
     throw std::invalid_argument(*problem);
+  }
+  try {
+    validate_retention(prompt.retention);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(name + ": " + e.what());
   }
   const auto num_prompt_tokens = static_cast<int64_t>(prompt.token_ids.size());
   Request r;
@@ -205,6 +215,12 @@ void Scheduler::finish_request(int64_t request_id) {
   impl_->finish(r);
 }
 
+void Scheduler::remove_request(int64_t request_id) {
+  Request& r = impl_->record(request_id);
+  if (r.state != RequestState::kFinished) impl_->finish(r);
+  impl_->requests.erase(request_id);
+}
+
 ScheduledBatch Scheduler::schedule() {
   Impl& s = *impl_;
   if (s.has_outstanding_batch) {
@@ -215,7 +231,7 @@ ScheduledBatch Scheduler::schedule() {
   batch.step_id = s.next_step_id++;
   s.schedule_capacity(batch);
   s.form_micro_batch(batch);
-  batch.copy_ops = s.cache_manager.take_copy_ops();
+  batch.copy_ops = s.cache_manager.take_copy_ops(&batch.copy_op_keys);
 
   s.outstanding_work.clear();
   for (const ScheduledRequest& sr : batch.requests) {
@@ -256,7 +272,8 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
     }
   }
   for (const ScheduledWork& w : s.outstanding_work) {
-    if (w.samples && sampled.count(w.request_id) == 0 && is_running(s.record(w.request_id).state)) {
+    const Request* r = s.find(w.request_id);  // nullptr: removed after schedule()
+    if (w.samples && sampled.count(w.request_id) == 0 && r != nullptr && is_running(r->state)) {
       throw std::invalid_argument("complete_step: " + request_name(w.request_id) + " sampled in " + step_name +
                                   " but no token was reported for it");
     }
@@ -264,8 +281,9 @@ std::vector<int64_t> Scheduler::complete_step(const std::vector<int64_t>& reques
 
   std::vector<int64_t> finished_request_ids;
   for (const ScheduledWork& w : s.outstanding_work) {
-    Request& r = s.record(w.request_id);
-    if (!is_running(r.state)) continue;  // finished with finish_request after schedule()
+    Request* found = s.find(w.request_id);
+    if (found == nullptr || !is_running(found->state)) continue;  // finished or removed after schedule()
+    Request& r = *found;
     s.cache_manager.mark_computed(r.request_id, w.num_computed_tokens_after);
     r.num_computed_tokens = w.num_computed_tokens_after;
     if (!w.samples) continue;  // a context chunk that is not the last one
@@ -291,6 +309,8 @@ bool Scheduler::has_unfinished_requests() const { return !impl_->waiting.empty()
 int32_t Scheduler::num_queued_requests() const { return static_cast<int32_t>(impl_->waiting.size()); }
 
 int32_t Scheduler::num_running_requests() const { return static_cast<int32_t>(impl_->running.size()); }
+
+int32_t Scheduler::num_requests() const { return static_cast<int32_t>(impl_->requests.size()); }
 
 RequestState Scheduler::request_state(int64_t request_id) const { return impl_->record(request_id).state; }
 

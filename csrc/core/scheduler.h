@@ -54,6 +54,7 @@ struct ScheduledBatch {
   int64_t step_id = 0;
   std::vector<ScheduledRequest> requests;   // context chunks first, then generation requests
   std::vector<CopyOp> copy_ops;             // run these, in order, before the forward
+  std::vector<BlockDigest> copy_op_keys;    // the key of each copy into or out of the third tier
   std::vector<int64_t> paused_request_ids;  // paused this step (MAX_UTILIZATION)
   int32_t num_tokens = 0;                   // sum of token_ids sizes
 };
@@ -100,6 +101,11 @@ class Scheduler {
   // Finishes a request early (EOS / stop string / cancellation): its blocks are released.
   // A request that is already finished is left as it is. Unknown id: UnknownRequestError.
   void finish_request(int64_t request_id);
+  // Forgets a request: finishes it first when it is not (as finish_request), then drops all the
+  // scheduler kept of it (stats, generated tokens); its id becomes unknown. A long-lived caller
+  // removes each request once it has read what it needs, or memory grows with every request.
+  // Unknown id: UnknownRequestError.
+  void remove_request(int64_t request_id);
 
   // Schedules the next step. An empty batch with has_unfinished_requests() means nothing fits.
   // Run batch.copy_ops even when batch.requests is empty. Throws std::logic_error when the previous
@@ -108,7 +114,7 @@ class Scheduler {
   // Reports the step just executed: the sampled token of each request that sampled, in batch order.
   // Marks KV computed, appends tokens, finishes requests that reached max_new_tokens.
   // Returns the ids of the requests finished by this call. Requests finished with finish_request
-  // after schedule() may be left out (their tokens are ignored). Throws std::invalid_argument when
+  // (or removed) after schedule() may be left out (their tokens are ignored). Throws std::invalid_argument when
   // request_ids is not the set of sampling requests of the last batch.
   std::vector<int64_t> complete_step(const std::vector<int64_t>& request_ids,
                                      const std::vector<TokenId>& token_ids);
@@ -116,6 +122,8 @@ class Scheduler {
   bool has_unfinished_requests() const;
   int32_t num_queued_requests() const;
   int32_t num_running_requests() const;
+  // Requests the scheduler keeps a record of: unfinished ones, and finished ones not removed yet.
+  int32_t num_requests() const;
   RequestState request_state(int64_t request_id) const;  // unknown id: UnknownRequestError
   RequestStats request_stats(int64_t request_id) const;  // unknown id: UnknownRequestError
   const SchedulerConfig& config() const;

@@ -74,6 +74,7 @@ struct Scheduler::Impl {
 
   Request& record(int64_t request_id);
   const Request& record(int64_t request_id) const;
+  Request* find(int64_t request_id);  // nullptr for an unknown (or removed) id
   int32_t num_blocks_for(int32_t num_tokens) const {
     return (num_tokens + tokens_per_block - 1) / tokens_per_block;
   }

@@ -1,7 +1,7 @@
 // Paged context (prefill) attention: FlashAttention-2-style tiled kernel over the paged KV cache.
 //
-// Each CTA owns BLOCK_M consecutive new tokens (queries) of one request and one query head. It
-// streams the request's keys/values out of the paged cache in tiles of BLOCK_N tokens
+// Each CTA owns BLOCK_M = 128 consecutive new tokens (queries) of one request and one query head.
+// It streams the request's keys/values out of the paged cache in tiles of BLOCK_N tokens
 // (double-buffered cp.async, block table looked up per key row), computes S = Q K^T and
 // O += P V with mma.sync.m16n8k16 tensor-core ops (fp16/bf16 in, fp32 accumulate) and keeps an
 // online softmax in fp32. The cached prefix is read from the cache, never recomputed.
@@ -9,23 +9,20 @@
 // Masking: the new tokens of a request are the last query_len of its seq_len tokens (causal,
 // aligned bottom-right): the query at position p sees keys k <= p, and with a sliding window W
 // only k > p - W. Keys past seq_len and keys in released blocks (block-table entry -1) are never
-// read (zero-filled in shared memory) and masked out.
+// read (zero-filled in shared memory) and masked out. A request with no query rows (query_len 0:
+// a padding slot of a CUDA graph's batch) returns at once.
 //
-// Warp layout: warp w owns query rows [16w, 16w+16) of the tile; its Q fragments stay in
-// registers for the whole key loop.
+// Warp layout (FlashAttention-2's tiling): 4 warps x 32 query rows; a warp runs two m16 row
+// groups, so every K/V B-fragment ldmatrix feeds 4 mma instead of 2; Q fragments are re-read from
+// shared memory per k-step (keeping them in registers would not fit beside the 2 x head_dim/8
+// accumulators); K and V land in separate cp.async groups (S = Q K^T starts before V arrives); a
+// warp skips the math of tiles none of its rows can see (causal diagonal, window edge, rows past
+// query_len); CTAs are remapped so the longest (last) query tiles of every (request, head) start
+// first.
 //
-// Specialization: KVT_HEAD_DIM, KVT_TOKENS_PER_BLOCK, KVT_DTYPE_BF16 (common.cuh), and optionally
-// KVT_CTX_NUM_WARPS, KVT_CTX_ROWS_PER_WARP (BLOCK_M = rows per warp * warps) and KVT_CTX_BLOCK_N.
-//
-// Two variants, one entry point with the same signature and grid:
-//   KVT_CTX_ROWS_PER_WARP=16 (default): the layout above, 4 or 8 warps (64 or 128 rows per CTA).
-//   KVT_CTX_ROWS_PER_WARP=32: 4 warps x 32 rows (128 rows per CTA), FlashAttention-2's tiling: a
-//     warp runs two m16 row groups, so every K/V B-fragment ldmatrix feeds 4 mma instead of 2; Q
-//     fragments are re-read from shared memory per k-step (keeping them in registers would not fit
-//     beside the 2 x head_dim/8 accumulators); K and V land in separate cp.async groups (S = Q K^T
-//     starts before V arrives); a warp skips the math of tiles none of its rows can see (causal
-//     diagonal, window edge, rows past query_len); CTAs are remapped so the longest (last) query
-//     tiles of every (request, head) start first.
+// Specialization: KVT_HEAD_DIM, KVT_TOKENS_PER_BLOCK, KVT_DTYPE_BF16 (common.cuh), KVT_CTX_BLOCK_N
+// (keys per tile: 32 at head_dim 128, where a 64-key S tile would spill past 255 registers; 64 at
+// head_dim 64) and KVT_CTX_SMEM_BYTES (the launcher's dynamic shared memory, checked below).
 #include "common.cuh"
 
 #ifndef KVT_HEAD_DIM
@@ -34,14 +31,8 @@
 #ifndef KVT_TOKENS_PER_BLOCK
 #error "KVT_TOKENS_PER_BLOCK must be defined (a power of two)"
 #endif
-#ifndef KVT_CTX_NUM_WARPS
-#define KVT_CTX_NUM_WARPS 4
-#endif
 #ifndef KVT_CTX_BLOCK_N
-#define KVT_CTX_BLOCK_N 64
-#endif
-#ifndef KVT_CTX_ROWS_PER_WARP
-#define KVT_CTX_ROWS_PER_WARP 16
+#error "KVT_CTX_BLOCK_N must be defined (keys per tile)"
 #endif
 
 namespace {
@@ -50,9 +41,9 @@ using namespace kvt;
 
 constexpr int HEAD_DIM = KVT_HEAD_DIM;
 constexpr int TOKENS_PER_BLOCK = KVT_TOKENS_PER_BLOCK;
-constexpr int NUM_WARPS = KVT_CTX_NUM_WARPS;
+constexpr int NUM_WARPS = 4;
 constexpr int NUM_THREADS = 32 * NUM_WARPS;
-constexpr int ROWS_PER_WARP = KVT_CTX_ROWS_PER_WARP;
+constexpr int ROWS_PER_WARP = 32;
 constexpr int BLOCK_M = ROWS_PER_WARP * NUM_WARPS;  // query rows per CTA
 constexpr int BLOCK_N = KVT_CTX_BLOCK_N;  // keys per tile
 // Shared-memory rows are padded by 16 bytes: the 8 row addresses of one ldmatrix phase then fall
@@ -66,8 +57,6 @@ constexpr int O_TILES = HEAD_DIM / 8;        // n8 tiles of O per warp
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
 static_assert((TOKENS_PER_BLOCK & (TOKENS_PER_BLOCK - 1)) == 0, "tokens_per_block must be a power of two");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16, "BLOCK_N must be a multiple of 16");
-static_assert(ROWS_PER_WARP == 16 || (ROWS_PER_WARP == 32 && NUM_WARPS == 4),
-              "16 rows per warp (4 or 8 warps) or 32 rows per warp (4 warps)");
 
 struct SharedStorage {
   half_bits q[BLOCK_M * SMEM_ROW];
@@ -84,251 +73,11 @@ static_assert(sizeof(SharedStorage) == KVT_CTX_SMEM_BYTES, "launcher and kernel 
 
 }  // namespace
 
-#if KVT_CTX_ROWS_PER_WARP == 16
-
-// grid: (ceil(max_query_len / BLOCK_M), num_heads, num_context_seqs); block: NUM_THREADS;
-// dynamic shared memory: sizeof(SharedStorage).
-extern "C" __global__ void __launch_bounds__(NUM_THREADS) kvt_paged_context_attention(
-    const half_bits* __restrict__ query, i64 q_token_stride, i64 q_head_stride,  // [num_tokens, num_heads, hd]
-    const half_bits* __restrict__ kv_cache, i64 block_stride, i64 kv_stride, i64 token_stride,
-    i64 head_stride,                                          // [num_blocks, 2, tpb, kvh, hd] strided
-    const int* __restrict__ block_tables, i64 block_table_stride,  // [num_seqs, max_blocks], -1 padded
-    const int* __restrict__ query_start_loc,                       // [num_seqs + 1]
-    const int* __restrict__ seq_lens,                              // [num_seqs]
-    half_bits* __restrict__ out, i64 out_token_stride, i64 out_head_stride,  // [num_tokens, num_heads, hd]
-    int num_heads, int num_kv_heads, float scale_log2, int sliding_window) {
-  extern __shared__ uint4 smem_raw[];
-  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
-
-  const int seq = blockIdx.z;
-  const int q_begin = query_start_loc[seq];
-  const int q_len = query_start_loc[seq + 1] - q_begin;
-  const int m0 = blockIdx.x * BLOCK_M;
-  if (m0 >= q_len) return;  // whole CTA: this request has fewer query tiles
-  const int seq_len = seq_lens[seq];
-  const int ctx_len = seq_len - q_len;  // tokens cached before this chunk
-  if (ctx_len < 0) return;              // inconsistent metadata: leave the output untouched
-  const int head = blockIdx.y;
-  const int kv_head = head / (num_heads / num_kv_heads);
-  const int rows = min(BLOCK_M, q_len - m0);
-
-  // Keys any query of this tile can see: [key_begin, key_end).
-  const int key_end = ctx_len + m0 + rows;
-  const int key_begin = sliding_window > 0 ? max(0, ctx_len + m0 - sliding_window + 1) : 0;
-  const int tile_begin = key_begin / BLOCK_N;
-  const int tile_end = (key_end + BLOCK_N - 1) / BLOCK_N;
-
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  const int group = lane >> 2;   // mma groupID: fragment row
-  const int quad = lane & 3;     // mma threadID_in_group: fragment column pair
-  const int mat = lane >> 3;     // ldmatrix: which 8x8 matrix this lane addresses
-  const int mat_row = lane & 7;  // ldmatrix: which row of it
-
-  const int* block_table = block_tables + static_cast<i64>(seq) * block_table_stride;
-  const half_bits* kv_head_base = kv_cache + static_cast<i64>(kv_head) * head_stride;
-
-  // ---- Q tile -> shared (rows past the request's queries are zero) ----
-  for (int idx = tid; idx < BLOCK_M * CHUNKS_PER_ROW; idx += NUM_THREADS) {
-    const int r = idx / CHUNKS_PER_ROW;
-    const int c = idx % CHUNKS_PER_ROW;
-    const bool valid = r < rows;
-    const half_bits* src = valid ? query + static_cast<i64>(q_begin + m0 + r) * q_token_stride +
-                                       static_cast<i64>(head) * q_head_stride + c * 8
-                                 : query;
-    cp_async_16(&smem.q[r * SMEM_ROW + c * 8], src, valid);
-  }
-  cp_async_commit();
-
-  // ---- K/V tile n -> shared buffer `buf` ----
-  auto load_kv_tile = [&](int n, int buf) {
-    for (int idx = tid; idx < BLOCK_N * CHUNKS_PER_ROW; idx += NUM_THREADS) {
-      const int r = idx / CHUNKS_PER_ROW;
-      const int c = idx % CHUNKS_PER_ROW;
-      const int key = n * BLOCK_N + r;
-      const int block = key < seq_len ? block_table[key / TOKENS_PER_BLOCK] : -1;
-      const bool valid = block >= 0;
-      const half_bits* src = kv_head_base;
-      if (valid) {
-        src = kv_head_base + static_cast<i64>(block) * block_stride +
-              static_cast<i64>(key % TOKENS_PER_BLOCK) * token_stride + c * 8;
-      }
-      cp_async_16(&smem.k[buf][r * SMEM_ROW + c * 8], src, valid);
-      cp_async_16(&smem.v[buf][r * SMEM_ROW + c * 8], valid ? src + kv_stride : src, valid);
-      if (c == 0) smem.key_ok[buf][r] = valid ? 1 : 0;
-    }
-  };
-
-  load_kv_tile(tile_begin, 0);
-  cp_async_commit();
-
-  unsigned q_frag[K_STEPS][4];
-  float acc[O_TILES][4];
-#pragma unroll
-  for (int i = 0; i < O_TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  // Running max (log2 domain) and partial row sums for rows `group` and `group + 8` of this warp.
-  float row_max[2] = {neg_inf(), neg_inf()};
-  float row_sum[2] = {0.f, 0.f};
-  const int pos0 = ctx_len + m0 + warp * 16 + group;  // position of this thread's first row
-  const int pos1 = pos0 + 8;
-
-  for (int n = tile_begin; n < tile_end; ++n) {
-    const int buf = (n - tile_begin) & 1;
-    if (n + 1 < tile_end) {
-      load_kv_tile(n + 1, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();  // everything but the tile just issued has landed
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-
-    if (n == tile_begin) {
-#pragma unroll
-      for (int kk = 0; kk < K_STEPS; ++kk) {
-        // matrices: 0 = rows 0-7 / k 0-7, 1 = rows 8-15 / k 0-7, 2 = rows 0-7 / k 8-15, 3 = rows 8-15 / k 8-15
-        const half_bits* p = &smem.q[(warp * 16 + (mat & 1) * 8 + mat_row) * SMEM_ROW + kk * 16 + (mat >> 1) * 8];
-        ldmatrix_x4(q_frag[kk][0], q_frag[kk][1], q_frag[kk][2], q_frag[kk][3], p);
-      }
-    }
-
-    // ---- S = Q K^T for this warp's 16 rows x BLOCK_N keys ----
-    float s[S_TILES][4];
-#pragma unroll
-    for (int i = 0; i < S_TILES; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) {
-#pragma unroll
-      for (int np = 0; np < S_TILES / 2; ++np) {
-        // matrices: 0 = keys 0-7 / dims 0-7, 1 = keys 0-7 / dims 8-15, 2 = keys 8-15 / dims 0-7, 3 = keys 8-15 / dims 8-15
-        const half_bits* p =
-            &smem.k[buf][(np * 16 + (mat >> 1) * 8 + mat_row) * SMEM_ROW + kk * 16 + (mat & 1) * 8];
-        unsigned b0, b1, b2, b3;
-        ldmatrix_x4(b0, b1, b2, b3, p);
-        mma_16816(s[2 * np], q_frag[kk][0], q_frag[kk][1], q_frag[kk][2], q_frag[kk][3], b0, b1);
-        mma_16816(s[2 * np + 1], q_frag[kk][0], q_frag[kk][1], q_frag[kk][2], q_frag[kk][3], b2, b3);
-      }
-    }
-
-    // ---- mask, scale into the log2 domain, online softmax ----
-    // Interior tiles (every key real and visible to all 16 rows of this warp) skip the per-element
-    // mask: only tiles on the causal diagonal, the window edge or the sequence end pay for it.
-    const int tile_first_key = n * BLOCK_N;
-    const int tile_last_key = tile_first_key + BLOCK_N - 1;
-    const int warp_first_pos = ctx_len + m0 + warp * 16;
-    bool all_keys_ok = true;
-#pragma unroll
-    for (int r = lane; r < BLOCK_N; r += 32) all_keys_ok = all_keys_ok && smem.key_ok[buf][r];
-    const bool interior = __all_sync(0xffffffffu, all_keys_ok) && tile_last_key <= warp_first_pos &&
-                          (sliding_window <= 0 || tile_first_key > warp_first_pos + 15 - sliding_window);
-    float tile_max[2] = {row_max[0], row_max[1]};
-    if (interior) {
-#pragma unroll
-      for (int i = 0; i < S_TILES; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[i][e] *= scale_log2;
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[i][e]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < S_TILES; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = i * 8 + quad * 2 + (e & 1);
-          const int key = tile_first_key + col;
-          const int pos = e < 2 ? pos0 : pos1;
-          const bool visible =
-              smem.key_ok[buf][col] && key <= pos && (sliding_window <= 0 || key > pos - sliding_window);
-          s[i][e] = visible ? s[i][e] * scale_log2 : neg_inf();
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[i][e]);
-        }
-      }
-    }
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      // The 4 threads of a group hold the same two rows: reduce across them.
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (no inf - inf).
-      const float base = tile_max[r] == neg_inf() ? 0.f : tile_max[r];
-      alpha[r] = fast_exp2(row_max[r] - base);  // exp2(-inf) = 0 on the first visible tile
-      row_max[r] = tile_max[r];
-      row_sum[r] *= alpha[r];
-      tile_max[r] = base;
-    }
-#pragma unroll
-    for (int i = 0; i < S_TILES; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[i][e] = fast_exp2(s[i][e] - tile_max[e >> 1]);
-        row_sum[e >> 1] += s[i][e];
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < O_TILES; ++i) {
-      acc[i][0] *= alpha[0];
-      acc[i][1] *= alpha[0];
-      acc[i][2] *= alpha[1];
-      acc[i][3] *= alpha[1];
-    }
-
-    // ---- O += P V: the S accumulators of two adjacent n8 tiles are one A fragment ----
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      const unsigned a0 = pack2(s[2 * kk][0], s[2 * kk][1]);
-      const unsigned a1 = pack2(s[2 * kk][2], s[2 * kk][3]);
-      const unsigned a2 = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      const unsigned a3 = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int dp = 0; dp < O_TILES / 2; ++dp) {
-        // transposed matrices: 0 = keys 0-7 / dims 0-7, 1 = keys 8-15 / dims 0-7,
-        //                      2 = keys 0-7 / dims 8-15, 3 = keys 8-15 / dims 8-15
-        const half_bits* p =
-            &smem.v[buf][(kk * 16 + (mat & 1) * 8 + mat_row) * SMEM_ROW + dp * 16 + (mat >> 1) * 8];
-        unsigned b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3, p);
-        mma_16816(acc[2 * dp], a0, a1, a2, a3, b0, b1);
-        mma_16816(acc[2 * dp + 1], a0, a1, a2, a3, b2, b3);
-      }
-    }
-    __syncthreads();  // everyone is done with `buf` before the next iteration refills it
-  }
-
-  // ---- normalize and store ----
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
-  const float inv0 = row_sum[0] > 0.f ? 1.f / row_sum[0] : 0.f;
-  const float inv1 = row_sum[1] > 0.f ? 1.f / row_sum[1] : 0.f;
-  const int r0 = warp * 16 + group;
-  const int r1 = r0 + 8;
-  half_bits* out_head = out + static_cast<i64>(head) * out_head_stride + quad * 2;
-  if (r0 < rows) {
-    half_bits* dst = out_head + static_cast<i64>(q_begin + m0 + r0) * out_token_stride;
-#pragma unroll
-    for (int i = 0; i < O_TILES; ++i)
-      *reinterpret_cast<unsigned*>(dst + i * 8) = pack2(acc[i][0] * inv0, acc[i][1] * inv0);
-  }
-  if (r1 < rows) {
-    half_bits* dst = out_head + static_cast<i64>(q_begin + m0 + r1) * out_token_stride;
-#pragma unroll
-    for (int i = 0; i < O_TILES; ++i)
-      *reinterpret_cast<unsigned*>(dst + i * 8) = pack2(acc[i][2] * inv1, acc[i][3] * inv1);
-  }
-}
-
-#else  // KVT_CTX_ROWS_PER_WARP == 32
-// grid: (ceil(max_query_len / BLOCK_M), num_heads, num_context_seqs) as in the default variant, but
-// the CTA's (query tile, head, request) comes from its linear launch index: heads vary fastest
-// (the query heads of one GQA group run side by side and share K/V in L2), query tiles slowest and
-// reversed, so the tiles with the most keys (the last ones under the causal mask) launch first and
-// the short ones fill in the tail. block: 128 threads; dynamic shared memory: sizeof(SharedStorage).
+// grid: (ceil(max_query_len / BLOCK_M), num_heads, num_context_seqs), but the CTA's (query tile,
+// head, request) comes from its linear launch index: heads vary fastest (the query heads of one GQA
+// group run side by side and share K/V in L2), query tiles slowest and reversed, so the tiles with
+// the most keys (the last ones under the causal mask) launch first and the short ones fill in the
+// tail. block: 128 threads; dynamic shared memory: sizeof(SharedStorage).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_attention(
     const half_bits* __restrict__ query, i64 q_token_stride, i64 q_head_stride,  // [num_tokens, num_heads, hd]
     const half_bits* __restrict__ kv_cache, i64 block_stride, i64 kv_stride, i64 token_stride,
@@ -609,4 +358,3 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_a
     }
   }
 }
-#endif

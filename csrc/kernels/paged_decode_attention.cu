@@ -301,7 +301,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) kvt_paged_decode_atten
 }
 
 // Combines the partitions of each (decode request, query head): weights l_s * 2^(m_s - M).
-// grid: (num_heads, num_decode_seqs); block: HEAD_DIM.
+// grid: (num_heads, num_decode_seqs); block: HEAD_DIM. A sequence of seq_len 0 (a CUDA graph's
+// padding slot) has no partition and no output row: nothing is written for it.
 extern "C" __global__ void __launch_bounds__(HEAD_DIM) kvt_paged_decode_reduce(
     const float* __restrict__ partial_out, const float* __restrict__ partial_max,
     const float* __restrict__ partial_sum, const int* __restrict__ query_start_loc,
@@ -312,14 +313,19 @@ extern "C" __global__ void __launch_bounds__(HEAD_DIM) kvt_paged_decode_reduce(
   const int seq = seq_offset + decode_index;
   const int d = threadIdx.x;
   const int seq_len = seq_lens[seq];
+  if (seq_len <= 0) return;
   const int used = min(num_partitions, (seq_len + PARTITION_SIZE - 1) / PARTITION_SIZE);
   const i64 base = (static_cast<i64>(decode_index) * num_heads + head) * num_partitions;
 
+  // Small partitions at small batch mean many partials (64 for a 4k sequence in 64-key partitions):
+  // unrolled, their independent loads are in flight together instead of one latency each.
   float global_max = neg_inf();
+#pragma unroll 4
   for (int s = 0; s < used; ++s)
     if (partial_sum[base + s] > 0.f) global_max = fmaxf(global_max, partial_max[base + s]);
   float numerator = 0.f;
   float denominator = 0.f;
+#pragma unroll 4
   for (int s = 0; s < used; ++s) {
     const float l = partial_sum[base + s];
     if (l > 0.f) {  // empty partitions (before the window) carry no weight and are never read

@@ -1,6 +1,6 @@
 """`kvtool bench --endpoint URL`: the bench's replay against any OpenAI-compatible server.
 
-EndpointEngine is a BenchEngine (kvtool.bench.interface) whose requests run on a server: the
+EndpointEngine is a TargetEngine (kvtool.bench.target) whose requests run on a server: the
 Replayer hands it requests exactly as it hands them to kvtool's engine (sequential, concurrency,
 Poisson arrivals, session turns), and each is sent as a streamed completion. A client thread runs
 the HTTP streams on an asyncio loop (kvtool.bench.http_stream); ``step`` returns the requests that
@@ -30,7 +30,9 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import httpx  # the untimed requests: /v1/models, /metrics
@@ -40,8 +42,9 @@ from kvtool.bench.http_stream import HttpError, StreamingClient, StreamResponse
 from kvtool.config import check
 from kvtool.errors import KvtoolError
 from kvtool.models.tokenizer import ByteLevelTokenizer
+from kvtool.reports.cache_counters import COUNTERS
+from kvtool.runtime.clock import WALL_CLOCK
 from kvtool.runtime.request import Request
-from kvtool.serve.metrics import COUNTERS
 
 API_KINDS = ("completions", "chat")
 # /v1/models' owned_by of servers that accept return_token_ids (and kvtool's priority / cache counters).
@@ -151,7 +154,7 @@ def list_models(options: EndpointOptions, ssl_context=None) -> list[dict[str, An
 
 
 class EndpointEngine:
-    """A BenchEngine over HTTP (see the module docstring). ``timed``: requests fall due while others run
+    """A TargetEngine over HTTP (see the module docstring). ``timed``: requests fall due while others run
     (Poisson arrivals, arrival times), so ``step`` returns every ``poll_s`` for the replay to issue them;
     otherwise it waits for a request to finish."""
 
@@ -180,7 +183,7 @@ class EndpointEngine:
     def _on_loop(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    # -- BenchEngine ------------------------------------------------------------------------
+    # -- TargetEngine ------------------------------------------------------------------------
     def request_problem(self, request: Request) -> str | None:
         line = request.line
         if self.options.api == "chat" and (line is None or line.input_ids is not None):
@@ -392,11 +395,15 @@ class EndpointEngine:
 
 
 class EndpointLLM:
-    """What run_bench needs (kvtool.bench.interface.BenchLLM) for a server: its engine, a tokenizer
-    for the replay's bookkeeping of text prompts (they are sent as text), no plan or pools."""
+    """A server as a bench target (kvtool.bench.target.Target): its engine, a tokenizer for the replay's
+    bookkeeping of text prompts (they are sent as text), the wall clock; no configuration, plan or pools
+    of its own to report (the server's are configured where it runs)."""
 
+    config = None
     plan = None
     pool_sizes = None
+    report_columns: Mapping[str, object] = MappingProxyType({})  # none beyond the plan's, pools' and device's
+    clock = WALL_CLOCK
 
     def __init__(self, options: EndpointOptions, *, timed: bool) -> None:
         ssl_context = options.access.ssl_context(options.base_url)
@@ -409,6 +416,7 @@ class EndpointLLM:
         owned_by = str(next(m for m in models if str(m.get("id")) == name).get("owned_by") or "unknown")
         self.options = options
         self.served_model = name
+        self.endpoint = options.base_url
         self.engine_name = f"{owned_by}@endpoint"
         self.device_description = f"endpoint: {owned_by} at {options.base_url}, model {name}"
         # Text prompts are sent as text: these ids only count them before the server reports its own.

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvtool.bench.interface import BenchEngine
+from kvtool.bench.target import TargetEngine
 from kvtool.errors import DatasetError
 from kvtool.runtime.request import Request
 
 MAX_LISTED = 5  # problems listed in the error; the rest are counted
 
 
-def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[str]:
+def request_problems(requests: Sequence[Request], engine: TargetEngine) -> list[str]:
     """'<file> line N: why' for every request the engine would refuse, in dataset order."""
     problems = []
     history: dict[str, int] = {}  # session_id -> tokens of its last turn's prompt and answer
@@ -27,10 +27,14 @@ def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[s
         if session_id in history:
             # The answers' token values are unknown before the run; their number is not.
             prompt = [0] * history[session_id] + list(request.prompt_token_ids)
-            problem = engine.request_problem(replace(request, prompt_token_ids=prompt, extra_ids=None))
+            checked = replace(request, prompt_token_ids=prompt, extra_ids=None)
         else:
             prompt = request.prompt_token_ids
-            problem = engine.request_problem(request)
+            checked = request
+        try:
+            problem = engine.request_problem(checked)
+        except (ValueError, OverflowError) as error:  # ids the engine cannot even convert: still this line's
+            problem = str(error)
         if problem is not None:
             problems.append(f"{request.where}: {problem}")
         if session_id is not None:
@@ -38,7 +42,7 @@ def request_problems(requests: Sequence[Request], engine: BenchEngine) -> list[s
     return problems
 
 
-def check_requests(requests: Sequence[Request], engine: BenchEngine, *, source: str) -> None:
+def check_requests(requests: Sequence[Request], engine: TargetEngine, *, source: str) -> None:
     """Raises a DatasetError listing the first few requests that cannot run (nothing has run yet)."""
     problems = request_problems(requests, engine)
     if not problems:

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import yaml
 
-from kvtool.bench import generators
-from kvtool.bench.datasets import write_jsonl
-from kvtool.bench.config import FLAG_NAMES, BenchConfig
+from kvtool.workloads import generators
+from kvtool.workloads.datasets import write_jsonl
+from kvtool.config import ConfigError, EngineConfig, ReplayOptions
 from kvtool.errors import KvtoolError
+from kvtool.flags import FLAG_NAMES, configs
 
 DEFAULT_MODEL = "preset:tiny-llama"
 TOP_LEVEL_KEYS = ("name", "description", "model", "plan", "build", "dataset", "bench", "sweep", "repeat",
@@ -53,18 +54,31 @@ class DatasetSpec:
 
 @dataclass(frozen=True)
 class Variant:
-    """One run of a scenario: where the plan comes from, the dataset and the bench flags."""
+    """One run of a scenario: where the plan comes from, the dataset and the configuration its bench flags
+    ask for (the engine's, and the replay's)."""
 
     label: str
     model: str | None                # a preset/checkpoint to build (None: `plan` is used as is)
     plan: Path | None
     build: Mapping[str, object]      # BuildOptions fields for `model`
     dataset: DatasetSpec
-    config: BenchConfig
+    engine: EngineConfig
+    replay: ReplayOptions
 
     @property
     def plan_source(self) -> str:
         return str(self.plan) if self.plan is not None else str(self.model)
+
+    def build_options(self, *, dtype: str | None = None):
+        """The BuildOptions its `model:` is built with: its `build:` section, with ``dtype`` (default: this
+        device's) when the section names none."""
+        from kvtool.plan import BuildOptions
+
+        if dtype is None and "dtype" not in self.build:
+            from kvtool.runtime.device import default_dtype  # torch: only when a model is built here
+
+            dtype = default_dtype()
+        return BuildOptions(**{"dtype": dtype, **self.build})
 
 
 @dataclass(frozen=True)
@@ -150,7 +164,7 @@ def _dataset_spec(check: _Checker, raw, where: str, base_dir: Path) -> DatasetSp
 
 def _default_build_limits() -> dict[str, int]:
     """The runtime limits a plan built with default BuildOptions admits."""
-    from kvtool.plan.options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
+    from kvtool.plan.build_options import DEFAULT_MAX_SEQ_LEN_CAP, BuildOptions
 
     defaults = BuildOptions()
     return {"max_batch_size": defaults.max_batch_size, "max_num_tokens": defaults.max_num_tokens,
@@ -250,7 +264,7 @@ def scenario_from_document(document, path: Path, *, sets: Sequence[str] = (), mo
     if dataset is not None:
         document["dataset"] = {"path": str(dataset)}
 
-    from kvtool.plan.options import BuildOptions  # torch loads only when a scenario is used
+    from kvtool.plan.build_options import BuildOptions  # torch loads only when a scenario is used
 
     flag_names = FLAG_NAMES
     build_keys = tuple(f.name for f in fields(BuildOptions))
@@ -292,15 +306,18 @@ def scenario_from_document(document, path: Path, *, sets: Sequence[str] = (), mo
             dataset_raw = override if replaces else _merged(dataset_raw, override)
         spec = _dataset_spec(check, dataset_raw, f"{where} dataset", path.parent)
         try:
-            config = BenchConfig.from_flags(flags)
+            engine, replay = configs(flags)
             if variant_plan is None:
-                BuildOptions(**build)
+                try:
+                    BuildOptions(**build)
+                except ConfigError as error:  # named as the file spells it: build.<option>
+                    raise ValueError(f"build.{error.field} {error.problem}") from None
             if spec.generator is not None:
                 generators.check_parameters(spec.generator, spec.parameters)
         except (TypeError, ValueError) as error:
             raise check.fail(where, str(error)) from None
         variants.append(Variant(label=label, model=variant_model, plan=Path(variant_plan) if variant_plan else None,
-                                build=build, dataset=spec, config=config))
+                                build=build, dataset=spec, engine=engine, replay=replay))
     counts = {}
     for key, default, minimum in (("repeat", 1, 1), ("warmup_rounds", 0, 0)):
         value = document.get(key, default)

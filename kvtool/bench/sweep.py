@@ -8,13 +8,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvtool.bench.datasets import Dataset, load_dataset
-from kvtool.bench.interface import BenchLLM
-from kvtool.bench.metrics import SummaryOptions
-from kvtool.bench.config import BenchConfig
-from kvtool.bench.report import SUMMARY_FILE, requests_file_name, write_summary_csv
 from kvtool.bench.runner import create_llm, run_bench
 from kvtool.bench.scenario import Scenario, Variant
+from kvtool.bench.target import Target
+from kvtool.config import EngineConfig, ReplayOptions
+from kvtool.reports.csv_report import SUMMARY_FILE, requests_file_name, write_summary_csv
+from kvtool.reports.metrics import SummaryOptions
+from kvtool.workloads.datasets import Dataset, load_dataset
 
 
 @dataclass
@@ -27,15 +27,6 @@ class SweepResult:
     failure: Exception | None = None  # the error that stopped the sweep, raised by the caller
 
 
-def variant_build_options(variant: Variant):
-    """The BuildOptions a variant's `model:` is built with: its `build:` section, the dtype the
-    device's when the section names none."""
-    from kvtool.plan import BuildOptions
-    from kvtool.runtime.device import default_dtype
-
-    return BuildOptions(**{"dtype": default_dtype(), **variant.build})
-
-
 def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -> str:
     """The plan directory of a variant: its `plan:` as is, else its `model:` built with its build options
     (kvtool.plan.resolve_model: built once per source and options, then reused from the cache)."""
@@ -43,11 +34,11 @@ def resolve_variant_plan(variant: Variant, plan_cache_dir: Path | None = None) -
         return str(variant.plan)
     from kvtool.plan import resolve_model
 
-    return str(resolve_model(variant.model, options=variant_build_options(variant), cache_dir=plan_cache_dir).path)
+    return str(resolve_model(variant.model, options=variant.build_options(), cache_dir=plan_cache_dir).path)
 
 
 def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | None = None,
-                 llm_factory: Callable[[str, BenchConfig, Dataset], BenchLLM] = create_llm,
+                 llm_factory: Callable[[str, EngineConfig, ReplayOptions, Dataset], Target] = create_llm,
                  plan_resolver: Callable[[Variant], str] = resolve_variant_plan,
                  summary: SummaryOptions = SummaryOptions()) -> SweepResult:
     """Runs every variant (``scenario.repeat`` times, alternating, after ``scenario.warmup_rounds``
@@ -80,7 +71,7 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
         try:
             if variant.label not in plan_dirs:
                 plan_dirs[variant.label] = plan_resolver(variant)
-            llm = llm_factory(plan_dirs[variant.label], variant.config, dataset)
+            llm = llm_factory(plan_dirs[variant.label], variant.engine, variant.replay, dataset)
         except KeyboardInterrupt:
             return SweepResult(rows, True, summary_csv)
         try:
@@ -91,7 +82,7 @@ def run_scenario(scenario: Scenario, output_dir: Path, *, console: Console | Non
                 config_columns["repeat"] = repeat
             name = variant.label if scenario.repeat == 1 else f"{variant.label}-{repeat}"
             requests_csv = output_dir / (requests_file_name(name) if repeat else f".warmup-{variant.label}.csv")
-            result = run_bench(llm, dataset, variant.config, label=variant.label, requests_csv=requests_csv,
+            result = run_bench(llm, dataset, variant.replay, label=variant.label, requests_csv=requests_csv,
                                config_columns=config_columns, console=console, summary=summary)
         finally:
             llm.shutdown()

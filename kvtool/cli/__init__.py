@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kvtool.cli.options import normalize_option
+from kvtool.cli.typer_options import normalize_option
 from kvtool.version import __version__, git_revision
 
 app = typer.Typer(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -10,22 +12,29 @@ import typer
 from rich.console import Console
 
 from kvtool.bench import runner, sweep
-from kvtool.bench.datasets import load_dataset
-from kvtool.bench.config import ENGINE_FLAG_NAMES, BenchConfig
-from kvtool.bench.metrics import SummaryOptions
-from kvtool.bench.report import output_paths, write_summary_csv
-from kvtool.bench.report_outputs import ReportOutputs
 from kvtool.bench.scenario import load_scenario
+from kvtool.bench.target import Target
 from kvtool.cli import app
-from kvtool.cli.errors import USER_ERRORS, print_error, user_errors
+from kvtool.cli.user_errors import USER_ERRORS, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli import engine_flags
-from kvtool.cli.options import flag, toggle
+from kvtool.cli.typer_options import flag, flags_of, with_flags
 from kvtool.cli.paths import check_writable_dir, check_writable_file
 from kvtool.config import ConfigError
+from kvtool.errors import KvtoolError
+from kvtool.files import FileWriteError
+from kvtool.flags import ENGINE_FLAG_NAMES, ENGINE_FLAGS, RUN_FLAGS, FlagValues, configs
+from kvtool.reports.csv_report import output_paths, write_summary_csv
+from kvtool.reports.metrics import SummaryOptions
+from kvtool.reports.outputs import ReportOutputs
+from kvtool.reports.summary_table import summary_table
+from kvtool.signals import StopRecord, stop_signals
+from kvtool.workloads.datasets import load_dataset
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_REQUESTS_FAILED = 3  # the run finished and its reports are written, but requests failed (see --allow_errors)
+ENDPOINT = "Endpoint"
+# What a single run gives back: its summary rows, whether it was cut short, the files written, the error
+# that stopped it (None: none did).
+RunOutcome = tuple[list[dict], bool, list[Path], Exception | None]
 
 
 def _default_label(plan: Path | None, model: str | None) -> str:
@@ -34,30 +43,10 @@ def _default_label(plan: Path | None, model: str | None) -> str:
     return str(model).removeprefix("preset:")
 
 
-ENDPOINT, WORKLOAD, OUTPUT, REPORT = "Endpoint", "Workload", "Output", "Report"
-
-
 @app.command(cls=KvtoolCommand)
+@with_flags
 def bench(
-    ctx: typer.Context,
-    plan: engine_flags.Plan = None,
-    model: engine_flags.Model = None,
-    tokens_per_block: engine_flags.TokensPerBlock = None,
-    plan_cache_dir: engine_flags.PlanCacheDir = None,
-    enable_kv_cache_reuse: engine_flags.EnableKvCacheReuse = None,
-    disable_kv_cache_reuse: engine_flags.DisableKvCacheReuse = None,
-    max_tokens_in_paged_kv_cache: engine_flags.MaxTokensInPagedKvCache = None,
-    kv_cache_free_gpu_mem_fraction: engine_flags.KvCacheFreeGpuMemFraction = None,
-    kv_host_cache_bytes: engine_flags.KvHostCacheBytes = None,
-    max_attention_window_size: engine_flags.MaxAttentionWindowSize = None,
-    scheduler_policy: engine_flags.SchedulerPolicy = None,
-    enable_chunked_context: engine_flags.EnableChunkedContext = None,
-    disable_chunked_context: engine_flags.DisableChunkedContext = None,
-    context_chunking_policy: engine_flags.ContextChunkingPolicy = None,
-    max_batch_size: engine_flags.MaxBatchSize = None,
-    max_num_tokens: engine_flags.MaxNumTokens = None,
-    max_seq_len: engine_flags.MaxSeqLen = None,
-    enforce_eager: engine_flags.EnforceEager = None,
+    engine: FlagValues = flags_of(ENGINE_FLAGS),
     endpoint: Annotated[str | None, flag("endpoint", "Replay against this OpenAI-compatible server instead "
                                          "(http://HOST:PORT: kvtool serve, trtllm-serve, vLLM, SGLang).",
                                          ENDPOINT)] = None,
@@ -71,73 +60,50 @@ def bench(
                                              "(repeatable).", ENDPOINT)] = None,
     ca_cert: Annotated[Path | None, flag("ca_cert", "A PEM file of the certificate authority that signed an https "
                                          "--endpoint's certificate (default: the system's).", ENDPOINT)] = None,
-    dataset: Annotated[Path | None, flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD)] = None,
-    config: Annotated[Path | None, flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.",
-                                        WORKLOAD)] = None,
-    set_: Annotated[list[str] | None, flag("set", "Override a scenario value: --set bench.max_batch_size=4 "
-                                            "(repeatable; needs --config).", WORKLOAD)] = None,
-    mode: Annotated[str | None, flag("mode", "offline (default: all queued at the start) | sequential (one at a "
-                                     "time).", WORKLOAD)] = None,
-    concurrency: Annotated[int | None, flag("concurrency", "Keep N requests in flight.", WORKLOAD)] = None,
-    request_rate: Annotated[float | None, flag("request_rate", "Poisson arrivals at R requests/s (seeded).",
-                                               WORKLOAD)] = None,
-    seed: Annotated[int | None, flag("seed", "Seed of the Poisson arrivals (default 0).", WORKLOAD)] = None,
-    warmup: Annotated[int | None, flag("warmup", "Run the first N dataset requests first, uncounted.",
-                                       WORKLOAD)] = None,
-    warmup_counts_in_stats: Annotated[bool | None, toggle(
-        "warmup_counts_in_stats", "Keep the warm-up's cache counters (default: reset after warm-up).",
-        WORKLOAD)] = None,
-    num_requests: Annotated[int | None, flag("num_requests", "Measure at most N requests.", WORKLOAD)] = None,
-    output: Annotated[Path | None, flag("output", "Output directory or summary .csv path (default "
-                                        "results/<dataset or scenario>-<time>).", OUTPUT)] = None,
-    label: Annotated[str | None, flag("label", "Variant name in the reports (default: the plan/preset name).",
-                                      OUTPUT)] = None,
-    percentiles: Annotated[str | None, flag("percentiles", "More latency percentiles: --percentiles 95,99.9 (p50, "
-                                            "p90 and p99 are always reported).", REPORT)] = None,
-    slo: Annotated[str | None, flag("slo", "Service-level objectives, e.g. --slo ttft=500ms,tpot=50ms (also e2e; "
-                                    "ms or s): report the share of requests meeting all of them, and goodput.",
-                                    REPORT)] = None,
-    report_json: Annotated[Path | None, flag("report_json", "Also write the summary as JSON to this file.",
-                                             REPORT)] = None,
-    html: Annotated[bool | None, toggle("html", "Also write report.html beside the CSVs: tables, plots and miss "
-                                        "reasons in one self-contained page.", REPORT)] = None,
-    allow_errors: Annotated[bool | None, toggle("allow_errors", "Exit 0 when requests failed (default: exit 3 once "
-                                                "the reports are written).", OUTPUT)] = None,
+    run: FlagValues = flags_of(RUN_FLAGS),
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
-    # The parameters named as bench flags are the flags (kvtool.bench.config.FLAGS maps them).
+    flags = engine | run
     console = Console(stderr=True)
-    try:
+    with stop_signals() as stop, stopped_early(console, stop):  # SIGTERM stops as Ctrl-C does
         with user_errors():
-            flags = engine_flags.engine_flag_values(ctx.params)
-            reporting = report_outputs(ctx.params)
-            if plan is not None and model is not None:
-                raise ValueError("give --plan DIR or --model preset:NAME, not both")
+            reporting = report_outputs(flags)
+            check_plan_or_model(flags)
             endpoint_options = _endpoint_options(endpoint, api, served_model, api_key, header, ca_cert)
             if endpoint_options is not None:
-                rows, interrupted, written, failure = _run_endpoint(
-                    endpoint_options, plan, model, config, dataset, output, label, flags, console,
-                    summary=reporting.summary)
-            elif config is not None:
-                if label is not None:
-                    raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
-                rows, interrupted, written, failure = _run_scenario(config, set_ or [], plan, model, dataset,
-                                                                    output, flags, plan_cache_dir, console,
+                rows, interrupted, written, failure = _run_endpoint(endpoint_options, flags, console,
                                                                     summary=reporting.summary)
+            elif flags["config"] is not None:
+                if flags["label"] is not None:
+                    raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
+                rows, interrupted, written, failure = run_scenario(flags, console, summary=reporting.summary)
             else:
-                if set_:
+                if flags["set"]:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
-                rows, interrupted, written, failure = _run_single(plan, model, dataset, output, label, flags,
-                                                                  plan_cache_dir, console, summary=reporting.summary)
+                rows, interrupted, written, failure = run_single(flags, console, summary=reporting.summary)
+    report_run(rows, interrupted, written, failure, console, reporting=reporting, stop=stop)
+    _exit_if_requests_failed(rows, written, flags["allow_errors"], console)
+
+
+def check_plan_or_model(flags: FlagValues) -> None:
+    if flags["plan"] is not None and flags["model"] is not None:
+        raise ValueError("give --plan DIR or --model preset:NAME, not both")
+
+
+@contextlib.contextmanager
+def stopped_early(console: Console, stop: StopRecord) -> Iterator[None]:
+    """Ctrl-C or SIGTERM that ends the block (before any request finished: a run that started returns
+    its summary instead): says so, and exits 130 or 143 (128 + the signal's number)."""
+    try:
+        yield
     except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    report_run(rows, interrupted, written, failure, console, reporting=reporting)
-    _exit_if_requests_failed(rows, written, allow_errors, console)
+        console.print(f"[bold yellow]interrupted[/] ({stop.name}) before any request finished: nothing written; "
+                      f"exit code {stop.exit_code}", highlight=False)
+        raise typer.Exit(stop.exit_code) from None
 
 
 def report_outputs(params) -> ReportOutputs:
-    """The reporting flags of a bench or simulate command (its parameters by name), checked before anything
+    """The reporting flags of a bench or simulate command (its flags by name), checked before anything
     runs: a bad --percentiles or --slo, or a --report_json that cannot be written, is a user error."""
     reporting = ReportOutputs.from_flags(percentiles=params.get("percentiles"), slo=params.get("slo"),
                                          report_json=params.get("report_json"), html=params.get("html"))
@@ -147,17 +113,20 @@ def report_outputs(params) -> ReportOutputs:
 
 
 def report_run(rows, interrupted, written, failure, console: Console, *, more_tables=None,
-               reporting: ReportOutputs | None = None) -> None:
-    """After a run: the summary table (and ``more_tables(rows, console)``'s), the files written (with
+               reporting: ReportOutputs | None = None, title: str = "kvtool bench summary",
+               stop: StopRecord | None = None) -> None:
+    """After a run: the summary table (``title``; and ``more_tables(rows, console)``'s), the files written (with
     ``reporting``: the JSON and HTML reports too), and how it ended (an error that stopped it is
-    raised, Ctrl-C exits 130)."""
+    raised; Ctrl-C exits 130, SIGTERM 143)."""
+    stop = stop or StopRecord()
     if not rows:
-        console.print("[bold yellow]interrupted[/] before any variant finished: nothing written")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        console.print(f"[bold yellow]interrupted[/] ({stop.name}) before any variant finished: nothing written; "
+                      f"exit code {stop.exit_code}", highlight=False)
+        raise typer.Exit(stop.exit_code)
     # Wide enough for every variant's numbers (a sweep has many columns): at least the terminal's width.
     width = 36 + sum(max(len(str(row.get("label", ""))) + 14, 16) for row in rows)
     wide = Console(width=max(Console().width, width))
-    wide.print(runner.summary_table(rows))
+    wide.print(summary_table(rows, title=title))
     if more_tables is not None:
         written = written + more_tables(rows, wide)
     report_error = None
@@ -168,14 +137,14 @@ def report_run(rows, interrupted, written, failure, console: Console, *, more_ta
     if report_error is not None:
         print_error(report_error)
     if failure is not None:
-        console.print("[bold red]stopped by an error[/]: the reports hold the requests that finished "
-                      "(summary marked interrupted=True, run_error says why)")
+        console.print("[bold red]stopped by an error[/]: the table above and the files written hold the requests "
+                      "that finished (a summary written says interrupted=True, run_error says why)")
         with user_errors():
             raise failure
     if interrupted:
-        console.print("[bold yellow]interrupted[/]: the reports hold the requests that finished "
-                      "(summary marked interrupted=True)")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        console.print(f"[bold yellow]interrupted[/] ({stop.name}): the reports hold the requests that finished "
+                      f"(summary marked interrupted=True); exit code {stop.exit_code}", highlight=False)
+        raise typer.Exit(stop.exit_code)
     if report_error is not None:
         raise typer.Exit(2)
 
@@ -189,26 +158,59 @@ def _write_reports(reporting: ReportOutputs, rows, written):
         return written, error
 
 
-def _run_single(plan, model, dataset, output, label, flags, plan_cache_dir, console, llm_factory=None,
-                summary: SummaryOptions = SummaryOptions()):
-    if dataset is None:
+def run_single(flags: FlagValues, console: Console, llm_factory=None,
+               summary: SummaryOptions = SummaryOptions()) -> RunOutcome:
+    """--dataset replayed once through an LLM of --plan or --model (``llm_factory``, as
+    kvtool.bench.runner.create_llm; `kvtool simulate` passes its own)."""
+    plan, model = flags["plan"], flags["model"]
+    if flags["dataset"] is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
     if plan is None and model is None:
         raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
-    config = BenchConfig.from_flags(flags)
-    _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
-    data = load_dataset(dataset)
-    summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
     llm_factory = llm_factory or runner.create_llm  # looked up now: tests swap it
-    llm = llm_factory(str(plan if plan is not None else model), config, data, cache_dir=plan_cache_dir)
+    source = str(plan if plan is not None else model)
+
+    def target(dataset, engine, replay) -> Target:
+        return llm_factory(source, engine, replay, dataset, cache_dir=flags["plan_cache_dir"])
+
+    outcome, _ = _replay(flags, target, console, summary, default_label=lambda _: _default_label(plan, model),
+                         config_columns=lambda _: {"model": source,
+                                                   "label_source": "--label" if flags["label"] else "default"})
+    return outcome
+
+
+def _replay(flags: FlagValues, make_target: Callable, console: Console, summary: SummaryOptions, *,
+            default_label: Callable[[Target], str], config_columns: Callable[[Target], dict]):
+    """The one run of --dataset, in process or against a server: the target ``make_target(dataset, engine,
+    replay)`` makes, replayed into --output. Returns (RunOutcome, the run's BenchResult)."""
+    dataset = flags["dataset"]
+    engine, replay = configs(flags.config_flags())
+    default_output = runner.default_output_dir(Path(dataset).stem)
+    _check_output(flags["output"], default_output, single_run=True)
+    data = load_dataset(dataset)
+    summary_csv, requests_csv = output_paths(flags["output"] or default_output)
+    target = make_target(data, engine, replay)
     try:
-        result = runner.run_bench(llm, data, config, label=label or _default_label(plan, model),
+        result = runner.run_bench(target, data, replay, label=flags["label"] or default_label(target),
                                   requests_csv=requests_csv, console=console, summary=summary,
-                                  config_columns={"model": str(plan if plan is not None else model)})
+                                  config_columns=config_columns(target))
     finally:
-        llm.shutdown()
-    write_summary_csv(summary_csv, [result.row])
-    return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
+        target.shutdown()
+    written, failure = _write_summary(summary_csv, [result.row], requests_csv, result.failure)
+    return ([result.row], result.interrupted, written, failure), result
+
+
+def _write_summary(summary_csv: Path, rows, requests_csv: Path, failure):
+    """(files written, the error to report): a summary that cannot be written (a full disk) is an error
+    beside the run's own, and its figures stay on the screen."""
+    try:
+        write_summary_csv(summary_csv, rows)
+    except FileWriteError as error:
+        if failure is None:
+            return [requests_csv], error
+        return [requests_csv], (failure.joined(error) if isinstance(failure, FileWriteError)
+                                else KvtoolError(f"{failure}; {error}"))
+    return [requests_csv, summary_csv], failure
 
 
 # EndpointOptions' and EndpointAccess' fields -> their flags (the key's: where it came from).
@@ -240,39 +242,32 @@ def _endpoint_options(endpoint, api, served_model, api_key, headers, ca_cert):
         raise ValueError(f"{name} {error.problem}") from None
 
 
-def _run_endpoint(options, plan, model, config, dataset, output, label, flags, console,
-                  summary: SummaryOptions = SummaryOptions()):
+def _run_endpoint(options, flags: FlagValues, console: Console,
+                  summary: SummaryOptions = SummaryOptions()) -> RunOutcome:
     from kvtool.bench.endpoint import EndpointLLM
 
-    if plan is not None or model is not None or config is not None:
+    if flags["plan"] is not None or flags["model"] is not None or flags["config"] is not None:
         raise ValueError("--endpoint replays against a running server: leave out --plan, --model and --config "
                          "(the server serves its own model)")
-    engine_flags_given = [name for name in flags if name in ENGINE_FLAG_NAMES]
+    engine_flags_given = [name for name in flags.config_flags() if name in ENGINE_FLAG_NAMES]
     if engine_flags_given:
         raise ValueError(f"--{engine_flags_given[0]} configures kvtool's engine, but with --endpoint the server's own "
                          "configuration applies: give it to the server (e.g. kvtool serve) instead")
-    if dataset is None:
+    if flags["dataset"] is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) to replay against --endpoint")
-    bench_config = BenchConfig.from_flags(flags)
-    _check_output(output, runner.default_output_dir(Path(dataset).stem), single_run=True)
-    data = load_dataset(dataset)
-    summary_csv, requests_csv = output_paths(output or runner.default_output_dir(Path(dataset).stem))
-    # Timed arrivals need the replay to wake while requests run; otherwise it waits for the server.
-    timed = bench_config.replay.request_rate is not None or any(r.arrival_time_s is not None for r in data.records)
-    llm = EndpointLLM(options, timed=timed)
-    try:
-        result = runner.run_bench(llm, data, bench_config, label=label or f"{llm.served_model}@endpoint",
-                                  requests_csv=requests_csv, console=console, engine_name=llm.engine_name,
-                                  endpoint=options.base_url, summary=summary,
-                                  config_columns={"model": llm.served_model, "api": options.api})
-    finally:
-        llm.shutdown()
+
+    def target(dataset, engine, replay) -> Target:
+        # Timed arrivals need the replay to wake while requests run; otherwise it waits for the server.
+        timed = replay.request_rate is not None or any(r.arrival_time_s is not None for r in dataset.records)
+        return EndpointLLM(options, timed=timed)
+
+    outcome, result = _replay(flags, target, console, summary, default_label=lambda llm: f"{llm.served_model}@endpoint",
+                              config_columns=lambda llm: {"model": llm.served_model, "api": options.api})
     if result.row.get("num_requests") and result.row.get("token_hit_rate") is None:
         console.print(f"note: the server at {options.url} reported no cached tokens (usage.prompt_tokens_details): "
                       "the token hit rate is unknown (vLLM reports them with --enable-prompt-tokens-details, SGLang with "
                       "--enable-cache-report)", highlight=False, soft_wrap=True)
-    write_summary_csv(summary_csv, [result.row])
-    return [result.row], result.interrupted, [requests_csv, summary_csv], result.failure
+    return outcome
 
 
 def _exit_if_requests_failed(rows, written, allow_errors, console: Console) -> None:
@@ -280,7 +275,7 @@ def _exit_if_requests_failed(rows, written, allow_errors, console: Console) -> N
     --allow_errors (the reports are written by then)."""
     from rich.markup import escape
 
-    from kvtool.bench.request_errors import failed_requests
+    from kvtool.reports.request_errors import failed_requests
 
     request_files = {str(row.get("requests_csv")) for row in rows}
     failed = failed_requests(rows, [path for path in written if Path(path).name in request_files])
@@ -308,17 +303,20 @@ def _check_output(output: Path | None, default: Path, *, single_run: bool) -> No
         check_writable_dir(path, flag)
 
 
-def _run_scenario(config, sets, plan, model, dataset, output, flags, plan_cache_dir, console,
-                  llm_factory=None, scenario=None, plan_resolver=None, summary: SummaryOptions = SummaryOptions()):
+def run_scenario(flags: FlagValues, console: Console, llm_factory=None, scenario=None, plan_resolver=None,
+                 summary: SummaryOptions = SummaryOptions()) -> RunOutcome:
     """A scenario file's variants (or ``scenario``, made from the command line) into one output directory."""
+    output = flags["output"]
     if scenario is None:
-        scenario = load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags)
+        scenario = load_scenario(flags["config"], sets=flags["set"] or [], model=flags["model"], plan=flags["plan"],
+                                 dataset=flags["dataset"], bench_overrides=flags.config_flags())
     output_dir = Path(output) if output is not None else runner.default_output_dir(scenario.name)
     if output_dir.suffix.lower() == ".csv":
         raise ValueError(f"--output {output_dir}: a scenario writes several files; give a directory")
     _check_output(output, output_dir, single_run=False)
+    cache_dir = flags["plan_cache_dir"]
     result = sweep.run_scenario(scenario, output_dir, console=console, llm_factory=llm_factory or runner.create_llm,
-                                plan_resolver=plan_resolver or (lambda v: sweep.resolve_variant_plan(v, plan_cache_dir)),
+                                plan_resolver=plan_resolver or (lambda v: sweep.resolve_variant_plan(v, cache_dir)),
                                 summary=summary)
     written = [output_dir / row["requests_csv"] for row in result.rows] + [result.summary_csv]
     return result.rows, result.interrupted, written, result.failure

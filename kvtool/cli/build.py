@@ -12,11 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import either, flag, toggle
+from kvtool.cli.typer_options import either, flag, toggle
 from kvtool.cli.paths import check_replaceable_dir
-from kvtool.plan.options import BuildOptions
+from kvtool.plan.build_options import BuildOptions
 from kvtool.units import format_bytes
 
 DEFAULTS = BuildOptions()  # the flags' defaults are BuildOptions'

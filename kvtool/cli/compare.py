@@ -8,13 +8,14 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from kvtool.bench.compare import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
+from kvtool.reports.compare_table import (compare_rows, format_metric, format_ratio, format_spread, load_variants,
                                   plot_ttft, setup_differences, verdicts)
-from kvtool.bench.report import write_summary_csv
+from kvtool.reports.csv_report import write_summary_csv
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.paths import check_writable_file
 
@@ -60,9 +61,9 @@ def _status_note(variant) -> str:
 
 
 def _write_html(path: Path, rows, variants) -> Path:
-    """The comparison as one self-contained HTML page (kvtool.bench.html_report.compare_page): the lines
+    """The comparison as one self-contained HTML page (kvtool.reports.html.compare_page): the lines
     printed around the table, the table, the TTFT plot, missed blocks by reason, errors, every column."""
-    from kvtool.bench.html_report import compare_page, write_html
+    from kvtool.reports.html import compare_page, write_html
 
     recorder = Console(record=True, file=io.StringIO(), width=100_000)
     _print_setup(recorder, variants)
@@ -78,21 +79,26 @@ def _print_setup(console: Console, variants) -> None:
     if same:
         console.print("same for all: " + "; ".join(f"{name} {value}" for name, value in same), highlight=False,
                       soft_wrap=True)
+    # Names made of what differs say which value is whose: then the values alone, in column order.
+    named = not all(v.name_from_config for v in variants)
     for name, values in different:
-        shown = ", ".join(f"{v.name}: {value or '?'}" for v, value in zip(variants, values))
-        console.print(f"[yellow]differs[/]: {name} ({shown})", highlight=False, soft_wrap=True)
+        shown = ", ".join(f"{v.name}: {value or '?'}" if named else (value or "?")
+                          for v, value in zip(variants, values))
+        console.print(f"[yellow]differs[/]: {name} ({escape(shown)})", highlight=False, soft_wrap=True)
 
 
 @app.command(cls=KvtoolCommand)
 def compare(
-    reports: Annotated[list[Path], typer.Argument(help="Summary CSVs (a row per variant, or per run of a repeated "
-                                                  "variant) and/or per-request CSVs.", show_default=False)],
+    reports: Annotated[list[Path], typer.Argument(help="Run or scenario directories (kvtool bench --output), summary "
+                                                  "CSVs (a row per variant, or per run of a repeated variant) and/or "
+                                                  "per-request CSVs.", show_default=False)],
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the TTFT distributions.")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Also write the table as CSV.")] = None,
     html: Annotated[Path | None, typer.Option("--html", help="Also write one self-contained HTML page: the table, "
                                               "the TTFT plot, missed blocks by reason, errors.")] = None,
 ) -> None:
-    """Print the reports' metrics side by side (rows = metrics, columns = variants, ratios vs the first)."""
+    """Print the reports' metrics side by side (rows = what differs, then metrics; columns = variants, named by
+    what sets them apart unless labelled; ratios vs the first)."""
     with user_errors():
         if plot is not None:
             check_writable_file(plot, "--plot", "ttft.png")
@@ -106,8 +112,11 @@ def compare(
         _print_setup(console, variants)
         console.print(_table(rows, variants))
         for variant in variants:
-            if variant.status():
-                console.print(f"[yellow]{variant.name}[/]: {_status_note(variant)}", highlight=False, soft_wrap=True)
+            for note in variant.notes:
+                console.print(f"[yellow]{escape(variant.name)}[/]: {escape(note)}", highlight=False, soft_wrap=True)
+            if variant.status() and not variant.cut_short:
+                console.print(f"[yellow]{escape(variant.name)}[/]: {escape(_status_note(variant))}", highlight=False,
+                              soft_wrap=True)
         for line in verdicts(variants):
             console.print(line, highlight=False, soft_wrap=True)
         if output is not None:

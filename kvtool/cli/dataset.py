@@ -1,7 +1,11 @@
-"""`kvtool dataset ...`: generate synthetic workloads, import ShareGPT, describe a dataset file."""
+"""`kvtool dataset ...`: generate synthetic workloads, import ShareGPT and request traces, describe a
+dataset file."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -9,20 +13,38 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.bench import generators
-from kvtool.bench.dataset_stats import LengthStats, dataset_stats
-from kvtool.bench.datasets import load_dataset, write_jsonl
-from kvtool.bench.sharegpt import approximate_token_count, import_sharegpt
-from kvtool.bench.text_workloads import TextSource, text_abab, text_multi_turn, text_system_prompt
+from kvtool.workloads import generators
+from kvtool.workloads.stats import LengthStats, dataset_stats
+from kvtool.workloads.datasets import load_dataset, write_jsonl
+from kvtool.workloads.sharegpt import approximate_token_count, import_sharegpt
+from kvtool.workloads.text import TextSource, text_abab, text_multi_turn, text_system_prompt
+from kvtool.workloads.traces import DEFAULT_VOCAB_SIZE, TRACE_FORMATS, TraceImportOptions, import_trace
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import USER_ERRORS, error_message, print_error, user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import either, flag, toggle
+from kvtool.cli.typer_options import either, flag, toggle
 from kvtool.cli.paths import check_writable_file
 
 dataset_app = typer.Typer(help="Generate or import benchmark datasets (JSON Lines) and describe them.",
                           no_args_is_help=True)
 app.add_typer(dataset_app, name="dataset")
+
+
+@contextlib.contextmanager
+def _user_errors(ctx: typer.Context) -> Iterator[None]:
+    """user_errors(), with this command's options named as flags: a generator names its parameters
+    (num_requests must be ...), which are the command's flags (--num_requests must be ...)."""
+    try:
+        yield
+    except USER_ERRORS as error:
+        # Only names with an underscore: 'output' or 'seed' are words of a message too.
+        flags = {param.name: param.opts[0] for param in ctx.command.params
+                 if param.opts and param.opts[0].startswith("--") and "_" in str(param.name)}
+        message = error_message(error)
+        if flags:
+            message = re.sub(rf"(?<![-\w'\"])({'|'.join(flags)})(?![\w'\"])", lambda m: flags[m.group(1)], message)
+        print_error(ValueError(message))
+        raise typer.Exit(code=2) from None
 
 
 def _writable_output(path: Path) -> Path:
@@ -75,6 +97,7 @@ def _write(output: Path, lines: list[dict]) -> None:
 
 @dataset_app.command("system-prompt", cls=KvtoolCommand)
 def system_prompt(
+    ctx: typer.Context,
     output: Output,
     num_groups: Annotated[int, flag("num_groups", "Number of distinct system prompts.")] = 8,
     prompts_per_group: Annotated[int, flag("prompts_per_group", "Requests per system prompt.")] = 16,
@@ -87,7 +110,7 @@ def system_prompt(
 ) -> None:
     """Groups of requests sharing a system prompt (like SGLang's generated-shared-prefix); with --text,
     passages of real text, each followed by its own questions about it."""
-    with user_errors():
+    with _user_errors(ctx):
         source = _text_source(text, plan, chat_template, min_token_id, max_token_id)
         options = _options(seed, length_spread, min_token_id, max_token_id)
         kwargs = dict(num_groups=num_groups, prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len,
@@ -98,6 +121,7 @@ def system_prompt(
 
 @dataset_app.command("multi-turn", cls=KvtoolCommand)
 def multi_turn(
+    ctx: typer.Context,
     output: Output,
     num_sessions: Annotated[int, flag("num_sessions", "Number of chat sessions.")] = 8,
     num_turns: Annotated[int, flag("num_turns", "Turns per session.")] = 4,
@@ -113,7 +137,7 @@ def multi_turn(
 ) -> None:
     """Multi-turn chat sessions: each turn's prompt is the history + the generated answer + a new message
     (with --text: questions about a passage of real text)."""
-    with user_errors():
+    with _user_errors(ctx):
         shared = either(shared_system_prompt, per_session_system_prompt, "shared_system_prompt",
                         "per_session_system_prompt") is not False
         source = _text_source(text, plan, chat_template, min_token_id, max_token_id)
@@ -126,6 +150,7 @@ def multi_turn(
 
 @dataset_app.command("abab", cls=KvtoolCommand)
 def abab(
+    ctx: typer.Context,
     output: Output,
     prompt_len: Annotated[int, flag("prompt_len", "Length of each of the prompts A and B (tokens).")] = 1024,
     num_rounds: Annotated[int, flag("num_rounds", "Rounds of A, B.")] = 4,
@@ -135,7 +160,7 @@ def abab(
 ) -> None:
     """Two prompts alternating A, B, A, B, ... (replay it with --mode sequential to see offloading);
     with --text, two passages of real text."""
-    with user_errors():
+    with _user_errors(ctx):
         source = _text_source(text, plan, chat_template, min_token_id, max_token_id)
         options = _options(seed, length_spread, min_token_id, max_token_id)
         kwargs = dict(prompt_len=prompt_len, num_rounds=num_rounds, output_len=output_len)
@@ -145,6 +170,7 @@ def abab(
 
 @dataset_app.command("random", cls=KvtoolCommand)
 def random_prompts(
+    ctx: typer.Context,
     output: Output,
     num_requests: Annotated[int, flag("num_requests", "Number of requests.")] = 64,
     input_len: Annotated[int, flag("input_len", "Prompt length (tokens).")] = 512,
@@ -152,7 +178,7 @@ def random_prompts(
     seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
 ) -> None:
     """Independent random prompts with no shared prefix (the no-reuse baseline)."""
-    with user_errors():
+    with _user_errors(ctx):
         _write(output, generators.generate_random(_options(seed, length_spread, min_token_id, max_token_id),
                                                   num_requests=num_requests, input_len=input_len,
                                                   output_len=output_len))
@@ -160,6 +186,7 @@ def random_prompts(
 
 @dataset_app.command("prefix-repetition", cls=KvtoolCommand)
 def prefix_repetition(
+    ctx: typer.Context,
     output: Output,
     num_prefixes: Annotated[int, flag("num_prefixes", "Number of distinct prefixes.")] = 4,
     prefix_len: Annotated[int, flag("prefix_len", "Prefix length (tokens).")] = 512,
@@ -169,7 +196,7 @@ def prefix_repetition(
     seed: Seed = 0, length_spread: Spread = 0.0, min_token_id: MinTokenId = 10, max_token_id: MaxTokenId = 1000,
 ) -> None:
     """A few prefixes, each repeated by many requests with their own suffix (shuffled)."""
-    with user_errors():
+    with _user_errors(ctx):
         _write(output, generators.generate_prefix_repetition(
             _options(seed, length_spread, min_token_id, max_token_id), num_prefixes=num_prefixes,
             prefix_len=prefix_len, suffix_len=suffix_len, num_requests=num_requests, output_len=output_len))
@@ -177,6 +204,7 @@ def prefix_repetition(
 
 @dataset_app.command("import-sharegpt", cls=KvtoolCommand)
 def import_sharegpt_command(
+    ctx: typer.Context,
     source: Annotated[Path, typer.Argument(help="A local ShareGPT-style JSON file.", show_default=False)],
     output: Output,
     plan: Annotated[Path | None, flag(
@@ -186,7 +214,7 @@ def import_sharegpt_command(
     max_output_tokens: Annotated[int | None, flag("max_output_tokens", "Cap each turn's max_tokens.")] = None,
 ) -> None:
     """ShareGPT conversations -> multi-turn sessions (text prompts, max_tokens from the recorded answers)."""
-    with user_errors():
+    with _user_errors(ctx):
         count_tokens, method = approximate_token_count, "approximated as characters / 4"
         if plan is not None:
             tokenizer = _plan_tokenizer(plan)
@@ -199,6 +227,56 @@ def import_sharegpt_command(
         typer.echo(f"wrote {result.num_turns} turns in {result.num_sessions} sessions to {output} "
                    f"(skipped {result.num_skipped_conversations} conversations without a human-then-answer pair; "
                    f"answer lengths {method})")
+
+
+@dataset_app.command("import", cls=KvtoolCommand)
+def import_trace_command(
+    ctx: typer.Context,
+    source: Annotated[Path, typer.Argument(help="A request trace: Mooncake / AIPerf JSON Lines of hash ids, the Azure "
+                                           "LLM inference CSV, or a CSV / JSON Lines of arrival times and prompts.",
+                                           show_default=False)],
+    output: Output,
+    trace_format: Annotated[str, flag("format", f"{' | '.join(TRACE_FORMATS)}: the trace's format (ShareGPT: "
+                                      "`kvtool dataset import-sharegpt`).", show_default=False)],
+    block_size: Annotated[int, flag("block_size", "mooncake: tokens per hash id in the trace (the trace's block "
+                                    "size, not kvtool's --tokens_per_block).")] = 512,
+    shrink: Annotated[int, flag("shrink", "mooncake, azure: divide every prompt by F (a hash id becomes "
+                                "block_size / F tokens), keeping which prompts share which blocks.")] = 1,
+    vocab_size: Annotated[int | None, flag("vocab_size", f"Token ids made from hash ids are below it (default "
+                                           f"{DEFAULT_VOCAB_SIZE}: valid in every common vocabulary).")] = None,
+    plan: Annotated[Path | None, flag("plan", "Take the vocabulary (ids stay below its special tokens), "
+                                      "max_seq_len and tokenizer (to measure text prompts) from this plan.")] = None,
+    max_seq_len: Annotated[int | None, flag("max_seq_len", "Longest prompt + output tokens (default: the --plan's; "
+                                            "none without one).")] = None,
+    skip_too_long: Annotated[bool, toggle("skip_too_long", "Leave out (and count) requests longer than "
+                                          "max_seq_len instead of stopping with an error.")] = False,
+    max_output_tokens: Annotated[int | None, flag("max_output_tokens", "Cap each request's output tokens.")] = None,
+    output_len: Annotated[int | None, flag("output_len", "csv: output tokens of rows without an output "
+                                           "length.")] = None,
+) -> None:
+    """A request trace -> a dataset whose lines carry their arrival_time_s (replay it with --mode trace)."""
+    with _user_errors(ctx):
+        special_ids, count_tokens = (), None
+        if plan is not None:
+            if vocab_size is not None:
+                raise ValueError("give --vocab_size or --plan (whose vocabulary applies), not both")
+            from kvtool.plan import load_plan  # noqa: PLC0415 - torch-free, but only needed here
+
+            built = load_plan(plan, verify_checksum=False)
+            config = built.model_config
+            vocab_size = config.vocab_size
+            special_ids = (*config.eos_token_ids, *([config.bos_token_id] if config.bos_token_id is not None else []))
+            max_seq_len = max_seq_len or built.build_options.max_seq_len
+            tokenizer = built.tokenizer
+
+            def count_tokens(text: str) -> int:
+                return len(tokenizer.encode(text))
+        options = TraceImportOptions(block_size=block_size, shrink=shrink, vocab_size=vocab_size,
+                                     special_token_ids=special_ids, max_seq_len=max_seq_len,
+                                     skip_too_long=bool(skip_too_long), max_output_tokens=max_output_tokens,
+                                     output_len=output_len, count_tokens=count_tokens)
+        result = import_trace(source, trace_format.lower(), output, options)
+        typer.echo(result.describe(output, options.max_seq_len))
 
 
 def _plan_tokenizer(plan: Path):
@@ -216,11 +294,12 @@ def _length_cells(stats: LengthStats) -> list[str]:
 
 @dataset_app.command("stats", cls=KvtoolCommand)
 def stats(
+    ctx: typer.Context,
     dataset: Annotated[Path, typer.Argument(help="A JSON Lines dataset file.", show_default=False)],
     tokens_per_block: Annotated[int, flag("tokens_per_block", "Block size for the shared-prefix fraction.")] = 32,
 ) -> None:
     """Counts, length distributions and the shared-prefix fraction of a dataset."""
-    with user_errors():
+    with _user_errors(ctx):
         result = dataset_stats(load_dataset(dataset), tokens_per_block=tokens_per_block)
         console = Console()
         console.print(f"[bold]{dataset}[/]: {result.num_lines} requests, {result.num_sessions} sessions "

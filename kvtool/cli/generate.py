@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import flag, toggle
+from kvtool.cli.typer_options import flag, toggle
 from kvtool.errors import KvtoolError
 
 MODEL, PROMPT = "Model and plan", "Prompt and sampling"

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtool.cli import app
-from kvtool.cli.errors import user_errors
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import flag, toggle
+from kvtool.cli.typer_options import flag, toggle
 from kvtool.units import format_bytes
 
 plans_app = typer.Typer(help="List (alone: `kvtool plans`) and remove the plans built on the fly (bench --model, "

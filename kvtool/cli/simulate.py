@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import inspect
-import typing
 from pathlib import Path
 from typing import Annotated
 
@@ -13,63 +11,71 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.bench.scenario import scenario_from_document, load_scenario, sweep_variants
+from kvtool.bench.scenario import load_scenario, scenario_from_document, sweep_variants
 from kvtool.cli import app
 from kvtool.cli import bench as bench_command
-from kvtool.cli import engine_flags
-from kvtool.cli.errors import user_errors
+from kvtool.cli.build import DType
+from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.options import flag
+from kvtool.cli.typer_options import flag, flags_of, with_flags
+from kvtool.flags import ENGINE_FLAGS, MODEL, RUN_FLAGS, FlagValues
+from kvtool.signals import stop_signals
 from kvtool.simulate.published import DEVICES
 
 SIMULATION = "Simulation"
-_NOT_SIMULATED = ("endpoint", "api", "served_model")  # a simulation runs kvtool's own scheduler
 
 Profile = Annotated[str | None, flag(
     "profile", f"The step cost model: {' | '.join(DEVICES)} (estimated from published figures), a file from "
     "`kvtool calibrate`, or by default the plan's calibration on this machine.", SIMULATION)]
+SimulatedDType = Annotated[DType | None, flag(
+    "dtype", "Weight and activation dtype of a --model (a build option, simulated without weights; default: "
+    "bfloat16 with a GPU profile, float32 with a CPU one). A --plan keeps its own.", MODEL)]
 Sweep = Annotated[list[str] | None, flag(
     "sweep", "Run one variant per value: --sweep kv_host_cache_bytes=0,1GiB,4GiB (repeatable: every combination). "
     "Replaces a --config scenario's own sweep.", SIMULATION)]
 
 
-def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, **params) -> None:
+@app.command(cls=KvtoolCommand)
+@with_flags
+def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flags_of(RUN_FLAGS),
+             profile: Profile = None, dtype: SimulatedDType = None, sweep: Sweep = None) -> None:
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
-    the same reports as `kvtool bench`, marked simulated, in seconds."""
-    from kvtool.simulate.profiles import create_simulated_llm, simulation_variant_plan
-    from kvtool.simulate.sweep_report import print_sweep, plot_sweep
+    the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
+    shapes with the build options asked for: no weights are written or read."""
+    from kvtool.reports.sweep_table import plot_sweep, print_sweep
+    from kvtool.simulate.profiles import create_simulated_llm, profile_dtype, source_plan
 
+    flags = engine | run
     console = Console(stderr=True)
+    dtype = dtype.value if dtype is not None else None
 
-    def factory(model, config, dataset=None, *, cache_dir=None):
-        return create_simulated_llm(model, config, dataset, profile=profile, cache_dir=cache_dir)
+    def factory(model, engine_config, replay, dataset=None, *, cache_dir=None):
+        llm = create_simulated_llm(model, engine_config, replay, dataset, profile=profile, dtype=dtype,
+                                   cache_dir=cache_dir)
+        console.print(llm.describe(), highlight=False, soft_wrap=True)
+        return llm
 
-    plan, model, dataset, config, sets = params["plan"], params["model"], params["dataset"], params["config"], \
-        params["set_"] or []
-    try:
+    def plan_resolver(variant):
+        # A `build:` section without a dtype builds in the profile's device's (bfloat16 on a GPU).
+        options = variant.build_options(dtype=profile_dtype(profile))
+        return source_plan(variant.plan, variant.model, options, cache_dir=flags["plan_cache_dir"], dtype=dtype)
+
+    with stop_signals() as stop, bench_command.stopped_early(console, stop):  # SIGTERM stops as Ctrl-C does
         with user_errors():
-            flags = engine_flags.engine_flag_values(ctx.params)
-            reporting = bench_command.report_outputs(params)
-            if plan is not None and model is not None:
-                raise ValueError("give --plan DIR or --model preset:NAME, not both")
-            scenario = _sweep_scenario(sweep, flags, config, sets, plan, model, dataset) if sweep else None
-            if scenario is not None or config is not None:
-                if params["label"] is not None:
+            reporting = bench_command.report_outputs(flags)
+            bench_command.check_plan_or_model(flags)
+            scenario = _sweep_scenario(sweep, flags) if sweep else None
+            if scenario is not None or flags["config"] is not None:
+                if flags["label"] is not None:
                     raise ValueError("--label names a single run; a sweep's variants are labelled by their values")
-                rows, interrupted, written, failure = bench_command._run_scenario(
-                    config, sets, plan, model, dataset, params["output"], flags, params["plan_cache_dir"], console,
-                    llm_factory=factory, scenario=scenario,
-                    plan_resolver=lambda variant: simulation_variant_plan(variant, params["plan_cache_dir"]),
+                rows, interrupted, written, failure = bench_command.run_scenario(
+                    flags, console, llm_factory=factory, scenario=scenario, plan_resolver=plan_resolver,
                     summary=reporting.summary)
             else:
-                if sets:
+                if flags["set"]:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
-                rows, interrupted, written, failure = bench_command._run_single(
-                    plan, model, dataset, params["output"], params["label"], flags, params["plan_cache_dir"],
-                    console, llm_factory=factory, summary=reporting.summary)
-    except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/] before any request finished: nothing written")
-        raise typer.Exit(bench_command.EXIT_INTERRUPTED) from None
+                rows, interrupted, written, failure = bench_command.run_single(flags, console, llm_factory=factory,
+                                                                               summary=reporting.summary)
 
     def sweep_report(rows, wide):
         if len(rows) < 2:
@@ -78,50 +84,40 @@ def simulate(ctx: typer.Context, profile: Profile = None, sweep: Sweep = None, *
         return [plot_sweep(rows, Path(written[-1]).parent / "sweep.png")]
 
     bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report,
-                             reporting=reporting)
+                             reporting=reporting, title=summary_title(rows), stop=stop)
 
 
-def _sweep_scenario(sweep, flags, config, sets, plan, model, dataset):
+def summary_title(rows) -> str:
+    """The summary table's title says the figures are simulated, and by which cost model."""
+    profiles = ", ".join(sorted({str(row.get("cost_profile")) for row in rows}))
+    return f"kvtool simulate summary: simulated, cost profile {profiles}"
+
+
+def _sweep_scenario(sweep, flags: FlagValues):
     """The scenario --sweep makes: the --config file's with its variants replaced, or one over --dataset."""
     variants = sweep_variants(sweep)
+    given = flags.config_flags()
     swept = {key for variant in variants for key in variant if key != "label"}
-    clash = sorted(swept & set(flags))
+    clash = sorted(swept & set(given))
     if clash:
         raise ValueError(f"--{clash[0]} is given and swept: drop --{clash[0]} or its --sweep")
-    if config is not None:
-        return load_scenario(config, sets=sets, model=model, plan=plan, dataset=dataset, bench_overrides=flags,
-                             sweep=variants)
+    plan, model, dataset = flags["plan"], flags["model"], flags["dataset"]
+    if flags["config"] is not None:
+        return load_scenario(flags["config"], sets=flags["set"] or [], model=model, plan=plan, dataset=dataset,
+                             bench_overrides=given, sweep=variants)
     if dataset is None:
         raise ValueError("give --dataset FILE.jsonl (or --config) to sweep over")
     if plan is None and model is None:
         raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
     document = {"name": Path(dataset).stem, "dataset": {"path": str(dataset)}, "sweep": variants}
     return scenario_from_document(document, Path(" ".join(f"--sweep {s}" for s in sweep)), model=model, plan=plan,
-                                  bench_overrides=flags)
-
-
-def _simulate_signature() -> None:
-    """simulate takes every `kvtool bench` option but the --endpoint ones, declared once (in bench)."""
-    hints = typing.get_type_hints(bench_command.bench, include_extras=True)
-    own = inspect.signature(simulate).parameters
-    own_hints = typing.get_type_hints(simulate, include_extras=True)
-    parameters = [own["ctx"].replace(annotation=hints["ctx"])]
-    for name, parameter in inspect.signature(bench_command.bench).parameters.items():
-        if name != "ctx" and name not in _NOT_SIMULATED:
-            parameters.append(parameter.replace(annotation=hints[name]))
-    parameters += [own[name].replace(annotation=own_hints[name]) for name in ("profile", "sweep")]
-    simulate.__signature__ = inspect.Signature(parameters)
-    simulate.__annotations__ = {p.name: p.annotation for p in parameters}
-
-
-_simulate_signature()
-app.command(cls=KvtoolCommand)(simulate)
+                                  bench_overrides=given)
 
 
 @app.command(cls=KvtoolCommand)
+@with_flags
 def calibrate(
-    plan: engine_flags.Plan = None,
-    model: engine_flags.Model = None,
+    source: FlagValues = flags_of(("plan", "model")),
     device: Annotated[str | None, flag("device", f"Estimate for {' | '.join(DEVICES)} from published figures "
                                        "instead of measuring here (labelled estimated).")] = None,
     quick: Annotated[bool, flag("quick", "A small grid (seconds, rougher): for tests and a first look.")] = False,
@@ -130,16 +126,19 @@ def calibrate(
 ) -> None:
     """Measure what an engine step of the plan costs on this machine over a grid of step shapes, fit the
     step cost model `kvtool simulate` uses, and save it beside the plan (or estimate it with --device)."""
-    from kvtool.plan import resolve_model
+    from kvtool.plan import BuildOptions, resolve_model
+    from kvtool.runtime.device import default_dtype
     from kvtool.simulate.cost_model import save_profile
 
     console = Console(stderr=True)
+    plan, model = source["plan"], source["model"]
     with user_errors():
         if (plan is None) == (model is None):
             raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
         if device is not None and device.lower() not in DEVICES:
             raise ValueError(f"--device {device}: published figures are known for {', '.join(DEVICES)}")
-        built = resolve_model(str(plan if plan is not None else model))
+        # A --model is built as bench and simulate build it on this machine, so that they find its calibration.
+        built = resolve_model(str(plan if plan is not None else model), options=BuildOptions(dtype=default_dtype()))
         if device is not None:
             from kvtool.simulate.published import estimate
 
@@ -195,7 +194,7 @@ def explain(
 ) -> None:
     """Say in a few sentences why a report's requests missed the cache, and what a bigger host cache or
     primary pool would change, each what-if simulated on the report's own dataset and configuration."""
-    from kvtool.simulate.explain import explain as explain_report
+    from kvtool.bench.explain import explain as explain_report
 
     with user_errors():
         paragraphs = explain_report(report, profile=profile, label=label)

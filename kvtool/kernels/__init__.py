@@ -6,7 +6,10 @@ launching through CuPy, and one thin launcher per kernel in csrc/kernels.
 * :mod:`kvtool.kernels.kv_append` - ``append_kv``
 * :mod:`kvtool.kernels.paged_context_attention` - ``paged_context_attention``
 * :mod:`kvtool.kernels.paged_decode_attention` - ``paged_decode_attention``
-* :mod:`kvtool.kernels.block_copy` - ``copy_blocks``
+* :mod:`kvtool.kernels.rope_append` - ``rope_append`` (q/k norms, RoPE and the KV append)
+* :mod:`kvtool.kernels.add_rms_norm` - ``add_rms_norm`` (residual add + RMSNorm)
+* :mod:`kvtool.kernels.silu_mul` - ``silu_mul``
+* :mod:`kvtool.kernels.block_copy` - ``copy_blocks``, ``prepare_dma_copy`` (copy engines), ``prepare_block_copy``
 
 The attention backend built on them is :class:`kvtool.layers.cuda_attention.CudaPagedAttention`.
 """

@@ -2,8 +2,9 @@
 
 torch owns every tensor; CuPy is only the loader and launcher: a cubin becomes a
 ``cupy.RawModule``, kernels get raw pointers (``tensor.data_ptr()``) and run on
-``torch.cuda.current_stream()`` wrapped as a ``cupy.cuda.ExternalStream``, so they order with
-torch's own work without any synchronization.
+``torch.cuda.current_stream()`` (handed to CuPy through the CUDA stream protocol,
+``cupy.cuda.Stream.from_external``), so they order with torch's own work without any
+synchronization, and a CUDA graph capturing torch's stream captures them too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ def device_arch(device: torch.device | int | None = None) -> str:
 def _arch_of(device_index: int) -> str:
     major, minor = torch.cuda.get_device_capability(device_index)
     return f"sm_{major}{minor}"
+
+
+def device_sm_count(device: torch.device | int | None = None) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H100 SXM / H200)."""
+    index = device.index if isinstance(device, torch.device) else device
+    return _sm_count_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def require_cupy() -> None:
@@ -105,9 +117,20 @@ def launch(kernel, grid: Sequence[int], block: Sequence[int], args: Sequence[Any
            shared_mem: int = 0) -> None:
     """Launches on torch's current stream of ``device_index``; returns without waiting."""
     cupy = _import_cupy()
-    stream = torch.cuda.current_stream(device_index)
-    with cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        kernel(tuple(int(g) for g in grid), tuple(int(b) for b in block), tuple(args), shared_mem=int(shared_mem))
+    with cupy.cuda.Device(device_index):
+        stream = cupy_stream(torch.cuda.current_stream(device_index))
+        kernel(tuple(int(g) for g in grid), tuple(int(b) for b in block), tuple(args), shared_mem=int(shared_mem),
+               stream=stream)
+
+
+def cupy_stream(stream: torch.cuda.Stream):
+    """A torch stream as CuPy's (call with its device current). CuPy 14 deprecates ExternalStream for
+    ``Stream.from_external`` (the CUDA stream protocol, ``__cuda_stream__``, which torch implements);
+    older CuPy has only ExternalStream."""
+    cupy = _import_cupy()
+    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+        return cupy.cuda.Stream.from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device_index)
 
 
 # ---- kernel argument helpers: the kernels' C types, spelled as NumPy scalars for CuPy ----

@@ -16,25 +16,33 @@ from pathlib import Path
 
 import torch
 
+from kvtool.kernels.add_rms_norm import add_rms_norm_spec
 from kvtool.kernels.block_copy import block_copy_spec
 from kvtool.kernels.compiler import CompiledKernel, KernelCompiler, KernelSpec
 from kvtool.kernels.kv_append import kv_append_spec
-from kvtool.kernels.paged_context_attention import RUNTIME_ROWS_PER_WARP, context_attention_spec
-from kvtool.kernels.paged_decode_attention import decode_attention_spec
+from kvtool.kernels.paged_context_attention import context_attention_spec
+from kvtool.kernels.paged_decode_attention import PARTITION_SIZES, decode_attention_spec
+from kvtool.kernels.rope_append import rope_append_spec
+from kvtool.kernels.silu_mul import silu_mul_spec
 
 DEFAULT_ARCH = "sm_90"
 
 
 def specs_for_model(*, head_dim: int, num_heads: int, num_kv_heads: int, tokens_per_block: int,
                     dtype: torch.dtype, arch: str = DEFAULT_ARCH) -> list[KernelSpec]:
-    """The specializations CudaPagedAttention and the block copies launch for these shapes."""
+    """The specializations CudaPagedAttention, the model's fused kernels and the block copies launch
+    for these shapes (the decode kernel at every partition size a batch may choose)."""
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    group_size = num_heads // num_kv_heads
     return [
         kv_append_spec(arch),
-        context_attention_spec(head_dim, tokens_per_block, dtype, arch, rows_per_warp=RUNTIME_ROWS_PER_WARP),
-        decode_attention_spec(head_dim, tokens_per_block, dtype, num_heads // num_kv_heads, arch),
+        context_attention_spec(head_dim, tokens_per_block, dtype, arch),
+        *(decode_attention_spec(head_dim, tokens_per_block, dtype, group_size, arch, size) for size in PARTITION_SIZES),
         block_copy_spec(arch),
+        add_rms_norm_spec(dtype, arch),
+        rope_append_spec(head_dim, dtype, arch),
+        silu_mul_spec(dtype, arch),
     ]
 
 

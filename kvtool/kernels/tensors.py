@@ -76,6 +76,18 @@ def row_strides(tensor: torch.Tensor, name: str, num_heads: int, head_dim: int) 
     return token_stride, head_stride
 
 
+def vector_rows(tensor: torch.Tensor, name: str) -> int:
+    """The row stride of a [num_rows, width] 16-bit tensor whose rows the fused kernels read as 16-byte
+    vectors (width a multiple of 8, rows 16-byte aligned)."""
+    if tensor.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [num_rows, width], got shape {tuple(tensor.shape)}")
+    dtype_is_bf16(tensor.dtype)
+    if tensor.shape[1] % 8:
+        raise ValueError(f"{name} rows must hold a multiple of 8 values (16-byte vectors), got {tensor.shape[1]}")
+    _check_vector_aligned(tensor, name, (tensor.stride(0),))
+    return tensor.stride(0)
+
+
 def int32_on(tensor: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
     """``tensor`` as a contiguous int32 tensor on ``device`` (metadata usually already is)."""
     if tensor.dtype == torch.int32 and tensor.device == device and tensor.is_contiguous():

@@ -4,6 +4,11 @@ Tokens of a step are flattened: every tensor is [num_tokens, ...], with no batch
 Attention (and the KV cache) goes through an AttentionBackend; everything else is plain torch.
 Weights use kvtool's fused layout: one qkv_proj per layer ([q; k; v] rows) and one gate_up_proj
 ([gate; up] rows), exactly the tensor names of a plan's weights.safetensors.
+
+On a GPU with kvtool's kernels (``use_fused_kernels``), the forward fuses what runs between the
+projections: residual add + RMSNorm, the q/k norms + RoPE + KV append, SiLU * up: about 9 launches
+a layer instead of 22 (each eager launch costs host time, each graph node GPU time). The CPU path
+is the plain torch one below, unchanged.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtool.kernels.add_rms_norm import add_rms_norm
+from kvtool.kernels.rope_append import rope_append
+from kvtool.kernels.silu_mul import silu_mul
 from kvtool.layers.attention import AttentionBackend
 from kvtool.layers.attention_metadata import AttentionMetadata
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
+from kvtool.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 
 class Embedding(nn.Module):
@@ -45,12 +54,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, with llama3 or linear scaling applied."""
+    """[head_dim // 2] float32 inverse frequencies, with llama3, linear or yarn scaling applied."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(dim, config.rope_theta, scaling)
     if scaling["rope_type"] == "linear":
         return inv_freq / float(scaling["factor"])
     # llama3: leave high frequencies alone, divide low ones by `factor`, blend in between.
@@ -68,15 +79,24 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed_sin [num_tokens, 1, head_dim] for the rotate-half RoPE layout, once per step.
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What the cos and sin tables are multiplied by (yarn scales the rotated q and k; else 1)."""
+    scaling = config.rope_scaling
+    return yarn_attention_factor(scaling) if scaling is not None and scaling["rope_type"] == "yarn" else 1.0
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed_sin [num_tokens, 1, head_dim] for the rotate-half RoPE layout, once per step,
+    times ``scale`` (rope_attention_factor).
 
     signed_sin is sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin.
     """
     freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [num_tokens, head_dim // 2]
     sin = freqs.sin()
     cos = freqs.cos()
+    if scale != 1.0:
+        sin, cos = sin * scale, cos * scale
     return torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype), torch.cat((-sin, sin), dim=-1).unsqueeze(1).to(dtype)
 
 
@@ -112,6 +132,17 @@ class Attention(nn.Module):
         out = self.backend.forward(q, k, v, kv_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, kernels) -> torch.Tensor:
+        """forward with the prologue in one kernel (q/k norms, RoPE, KV append) on CudaPagedAttention."""
+        num_tokens = x.shape[0]
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        query = rope_append(kernels, self.qkv_proj(x), cos, sin, None if self.q_norm is None else self.q_norm.weight,
+                            None if self.k_norm is None else self.k_norm.weight, eps, kv_cache, meta.slot_mapping,
+                            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)
+        out = self.backend.attend(query, kv_cache, meta, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -123,6 +154,9 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor, kernels) -> torch.Tensor:
+        return self.down_proj(silu_mul(kernels, self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, sliding_window: int | None) -> None:
@@ -133,9 +167,27 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, *, residual: torch.Tensor | None = None,
+                kernels=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With ``kernels`` (the fused CUDA path): ``forward_fused``, entered here so that the module's
+        hooks run as for any layer call (ModelRunner's per-layer copy waits are forward pre-hooks)."""
+        if kernels is not None:
+            return self.forward_fused(x, residual, cos, sin, kv_cache, meta, kernels)
         x = x + self.attention(self.input_norm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_norm(x))
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: torch.Tensor, meta: AttentionMetadata, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual layout: ``x`` is the previous sublayer's output, ``residual`` the stream
+        before it (None at the first layer, where x is the embedding). Returns (the MLP's output, the
+        stream before it); the caller adds them (in the next layer's or the final norm)."""
+        if residual is None:
+            residual, x = x, self.input_norm(x)
+        else:
+            add_rms_norm(kernels, x, residual, self.input_norm.weight, self.input_norm.eps)  # in place
+        x = self.attention.forward_fused(x, cos, sin, kv_cache, meta, kernels)
+        add_rms_norm(kernels, x, residual, self.post_attention_norm.weight, self.post_attention_norm.eps)
+        return self.mlp.forward_fused(x, kernels), residual
 
 
 def effective_window(config_window: int | None, attention_window: int | None) -> int | None:
@@ -169,6 +221,14 @@ class LlamaModel(nn.Module):
         # On the CPU, kvtool.cpu_kernels.decoder.CpuDecoder runs forward through fused kernels
         # (set by kvtool.cpu_kernels.decoder.enable); None: the torch path below.
         self.cpu_decoder = None
+        self.rope_attention_factor = rope_attention_factor(config)
+        self.fused_kernels = None  # a kvtool.kernels KernelLibrary once use_fused_kernels is called
+
+    def use_fused_kernels(self, library) -> None:
+        """Runs the forward with kvtool's fused CUDA kernels (``library``: a KernelLibrary); every layer's
+        attention backend must be a CudaPagedAttention whose kernels take the KV cache (the caller
+        checks: kvtool.runtime.model_runner does, on a GPU)."""
+        self.fused_kernels = library
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [num_tokens] int64 -> hidden [num_tokens, hidden_size]; writes each layer's KV
@@ -178,10 +238,22 @@ class LlamaModel(nn.Module):
         if self.cpu_decoder is not None:
             return self.cpu_decoder.forward(input_ids, meta, kv_caches)
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.rope_inv_freq, meta.positions, x.dtype)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, meta.positions, x.dtype, self.rope_attention_factor)
+        if self.fused_kernels is not None:
+            return self._forward_fused(x, cos, sin, meta, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            # Through layer(...), not layer.forward_fused: a layer whose KV copies land during the step
+            # must wait for them first (ModelRunner's forward pre-hooks), as on the unfused path.
+            x, residual = layer(x, cos, sin, kv_cache, meta, residual=residual, kernels=self.fused_kernels)
+        add_rms_norm(self.fused_kernels, x, residual, self.norm.weight, self.norm.eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""

@@ -3,7 +3,7 @@ values) plus tiny ones for tests and a small one for CPU benchmarks."""
 
 from __future__ import annotations
 
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
 
 PRESET_PREFIX = "preset:"
 
@@ -38,6 +38,13 @@ def _presets() -> dict[str, dict]:
                          num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                          rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
                          qk_norm=True, bos_token_id=151643, eos_token_ids=[151645]),
+        # Qwen3-8B with the YaRN scaling its model card gives for 131,072 tokens (32,768 x 4): long traces.
+        "qwen3-8b-128k": dict(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                              num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                              rope_theta=1000000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+                              rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 32768},
+                              qk_norm=True, bos_token_id=151643, eos_token_ids=[151645]),
         # Tests: a few layers, vocab >= 1024 so generated datasets' ids (< 1000) are valid.
         "tiny-llama": dict(family="llama", vocab_size=1024, hidden_size=128, intermediate_size=256,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,

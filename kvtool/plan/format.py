@@ -11,9 +11,10 @@ import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -23,7 +24,7 @@ CHECKSUM_ALGORITHM = "sha256"  # hardware-accelerated on x86 and ARM: ~1.5 GB/s,
 _CHUNK_BYTES = 16 << 20
 VERIFIED_SUFFIX = ".verified.json"  # weights.safetensors -> weights.verified.json
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # torch dtype names
 
 
 def file_checksum(path: Path) -> str:
@@ -137,7 +138,7 @@ def write_safetensors_streaming(path: Path, specs: dict[str, tuple[tuple[int, ..
         num_bytes = _element_size(dtype)
         for dim in shape:
             num_bytes *= dim
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(shape),
                         "data_offsets": [offset, offset + num_bytes]}
         offset += num_bytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
@@ -164,11 +165,13 @@ def write_safetensors_streaming(path: Path, specs: dict[str, tuple[tuple[int, ..
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _tensor_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
     # Little-endian raw bytes, as safetensors stores them (every supported host is little-endian).
+    import torch  # here: reading a plan's files (kvtool plans) needs no torch
+
     flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     view = memoryview(flat)
     for start in range(0, len(view), _CHUNK_BYTES):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvtool.models.config import ModelConfig
+from kvtool.models.model_config import ModelConfig
 from kvtool.plan.format import file_checksum
 
 KERNELS_DIR = "kernels"

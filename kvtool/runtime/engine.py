@@ -1,7 +1,8 @@
-"""The executor loop: schedule (C++) -> copies and forward (the runner) -> sample -> report back to C++.
+"""The executor loop: schedule (C++) -> copies, forward and sampling (the executor) -> report back to C++.
 
 One Engine serves one plan on one device. It owns the scheduler (which owns the KV cache
-manager) and the model runner, and fills in each Request as it runs.
+manager) and the executor that runs its steps (kvtool.runtime.assemble builds the two), and fills
+in each Request as it runs.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import torch
 
 from kvtool import _core
 from kvtool.errors import KvtoolError
-from kvtool.layers.sampler import make_generator, sample
-from kvtool.runtime.model_runner import ModelRunner
+from kvtool.runtime.detokenizer import IncrementalDetokenizer
 from kvtool.runtime.request import Request
 
 
@@ -30,12 +30,13 @@ def cache_salt_id(cache_salt: str | None) -> int:
 
 
 class Engine:
-    """Runs requests through the C++ scheduler and the model, step by step."""
+    """Runs requests through the C++ scheduler and an executor (kvtool.runtime.assemble.Executor: the
+    model, or a simulation's cost model), step by step."""
 
-    def __init__(self, runner: ModelRunner, cache_config: _core.CacheConfig,
-                 scheduler_config: _core.SchedulerConfig, *, vocab_size: int, eos_token_ids: list[int],
-                 bytes_per_token: int, tokenizer=None, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.runner = runner
+    def __init__(self, executor, cache_config: _core.CacheConfig, scheduler_config: _core.SchedulerConfig, *,
+                 vocab_size: int, eos_token_ids: list[int], bytes_per_token: int, tokenizer=None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.executor = executor
         self.clock = clock  # token and finish times; kvtool.simulate passes its simulated clock
         # Prompt token ids are checked against the vocabulary where C++ converts them: a 2k-token
         # list is not copied to numpy first (40 µs, a simulated request's whole budget).
@@ -47,7 +48,8 @@ class Engine:
         self.bytes_per_token = bytes_per_token
         self.tokenizer = tokenizer
         self.max_seq_len = scheduler_config.max_seq_len
-        self.requests: dict[int, Request] = {}  # every request added, by request_id
+        # Unfinished requests only: a finished one is dropped here and in the scheduler, so a long-lived
+        # engine (kvtool serve) keeps no state of what it served; the caller holds its Request.
         self._running: dict[int, Request] = {}
         self._generators: dict[int, torch.Generator | None] = {}
 
@@ -58,12 +60,16 @@ class Engine:
         request.request_id = request_id = next(self._request_ids)
         token_ids = self._checked_prompt(request, f"request {request_id}")
         params = request.sampling_params
+        retention = params.kv_cache_retention_config
         self.scheduler.add_request(request_id, token_ids, params.max_tokens, extra_ids=self._extra_ids(request),
                                    lora_task_id=params.lora_task_id, cache_salt=cache_salt_id(params.cache_salt),
-                                   priority=params.priority)
+                                   priority=params.priority,
+                                   retention=retention.to_core(len(token_ids)) if retention is not None else [])
         if request.arrival_time is None:
             request.arrival_time = self.clock()
-        self.requests[request_id] = self._running[request_id] = request
+        if request.detokenizer is None and params.stop and not params.ignore_eos and self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)  # to find them
+        self._running[request_id] = request
         self._generators[request_id] = self._make_generator(params, request_id)
 
     def request_problem(self, request: Request) -> str | None:
@@ -95,9 +101,15 @@ class Engine:
         return None if request.extra_ids is None else np.asarray(request.extra_ids, dtype=np.uint64)
 
     def abort_request(self, request_id: int) -> None:
+        """Finishes an unfinished request with finish_reason "abort" (its blocks are freed); nothing
+        for one that already finished."""
         if request_id in self._running:
-            self.scheduler.finish_request(request_id)
             self._finish(self._running[request_id], "abort", self.clock())
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine holds: the unfinished ones (a finished request is forgotten)."""
+        return len(self._running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -106,6 +118,8 @@ class Engine:
     def step(self) -> list[Request]:
         """Runs one step; returns the requests that produced a token in it (the token is the last
         of their output_token_ids; those that finished have a finish_reason)."""
+        # Retention durations run on the engine's clock (a simulated one in kvtool.simulate).
+        self.scheduler.cache_manager.set_time(int(self.clock() * 1000))
         batch = self.scheduler.schedule()
         sampling = [self._running[r.request_id] for r in batch.requests if r.samples]
         token_ids = self._execute(batch, sampling)
@@ -113,12 +127,12 @@ class Engine:
             if self.scheduler.has_unfinished_requests():
                 raise KvtoolError(
                     f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
-                    f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise max_tokens "
-                    "(--max_tokens_in_paged_kv_cache) or free_gpu_memory_fraction")
+                    f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise "
+                    "--max_tokens_in_paged_kv_cache or --kv_cache_free_gpu_mem_fraction")
             return []
         now = self.clock()
         for request_id in batch.paused_request_ids:
-            self.requests[request_id].num_pauses += 1
+            self._running[request_id].num_pauses += 1
         request_ids = np.asarray([r.request_id for r in sampling], dtype=np.int64)
         finished_ids = set(self.scheduler.complete_step(request_ids, np.asarray(token_ids, dtype=np.int32)))
         for request, token_id in zip(sampling, token_ids):
@@ -127,15 +141,11 @@ class Engine:
 
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
-        batch order), or None when the batch has no request. kvtool.simulate replaces this."""
-        logits = self.runner.execute_batch(batch)
-        if logits is None:
-            return None
-        return sample(logits, [r.sampling_params for r in sampling],
-                      [self._generators[r.request_id] for r in sampling])  # syncs: tokens are on the host
+        batch order), or None when the batch has no request."""
+        return self.executor.execute_step(batch, sampling, [self._generators[r.request_id] for r in sampling])
 
     def _make_generator(self, params, request_id: int) -> torch.Generator | None:
-        return make_generator(params, request_id, self.runner.device)
+        return self.executor.make_generator(params, request_id)
 
     def _on_token(self, request: Request, token_id: int, now: float, reached_length: bool) -> None:
         if request.first_token_time is None:
@@ -148,25 +158,22 @@ class Engine:
             request.miss_reasons = stats.missed.to_dict()
         request.output_token_ids.append(token_id)
         request.token_times.append(now)
-        reason = "length" if reached_length else self._stop_reason(request, token_id)
-        if reason is not None and not reached_length:
-            self.scheduler.finish_request(request.request_id)
+        completes_stop_string = request.detokenizer is not None and request.detokenizer.append(token_id)
+        reason = "length" if reached_length else self._stop_reason(request, token_id, completes_stop_string)
         if reason is not None:
             self._finish(request, reason, now)
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+    def _stop_reason(self, request: Request, token_id: int, completes_stop_string: bool) -> str | None:
         params = request.sampling_params
         if params.ignore_eos:
             return None
-        if token_id in self.eos_token_ids or token_id in params.stop_token_ids:
+        if token_id in self.eos_token_ids or token_id in params.stop_token_ids or completes_stop_string:
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-            if any(stop in text for stop in params.stop):
-                return "stop"
         return None
 
     def _finish(self, request: Request, reason: str, now: float) -> None:
+        """Ends the request (the scheduler frees its blocks if it still holds them) and forgets it."""
+        self.scheduler.remove_request(request.request_id)
         del self._running[request.request_id], self._generators[request.request_id]
         request.finish_time = now
         request.finish_reason = reason

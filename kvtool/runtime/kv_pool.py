@@ -7,6 +7,8 @@ contiguous slab across all layers (block-major layout), so moving a block betwee
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +18,15 @@ from kvtool._core import PoolKind
 from kvtool.runtime.copy_batches import CopyBatch, copy_batches
 
 HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
+# Pinned host memory is allocated this far ahead of the chunks in use, on a background thread:
+# pinning costs milliseconds per chunk (the first offloads of an H200 run took 66-194 ms while the
+# step pinned its chunks, results/gpu/README.md); ahead of need, no step waits for it. 1 GiB holds
+# the offloads of a 4k-token qwen3-8b request (590 MB) with room to spare.
+HOST_AHEAD_BYTES = 1 << 30
+# With the copy engines a layered step issues one transfer per run of consecutive blocks per layer:
+# beyond this many runs (scattered ids) the host time of issuing them outweighs what the copy engines
+# gain, and the step's layers move by the copy kernel instead (one launch per layer, however scattered).
+MAX_LAYERED_DMA_RUNS = 32
 # Copy layer by layer from this many bytes a step: about 2.4 ms over PCIe 5, well above the host
 # time of issuing two launches per layer (about 1.5 ms for 36 layers). A guess to tune on a GPU.
 LAYERED_COPY_MIN_BYTES = 128 << 20
@@ -48,29 +59,46 @@ class HostBlockPool:
     """Secondary pool in host memory, allocated chunk by chunk as blocks are first offloaded.
 
     Start-up cost does not grow with its size; pinned memory on a GPU machine so copies are async.
+    With ``ahead_chunks`` (default: HOST_AHEAD_BYTES' worth when pinned, none otherwise), the chunks
+    after the highest one in use are allocated on a background thread before a step needs them (the
+    cache manager hands out never-used host blocks in ascending order, so chunks fill in order).
     """
 
-    def __init__(self, shape: BlockShape, num_blocks: int, pin_memory: bool) -> None:
+    def __init__(self, shape: BlockShape, num_blocks: int, pin_memory: bool, ahead_chunks: int | None = None,
+                 chunk_bytes: int = HOST_CHUNK_BYTES) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         self.pin_memory = pin_memory
-        self.blocks_per_chunk = max(1, HOST_CHUNK_BYTES // shape.num_bytes)
+        self.blocks_per_chunk = max(1, chunk_bytes // shape.num_bytes)
         num_chunks = -(-num_blocks // self.blocks_per_chunk) if num_blocks else 0
         self._chunks: list[torch.Tensor | None] = [None] * num_chunks
+        if ahead_chunks is None:
+            ahead_chunks = -(-HOST_AHEAD_BYTES // (self.blocks_per_chunk * shape.num_bytes)) if pin_memory else 0
+        self.ahead_chunks = ahead_chunks
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}  # chunk index -> its background allocation
+        self._allocator: ThreadPoolExecutor | None = None
+        self._ahead_from = 0  # chunks below this one have been used
+        self._allocate_ahead(0)
 
     @property
     def num_allocated_bytes(self) -> int:
-        return sum(chunk.numel() * chunk.element_size() for chunk in self._chunks if chunk is not None)
+        return sum(chunk.numel() * chunk.element_size() for chunk in list(self._chunks) if chunk is not None)
 
     def chunk(self, chunk_index: int) -> torch.Tensor:
-        """[blocks_in_chunk, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]; allocated on first use."""
+        """[blocks_in_chunk, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]; allocated on first use
+        (or taken from its background allocation, waiting for it if it is under way)."""
         chunk = self._chunks[chunk_index]
         if chunk is None:
-            first = chunk_index * self.blocks_per_chunk
-            size = min(self.blocks_per_chunk, self.num_blocks - first)
-            # [blocks_in_chunk, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
-            chunk = torch.empty((size, *self.shape.dims), dtype=self.shape.dtype, pin_memory=self.pin_memory)
-            self._chunks[chunk_index] = chunk
+            with self._lock:
+                pending = self._pending.pop(chunk_index, None)
+            if pending is not None and not pending.cancel():
+                chunk = pending.result()  # running or done on the allocator thread
+            else:
+                chunk = self._allocate(chunk_index)
+        if chunk_index >= self._ahead_from:  # the first use of a chunk this far: keep the next ones coming
+            self._ahead_from = chunk_index + 1
+            self._allocate_ahead(chunk_index + 1)
         return chunk
 
     def block(self, block_id: int) -> torch.Tensor:
@@ -78,14 +106,40 @@ class HostBlockPool:
         chunk_index, index = divmod(block_id, self.blocks_per_chunk)
         return self.chunk(chunk_index)[index]
 
+    def _allocate(self, chunk_index: int) -> torch.Tensor:
+        """Allocates a chunk (on any thread); the first allocation of an index wins."""
+        first = chunk_index * self.blocks_per_chunk
+        size = min(self.blocks_per_chunk, self.num_blocks - first)
+        # [blocks_in_chunk, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
+        chunk = torch.empty((size, *self.shape.dims), dtype=self.shape.dtype, pin_memory=self.pin_memory)
+        with self._lock:
+            if self._chunks[chunk_index] is None:
+                self._chunks[chunk_index] = chunk
+            return self._chunks[chunk_index]
+
+    def _allocate_ahead(self, first_chunk: int) -> None:
+        """Queues the allocation of the ahead_chunks chunks from ``first_chunk`` not yet allocated."""
+        last = min(first_chunk + self.ahead_chunks, len(self._chunks))
+        with self._lock:
+            for index in range(first_chunk, last):
+                if self._chunks[index] is None and index not in self._pending:
+                    if self._allocator is None:  # one thread, made on first need; exits with the pool
+                        self._allocator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-host-pool")
+                    self._pending[index] = self._allocator.submit(self._allocate, index)
+
 
 class KvCachePools:
     """Primary pool tensor on the device plus the optional host pool, and the copies between them."""
 
     def __init__(self, shape: BlockShape, num_primary_blocks: int, num_secondary_blocks: int,
-                 device: torch.device, kernels=None, *, layered_copy_min_bytes: int | None = None) -> None:
-        """``kernels``: a kvtool.kernels KernelLibrary for batched tier copies on a GPU, or None.
+                 device: torch.device, kernels=None, *, layered_copy_min_bytes: int | None = None,
+                 copy_method: str = "memcpy") -> None:
+        """``kernels``: a kvtool.kernels KernelLibrary on a GPU with kvtool's kernels (CuPy), or None:
+        whole-block copies between tiers are then batched, by ``copy_method`` "memcpy" (the copy
+        engines, kvtool.kernels.block_copy) or "kernel" (the SM copy kernel).
         ``layered_copy_min_bytes``: see KvCacheConfig (None: LAYERED_COPY_MIN_BYTES with kernels)."""
+        if copy_method not in ("memcpy", "kernel"):
+            raise ValueError(f"copy_method must be 'memcpy' or 'kernel', got {copy_method!r}")
         self.shape = shape
         self.device = device
         # [num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
@@ -95,6 +149,7 @@ class KvCachePools:
         # Onboards of a layered step run here, beside the offloads of the next layer (PCIe is full duplex).
         self._onboard_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._kernels = kernels
+        self.copy_method = copy_method
         # A step copying at least this many bytes copies layer by layer, each layer's copies
         # followed by an event its attention waits for: the forward starts on the first layers
         # while the later ones still move. Below it, one launch per batch costs less than the
@@ -125,9 +180,8 @@ class KvCachePools:
         if len(src_pool) == 0:
             return
         batches = copy_batches(src_pool, src_block_ids, dst_pool, dst_block_ids, num_tokens)
-        num_bytes = len(src_pool) * self.shape.num_bytes
-        layered = (self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
-                   and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)  # the kernel's vectors
+        layered = self.copies_layer_by_layer(batches)
+        method = self.step_copy_method(batches, layered)
         if self._copy_stream is None:
             for layer in range(self.shape.num_layers) if layered else [None]:
                 for batch in batches:
@@ -139,13 +193,28 @@ class KvCachePools:
         try:
             with torch.cuda.stream(self._copy_stream):
                 if layered:
-                    self._layer_events = self._copy_layer_by_layer(batches)
+                    self._layer_events = self._copy_layer_by_layer(batches, method)
                 else:
                     for batch in batches:
                         self._copy_batch(batch, None)
         finally:
             if not layered or self._layer_events is None:  # small step, or issuing failed midway
                 self.wait_for_all_copies()
+
+    def copies_layer_by_layer(self, batches: list[CopyBatch]) -> bool:
+        """Whether a step's copies land layer by layer: from layered_copy_min_bytes, when a layer's slice
+        of a block is whole 16-byte vectors."""
+        num_bytes = sum(len(b.src_block_ids) for b in batches) * self.shape.num_bytes
+        return (self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
+                and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)
+
+    def step_copy_method(self, batches: list[CopyBatch], layered: bool) -> str:
+        """How the step's whole-block copies between tiers move: ``copy_method``, except that a layered
+        step of more than MAX_LAYERED_DMA_RUNS copy-engine transfers per layer takes the copy kernel."""
+        if (layered and self._kernels is not None and self.copy_method == "memcpy"
+                and self._num_transfers(batches) > MAX_LAYERED_DMA_RUNS):
+            return "kernel"
+        return self.copy_method
 
     def wait_for_layer(self, layer: int) -> None:
         """Makes the current stream wait for this step's copies of ``layer`` (no-op without any)."""
@@ -163,7 +232,7 @@ class KvCachePools:
 
     def load_copy_kernel(self) -> None:
         """Compiles / loads the block copy kernel now (warm-up), not in the first step that copies."""
-        if self._kernels is not None and self.host.num_blocks > 0:
+        if self._kernels is not None and self.host.num_blocks > 0:  # the copy engines' scattered steps use it too
             from kvtool.kernels.block_copy import block_copy_kernel
 
             # The primary pool's device (e.g. cuda:0), not self.device (maybe a bare 'cuda'): the
@@ -174,16 +243,17 @@ class KvCachePools:
     def copies_pending_per_layer(self) -> bool:
         return self._layer_events is not None
 
-    def _copy_layer_by_layer(self, batches: list[CopyBatch]) -> list:
-        """Issues the copies one layer at a time; returns an event per layer that follows all of
-        that layer's copies. Called with the copy stream current."""
+    def _copy_layer_by_layer(self, batches: list[CopyBatch], method: str) -> list:
+        """Issues the copies one layer at a time (whole-block batches between tiers by ``method``);
+        returns an event per layer that follows all of that layer's copies. Called with the copy
+        stream current."""
         layer_bytes = self.shape.num_bytes // self.shape.num_layers
-        if offloads_then_onboards(batches) and all(self._uses_kernel(b) for b in batches):
+        if offloads_then_onboards(batches) and all(self._uses_batched_copy(b) for b in batches):
             # The usual large step: offload wave, then onboards into the blocks it freed. Layer i's
             # onboards wait for layer i's offloads only, so they overlap layer i + 1's offloads.
-            offloads = [self._prepare_kernel_copy(b) for b in batches if b.wave == 0]
-            with torch.cuda.stream(self._onboard_stream):  # tables live on the stream that reads them
-                onboards = [self._prepare_kernel_copy(b) for b in batches if b.wave == 1]
+            offloads = [self._prepare_batched_copy(b, method) for b in batches if b.wave == 0]
+            with torch.cuda.stream(self._onboard_stream):  # a kernel's tables live on the stream that reads them
+                onboards = [self._prepare_batched_copy(b, method) for b in batches if b.wave == 1]
             events = []
             for layer in range(self.shape.num_layers):
                 for copy in offloads:
@@ -198,15 +268,14 @@ class KvCachePools:
                 onboarded.record(self._onboard_stream)
                 events.append(onboarded)
             return events
-        # Anything else, one stream: whole-block batches between tiers get their address tables
-        # uploaded once and one launch per layer; the rest (partial or primary -> primary) are torch
-        # copies of the layer's slice.
-        prepared = [self._prepare_kernel_copy(batch) for batch in batches]
+        # Anything else, one stream: whole-block batches between tiers are resolved once and issued
+        # per layer; the rest (partial or primary -> primary) are torch copies of the layer's slice.
+        prepared = [self._prepare_batched_copy(batch, method) for batch in batches]
         events = []
         for layer in range(self.shape.num_layers):
-            for batch, kernel_copy in zip(batches, prepared):
-                if kernel_copy is not None:
-                    kernel_copy.launch(layer * layer_bytes, layer_bytes)
+            for batch, batched in zip(batches, prepared):
+                if batched is not None:
+                    batched.launch(layer * layer_bytes, layer_bytes)
                 else:
                     self._copy_batch(batch, layer)
             event = torch.cuda.Event()
@@ -214,23 +283,35 @@ class KvCachePools:
             events.append(event)
         return events
 
-    def _uses_kernel(self, batch: CopyBatch) -> bool:
+    def _uses_batched_copy(self, batch: CopyBatch) -> bool:
+        """Whole blocks between the tiers, on a GPU with CuPy: one batched copy (DMA runs or a kernel)."""
         return (self._kernels is not None and batch.num_tokens >= self.shape.tokens_per_block
                 and (batch.src_pool, batch.dst_pool) != (PoolKind.PRIMARY, PoolKind.PRIMARY))
 
-    def _prepare_kernel_copy(self, batch: CopyBatch):
-        if not self._uses_kernel(batch):
+    def _num_transfers(self, batches: list[CopyBatch]) -> int:
+        """Copy-engine transfers per layer of a layered step: runs of consecutive ids (a host chunk
+        boundary may split one more), and one per block of a batch copied another way."""
+        from kvtool.kernels.block_copy import coalesce_runs
+
+        return sum(len(coalesce_runs(b.src_block_ids, b.dst_block_ids)) if self._uses_batched_copy(b)
+                   else len(b.src_block_ids) for b in batches)
+
+    def _prepare_batched_copy(self, batch: CopyBatch, method: str):
+        """A prepared batched copy (``launch(byte_offset, num_bytes)`` on the current stream), or None."""
+        if not self._uses_batched_copy(batch):
             return None
-        from kvtool.kernels.block_copy import prepare_block_copy
+        from kvtool.kernels.block_copy import prepare_block_copy, prepare_dma_copy
 
         pools = {PoolKind.PRIMARY: self.primary, PoolKind.SECONDARY: self.host}
-        return prepare_block_copy(pools[batch.src_pool], pools[batch.dst_pool], batch.src_block_ids,
-                                  batch.dst_block_ids, library=self._kernels)
+        src, dst = pools[batch.src_pool], pools[batch.dst_pool]
+        if method == "memcpy":
+            return prepare_dma_copy(src, dst, batch.src_block_ids, batch.dst_block_ids)
+        return prepare_block_copy(src, dst, batch.src_block_ids, batch.dst_block_ids, library=self._kernels)
 
     def _copy_batch(self, batch: CopyBatch, layer: int | None) -> None:
         """The batch's copies (of one layer's slice of each block, or of whole blocks)."""
-        if layer is None and self._uses_kernel(batch):
-            self._prepare_kernel_copy(batch).launch()
+        if layer is None and self._uses_batched_copy(batch):
+            self._prepare_batched_copy(batch, self.copy_method).launch()
             return
         non_blocking = self._copy_stream is not None
         count = batch.num_tokens

@@ -1,4 +1,5 @@
-"""Runs a scheduled batch: its block copies, then the forward of its requests; returns logits."""
+"""Runs a scheduled batch: its block copies, then the forward of its requests; returns logits, or (as an
+engine's executor, kvtool.runtime.assemble.Executor) the tokens sampled from them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import numpy as np
 import torch
 
 from kvtool.cpu_kernels import decoder as cpu_decoder
+from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.layers.attention_metadata import AttentionMetadata
-from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs
-from kvtool.runtime.kv_pool import KvCachePools
+from kvtool.layers.sampler import make_generator, sample
+from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
+from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs, MixedGraphs
+from kvtool.runtime.device import available_host_memory_bytes, free_device_memory_bytes
+from kvtool.runtime.kv_pool import BlockShape, KvCachePools
+from kvtool.runtime.pool_sizes import PoolSizes
+from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, HostStep, flatten_step
 
 
 class StepRequest(NamedTuple):
@@ -26,81 +33,102 @@ class StepRequest(NamedTuple):
 
 
 class ModelRunner:
-    """Owns the model and the KV pools of one engine; executes scheduled batches."""
+    """Owns the model and the KV pools of one engine; executes scheduled batches. The pools are created
+    when the engine is assembled (``start``), sized from the memory left after the model's weights."""
 
-    def __init__(self, model: torch.nn.Module, pools: KvCachePools, tokens_per_block: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, *, kernels=None,
+                 fused_kernels: bool = True) -> None:
+        """``kernels``: kvtool's CUDA KernelLibrary (None: torch's paths), which the pools' copies use.
+        ``fused_kernels``: on a GPU whose attention runs on kvtool's kernels, the model's forward uses
+        the fused ones too (``use_fused_kernels``, kvtool/models/llama.py)."""
         self.model = model
-        self.pools = pools
-        self.tokens_per_block = tokens_per_block
         self.device = device
-        self.kv_caches = pools.layer_caches()
+        self.kernels = kernels
+        self.fused_kernels = fused_kernels
+        self.pools: KvCachePools | None = None  # set by start
+        self.tokens_per_block = 0
+        self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         # On the CPU the model runs through kvtool's fused kernels where they apply (the ISA they
         # use, e.g. 'avx512'; None: the torch path).
         self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
+        self.mixed_graphs: MixedGraphs | None = None
 
-    def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Replays decode steps from CUDA graphs (kvtool.runtime.cuda_graphs), captured now for every
-        batch-size bucket up to ``max_batch_size``."""
+    # -- the executor of an engine (kvtool.runtime.assemble.Executor) ----------------------------
+    def pool_budget(self, kv_cache_config: KvCacheConfig) -> PoolBudget:
+        """The device's free memory (after the weights) for the primary pool, the host's for the host pool."""
+        return PoolBudget(free_device_memory_bytes(self.device), available_host_memory_bytes(),
+                          on_cpu=self.device.type == "cpu")
+
+    def start(self, shape: BlockShape, pool_sizes: PoolSizes, config: EngineConfig, limits: RuntimeLimits) -> None:
+        """Creates the pools, warms up, and on a GPU captures the CUDA graphs (unless config.enforce_eager)."""
+        self.tokens_per_block = shape.tokens_per_block
+        self.pools = KvCachePools(shape, pool_sizes.num_primary_blocks, pool_sizes.num_secondary_blocks, self.device,
+                                  self.kernels, layered_copy_min_bytes=config.kv_cache_config.layered_copy_min_bytes)
+        self.kv_caches = self.pools.layer_caches()
+        library = fused_kernel_library(self.model, self.kv_caches[0]) if self.fused_kernels else None
+        if library is not None:
+            self.model.use_fused_kernels(library)
+        self.warm_up(min(limits.max_num_tokens, limits.max_seq_len - 1, 4 * self.tokens_per_block))
+        if config.cuda_graphs and graphs_can_capture(self.model, self.kv_caches[0]):
+            self.enable_cuda_graphs(limits.max_batch_size, limits.max_seq_len, limits.max_num_tokens)
+
+    def execute_step(self, batch, requests, generators) -> list[int] | None:
+        """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
+        logits = self.execute_batch(batch)
+        if logits is None:
+            return None
+        # sample() syncs: the tokens are on the host.
+        return sample(logits, [r.sampling_params for r in requests], generators)
+
+    def make_generator(self, params, request_id: int) -> torch.Generator | None:
+        return make_generator(params, request_id, self.device)
+
+    def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int,
+                           max_num_tokens: int = MAX_GRAPH_TOKENS) -> None:
+        """Replays steps from CUDA graphs (kvtool.runtime.cuda_graphs), captured now: decode steps for
+        every batch-size bucket up to ``max_batch_size``, prefill / mixed steps for every token bucket
+        up to min(MAX_GRAPH_TOKENS, ``max_num_tokens``)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.tokens_per_block, max_batch_size, max_seq_len,
-                              self.device)
-        graphs.capture_all()
+        pool = torch.cuda.graph_pool_handle()  # one pool for every graph: they replay one at a time
+        decode = DecodeGraphs(self.model, self.kv_caches, self.tokens_per_block, max_batch_size, max_seq_len,
+                              self.device, pool)
+        mixed = MixedGraphs(self.model, self.kv_caches, self.tokens_per_block, max_batch_size, max_seq_len,
+                            max_num_tokens, self.device, pool)
+        decode.capture_all()
+        mixed.capture_all()
         torch.cuda.synchronize(self.device)
-        self.decode_graphs = graphs
+        self.decode_graphs, self.mixed_graphs = decode, mixed
 
     def prepare(self, requests) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flattens the step's requests: multi-token context chunks first, then every request with
-        one new token (decode tokens, and context chunks of one token such as the last token of a
-        fully cached prompt, which attention treats exactly like a decode token: on a GPU the
-        split-K decode kernel serves it instead of a mostly idle context-kernel tile).
+        """Flattens the step's requests (kvtool.runtime.step_batch.flatten_step: multi-token context
+        chunks first, then every request with one new token, which on a GPU the split-K decode kernel
+        serves instead of a mostly idle context-kernel tile) and moves the metadata to the device.
 
         Returns input_ids [num_tokens], the attention metadata, and the row of the last token of
         each sampling request [num_sampling] (whose logits are needed), in the order of ``requests``.
         """
-        tpb = self.tokens_per_block
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].token_ids) == 1)  # stable
-        sampling = [i for i, r in enumerate(requests) if r.samples]
-        requests = [requests[i] for i in order]
-        token_ids = [np.asarray(r.token_ids, dtype=np.int64) for r in requests]
-        query_lens = np.array([len(t) for t in token_ids], dtype=np.int32)
-        num_cached = np.array([r.num_cached_tokens for r in requests], dtype=np.int32)
-        seq_lens = num_cached + query_lens
-        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
+        return self._upload(flatten_step(requests, self.tokens_per_block))
 
-        positions = np.concatenate([np.arange(c, c + q, dtype=np.int64) for c, q in zip(num_cached, query_lens)])
-        max_blocks = max(len(r.block_ids) for r in requests)
-        block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)
-        for i, r in enumerate(requests):
-            block_tables[i, : len(r.block_ids)] = r.block_ids
-        # Each new token's KV goes to slot block_id * tokens_per_block + offset of its position.
-        seq_index = np.repeat(np.arange(len(requests)), query_lens)
-        slot_blocks = block_tables[seq_index, positions // tpb].astype(np.int64)
-        slot_mapping = slot_blocks * tpb + positions % tpb
-
-        # The last row of each sampling request, in the caller's order (logits come back in it).
-        last_rows = query_start_loc[1:].astype(np.int64) - 1
-        row_of = dict(zip(order, last_rows.tolist()))
-        sample_rows = np.array([row_of[i] for i in sampling], dtype=np.int64)
+    def _upload(self, step: HostStep) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        query_lens, seq_lens = step.query_lens, step.seq_lens
         device = self.device
         meta = AttentionMetadata(
-            positions=torch.from_numpy(positions).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            positions=torch.from_numpy(step.positions).to(device),
+            query_start_loc=torch.from_numpy(step.query_start_loc).to(device),
             query_lens=torch.from_numpy(query_lens).to(device),
             seq_lens=torch.from_numpy(seq_lens).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            tokens_per_block=tpb,
-            num_context_seqs=int((query_lens > 1).sum()),
+            block_tables=torch.from_numpy(step.block_tables).to(device),
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+            tokens_per_block=self.tokens_per_block,
+            num_context_seqs=step.num_context_seqs,
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             max_decode_seq_len=int(seq_lens[query_lens == 1].max(initial=0)),
         )
-        input_ids = torch.from_numpy(np.concatenate(token_ids)).to(device)
-        return input_ids, meta, torch.from_numpy(sample_rows).to(device)
+        input_ids = torch.from_numpy(step.input_ids).to(device)
+        return input_ids, meta, torch.from_numpy(step.sample_rows).to(device)
 
     def warm_up(self, num_tokens: int) -> None:
         """One context step and one decode step on scratch blocks, so the first measured request
@@ -142,7 +170,12 @@ class ModelRunner:
                 return logits
             return logits[torch.tensor(sampling, dtype=torch.int64, device=self.device)]
         try:
-            input_ids, meta, sample_rows = self.prepare(requests)
+            step = flatten_step(requests, self.tokens_per_block)
+            if self.mixed_graphs is not None and not self.pools.copies_pending_per_layer:
+                layout = self.mixed_graphs.layout(step)
+                if layout is not None:
+                    return self.mixed_graphs.run(step, layout)
+            input_ids, meta, sample_rows = self._upload(step)
             with self._layers_wait_for_their_copies():
                 hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
         except BaseException:
@@ -187,3 +220,31 @@ class ModelRunner:
             self.model.cpu_decoder = cpu_decoder
             for handle in handles:
                 handle.remove()
+
+
+def graphs_can_capture(model: torch.nn.Module, kv_cache: torch.Tensor) -> bool:
+    """Steps are captured on kvtool's CUDA kernels only: the torch fallback (other head dims, float32
+    caches) reads sequence lengths on the host, which a graph cannot replay."""
+    if kv_cache.device.type != "cuda":
+        return False
+    from kvtool.layers.cuda_attention import CudaPagedAttention  # noqa: PLC0415 - GPU only
+
+    backend = model.layers[0].attention.backend
+    return isinstance(backend, CudaPagedAttention) and backend.supports(kv_cache)
+
+
+def fused_kernel_library(model: torch.nn.Module, kv_cache: torch.Tensor):
+    """The KernelLibrary the model's fused forward would use, or None where it does not apply: on a
+    CUDA device whose attention runs on kvtool's kernels (CudaPagedAttention, a cache it supports) with
+    the cache in the model's own dtype, and hidden / intermediate sizes of whole 16-byte vectors."""
+    if kv_cache.device.type != "cuda" or not hasattr(model, "use_fused_kernels"):
+        return None
+    from kvtool.layers.cuda_attention import CudaPagedAttention  # noqa: PLC0415 - GPU only
+
+    backend = model.layers[0].attention.backend
+    config = model.config
+    if (not isinstance(backend, CudaPagedAttention) or not backend.supports(kv_cache)
+            or model.embed_tokens.weight.dtype != kv_cache.dtype
+            or config.hidden_size % 8 or config.intermediate_size % 8):
+        return None
+    return backend.library

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtool.errors import KvtoolError
-from kvtool.units import format_bytes
+from kvtool.units import format_byte_count, format_bytes
 
 CPU_PRIMARY_POOL_CAP_BYTES = 256 << 20  # on a CPU, "free device memory" is host memory: cap the default
 
@@ -42,16 +42,31 @@ class PoolSizes:
         return f"KV cache: {primary}; {host}"
 
 
+MAX_TOKENS_FLAG, FRACTION_FLAG = "--max_tokens_in_paged_kv_cache", "--kv_cache_free_gpu_mem_fraction"
+
+
 def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | None, fraction: float,
                     free_memory_bytes: int, on_cpu: bool, notes: list[str]) -> int:
     """TensorRT-LLM's rule: max_tokens, else the memory fraction's budget; the smaller when both."""
-    budget_blocks = int(fraction * free_memory_bytes) // block_bytes
+    budget_bytes = int(fraction * free_memory_bytes)
+    budget_blocks = budget_bytes // block_bytes
     memory = "available host memory" if on_cpu else "free device memory"
+    budget = (f"{format_byte_count(budget_bytes)}: {FRACTION_FLAG} {fraction} of the "
+              f"{format_byte_count(free_memory_bytes)} of {memory}")
+    block = f"one block of {tokens_per_block} tokens takes {format_byte_count(block_bytes)}"
+    smaller_blocks = "or a smaller --tokens_per_block"
     if max_tokens is None:
         if on_cpu and budget_blocks * block_bytes > CPU_PRIMARY_POOL_CAP_BYTES:
             budget_blocks = CPU_PRIMARY_POOL_CAP_BYTES // block_bytes
-            notes.append(f"no max_tokens given: the CPU primary pool is capped at {format_bytes(CPU_PRIMARY_POOL_CAP_BYTES)} "
-                         "(give --max_tokens_in_paged_kv_cache for another size)")
+            if budget_blocks < 1:
+                # The cap, not the memory, is what leaves no room: the flag that lifts it is the fix.
+                raise KvtoolError(
+                    f"the KV cache gets no block: {block}, more than the {format_bytes(CPU_PRIMARY_POOL_CAP_BYTES)} "
+                    f"a CPU primary pool is capped at without {MAX_TOKENS_FLAG}: give {MAX_TOKENS_FLAG} "
+                    f"{tokens_per_block} or more (up to {budget_bytes // block_bytes * tokens_per_block:,} tokens "
+                    f"fit in the {memory}), {smaller_blocks}")
+            notes.append(f"no {MAX_TOKENS_FLAG} given: the CPU primary pool is capped at "
+                         f"{format_bytes(CPU_PRIMARY_POOL_CAP_BYTES)} (give {MAX_TOKENS_FLAG} for another size)")
         num_blocks = budget_blocks
     else:
         asked_blocks = -(-max_tokens // tokens_per_block)
@@ -59,20 +74,18 @@ def _primary_blocks(block_bytes: int, tokens_per_block: int, max_tokens: int | N
         if asked_bytes > free_memory_bytes:
             there = "host memory are available" if on_cpu else "device memory are free"
             raise KvtoolError(
-                f"max_tokens (--max_tokens_in_paged_kv_cache) {max_tokens:,} needs {asked_bytes:,} bytes of KV cache "
-                f"but only {free_memory_bytes:,} bytes of {there}: choose at most "
+                f"{MAX_TOKENS_FLAG} {max_tokens:,} needs {format_byte_count(asked_bytes)} of KV cache "
+                f"but only {format_byte_count(free_memory_bytes)} of {there}: choose at most "
                 f"{free_memory_bytes // block_bytes * tokens_per_block:,} tokens")
         num_blocks = min(asked_blocks, budget_blocks)
-        if num_blocks < asked_blocks:
+        if 0 < num_blocks < asked_blocks:
             notes.append(
-                f"max_tokens {max_tokens:,} ({format_bytes(asked_bytes)}) is more than free_gpu_memory_fraction "
+                f"{MAX_TOKENS_FLAG} {max_tokens:,} ({format_bytes(asked_bytes)}) is more than {FRACTION_FLAG} "
                 f"{fraction} of the {format_bytes(free_memory_bytes)} of {memory} allows: the pool holds "
                 f"{num_blocks * tokens_per_block:,} tokens, the smaller of the two (as in TensorRT-LLM)")
     if num_blocks < 1:
-        raise KvtoolError(
-            f"the KV cache gets no block: one block takes {block_bytes:,} bytes but the budget is "
-            f"{int(fraction * free_memory_bytes):,} bytes (free_gpu_memory_fraction={fraction}, "
-            f"max_tokens={max_tokens}): raise max_tokens / free_gpu_memory_fraction")
+        raise KvtoolError(f"the KV cache gets no block: {block} but the budget is {budget}; raise {FRACTION_FLAG}, "
+                          f"{smaller_blocks}")
     return num_blocks
 
 
@@ -83,21 +96,25 @@ def _host_blocks(block_bytes: int, tokens_per_block: int, host_cache_size: int, 
     fill more than what is available (``num_workload_blocks``: the most blocks it can ever create)."""
     if host_cache_size == 0:
         return 0
-    flag = "host_cache_size (--kv_host_cache_bytes)"
+    flag = "--kv_host_cache_bytes"
     if host_cache_size < block_bytes:
-        raise KvtoolError(f"{flag} of {host_cache_size:,} bytes is smaller than one KV block ({block_bytes:,} bytes, "
-                          f"{tokens_per_block} tokens): give at least {block_bytes:,} bytes, or 0 for no offloading")
+        raise KvtoolError(f"{flag} of {format_byte_count(host_cache_size)} is smaller than one KV block of "
+                          f"{tokens_per_block} tokens, {format_byte_count(block_bytes)}: give at least "
+                          f"{block_bytes:,} bytes, or 0 for no offloading")
     num_blocks = host_cache_size // block_bytes
     if num_blocks * block_bytes <= available_bytes:
         return num_blocks
-    too_big = f"{flag} of {host_cache_size:,} bytes exceeds the {available_bytes:,} bytes of host memory available"
+    too_big = (f"{flag} of {format_byte_count(host_cache_size)} exceeds the {format_byte_count(available_bytes)} of "
+               "host memory available")
     if num_workload_blocks is None:
         raise KvtoolError(f"{too_big}: choose at most {available_bytes:,} bytes")
     reachable = min(num_blocks, num_workload_blocks) * block_bytes
     if reachable > available_bytes:
-        raise KvtoolError(f"{too_big}, and this workload can fill {reachable:,} bytes of it, "
-                          f"{reachable - available_bytes:,} more than available: choose at most {available_bytes:,} bytes")
-    notes.append(f"--kv_host_cache_bytes {host_cache_size:,} is more than the {format_bytes(available_bytes)} of host memory "
+        raise KvtoolError(f"{too_big}, and this workload can fill {format_byte_count(reachable)} of it, "
+                          f"{format_byte_count(reachable - available_bytes)} more than available: choose at most "
+                          f"{available_bytes:,} bytes")
+    notes.append(f"--kv_host_cache_bytes {format_byte_count(host_cache_size)} is more than the "
+                 f"{format_bytes(available_bytes)} of host memory "
                  f"available, but it is a limit (allocated as blocks are offloaded) and this workload can put at most "
                  f"{min(num_blocks, num_workload_blocks):,} blocks ({format_bytes(reachable)}) there: going ahead")
     return num_blocks

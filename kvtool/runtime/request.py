@@ -2,7 +2,8 @@
 
 The replay, the engine and the metrics share this object: the caller fills in what to run, the
 engine what happened. The C++ scheduler keeps its own state of the same request, by ``request_id``
-(docs/architecture.md#a-requests-path).
+(docs/architecture.md#a-requests-path), until it finishes: then the engine and the scheduler forget
+it, and the caller's Request is its only record.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from kvtool.bench.datasets import DatasetRecord
+    from kvtool.workloads.datasets import DatasetRecord
     from kvtool.config import SamplingParams
+    from kvtool.runtime.detokenizer import IncrementalDetokenizer
 
 
 # Why a full prompt block was not reused, one reason per block, in kvtool._core.MissReasons' order
@@ -48,6 +50,9 @@ class Request:
     line: DatasetRecord | None = None
     name: str = ""
     where: str = ""
+    # The output's text, which the engine feeds each token: give one to read the text (the LLM API and
+    # kvtool serve do); the engine makes one itself for stop strings. None: no text is decoded.
+    detokenizer: IncrementalDetokenizer | None = None
     # Filled in by the engine.
     request_id: int = -1
     output_token_ids: list[int] = field(default_factory=list)

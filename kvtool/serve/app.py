@@ -1,9 +1,11 @@
 """The HTTP routes of kvtool serve: OpenAI's completions and chat completions, models, health, metrics.
 
-A handler turns the body into an engine Request (kvtool.serve.prompts), submits it to the engine
-task (kvtool.serve.engine_loop) and answers from the Stream it gets back: server-sent events, one
-per engine step that gave the request a token, ``data: [DONE]`` last; or one JSON body at the end.
-A client that goes away aborts its request, which frees its blocks at once.
+A handler reads the body (kvtool.serve.body: the size limit, off the event loop when large), turns
+it into an engine Request (kvtool.serve.prompts), submits it to the engine task
+(kvtool.serve.engine_loop) and answers from the Stream it gets back: server-sent events, one per
+engine step that gave the request a token, ``data: [DONE]`` last; or one JSON body at the end.
+A client that goes away aborts its request, which frees its blocks at once. Around the routes:
+the API key check (kvtool.serve.auth) and the gate that drains on shutdown (kvtool.serve.drain).
 """
 
 from __future__ import annotations
@@ -11,19 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from kvtool.serve import protocol
+from kvtool.serve.auth import ApiKeyCheck
+from kvtool.serve.body import BodyReader, parse
 from kvtool.serve.detokenize import TextAssembler
+from kvtool.serve.drain import SHUTTING_DOWN, Drain, RequestGate
 from kvtool.serve.engine_loop import EngineLoop, Stream
-from kvtool.serve.metrics import CONTENT_TYPE, ServerMetrics
+from kvtool.serve.prometheus import CONTENT_TYPE, ServerMetrics
 from kvtool.serve.prompts import ApiError, PromptBuilder
+from kvtool.serve.server import ServeConfig
 
 OWNED_BY = "kvtool"  # /v1/models' owned_by: how `kvtool bench --endpoint` knows it talks to kvtool serve
 
@@ -38,14 +42,21 @@ class ServeState:
     served_model_name: str
     max_seq_len: int
     metrics: ServerMetrics
+    drain: Drain
+    bodies: BodyReader
 
 
-def create_app(llm, *, served_model_name: str) -> FastAPI:
-    """The app serving ``llm`` (a kvtool.LLM); its engine task runs while the app does (lifespan)."""
-    state = ServeState(EngineLoop(llm.engine),
+def create_app(llm, *, served_model_name: str, config: ServeConfig | None = None) -> FastAPI:
+    """The app serving ``llm`` (a kvtool.LLM); its engine task runs while the app does (lifespan).
+    ``config`` gives the API key and the body size limit (none and 8 MiB without it)."""
+    config = config or ServeConfig()
+    engine_loop = EngineLoop(llm.engine)
+    drain = Drain(engine_loop)
+    state = ServeState(engine_loop,
                        PromptBuilder(llm.tokenizer, vocab_size=llm.plan.model_config.vocab_size,
                                      max_seq_len=llm.max_seq_len),
-                       llm.tokenizer, served_model_name, llm.max_seq_len, ServerMetrics())
+                       llm.tokenizer, served_model_name, llm.max_seq_len, ServerMetrics(), drain,
+                       BodyReader(config.max_request_bytes, drain))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -53,10 +64,15 @@ def create_app(llm, *, served_model_name: str) -> FastAPI:
         try:
             yield
         finally:
+            state.bodies.close()
             await state.engine_loop.stop()
 
     app = FastAPI(title="kvtool serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
+    # The last added runs first: the key is checked before a request counts as open.
+    app.add_middleware(RequestGate, drain=drain)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=config.api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: HttpRequest, error: ApiError) -> JSONResponse:
@@ -65,6 +81,8 @@ def create_app(llm, *, served_model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if state.drain.draining:
+            return JSONResponse(protocol.error_body(SHUTTING_DOWN, status=503), status_code=503)
         if not state.engine_loop.alive:
             return JSONResponse(protocol.error_body("the engine is not running", status=503), status_code=503)
         return JSONResponse({"status": "ok"})
@@ -82,49 +100,28 @@ def create_app(llm, *, served_model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: HttpRequest) -> Response:
-        body = await _parse(raw, protocol.CompletionRequest)
-        _check_model(state, body.model)
-        return await _answer(state, raw, body, state.prompts.completion(body), chat=False)
+        body, request = await state.bodies.prepare(raw, _preparation(state, protocol.CompletionRequest,
+                                                                      state.prompts.completion))
+        return await _answer(state, raw, body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: HttpRequest) -> Response:
-        body = await _parse(raw, protocol.ChatCompletionRequest)
-        _check_model(state, body.model)
-        return await _answer(state, raw, body, state.prompts.chat(body), chat=True)
+        body, request = await state.bodies.prepare(raw, _preparation(state, protocol.ChatCompletionRequest,
+                                                                      state.prompts.chat))
+        return await _answer(state, raw, body, request, chat=True)
 
     return app
 
 
-async def _parse(raw: HttpRequest, model: type[protocol.SamplingFields]):
-    try:
-        data = json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(f"the request body is not JSON ({error}): send a JSON object") from None
-    if not isinstance(data, dict):
-        raise ApiError("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise _validation_error(error) from None
+def _preparation(state: ServeState, model: type[protocol.SamplingFields], build: Callable) -> Callable:
+    """What turns a body's bytes into (the parsed body, the engine Request): touches no engine, so it
+    may run in a thread (kvtool.serve.body)."""
+    def prepare(data: bytes):
+        body = parse(data, model)
+        _check_model(state, body.model)
+        return body, build(body)
 
-
-# Pydantic names the member of a union it tried in an error's location ('prompt', 'list[int]'): not a field.
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none)$|[\[\]]|^[A-Z]")
-
-
-def _validation_error(error: ValidationError) -> ApiError:
-    """The first field in error, what it should be (each type of a union) and what it got."""
-    def field_of(details) -> str:
-        parts = [str(p) for p in details["loc"] if not isinstance(p, int) and not _UNION_MEMBER.search(str(p))]
-        return ".".join(parts)
-
-    errors = error.errors()
-    field = field_of(errors[0])
-    expected = list(dict.fromkeys(e["msg"].lower() for e in errors if field_of(e) == field))
-    first = errors[0]
-    got = json.dumps(first.get("input"))[:80] if first["type"] != "missing" else None
-    message = f"{field}: {' or '.join(expected)}" + (f" (got {got})" if got is not None else "")
-    return ApiError(message, param=field or None)
+    return prepare
 
 
 def _check_model(state: ServeState, model: str | None) -> None:
@@ -203,7 +200,7 @@ class _Response:
         self.stream: Stream | None = None
         self.response_id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.now_s()
-        self.text = TextAssembler(state.tokenizer, request.sampling_params.stop)
+        self.text = TextAssembler(request, state.tokenizer)
         self.last_event = False  # events() set it before yielding the answer's last event
 
     def submit(self) -> Stream:
@@ -230,7 +227,7 @@ class _Response:
             raise ApiError(self.stream.error, status=self.stream.error_status)
         self._observe()
         output_ids = list(request.output_token_ids)
-        text = self.text.full_text(output_ids)
+        text = self.text.full_text()
         ids = {"token_ids": output_ids, "prompt_token_ids": list(request.prompt_token_ids)} \
             if self.body.return_token_ids else {}
         if self.chat:
@@ -261,12 +258,12 @@ class _Response:
                 if stream.client_gone:
                     return  # nobody reads the rest
                 num_tokens = len(request.output_token_ids)
-                output_ids = request.output_token_ids[:num_tokens]
-                piece = self.text.delta(output_ids, finished=finished)
+                piece = self.text.delta(finished=finished)
                 reason = self._finish_reason() if finished else None
                 ids = {}
                 if self.body.return_token_ids:
-                    ids["token_ids"] = output_ids[num_sent:]
+                    # The new tokens only: slicing the whole output each step would copy O(n^2) ids.
+                    ids["token_ids"] = request.output_token_ids[num_sent:num_tokens]
                     if first:
                         ids["prompt_token_ids"] = list(request.prompt_token_ids)
                 if self.chat:

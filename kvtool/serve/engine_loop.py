@@ -74,6 +74,7 @@ class EngineLoop:
         self._work: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._refusal: tuple[str, int] | None = None  # (message, status) every request gets from end_all on
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -103,10 +104,15 @@ class EngineLoop:
 
     def submit(self, request: Request) -> Stream:
         """Queues the request in the scheduler; it runs from the next step. Should the engine refuse it,
-        the stream finishes at once with the engine's message (error_status 400)."""
+        the stream finishes at once with the engine's message (error_status 400); after ``end_all``,
+        with its message."""
         if not self.alive:
             raise RuntimeError("the server is shutting down")
         stream = Stream(request)
+        if self._refusal is not None:
+            stream.error, stream.error_status = self._refusal
+            stream.notify()
+            return stream
         try:
             self.engine.add_request(request)
         except ValueError as refused:
@@ -147,7 +153,7 @@ class EngineLoop:
                 produced = self.engine.step()
             except Exception as error:  # noqa: BLE001 - the requests fail, the server goes on
                 logger.exception("the engine failed a step; failing the %d requests in it", len(self._streams))
-                self._fail_all(f"the engine failed: {error}")
+                self._fail_all(f"the engine failed: {error}", status=500)
                 produced = []
             for request in produced:
                 stream = self._streams.get(request.request_id)
@@ -159,17 +165,22 @@ class EngineLoop:
 
     def _forget(self, request_id: int) -> None:
         self._streams.pop(request_id, None)
-        # The engine keeps every request it was given (a bench reads them back); a server would grow without end.
-        self.engine.requests.pop(request_id, None)
 
-    def _fail_all(self, message: str) -> None:
+    def end_all(self, message: str, *, status: int) -> None:
+        """Ends every request with ``message`` (its stream's error, with ``status``), and every request
+        submitted from now on (the server is shutting down)."""
+        self._refusal = (message, status)
+        self._fail_all(message, status=status)
+
+    def _fail_all(self, message: str, *, status: int) -> None:
         for request_id, stream in list(self._streams.items()):
             if not stream.request.finished:
                 try:
                     self.engine.abort_request(request_id)
+                    self._num_aborted += 1
                 except Exception:  # noqa: BLE001 - the scheduler may be what failed; the stream fails anyway
                     logger.exception("could not abort request %d", request_id)
-            stream.error = message
+            stream.error, stream.error_status = message, status
             self._forget(request_id)
             stream.notify()
 

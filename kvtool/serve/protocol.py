@@ -93,10 +93,23 @@ def now_s() -> int:
     return int(time.time())
 
 
-def error_body(message: str, *, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object (the official client raises BadRequestError etc. from it)."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+API_PREFIX = "/v1"  # the OpenAI routes: what an API key guards and a drain refuses
+
+
+def is_api_path(path: str) -> bool:
+    return path == API_PREFIX or path.startswith(API_PREFIX + "/")
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+                413: "invalid_request_error", 503: "service_unavailable"}
+_NO_CODE = object()
+
+
+def error_body(message: str, *, status: int, param: str | None = None, code: object = _NO_CODE) -> dict[str, Any]:
+    """OpenAI's error object (the official client raises BadRequestError, AuthenticationError etc. from the
+    status). ``code`` is the status, as vLLM sends it, unless given (OpenAI's 401 says "invalid_api_key")."""
+    kind = _ERROR_TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status if code is _NO_CODE else code}}
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:

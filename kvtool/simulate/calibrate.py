@@ -58,17 +58,19 @@ QUICK_GRID = CalibrationGrid(new_tokens=(16, 64, 256), cached_tokens=(0, 128), s
 
 
 class _StepRecorder:
-    """Stands in for the engine's runner: records the shape of each batch it executes."""
+    """Stands in for the engine's executor (its ModelRunner): records the shape of each batch it executes."""
 
     def __init__(self, runner, bytes_per_token: int) -> None:
         self.runner = runner
         self._bytes_per_token = bytes_per_token
-        self.device = runner.device
         self.last_shape: StepShape | None = None
 
-    def execute_batch(self, batch):
+    def execute_step(self, batch, requests, generators):
         self.last_shape = step_shape(batch.requests, batch.copy_ops.num_tokens, self._bytes_per_token)
-        return self.runner.execute_batch(batch)
+        return self.runner.execute_step(batch, requests, generators)
+
+    def make_generator(self, params, request_id: int):
+        return self.runner.make_generator(params, request_id)
 
 
 @dataclass
@@ -90,8 +92,8 @@ def measure(llm, grid: CalibrationGrid, *, seed: int = 0, on_point: Callable[[st
     from kvtool.config import SamplingParams
 
     engine = llm.engine
-    recorder = _StepRecorder(engine.runner, engine.bytes_per_token)
-    engine.runner = recorder
+    recorder = _StepRecorder(engine.executor, engine.bytes_per_token)
+    engine.executor = recorder
     rng = random.Random(seed)
     vocab = min(llm.plan.model_config.vocab_size, 1 << 15)
     max_len = llm.max_seq_len - grid.num_decode_steps - 2
@@ -140,13 +142,13 @@ def measure(llm, grid: CalibrationGrid, *, seed: int = 0, on_point: Callable[[st
                 prompts = [(_random_prompt(rng, length, vocab), 1 + grid.num_decode_steps) for _ in range(batch_size)]
                 half = max(1, batch_size // 2)
                 run(prompts[:half], later=prompts[half:])
-    engine.runner = recorder.runner
+    engine.executor = recorder.runner
     return Calibration(steps, _measure_copies(llm, grid, on_point))
 
 
 def _measure_copies(llm, grid: CalibrationGrid, on_point: Callable[[str], None]) -> list[tuple[int, float]]:
     """Seconds to offload k blocks to the host pool and to onboard them back, k from the grid."""
-    pools = llm.engine.runner.pools
+    pools = llm.engine.executor.pools
     num_host = llm.pool_sizes.num_secondary_blocks
     block_bytes = llm.pool_sizes.block_bytes
     tokens_per_block = llm.pool_sizes.tokens_per_block

@@ -1,0 +1,86 @@
+"""How long `kvtool dataset import --format mooncake` takes on the whole Mooncake conversation trace
+(12,031 requests, 145M prompt tokens; target: seconds), and how long loading slices of the result
+takes (what a replay pays before it starts). Not a test. The trace is read from shared/data above
+the checkout (see tests/trace_data.py), or --trace.
+
+    .venv/bin/python bench/trace_import.py --output results/traces/import.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvtool.runtime.device import host_description
+from kvtool.version import git_revision
+from kvtool.workloads.datasets import load_dataset
+from kvtool.workloads.traces import TraceImportOptions, import_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from trace_data import TRACE_NAME  # noqa: E402
+
+
+def find_trace() -> Path:
+    root = Path(__file__).resolve().parents[1]
+    for directory in (root, *root.parents):
+        if (directory / "shared" / "data" / TRACE_NAME).is_file():
+            return directory / "shared" / "data" / TRACE_NAME
+    raise SystemExit(f"no shared/data/{TRACE_NAME} above {root}: give --trace PATH")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", type=Path)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    trace = args.trace or find_trace()
+    lines = ["| step | median (s) | runs (s) | detail |", "|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as scratch:
+        output = Path(scratch) / "trace.jsonl"
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            result = import_trace(trace, "mooncake", output, TraceImportOptions())
+            times.append(time.perf_counter() - start)
+        size = output.stat().st_size
+        lines.append(f"| import the whole trace | {statistics.median(times):.2f} | "
+                     f"{', '.join(f'{t:.2f}' for t in times)} | {result.num_requests:,} requests, "
+                     f"{result.num_prompt_tokens:,} prompt tokens, {size / 2**20:,.0f} MiB written |")
+        for count in (1000, 3000):
+            sliced = Path(scratch) / f"slice{count}.jsonl"
+            with output.open() as source, sliced.open("w") as out:
+                out.writelines(itertools.islice(source, count))
+            times = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                dataset = load_dataset(sliced)
+                times.append(time.perf_counter() - start)
+            tokens = sum(len(record.input_ids) for record in dataset.records)
+            lines.append(f"| load the first {count:,} requests | {statistics.median(times):.2f} | "
+                         f"{', '.join(f'{t:.2f}' for t in times)} | {tokens:,} prompt tokens |")
+    report = "\n".join([
+        "# Importing the Mooncake conversation trace",
+        "",
+        f"Machine: `{host_description()}` ({platform.machine()}), load average {os.getloadavg()[0]:.1f} at the end "
+        f"(other jobs share the cores), revision {git_revision()}. "
+        f"Trace: `{TRACE_NAME}`. Command: `python bench/trace_import.py` (medians of {args.repeat} runs).",
+        "",
+        *lines,
+        "",
+    ])
+    print(report)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(report, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

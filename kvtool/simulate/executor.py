@@ -1,0 +1,88 @@
+"""The executor of a simulated engine: the same C++ scheduler and KV cache manager as a real run hand
+out every batch, and each step advances a simulated clock by the cost model's prediction for its
+shape instead of running copies, forward and sampling (kvtool.runtime.assemble builds the engine)."""
+
+from __future__ import annotations
+
+from kvtool.config import EngineConfig, KvCacheConfig
+from kvtool.errors import KvtoolError
+from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
+from kvtool.runtime.device import available_host_memory_bytes
+from kvtool.runtime.kv_pool import BlockShape
+from kvtool.runtime.pool_sizes import PoolSizes
+from kvtool.runtime.request import Request
+from kvtool.simulate.cost_model import CostModel, step_shape
+
+
+class SimulatedClock:
+    """Seconds since the simulation started; only steps and waits for arrivals move it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def now(self) -> float:
+        return self.seconds
+
+    def sleep(self, seconds: float) -> None:
+        """Waiting for the next arrival jumps to it."""
+        self.seconds += max(0.0, seconds)
+
+    def advance(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
+class CostModelExecutor:
+    """Runs an engine's steps on ``clock``: each advances it by ``cost_model.predict`` of the step's shape.
+
+    Generated tokens are a deterministic function of the request's last token and length, so two
+    requests with the same prompt get the same answer (as greedy decoding gives), and a later session
+    turn, which resends the answer, finds its blocks as it would in a real run.
+    """
+
+    def __init__(self, cost_model: CostModel, clock: SimulatedClock, *, vocab_size: int) -> None:
+        self.cost_model = cost_model
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.bytes_per_token = 0  # set by start
+        self.num_steps = 0  # steps that computed something
+
+    def pool_budget(self, kv_cache_config: KvCacheConfig) -> PoolBudget:
+        """The pools as a real run on the profile's device would size them: a CPU's out of this machine's
+        memory, a GPU's out of the device memory left after the weights, which the profile records.
+        Nothing is allocated, so any host cache size can be simulated, whatever this machine has."""
+        on_cpu = self.cost_model.device.startswith("cpu")
+        free_bytes = (available_host_memory_bytes() if on_cpu
+                      else int(self.cost_model.details.get("free_memory_bytes", 0)))
+        if not free_bytes:
+            if kv_cache_config.max_tokens is None:
+                raise KvtoolError(f"the cost model of {self.cost_model.device} does not say how much device memory "
+                                  "is free for the KV cache: give --max_tokens_in_paged_kv_cache, or recalibrate")
+            free_bytes = 1 << 62  # the pool is the size asked for
+        host_bytes = max(available_host_memory_bytes(), kv_cache_config.host_cache_size + free_bytes)
+        return PoolBudget(free_bytes, host_bytes, on_cpu)
+
+    def start(self, shape: BlockShape, pool_sizes: PoolSizes, config: EngineConfig, limits: RuntimeLimits) -> None:
+        # A simulated step costs what the cost model says: CUDA graphs (config.enforce_eager) are in it, as
+        # a calibration times steps as the LLM runs them.
+        self.bytes_per_token = shape.bytes_per_token
+
+    def make_generator(self, params, request_id: int) -> None:
+        return None
+
+    def execute_step(self, batch, requests: list[Request], generators: list) -> list[int] | None:
+        copies = batch.copy_ops
+        scheduled = batch.requests
+        if not scheduled:
+            if len(copies):  # copies with nothing to compute still take their time
+                self.clock.advance(self.cost_model.predict(step_shape((), copies.num_tokens, self.bytes_per_token)))
+            return None
+        self.num_steps += 1
+        self.clock.advance(self.cost_model.predict(step_shape(scheduled, copies.num_tokens, self.bytes_per_token)))
+        vocab_size = self.vocab_size
+        tokens = []
+        for request in requests:
+            output = request.output_token_ids
+            last = output[-1] if output else request.prompt_token_ids[-1]
+            length = len(request.prompt_token_ids) + len(output)
+            tokens.append((last * 2654435761 + length * 40503 + 1) % vocab_size)
+        return tokens
