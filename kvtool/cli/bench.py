@@ -159,9 +159,9 @@ def _write_reports(reporting: ReportOutputs, rows, written):
 
 
 def run_single(flags: FlagValues, console: Console, llm_factory=None,
-               summary: SummaryOptions = SummaryOptions()) -> RunOutcome:
+               summary: SummaryOptions = SummaryOptions(), rows_of: Callable | None = None) -> RunOutcome:
     """--dataset replayed once through an LLM of --plan or --model (``llm_factory``, as
-    kvtool.bench.runner.create_llm; `kvtool simulate` passes its own)."""
+    kvtool.bench.runner.create_llm; `kvtool simulate` passes its own, and a fleet's ``rows_of``)."""
     plan, model = flags["plan"], flags["model"]
     if flags["dataset"] is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
@@ -175,14 +175,17 @@ def run_single(flags: FlagValues, console: Console, llm_factory=None,
 
     outcome, _ = _replay(flags, target, console, summary, default_label=lambda _: _default_label(plan, model),
                          config_columns=lambda _: {"model": source,
-                                                   "label_source": "--label" if flags["label"] else "default"})
+                                                   "label_source": "--label" if flags["label"] else "default"},
+                         rows_of=rows_of)
     return outcome
 
 
 def _replay(flags: FlagValues, make_target: Callable, console: Console, summary: SummaryOptions, *,
-            default_label: Callable[[Target], str], config_columns: Callable[[Target], dict]):
+            default_label: Callable[[Target], str], config_columns: Callable[[Target], dict],
+            rows_of: Callable | None = None):
     """The one run of --dataset, in process or against a server: the target ``make_target(dataset, engine,
-    replay)`` makes, replayed into --output. Returns (RunOutcome, the run's BenchResult)."""
+    replay)`` makes, replayed into --output. ``rows_of(result, target)``: the summary rows of a fleet (its
+    own and each replica's; default: the run's row). Returns (RunOutcome, the run's BenchResult)."""
     dataset = flags["dataset"]
     engine, replay = configs(flags.config_flags())
     default_output = runner.default_output_dir(Path(dataset).stem)
@@ -194,10 +197,11 @@ def _replay(flags: FlagValues, make_target: Callable, console: Console, summary:
         result = runner.run_bench(target, data, replay, label=flags["label"] or default_label(target),
                                   requests_csv=requests_csv, console=console, summary=summary,
                                   config_columns=config_columns(target))
+        rows = rows_of(result, target) if rows_of is not None else [result.row]
     finally:
         target.shutdown()
-    written, failure = _write_summary(summary_csv, [result.row], requests_csv, result.failure)
-    return ([result.row], result.interrupted, written, failure), result
+    written, failure = _write_summary(summary_csv, rows, requests_csv, result.failure)
+    return (rows, result.interrupted, written, failure), result
 
 
 def _write_summary(summary_csv: Path, rows, requests_csv: Path, failure):
