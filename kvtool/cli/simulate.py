@@ -150,9 +150,11 @@ def _search(flags: FlagValues, fleet: FlagValues, console: Console, *, profile, 
 
     try:
         result = search(space.settings, space.replica_counts, runs.evaluate, on_tried=on_tried)
-    except KeyboardInterrupt:
+    except BaseException as error:  # what was run is written before the interruption or the error is reported
         for path in write_search(output_dir, tried, runs.rows, slo):
             console.print(f"wrote {path}", highlight=False)
+        if not isinstance(error, KeyboardInterrupt):
+            raise
         console.print(f"[bold yellow]interrupted[/] ({stop.name}): the files hold the {len(tried)} configurations "
                       "run", highlight=False)
         raise typer.Exit(stop.exit_code) from None
