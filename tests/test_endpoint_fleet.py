@@ -10,7 +10,7 @@ import contextlib
 import pytest
 from serve_helpers import running_server, tiny_llm
 from test_cli_bench import invoke, read_rows
-from test_fleet_simulation import cost_model, trace_lines
+from test_fleet_simulation import profile, trace_lines  # noqa: F401 - profile: a fixture
 
 from kvtool import KvCacheConfig
 from kvtool.workloads.datasets import write_jsonl
@@ -33,13 +33,12 @@ def dataset(tmp_path):
 
 
 @pytest.mark.parametrize("router", ["round_robin", "least_loaded", "prefix_aware"])
-def test_each_server_counts_what_its_simulated_replica_counts(tiny_llama_plan, servers, dataset, tmp_path, router):
+def test_each_server_counts_what_its_simulated_replica_counts(tiny_llama_plan, servers, dataset, profile, tmp_path,
+                                                              router):
     bench = invoke("bench", *(a for s in servers for a in ("--endpoint", s.url)), "--router", router,
                    "--router_block_size", 16, "--dataset", dataset, "--mode", "sequential", "--output",
                    tmp_path / "real")
     assert bench.exit_code == 0, bench.output
-    profile = tmp_path / "cost.json"
-    profile.write_text(cost_model().to_json())
     simulated = invoke("simulate", "--plan", tiny_llama_plan, "--profile", profile, "--replicas", 2, "--router", router,
                        "--dataset", dataset, "--mode", "sequential", "--max_tokens_in_paged_kv_cache", POOL_TOKENS,
                        "--output", tmp_path / "simulated")

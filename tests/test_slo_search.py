@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cli_bench import invoke, read_rows
-from test_fleet_simulation import cost_model, trace_lines
+from test_fleet_simulation import profile, trace_lines  # noqa: F401 - profile: a fixture
 
 from kvtool.fleet.search_space import parse_search
 from kvtool.fleet.slo_early_stop import exceeding_needed
@@ -126,13 +126,6 @@ def test_bad_search_values_are_one_line_naming_search(specs, kwargs, message):
 def busy_trace(tmp_path):
     """Arrivals 1 ms apart on average: one replica queues them, several keep up."""
     return write_jsonl(tmp_path / "trace.jsonl", trace_lines(60, spacing_s=0.001))
-
-
-@pytest.fixture
-def profile(tmp_path):
-    path = tmp_path / "cost.json"
-    path.write_text(cost_model().to_json())
-    return path
 
 
 def simulate(plan, dataset, profile, output, *args):

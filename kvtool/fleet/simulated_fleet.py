@@ -22,29 +22,17 @@ from collections.abc import Sequence
 
 from kvtool.fleet.routers import Router
 from kvtool.runtime.request import Request
+from kvtool.simulate.executor import SimulatedClock
 from kvtool.simulate.simulated_llm import SimulatedLLM
 
 _RELEASE, _START = 0, 1  # at one moment: finished requests first, then arrivals (the replay's), then step starts
-
-
-class FleetClock:
-    """The fleet's time: the moment of the last event; waiting for the next arrival jumps to it."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def now(self) -> float:
-        return self.seconds
-
-    def sleep(self, seconds: float) -> None:
-        self.seconds += max(0.0, seconds)
 
 
 class FleetEngine:
     """The TargetEngine of a simulated fleet (kvtool.bench.target): requests go to the replica the router
     chooses; ``advance`` runs the replicas in time order (see the module docstring)."""
 
-    def __init__(self, replicas: Sequence[SimulatedLLM], router: Router, clock: FleetClock) -> None:
+    def __init__(self, replicas: Sequence[SimulatedLLM], router: Router, clock: SimulatedClock) -> None:
         self.replicas = list(replicas)
         # The replay keys requests in flight by request_id, which each engine numbers from 0: the replicas
         # number theirs in turn (replica r: r, r + N, r + 2N, ...), so that ids are unique in the fleet.
@@ -177,7 +165,7 @@ class SimulatedFleet:
         self.replicas = list(replicas)
         self.router = router
         self.plan, self.config, self.tokenizer, self.pool_sizes = first.plan, first.config, first.tokenizer, first.pool_sizes
-        self.clock = FleetClock()
+        self.clock = SimulatedClock()  # the fleet's: the moment of its last event
         self.engine = FleetEngine(self.replicas, router, self.clock)
         self.device_description = first.device_description
         self.engine_name = first.engine_name
