@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_import import find_trace  # noqa: E402 - the shared trace, found above the checkout
+from trace_import import find_trace  # the shared trace, found above the checkout
 
 KVTOOL = str(Path(sys.executable).parent / "kvtool")
 MODEL = ["--model", "preset:llama-3.1-8b", "--max_seq_len", "131072", "--enable_chunked_context", "--profile", "h100",
@@ -36,6 +36,11 @@ def timed(args: list[str], log: Path) -> float:
     with open(log, "w") as out:
         subprocess.run(args, check=True, stdout=out, stderr=subprocess.STDOUT)
     return time.perf_counter() - started
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def cpu_model() -> str:
@@ -62,12 +67,12 @@ def main() -> None:
 
     fleet_s = timed([KVTOOL, "simulate", *MODEL, "--dataset", str(dataset), "--replicas", "8", "--router",
                      "prefix_aware", "--slo", SLO, "--output", str(work / "fleet8")], work / "fleet8.log")
-    fleet = next(csv.DictReader(open(work / "fleet8" / "summary.csv")))
+    fleet = read_rows(work / "fleet8" / "summary.csv")[0]
     search_s = timed([KVTOOL, "simulate", *MODEL, "--dataset", str(head), "--slo", SLO, *SEARCH,
                       "--output", str(work / "search")], work / "search.log")
-    tried = list(csv.DictReader(open(work / "search" / "search.csv")))
-    answer = next(line for line in open(work / "search.log") if "cheapest" in line and "meeting" in line
-                  or "no configuration searched" in line)
+    tried = read_rows(work / "search" / "search.csv")
+    answer = next(line for line in (work / "search.log").read_text().splitlines()
+                  if ("cheapest" in line and "meeting" in line) or "no configuration searched" in line)
     covered = 16 * 3 * 2
     searched = ("the whole trace" if num_searched == int(fleet["num_requests"])
                 else f"the trace's first {num_searched} requests")

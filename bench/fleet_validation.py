@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_import import find_trace  # noqa: E402 - the shared trace, found above the checkout
+from trace_import import find_trace  # the shared trace, found above the checkout
 
 ROOT = Path(__file__).resolve().parent.parent
 KVTOOL = str(Path(sys.executable).parent / "kvtool")
@@ -52,10 +52,11 @@ def free_port() -> int:
 def servers(plan: Path, count: int, pool_tokens: int, env: dict, logs: Path):
     """``count`` kvtool serve processes of ``plan``; their URLs once each lists its model."""
     processes, urls = [], []
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(_stop, processes)  # however the start ends
         for i in range(count):
             port = free_port()
-            log = open(logs / f"serve-{i}.log", "w")
+            log = stack.enter_context(open(logs / f"serve-{i}.log", "w"))
             processes.append(subprocess.Popen([KVTOOL, "serve", "--plan", str(plan), "--port", str(port),
                                                "--max_tokens_in_paged_kv_cache", str(pool_tokens)],
                                               stdout=log, stderr=subprocess.STDOUT, env=env))
@@ -72,11 +73,13 @@ def servers(plan: Path, count: int, pool_tokens: int, env: dict, logs: Path):
                     raise RuntimeError(f"kvtool serve at {url} did not start")
                 time.sleep(0.2)
         yield urls
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(30)
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(30)
 
 
 def error(predicted: float, measured: float) -> float:

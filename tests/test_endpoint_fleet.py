@@ -8,15 +8,18 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import test_fleet_simulation
 from serve_helpers import running_server, tiny_llm
 from test_cli_bench import invoke, read_rows
-from test_fleet_simulation import profile, trace_lines  # noqa: F401 - profile: a fixture
+from test_fleet_simulation import trace_lines
 
 from kvtool import KvCacheConfig
 from kvtool.workloads.datasets import write_jsonl
 
 POOL_TOKENS = 4096
 COUNTERS = ("reused_blocks", "missed_blocks", "evicted_blocks", "missed_never_seen_blocks")
+
+profile = test_fleet_simulation.profile  # the fixture: a cost model file
 
 
 @pytest.fixture

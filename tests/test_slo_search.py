@@ -5,10 +5,11 @@ early stop never stops a run that could still meet the SLO, and bad --search val
 from __future__ import annotations
 
 import pytest
+import test_fleet_simulation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cli_bench import invoke, read_rows
-from test_fleet_simulation import profile, trace_lines  # noqa: F401 - profile: a fixture
+from test_fleet_simulation import trace_lines
 
 from kvtool.fleet.search_space import parse_search
 from kvtool.fleet.slo_early_stop import exceeding_needed
@@ -16,6 +17,8 @@ from kvtool.fleet.slo_search import Evaluation, search
 from kvtool.reports.metrics import percentile
 from kvtool.reports.slo import parse_slo
 from kvtool.workloads.datasets import write_jsonl
+
+profile = test_fleet_simulation.profile  # the fixture: a cost model file
 
 # -- the search, against running every configuration --------------------------------------------
 

@@ -18,7 +18,12 @@ from kvtool.fleet.routers import RouterOptions
 from kvtool.fleet.search_space import describe_setting
 from kvtool.fleet.slo_early_stop import SloEarlyStop, SloMissed
 from kvtool.fleet.slo_search import Evaluation, SearchResult, Tried
-from kvtool.reports.csv_report import SUMMARY_FILE, format_hit_rate, requests_file_name, write_summary_csv
+from kvtool.reports.csv_report import (
+    SUMMARY_FILE,
+    format_hit_rate,
+    requests_file_name,
+    write_summary_csv,
+)
 from kvtool.reports.slo import Slo
 
 SEARCH_FILE = "search.csv"

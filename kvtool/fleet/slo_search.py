@@ -76,28 +76,28 @@ def search(settings: Sequence[Mapping], replica_counts: Sequence[int],
         raise ValueError(f"--search replicas: the replica counts must be positive, got {list(replica_counts)}")
     result = SearchResult(num_configurations=len(settings) * len(counts))
 
+    def run(index: int, setting: Mapping, replicas: int) -> Tried:
+        tried = Tried(index, setting, replicas, evaluate(setting, replicas))
+        result.tried.append(tried)
+        if on_tried is not None:
+            on_tried(tried)
+        return tried
+
     for index, setting in enumerate(settings):
-        runs: dict[int, Tried] = {}
-
-        def run(replicas: int) -> bool:
-            tried = Tried(index, setting, replicas, evaluate(setting, replicas))
-            runs[replicas] = tried
-            result.tried.append(tried)
-            if on_tried is not None:
-                on_tried(tried)
-            return tried.evaluation.met
-
         allowed = [c for c in counts if result.best is None or c <= result.best.replicas]
-        if not allowed or not run(allowed[-1]):
+        if not allowed:
+            continue
+        smallest = run(index, setting, allowed[-1])
+        if not smallest.evaluation.met:
             continue  # it needs more replicas than the cheapest so far (or than searched)
-        low, high = 0, len(allowed) - 1  # allowed[high] meets
+        low, high = 0, len(allowed) - 1  # allowed[high] meets: ``smallest`` is its run
         while low < high:
             middle = (low + high) // 2
-            if run(allowed[middle]):
-                high = middle
+            tried = run(index, setting, allowed[middle])
+            if tried.evaluation.met:
+                high, smallest = middle, tried
             else:
                 low = middle + 1
-        smallest = runs[allowed[high]]
         if _better(smallest, result.best):
             result.best = smallest
     return result
