@@ -22,8 +22,8 @@ from typing import Any
 from kvtool.config import ConfigError, EngineConfig, KvCacheConfig, ReplayOptions, SchedulerConfig
 from kvtool.units import parse_bytes
 
-MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT, REPORT = (
-    "Model and plan", "KV cache", "Scheduler", "Workload", "Output", "Report")
+MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT, REPORT, FLEET = (
+    "Model and plan", "KV cache", "Scheduler", "Workload", "Output", "Report", "Fleet")
 # Where a flag's value goes: a configuration object (its type names it in ConfigError), or None: the command.
 KV, SCHED, ENGINE, REPLAY = "kv_cache_config", "scheduler_config", "engine", "replay"
 _OWNERS = MappingProxyType({KV: "KvCacheConfig", SCHED: "SchedulerConfig", ENGINE: "EngineConfig",
@@ -107,6 +107,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("html", "Also write report.html beside the CSVs: tables, plots and miss reasons in one self-contained page.",
          REPORT, bool),
     Flag("allow_errors", "Exit 0 when requests failed (default: exit 3 once the reports are written).", OUTPUT, bool),
+    Flag("replicas", "Simulate a fleet of N replicas, each with its own KV pools and host cache, on one clock; "
+         "requests are routed when they arrive (default 1).", FLEET, int),
+    Flag("router", "round_robin (default) | least_loaded (fewest requests in flight) | prefix_aware (Dynamo's "
+         "cost: prefill blocks not in the router's record of the replica + blocks in flight there).", FLEET),
+    Flag("router_block_size", "Tokens per block of prefix_aware's record of what it sent where (default: the "
+         "replicas' block size; with --endpoint, 32: give the servers' block size).", FLEET, int),
+    Flag("search", "Search for the cheapest fleet meeting --slo's percentile objectives: --search replicas=1..16 "
+         "--search max_batch_size=8,16,32 (repeatable; replicas are binary-searched).", FLEET, repeatable=True),
 )
 FLAG_BY_NAME: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in FLAGS})
 
@@ -132,6 +140,9 @@ def names_in(*panels: str) -> tuple[str, ...]:
 # command that replays a dataset through it (what, how, and what is written).
 ENGINE_FLAGS = names_in(MODEL, KV_CACHE, SCHEDULER)
 RUN_FLAGS = names_in(WORKLOAD, OUTPUT, REPORT)
+# A fleet's: simulate takes them all, bench --endpoint the router's (its replicas are the servers given).
+FLEET_FLAGS = names_in(FLEET)
+ROUTER_FLAGS = ("router", "router_block_size")
 
 
 def either(on: bool | None, off: bool | None, on_name: str, off_name: str) -> bool | None:

@@ -61,7 +61,7 @@ class FakeEngine:
                  context_s_per_token: float = 0.001, interrupt_at_step: int | None = None,
                  enable_block_reuse: bool = True, refuse_when_added=None, fail_at_step: int | None = None) -> None:
         self.clock = clock
-        self.advance = advance or (lambda seconds: None)
+        self.advance_clock = advance or (lambda seconds: None)
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
@@ -152,7 +152,7 @@ class FakeEngine:
                     self.stats[f"missed_{reason}_blocks"] += count
                 duration += (request.num_prompt_tokens - request.num_reused_tokens) * self.context_s_per_token
                 self._cached_blocks.update(keys)
-        self.advance(duration)
+        self.advance_clock(duration)
         now = self.clock()
         outputs = []
         for request_id in list(self._running):

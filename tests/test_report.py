@@ -27,7 +27,7 @@ EXPECTED_COLUMNS = ["label", "engine", "request_id", "session_id", "turn", "inpu
                     "onboarded_blocks", "arrival_s", "first_token_s", "finish_s", "ttft_ms", "tpot_ms", "itl_ms",
                     "e2e_ms", "error", "endpoint", "missed_blocks", "missed_never_seen_blocks",
                     "missed_evicted_primary_blocks", "missed_evicted_host_blocks", "missed_identity_blocks",
-                    "missed_partial_blocks", "missed_last_token_blocks", "missed_reuse_off_blocks"]
+                    "missed_partial_blocks", "missed_last_token_blocks", "missed_reuse_off_blocks", "replica"]
 
 
 def metrics(request_id="r", times=(1.1, 1.2), arrival=1.0):

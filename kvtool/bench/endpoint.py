@@ -93,6 +93,7 @@ class _Call:
     body: dict[str, Any]
     session_id: str | None
     sent_as: str                      # "ids" | "text" | "chat"
+    engine: EndpointEngine | None = None  # which server's (a fleet's servers share one queue of finished calls)
     answer: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     prompt_token_ids: list[int] | None = None
@@ -159,7 +160,7 @@ class EndpointEngine:
     otherwise it waits for a request to finish."""
 
     def __init__(self, options: EndpointOptions, *, served_model: str, owned_by: str, timed: bool,
-                 ssl_context=None) -> None:
+                 ssl_context=None, fleet: EndpointEngine | None = None) -> None:
         self.options = options
         self.served_model = served_model
         self.owned_by = owned_by
@@ -170,6 +171,12 @@ class EndpointEngine:
         self._done: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._text_history: dict[str, str] = {}
         self._chat_history: dict[str, list[dict[str, str]]] = {}
+        if fleet is not None:
+            # Another server of a fleet (kvtool.fleet.endpoint_fleet): one queue of finished calls, which
+            # ``fleet.step`` waits on, one numbering of requests, and one text history (a session's turns may
+            # go to different servers).
+            self._done, self._ids = fleet._done, fleet._ids
+            self._text_history, self._chat_history = fleet._text_history, fleet._chat_history
         self._baseline: dict[str, float] = {}
         self._num_cached_reported = 0  # requests whose usage had prompt_tokens_details.cached_tokens
         self._loop = asyncio.new_event_loop()
@@ -198,6 +205,7 @@ class EndpointEngine:
         if request.arrival_time is None:
             request.arrival_time = time.perf_counter()
         call = self._call(request)
+        call.engine = self
         self._calls[request.request_id] = call
         asyncio.run_coroutine_threadsafe(self._send(call), self._loop)
 
@@ -215,9 +223,13 @@ class EndpointEngine:
             except queue.Empty:
                 break
         for call in calls:
-            del self._calls[call.request.request_id]
-            self._remember(call)
+            call.engine.release(call)
         return [call.request for call in calls]
+
+    def release(self, call: _Call) -> None:
+        """Forget a finished call (it is this engine's): remember its answer for the session's next turn."""
+        del self._calls[call.request.request_id]
+        self._remember(call)
 
     def get_stats(self) -> dict[str, int | float | None]:
         """kvtool serve's cache counters since reset_stats (other servers: none). When no request since
@@ -405,7 +417,7 @@ class EndpointLLM:
     report_columns: Mapping[str, object] = MappingProxyType({})  # none beyond the plan's, pools' and device's
     clock = WALL_CLOCK
 
-    def __init__(self, options: EndpointOptions, *, timed: bool) -> None:
+    def __init__(self, options: EndpointOptions, *, timed: bool, fleet: EndpointLLM | None = None) -> None:
         ssl_context = options.access.ssl_context(options.base_url)
         models = list_models(options, ssl_context)
         names = [str(m.get("id")) for m in models]
@@ -422,7 +434,7 @@ class EndpointLLM:
         # Text prompts are sent as text: these ids only count them before the server reports its own.
         self.tokenizer = ByteLevelTokenizer(256, None, [])
         self.engine = EndpointEngine(options, served_model=name, owned_by=owned_by, timed=timed,
-                                     ssl_context=ssl_context)
+                                     ssl_context=ssl_context, fleet=None if fleet is None else fleet.engine)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -106,7 +106,8 @@ class StreamingClient:
         request = (f"POST {self.prefix}{path} HTTP/1.1\r\n".encode("ascii") + self._headers
                    + f"Content-Length: {len(body)}\r\n\r\n".encode("ascii") + body)
         for attempt in range(2):
-            reused = bool(self._idle)
+            # The retry takes a new connection: the other idle ones may have been closed as well.
+            reused = attempt == 0 and bool(self._idle)
             reader, writer = self._idle.pop() if reused else await self._connect()
             try:
                 writer.write(request)

@@ -22,7 +22,7 @@ from kvtool.cli.paths import check_writable_dir, check_writable_file
 from kvtool.config import ConfigError
 from kvtool.errors import KvtoolError
 from kvtool.files import FileWriteError
-from kvtool.flags import ENGINE_FLAG_NAMES, ENGINE_FLAGS, RUN_FLAGS, FlagValues, configs
+from kvtool.flags import ENGINE_FLAG_NAMES, ENGINE_FLAGS, ROUTER_FLAGS, RUN_FLAGS, FlagValues, configs
 from kvtool.reports.csv_report import output_paths, write_summary_csv
 from kvtool.reports.metrics import SummaryOptions
 from kvtool.reports.outputs import ReportOutputs
@@ -47,9 +47,10 @@ def _default_label(plan: Path | None, model: str | None) -> str:
 @with_flags
 def bench(
     engine: FlagValues = flags_of(ENGINE_FLAGS),
-    endpoint: Annotated[str | None, flag("endpoint", "Replay against this OpenAI-compatible server instead "
-                                         "(http://HOST:PORT: kvtool serve, trtllm-serve, vLLM, SGLang).",
-                                         ENDPOINT)] = None,
+    endpoint: Annotated[list[str] | None, flag("endpoint", "Replay against this OpenAI-compatible server instead "
+                                               "(http://HOST:PORT: kvtool serve, trtllm-serve, vLLM, SGLang); "
+                                               "repeat it for a fleet of servers behind --router.",
+                                               ENDPOINT)] = None,
     api: Annotated[str, flag("api", "completions | chat: the route an --endpoint bench sends to.",
                              ENDPOINT)] = "completions",
     served_model: Annotated[str | None, flag("served_model", "The model name sent to --endpoint (default: the "
@@ -61,6 +62,7 @@ def bench(
     ca_cert: Annotated[Path | None, flag("ca_cert", "A PEM file of the certificate authority that signed an https "
                                          "--endpoint's certificate (default: the system's).", ENDPOINT)] = None,
     run: FlagValues = flags_of(RUN_FLAGS),
+    fleet: FlagValues = flags_of(ROUTER_FLAGS),
 ) -> None:
     """Replay a dataset through the kvtool runtime; print the summary; write per-request and summary CSVs."""
     flags = engine | run
@@ -70,9 +72,10 @@ def bench(
             reporting = report_outputs(flags)
             check_plan_or_model(flags)
             endpoint_options = _endpoint_options(endpoint, api, served_model, api_key, header, ca_cert)
+            router = _router_options(fleet, endpoint_options)
             if endpoint_options is not None:
                 rows, interrupted, written, failure = _run_endpoint(endpoint_options, flags, console,
-                                                                    summary=reporting.summary)
+                                                                    summary=reporting.summary, router=router)
             elif flags["config"] is not None:
                 if flags["label"] is not None:
                     raise ValueError("--label names a single run; a scenario's variants are labelled in its file")
@@ -159,9 +162,9 @@ def _write_reports(reporting: ReportOutputs, rows, written):
 
 
 def run_single(flags: FlagValues, console: Console, llm_factory=None,
-               summary: SummaryOptions = SummaryOptions()) -> RunOutcome:
+               summary: SummaryOptions = SummaryOptions(), rows_of: Callable | None = None) -> RunOutcome:
     """--dataset replayed once through an LLM of --plan or --model (``llm_factory``, as
-    kvtool.bench.runner.create_llm; `kvtool simulate` passes its own)."""
+    kvtool.bench.runner.create_llm; `kvtool simulate` passes its own, and a fleet's ``rows_of``)."""
     plan, model = flags["plan"], flags["model"]
     if flags["dataset"] is None:
         raise ValueError("give --dataset FILE.jsonl (see `kvtool dataset`) or --config bench_configs/NAME.yaml")
@@ -175,14 +178,17 @@ def run_single(flags: FlagValues, console: Console, llm_factory=None,
 
     outcome, _ = _replay(flags, target, console, summary, default_label=lambda _: _default_label(plan, model),
                          config_columns=lambda _: {"model": source,
-                                                   "label_source": "--label" if flags["label"] else "default"})
+                                                   "label_source": "--label" if flags["label"] else "default"},
+                         rows_of=rows_of)
     return outcome
 
 
 def _replay(flags: FlagValues, make_target: Callable, console: Console, summary: SummaryOptions, *,
-            default_label: Callable[[Target], str], config_columns: Callable[[Target], dict]):
+            default_label: Callable[[Target], str], config_columns: Callable[[Target], dict],
+            rows_of: Callable | None = None):
     """The one run of --dataset, in process or against a server: the target ``make_target(dataset, engine,
-    replay)`` makes, replayed into --output. Returns (RunOutcome, the run's BenchResult)."""
+    replay)`` makes, replayed into --output. ``rows_of(result, target)``: the summary rows of a fleet (its
+    own and each replica's; default: the run's row). Returns (RunOutcome, the run's BenchResult)."""
     dataset = flags["dataset"]
     engine, replay = configs(flags.config_flags())
     default_output = runner.default_output_dir(Path(dataset).stem)
@@ -194,10 +200,11 @@ def _replay(flags: FlagValues, make_target: Callable, console: Console, summary:
         result = runner.run_bench(target, data, replay, label=flags["label"] or default_label(target),
                                   requests_csv=requests_csv, console=console, summary=summary,
                                   config_columns=config_columns(target))
+        rows = rows_of(result, target) if rows_of is not None else [result.row]
     finally:
         target.shutdown()
-    written, failure = _write_summary(summary_csv, [result.row], requests_csv, result.failure)
-    return ([result.row], result.interrupted, written, failure), result
+    written, failure = _write_summary(summary_csv, rows, requests_csv, result.failure)
+    return (rows, result.interrupted, written, failure), result
 
 
 def _write_summary(summary_csv: Path, rows, requests_csv: Path, failure):
@@ -217,13 +224,27 @@ def _write_summary(summary_csv: Path, rows, requests_csv: Path, failure):
 _ENDPOINT_FLAGS = {"url": "endpoint", "api": "api", "headers": "header", "ca_cert": "ca_cert"}
 
 
+def _router_options(fleet: FlagValues, endpoints):
+    """--router and --router_block_size as RouterOptions (None without them: one --endpoint); they route
+    over several --endpoint servers only."""
+    from kvtool.fleet.routers import RouterOptions
+
+    given = [name for name in ROUTER_FLAGS if fleet[name] is not None]
+    if not given:
+        return None
+    if endpoints is None or len(endpoints) < 2:
+        raise ValueError(f"--{given[0]} routes requests over servers: give two --endpoint URL or more (`kvtool "
+                         "simulate --replicas N --router NAME` simulates a fleet)")
+    return RouterOptions(fleet["router"] or "round_robin", fleet["router_block_size"])
+
+
 def _endpoint_options(endpoint, api, served_model, api_key, headers, ca_cert):
-    """The --endpoint flags as EndpointOptions (None without --endpoint); the key from $OPENAI_API_KEY
-    when --api_key is not given, as the openai client takes it."""
+    """The --endpoint flags as a list of EndpointOptions, one per server (None without --endpoint); the
+    key from $OPENAI_API_KEY when --api_key is not given, as the openai client takes it."""
     from kvtool.bench.endpoint import EndpointOptions
     from kvtool.bench.endpoint_access import API_KEY_ENV, EndpointAccess, parse_header
 
-    if endpoint is None:
+    if not endpoint:
         given = [name for name, value in (("served_model", served_model), ("api_key", api_key), ("header", headers),
                                           ("ca_cert", ca_cert)) if value]
         if given:
@@ -236,15 +257,19 @@ def _endpoint_options(endpoint, api, served_model, api_key, headers, ca_cert):
     try:
         access = EndpointAccess(api_key=api_key, api_key_source=source,
                                 headers=tuple(parse_header(text) for text in headers or ()), ca_cert=ca_cert)
-        return EndpointOptions(url=endpoint, api=api, served_model=served_model, access=access)
+        if len(set(endpoint)) < len(endpoint):
+            raise ValueError("--endpoint: a server is given twice: give each server of a fleet once")
+        return [EndpointOptions(url=url, api=api, served_model=served_model, access=access) for url in endpoint]
     except ConfigError as error:
         name = source if error.field == "api_key" else f"--{_ENDPOINT_FLAGS.get(error.field, error.field)}"
         raise ValueError(f"{name} {error.problem}") from None
 
 
-def _run_endpoint(options, flags: FlagValues, console: Console,
-                  summary: SummaryOptions = SummaryOptions()) -> RunOutcome:
+def _run_endpoint(endpoints, flags: FlagValues, console: Console, summary: SummaryOptions = SummaryOptions(),
+                  router=None) -> RunOutcome:
     from kvtool.bench.endpoint import EndpointLLM
+    from kvtool.fleet.endpoint_fleet import EndpointFleet, endpoint_fleet_rows
+    from kvtool.fleet.routers import RouterOptions
 
     if flags["plan"] is not None or flags["model"] is not None or flags["config"] is not None:
         raise ValueError("--endpoint replays against a running server: leave out --plan, --model and --config "
@@ -259,12 +284,22 @@ def _run_endpoint(options, flags: FlagValues, console: Console,
     def target(dataset, engine, replay) -> Target:
         # Timed arrivals need the replay to wake while requests run; otherwise it waits for the server.
         timed = replay.request_rate is not None or any(r.arrival_time_s is not None for r in dataset.records)
-        return EndpointLLM(options, timed=timed)
+        if len(endpoints) == 1:
+            return EndpointLLM(options, timed=timed)
+        fleet = EndpointFleet(endpoints, router or RouterOptions(), timed=timed)
+        console.print(fleet.describe(), highlight=False, soft_wrap=True)
+        return fleet
 
-    outcome, result = _replay(flags, target, console, summary, default_label=lambda llm: f"{llm.served_model}@endpoint",
-                              config_columns=lambda llm: {"model": llm.served_model, "api": options.api})
+    def label(llm) -> str:
+        return f"{llm.served_model}@endpoint" if len(endpoints) == 1 else f"{llm.served_model}@{len(endpoints)} endpoints"
+
+    options = endpoints[0]
+    outcome, result = _replay(flags, target, console, summary, default_label=label,
+                              config_columns=lambda llm: {"model": llm.served_model, "api": options.api},
+                              rows_of=None if len(endpoints) == 1 else (
+                                  lambda result, fleet: endpoint_fleet_rows(result, fleet, summary)))
     if result.row.get("num_requests") and result.row.get("token_hit_rate") is None:
-        console.print(f"note: the server at {options.url} reported no cached tokens (usage.prompt_tokens_details): "
+        console.print(f"note: the server at {', '.join(e.url for e in endpoints)} reported no cached tokens (usage.prompt_tokens_details): "
                       "the token hit rate is unknown (vLLM reports them with --enable-prompt-tokens-details, SGLang with "
                       "--enable-cache-report)", highlight=False, soft_wrap=True)
     return outcome

@@ -18,7 +18,7 @@ from kvtool.cli.build import DType
 from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.typer_options import flag, flags_of, with_flags
-from kvtool.flags import ENGINE_FLAGS, MODEL, RUN_FLAGS, FlagValues
+from kvtool.flags import ENGINE_FLAGS, FLEET_FLAGS, MODEL, RUN_FLAGS, FlagValues
 from kvtool.signals import stop_signals
 from kvtool.simulate.published import DEVICES
 
@@ -38,22 +38,38 @@ Sweep = Annotated[list[str] | None, flag(
 @app.command(cls=KvtoolCommand)
 @with_flags
 def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flags_of(RUN_FLAGS),
-             profile: Profile = None, dtype: SimulatedDType = None, sweep: Sweep = None) -> None:
+             profile: Profile = None, dtype: SimulatedDType = None, sweep: Sweep = None,
+             fleet: FlagValues = flags_of(FLEET_FLAGS)) -> None:
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
     the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
-    shapes with the build options asked for: no weights are written or read."""
+    shapes with the build options asked for: no weights are written or read. --replicas N simulates a
+    fleet behind --router; --search finds the cheapest fleet that meets --slo."""
+    from kvtool.fleet.fleet_run import create_simulated_fleet, fleet_options, simulated_fleet_rows
     from kvtool.reports.sweep_table import plot_sweep, print_sweep
     from kvtool.simulate.profiles import create_simulated_llm, profile_dtype, source_plan
 
     flags = engine | run
     console = Console(stderr=True)
     dtype = dtype.value if dtype is not None else None
+    with user_errors():
+        fleet_asked = fleet_options(fleet)
 
     def factory(model, engine_config, replay, dataset=None, *, cache_dir=None):
         llm = create_simulated_llm(model, engine_config, replay, dataset, profile=profile, dtype=dtype,
                                    cache_dir=cache_dir)
+        if fleet_asked is not None:
+            num_replicas, router = fleet_asked
+            llm = create_simulated_fleet(model, engine_config, replay, dataset, num_replicas=num_replicas,
+                                         router=router, llm=llm)
         console.print(llm.describe(), highlight=False, soft_wrap=True)
         return llm
+
+    if fleet["search"]:
+        with stop_signals() as stop, bench_command.stopped_early(console, stop), user_errors():
+            if sweep:
+                raise ValueError("--sweep does not go with --search: search its values instead (--search NAME=...)")
+            _search(flags, fleet, console, profile=profile, dtype=dtype, stop=stop)
+        return
 
     def plan_resolver(variant):
         # A `build:` section without a dtype builds in the profile's device's (bfloat16 on a GPU).
@@ -65,6 +81,9 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
             reporting = bench_command.report_outputs(flags)
             bench_command.check_plan_or_model(flags)
             scenario = _sweep_scenario(sweep, flags) if sweep else None
+            if fleet_asked is not None and (scenario is not None or flags["config"] is not None):
+                raise ValueError("--replicas and --router run one fleet over --dataset, not a --config or --sweep: "
+                                 "run each fleet on its own (`kvtool compare` puts them side by side), or --search")
             if scenario is not None or flags["config"] is not None:
                 if flags["label"] is not None:
                     raise ValueError("--label names a single run; a sweep's variants are labelled by their values")
@@ -74,17 +93,74 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
             else:
                 if flags["set"]:
                     raise ValueError("--set overrides a scenario value: it needs --config FILE.yaml")
+                rows_of = None if fleet_asked is None else (
+                    lambda result, target: simulated_fleet_rows(result, target, reporting.summary))
                 rows, interrupted, written, failure = bench_command.run_single(flags, console, llm_factory=factory,
-                                                                               summary=reporting.summary)
+                                                                               summary=reporting.summary,
+                                                                               rows_of=rows_of)
 
     def sweep_report(rows, wide):
-        if len(rows) < 2:
+        if len(rows) < 2 or fleet_asked is not None:
             return []
         print_sweep(rows, wide)
         return [plot_sweep(rows, Path(written[-1]).parent / "sweep.png")]
 
     bench_command.report_run(rows, interrupted, written, failure, console, more_tables=sweep_report,
                              reporting=reporting, title=summary_title(rows), stop=stop)
+
+
+def _search(flags: FlagValues, fleet: FlagValues, console: Console, *, profile, dtype, stop) -> None:
+    """--search: the checks, the search (kvtool.fleet.slo_search) through simulated fleets, its table and files."""
+    from kvtool.bench.runner import default_output_dir
+    from kvtool.cli.paths import check_writable_dir
+    from kvtool.fleet.fleet_search import FleetSearch, print_search, write_search
+    from kvtool.fleet.search_space import parse_search
+    from kvtool.fleet.slo_search import search
+    from kvtool.workloads.datasets import load_dataset
+
+    reporting = bench_command.report_outputs(flags)
+    slo = reporting.summary.slo
+    if slo is None or not slo.percentiles:
+        raise ValueError("--search looks for the cheapest fleet meeting percentile objectives: give them with --slo, "
+                         "e.g. --slo ttft_p90=2s,tpot_p90=80ms (bounds on every request, ttft=500ms, only report "
+                         "attainment)")
+    bench_command.check_plan_or_model(flags)
+    if flags["dataset"] is None or (flags["plan"] is None and flags["model"] is None):
+        raise ValueError("--search replays --dataset FILE.jsonl through fleets of --plan DIR or --model preset:NAME: "
+                         "give both")
+    for name in ("config", "label", "set"):
+        if flags[name]:
+            raise ValueError(f"--{name} does not go with --search: each configuration searched is labelled by its "
+                             "values and replays --dataset")
+    if fleet["router"] is not None and any(spec.startswith("router=") for spec in fleet["search"]):
+        raise ValueError("--router is given and searched: drop --router or its --search")
+    space = parse_search(fleet["search"], replicas=fleet["replicas"], given=flags.config_flags())
+    output_dir = (Path(flags["output"]) if flags["output"] is not None
+                  else default_output_dir(f"{Path(flags['dataset']).stem}-search"))
+    check_writable_dir(output_dir, "--output")
+    runs = FleetSearch(flags, fleet, load_dataset(flags["dataset"]), output_dir, reporting.summary, profile=profile,
+                       dtype=dtype)
+    console.print(f"searching {space.num_configurations} configurations ({len(space.settings)} settings x "
+                  f"{len(space.replica_counts)} replica counts) for {slo.describe()}", highlight=False)
+    tried = []
+
+    def on_tried(one) -> None:
+        tried.append(one)
+        console.print(f"  {runs.progress_line(one)}", highlight=False, soft_wrap=True)
+
+    try:
+        result = search(space.settings, space.replica_counts, runs.evaluate, on_tried=on_tried)
+    except BaseException as error:  # what was run is written before the interruption or the error is reported
+        for path in write_search(output_dir, tried, runs.rows, slo):
+            console.print(f"wrote {path}", highlight=False)
+        if not isinstance(error, KeyboardInterrupt):
+            raise
+        console.print(f"[bold yellow]interrupted[/] ({stop.name}): the files hold the {len(tried)} configurations "
+                      "run", highlight=False)
+        raise typer.Exit(stop.exit_code) from None
+    print_search(result, slo, Console(width=max(Console().width, 150)))
+    for path in write_search(output_dir, result.tried, runs.rows, slo):
+        console.print(f"wrote {path}", highlight=False)
 
 
 def summary_title(rows) -> str:

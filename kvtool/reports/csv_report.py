@@ -256,7 +256,8 @@ def request_metrics_from_row(row: Mapping[str, str]) -> RequestMetrics:
         finish_s=_optional_float(row.get("finish_s")), ttft_ms=_optional_float(row.get("ttft_ms")),
         tpot_ms=_optional_float(row.get("tpot_ms")), itl_ms=_optional_float(row.get("itl_ms")),
         e2e_ms=_optional_float(row.get("e2e_ms")), error=row.get("error") or None,
-        endpoint=row.get("endpoint") or None, **{column: _optional_int(row.get(column)) for column in MISS_COLUMNS})
+        endpoint=row.get("endpoint") or None, **{column: _optional_int(row.get(column)) for column in MISS_COLUMNS},
+        replica=_optional_int(row.get("replica")))
 
 
 def rows_by_label(rows: Iterable[Mapping[str, str]]) -> dict[str, list[Mapping[str, str]]]:

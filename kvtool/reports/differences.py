@@ -81,6 +81,14 @@ def _flag(column: str, shown: Callable[[str], str] = str, short: Callable[[str],
     return ConfigField(column, f"--{column}", shown, short, default="default")
 
 
+# A fleet's columns (kvtool.fleet): a run without them ran one engine. Names before the flags' (a fleet's
+# size and router tell its runs apart first).
+FLEET_FIELDS: tuple[ConfigField, ...] = (
+    ConfigField("router", "--router", short=lambda v: f"router {v}"),
+    ConfigField("num_replicas", "--replicas", _count, lambda v: f"{_count(v)} replica{'s' * (v not in ('1', '1.0'))}",
+                of_row=lambda row: _text(row.get("num_replicas")) or ("1" if row.get("label") is not None else None)),
+    ConfigField("replica", "replica", short=lambda v: v if v == "fleet" else f"replica {v}", default="fleet"),
+)
 # Every configuration flag's summary column (kvtool.flags.CONFIG_FLAGS, which needs the C++ extension: report
 # code must not), in the order variant names use them (the ones users sweep most first).
 FLAG_FIELDS: tuple[ConfigField, ...] = (
@@ -144,7 +152,7 @@ OTHER_FIELDS: tuple[ConfigField, ...] = (
                 lambda v: f"primary {_count(v)} tokens"),
     ConfigField("kv_host_bytes", "host pool", _size, lambda v: f"host pool {_size(v)}"),
 )
-_KNOWN = {field.column for field in FLAG_FIELDS + OTHER_FIELDS} | {"plan_path", "dataset_sha256"}
+_KNOWN = {field.column for field in FLEET_FIELDS + FLAG_FIELDS + OTHER_FIELDS} | {"plan_path", "dataset_sha256"}
 
 
 def config_fields(rows: Sequence[Mapping]) -> list[ConfigField]:
@@ -154,7 +162,7 @@ def config_fields(rows: Sequence[Mapping]) -> list[ConfigField]:
     columns: dict[str, None] = {}
     for row in rows:
         columns.update(dict.fromkeys(row))
-    fields = [field for field in FLAG_FIELDS if field.column in columns]
+    fields = [field for field in FLEET_FIELDS + FLAG_FIELDS if field.column in columns]
     for prefix, what in (("plan_", "plan"), ("build_", "build")):
         fields += [ConfigField(column, f"{what} {column.removeprefix(prefix)}",
                                short=lambda v, name=column.removeprefix(prefix): f"{name} {v}")

@@ -9,6 +9,7 @@ kvtool.reports.slo.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,7 @@ class RequestMetrics:
     missed_partial_blocks: int | None = None
     missed_last_token_blocks: int | None = None
     missed_reuse_off_blocks: int | None = None
+    replica: int | None = None  # which replica of a fleet served it (kvtool.fleet); None: not a fleet's
     # Every gap between consecutive tokens (ms); kept in memory for the pooled ITL, not written to CSV.
     token_gaps_ms: tuple[float, ...] = ()
     # The generated token ids; kept in memory (bench/peers/ compares them across engines), not written to CSV.
@@ -101,14 +103,14 @@ def request_metrics(request: Request, *, label: str, bench_start: float, engine:
     line = request.line
     reasons = request.miss_reasons
     misses = (None,) * len(MISS_COLUMNS) if reasons is None else (sum(reasons.values()), *_miss_counts(reasons))
-    # Positional, in field order (MISS_COLUMNS follow endpoint): a row is built per finished
+    # Positional, in field order (MISS_COLUMNS follow endpoint, then replica): a row is built per finished
     # request, and keywords cost `kvtool simulate` a few of the ~50 µs it has for one.
     return RequestMetrics(
         label, engine, request.name, None if line is None else line.session_id, None if line is None else line.turn,
         request.num_prompt_tokens, num_output, request.num_reused_tokens, request.num_onboarded_blocks,
         arrival - bench_start, None if first_token is None else first_token - bench_start,
         None if finish is None else finish - bench_start, ttft, tpot, itl, e2e, error, endpoint, *misses,
-        gaps, tuple(request.output_token_ids))
+        request.replica, gaps, tuple(request.output_token_ids))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -157,6 +159,9 @@ class SummaryOptions:
     def __post_init__(self) -> None:
         if not self.percentiles or any(not 0 <= q <= 100 for q in self.percentiles):
             raise ValueError(f"percentiles must lie in 0..100, got {self.percentiles}")
+        if self.slo is not None and not set(self.slo.percentile_values) <= set(self.percentiles):
+            # A percentile objective (--slo ttft_p95=2s) is reported as the percentiles asked for are.
+            object.__setattr__(self, "percentiles", tuple(sorted({*self.percentiles, *self.slo.percentile_values})))
 
 
 @dataclass(frozen=True)
@@ -219,15 +224,20 @@ class BenchMetrics:
     # included) that met all of them, and how many did per second; None without.
     slo_attainment: float | None = None
     goodput_requests_per_s: float | None = None
+    # With percentile objectives (--slo ttft_p90=2s): whether the run's percentiles met every one; None without.
+    slo_met: bool | None = None
 
     def as_row(self) -> dict[str, float | int | None]:
         """Flat columns: scalars by name, latency stats as '<metric>_<stat>' (ttft_ms_p99, ...); the
-        goodput columns only when objectives were given."""
+        goodput columns only when objectives were given, slo_met only when percentile objectives were."""
         row: dict[str, float | int | None] = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
             if isinstance(value, LatencyStats):
                 row.update(value.columns(name))
+            elif name == "slo_met":
+                if value is not None:
+                    row[name] = value
             elif name not in ("slo_attainment", "goodput_requests_per_s") or self.slo_attainment is not None:
                 row[name] = value
         return row
@@ -264,7 +274,7 @@ def summarize(requests: Sequence[RequestMetrics], options: SummaryOptions = Summ
     if options.slo is not None and requests:
         num_met = sum(options.slo.met(r) for r in ok)
         attainment, goodput = num_met / len(requests), rate(num_met)
-    return BenchMetrics(
+    metrics = BenchMetrics(
         num_requests=len(ok), num_errors=len(errors),
         total_input_tokens=total_input, total_output_tokens=total_output,
         total_reused_tokens=total_reused, token_hit_rate=total_reused / total_input if total_input else None,
@@ -273,6 +283,9 @@ def summarize(requests: Sequence[RequestMetrics], options: SummaryOptions = Summ
         total_tokens_per_s=rate(total_input + total_output), requests_per_s=rate(len(ok)),
         ttft_ms=stats("ttft_ms"), tpot_ms=stats("tpot_ms"), itl_ms=itl, e2e_ms=stats("e2e_ms"),
         slo_attainment=attainment, goodput_requests_per_s=goodput)
+    if options.slo is not None and options.slo.percentiles:
+        metrics = dataclasses.replace(metrics, slo_met=options.slo.percentiles_met(metrics))
+    return metrics
 
 
 def percentile_columns(rows: Sequence[Mapping], metric: str) -> list[tuple[str, str]]:

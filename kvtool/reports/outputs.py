@@ -44,12 +44,18 @@ class ReportOutputs:
             slo = self.summary.slo
             document = report_document(rows, command="kvtool simulate" if simulated else "kvtool bench",
                                        percentiles=self.summary.percentiles,
-                                       slo=None if slo is None else dict(slo.bounds()))
+                                       slo=None if slo is None else slo_objectives(slo))
             paths.append(write_report_json(self.report_json, document))
         summary_csv = summary_csv_of(rows, written)
         if self.html and summary_csv is not None:
             paths.append(write_run_html(rows, summary_csv, [Path(p) for p in written if Path(p).suffix == ".png"]))
         return paths
+
+
+def slo_objectives(slo) -> dict[str, float]:
+    """The JSON report's objectives: {'ttft_ms': 500.0, 'ttft_ms_p90': 2000.0} (a bound on every request
+    by its field, a percentile's by its summary column)."""
+    return {**dict(slo.request_bounds()), **{p.column: p.bound_ms for p in slo.percentiles}}
 
 
 def summary_csv_of(rows: Sequence[Mapping], written: Sequence[Path]) -> Path | None:

@@ -51,6 +51,7 @@ def summary_table(rows: list[Mapping], *, title: str = "kvtool bench summary") -
         ("missed blocks by reason", _miss_reasons),
         ("cache hit rate", lambda r: format_hit_rate(r.get("cache_hit_rate"))),
         ("token hit rate (reused / prompt)", lambda r: format_hit_rate(r.get("token_hit_rate"))),
+        *_fleet_lines(rows),
         ("offloaded / onboarded blocks",
          lambda r: f"{_count(r.get('offloaded_blocks'))} / {_count(r.get('onboarded_blocks'))}"),
         ("bytes offloaded / onboarded", lambda r: f"{format_bytes(as_number(r.get('offloaded_bytes')))} / {format_bytes(as_number(r.get('onboarded_bytes')))}"),
@@ -65,8 +66,21 @@ def _goodput_lines(rows: list[Mapping]) -> list[tuple[str, Callable[[Mapping], s
     if not any(as_number(row.get("slo_attainment")) is not None for row in rows):
         return []
     objectives = describe_bounds(rows[0])
-    return [(f"met the SLO ({objectives})", lambda r: format_hit_rate(as_number(r.get("slo_attainment")))),
-            ("goodput (requests/s)", lambda r: _ms(r.get("goodput_requests_per_s")))]
+    lines = [(f"met the SLO ({objectives})", lambda r: format_hit_rate(as_number(r.get("slo_attainment")))),
+             ("goodput (requests/s)", lambda r: _ms(r.get("goodput_requests_per_s")))]
+    if any(row.get("slo_met") not in (None, "") for row in rows):  # percentile objectives (--slo ttft_p90=2s)
+        lines.append(("percentile objectives met", lambda r: {"True": "yes", "False": "no"}.get(
+            str(r.get("slo_met")), "-")))
+    return lines
+
+
+def _fleet_lines(rows: list[Mapping]) -> list[tuple[str, Callable[[Mapping], str]]]:
+    """A fleet's (kvtool.fleet.fleet_rows): the tokens each replica computed, and the fleet's imbalance."""
+    if not any(row.get("num_replicas") not in (None, "") for row in rows):
+        return []
+    return [("tokens computed", lambda r: _count(r.get("computed_tokens"))),
+            ("load imbalance (max / mean)", lambda r: "-" if as_number(r.get("load_imbalance")) is None
+             else f"{as_number(r.get('load_imbalance')):.2f}")]
 
 
 _MISS_NAMES = {"never_seen": "new", "evicted_primary": "evicted from primary", "evicted_host": "evicted from host",

@@ -69,6 +69,8 @@ class Request:
     # The full prompt blocks not reused, {reason in MISS_REASONS: blocks}, at first admission; None
     # where the engine does not say (a server behind bench --endpoint).
     miss_reasons: dict[str, int] | None = None
+    # Which replica of a fleet served it (kvtool.fleet's routers); None: not a fleet's.
+    replica: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
