@@ -121,7 +121,9 @@ class Replayer:
                 continue  # (or every request left was refused)
             if not self.engine.has_unfinished_requests():
                 raise RuntimeError(f"the engine reports no unfinished request while {len(in_flight)} are in flight")
-            for request in self.engine.step():
+            can_issue = limit is None or len(in_flight) < limit
+            next_due = start + queue[0][0] if can_issue and queue and queue[0][0] is not None else None
+            for request in self._run_until(next_due):
                 if not request.finished or in_flight.pop(request.request_id, None) is None:
                     continue
                 self._remember_session(request)
@@ -130,6 +132,14 @@ class Replayer:
                     ready.append(followups.pop(key))
                 on_finish(request, start)
         return start
+
+    def _run_until(self, next_due: float | None) -> list[Request]:
+        """The engine's steps until one finishes a request or the clock reaches ``next_due`` (the next request
+        to issue: None, only a finish lets one be issued): an engine that can (kvtool.runtime.engine.Engine.
+        step_until; a simulation runs them in C++) takes them in one call, another one step per call, the
+        replay checking after each what it can issue."""
+        step_until = getattr(self.engine, "step_until", None)
+        return self.engine.step() if step_until is None else step_until(next_due)
 
     def _due_times(self, entries: Sequence[Request], timed: bool) -> list[float | None]:
         if not timed:
