@@ -45,7 +45,7 @@ def test_a_capacity_sweep_rises_to_the_infinite_cache_an_lru_model_predicts(trac
     result = invoke(*SIMULATE, "--dataset", dataset, "--mode", "sequential", "--sweep_capacity",
                     "--sweep", f"max_tokens_in_paged_kv_cache={','.join(map(str, gpu_sizes))}", "--output", tmp_path)
     assert result.exit_code == 0, result.output
-    assert "reused-token ratio and predicted TTFT against cache capacity" in result.output
+    assert "reused-token ratio and predicted TTFT against cache capacity" in " ".join(result.output.split())
     with (tmp_path / "capacity.csv").open(newline="") as source:
         points = list(csv.DictReader(source))
     assert (tmp_path / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -94,8 +94,9 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
     def sweep_report(rows, wide):
         if sweep_capacity:
             first = rows[0]
-            title = (f"{first.get('model')} on {Path(str(first.get('dataset'))).name} (--mode {first.get('mode')}, --time_scale "
-                     f"{first.get('time_scale')}): {summary_title(rows).removeprefix('kvtool simulate summary: ')}")
+            title = (f"{first.get('model')} on {Path(str(first.get('dataset'))).name} (--mode {first.get('mode')}, "
+                     f"--time_scale {first.get('time_scale')})\n"
+                     f"{summary_title(rows).removeprefix('kvtool simulate summary: ')}")
             return _capacity_report(rows, Path(written[-1]).parent, wide, title=title)
         if len(rows) < 2:
             return []
