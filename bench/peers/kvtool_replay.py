@@ -1,15 +1,19 @@
-"""Replay a kvtool dataset through kvtool itself, as `kvtool bench --mode sequential --warmup 1` does
-(the same run_bench), and also keep every request's output ids for the cross-engine check.
+"""Replay a kvtool dataset through kvtool itself, as `kvtool bench --warmup 1` does (the same
+run_bench), and also keep every request's output ids for the cross-engine check. --concurrency 1 is
+`--mode sequential`; N > 1 is `--concurrency N`; 0 replays the dataset's arrival times (`--mode
+offline`, in flight unlimited).
 
     .venv/bin/python bench/peers/kvtool_replay.py --plan PLAN --dataset D.jsonl --output DIR \
-        --label kvtool-reuse-on --reuse on [--partial_reuse off]
+        --label kvtool-reuse-on --reuse on [--partial_reuse off] [--concurrency 8]
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 from common import replay_arguments, write_outputs
+from machine import read_cpu_info
 
 from kvtool import LLM
 from kvtool.bench.runner import run_bench
@@ -25,20 +29,27 @@ def main() -> None:
                         help="KvCacheConfig.enable_partial_reuse: copy a partially matching block (default on)")
     args = parser.parse_args()
 
-    engine, replay = configs({"enable_kv_cache_reuse": args.reuse == "on", "mode": "sequential",
-                              "warmup": args.warmup})
+    flags = {"enable_kv_cache_reuse": args.reuse == "on", "warmup": args.warmup}
+    if args.concurrency == 1:
+        flags["mode"] = "sequential"
+    elif args.concurrency > 1:
+        flags["concurrency"] = args.concurrency
+    engine, replay = configs(flags)
     engine = dataclasses.replace(engine, kv_cache_config=dataclasses.replace(
         engine.kv_cache_config, enable_partial_reuse=args.partial_reuse == "on"))
     args.output.mkdir(parents=True, exist_ok=True)
     with LLM(model=args.model, config=engine) as llm:
+        columns = {"model": args.model, "enable_partial_reuse": args.partial_reuse == "on",
+                   "cpu_kernels_isa": llm.engine.executor.cpu_kernels_isa,
+                   "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), **read_cpu_info().as_row()}
         result = run_bench(llm, load_dataset(args.dataset), replay, label=args.label,
-                           requests_csv=args.output / "requests.csv",
-                           config_columns={"model": args.model, "enable_partial_reuse": args.partial_reuse == "on"})
+                           requests_csv=args.output / "requests.csv", config_columns=columns)
     write_summary_csv(args.output / "summary.csv", [result.row])
     write_outputs(args.output / "outputs.jsonl", result.requests)
     row = result.row
-    print(f"{args.label}: {row['num_requests']} requests, TTFT p50 {row['ttft_ms_p50']:.1f} ms, "
-          f"reused / missed blocks {row.get('reused_blocks')} / {row.get('missed_blocks')}", flush=True)
+    print(f"{args.label}: {row['num_requests']} requests, TTFT p50 {row['ttft_ms_p50']:.1f} ms, TPOT p50 "
+          f"{row['tpot_ms_p50']:.1f} ms, {row['output_tokens_per_s']:.1f} output tokens/s, reused / missed blocks "
+          f"{row.get('reused_blocks')} / {row.get('missed_blocks')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 import torch
 import transformers
 from common import RunReport, load_requests, replay_arguments, request_row
+from machine import read_cpu_info
 from transformers import AutoModelForCausalLM
 
 ENGINE = "transformers"
@@ -81,6 +82,8 @@ def main() -> None:
     parser = replay_arguments(__doc__, model_help="a Hugging Face checkpoint directory (float32 weights)")
     parser.add_argument("--prefix_cache", choices=("off", "copy"), required=True)
     args = parser.parse_args()
+    if args.concurrency != 1:
+        parser.error(f"--concurrency {args.concurrency}: this replay runs one request at a time (--concurrency 1)")
 
     requests = load_requests(args.dataset)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -107,7 +110,8 @@ def main() -> None:
         "engine_version": transformers.__version__, "torch": torch.__version__, "model": args.model,
         "dtype": "float32", "enable_kv_cache_reuse": args.prefix_cache == "copy",
         "prefix_cache": args.prefix_cache, "attn_implementation": model.config._attn_implementation,
-        "mode": "sequential", "warmup": args.warmup, "num_threads": torch.get_num_threads()})
+        "mode": "sequential", "warmup": args.warmup, "num_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), **read_cpu_info().as_row()})
     print(f"{args.label}: {row['num_requests']} requests, TTFT p50 {row['ttft_ms_p50']:.1f} ms", flush=True)
 
 

@@ -1,10 +1,12 @@
-"""Projections on the CPU: small products through oneDNN, with the weight packed once at load.
+"""Projections on the CPU: torch's oneDNN product on a weight packed once at load.
 
-torch's ``F.linear`` runs MKL on the CPU. For the row counts of a decode step or of a short chunk
-after a cached prefix, MKL's two-thread product is slow; oneDNN with the weight reordered once
-into its blocked layout is about 1.5x faster there, while for a 1,000-row prefill MKL is level or
-ahead (``python bench/cpu_gemm.py``; results/cpu_profile.md). So each projection keeps both, and
-the packed copy costs the projections' weight bytes once more.
+torch's ``F.linear`` runs MKL on the CPU for float32. oneDNN with the weight reordered once into
+its blocked layout is faster for the row counts of a decode step or a short chunk everywhere, and
+on AVX-512 for every row count: there MKL (on an AMD EPYC it takes its AVX2 code) reached 100
+GFLOP/s per core on a 1,056-row prefill and oneDNN 230 (``python bench/cpu_gemm.py``;
+results/cpu_profile.md). On an AVX2-only CPU the two were level from 512 rows on, so products
+above MAX_PACKED_ROWS_AVX2 rows stay on MKL there. bfloat16 products always take oneDNN (MKL has
+none). The packed copy costs the weight's bytes once more.
 """
 
 from __future__ import annotations
@@ -13,40 +15,60 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Products of at most this many rows use the packed weight: on the 2-core AVX2 VM oneDNN led by
-# 1.5x at 32-128 rows and 1.2x at 256, and the two were level from 512 rows on.
-MAX_PACKED_ROWS = 256
+# On an AVX2-only CPU: oneDNN led by 1.5x at 32-128 rows and 1.2x at 256; level from 512 rows on.
+MAX_PACKED_ROWS_AVX2 = 256
+
+
+def packed_row_limit(dtype: torch.dtype) -> int | None:
+    """The most rows a product runs on the packed weight; None: every product does."""
+    if dtype == torch.bfloat16 or torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return None
+    return MAX_PACKED_ROWS_AVX2
+
+
+def can_pack_dtype(dtype: torch.dtype) -> bool:
+    """float32 wherever torch has oneDNN; bfloat16 where oneDNN runs it natively (AVX-512 and up)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` whose products of up to MAX_PACKED_ROWS rows run on a oneDNN-packed copy of
-    its weight (float32, CPU)."""
+    """A linear layer whose products run on a oneDNN-packed copy of its weight (up to
+    ``max_packed_rows`` rows, all when None; larger ones on ``F.linear``)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_packed_rows: int | None) -> None:
         super().__init__()
-        self.weight = linear.weight  # [out_features, in_features]
-        self.bias = linear.bias
+        self.weight = weight  # [out_features, in_features]
+        self.bias = bias
+        self.max_packed_rows = max_packed_rows
         # An opaque oneDNN tensor in a blocked layout: not a parameter, never saved or moved.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias, packed_row_limit(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
-        if x.dim() == 2 and x.shape[0] <= MAX_PACKED_ROWS:
+        if x.dim() == 2 and (self.max_packed_rows is None or x.shape[0] <= self.max_packed_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Packing applies to float32 weights on the CPU, where torch was built with oneDNN."""
+    """Packing applies to the CPU, to float32 and (where oneDNN runs it natively) bfloat16 weights."""
     weight = next(model.parameters())
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return weight.device.type == "cpu" and can_pack_dtype(weight.dtype)
 
 
 def pack_linears(model: nn.Module) -> int:
     """Swaps every ``nn.Linear`` inside ``model.layers`` for a PackedLinear; returns how many.
 
-    The LM head stays as it is: it runs on one row per sampled token, and with tied embeddings its
-    weight is also the embedding table.
+    The LM head stays as it is: with tied embeddings its weight is also the embedding table (the
+    CPU kernels' decoder packs a copy of it for the logits; kvtool.cpu_kernels.decoder).
     """
     if not can_pack(model):
         return 0
@@ -55,6 +77,6 @@ def pack_linears(model: nn.Module) -> int:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, name, PackedLinear(child))
+                    setattr(parent, name, PackedLinear.of(child))
                     num_packed += 1
     return num_packed

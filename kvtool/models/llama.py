@@ -218,6 +218,9 @@ class LlamaModel(nn.Module):
                                                                          bias=False)
         # Not a weight: recomputed from the config, and on CPU even when built on the meta device.
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        # On the CPU, kvtool.cpu_kernels.decoder.CpuDecoder runs forward through fused kernels
+        # (set by kvtool.cpu_kernels.decoder.enable); None: the torch path below.
+        self.cpu_decoder = None
         self.rope_attention_factor = rope_attention_factor(config)
         self.fused_kernels = None  # a kvtool.kernels KernelLibrary once use_fused_kernels is called
 
@@ -232,6 +235,8 @@ class LlamaModel(nn.Module):
         into kv_caches[layer] ([num_blocks, 2, tokens_per_block, num_kv_heads, head_dim])."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"LlamaModel.forward got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        if self.cpu_decoder is not None:
+            return self.cpu_decoder.forward(input_ids, meta, kv_caches)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.rope_inv_freq, meta.positions, x.dtype, self.rope_attention_factor)
         if self.fused_kernels is not None:
@@ -252,5 +257,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+        if self.cpu_decoder is not None:
+            return self.cpu_decoder.compute_logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

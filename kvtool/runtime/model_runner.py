@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtool.cpu_kernels import decoder as cpu_decoder
 from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.sampler import make_generator, sample
@@ -48,6 +49,9 @@ class ModelRunner:
         self.tokens_per_block = 0
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        # On the CPU the model runs through kvtool's fused kernels where they apply (the ISA they
+        # use, e.g. 'avx512'; None: the torch path).
+        self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
         self.mixed_graphs: MixedGraphs | None = None
 
     # -- the executor of an engine (kvtool.runtime.assemble.Executor) ----------------------------
@@ -207,9 +211,13 @@ class ModelRunner:
             return
         handles = [layer.register_forward_pre_hook(lambda *_, index=index: self.pools.wait_for_layer(index))
                    for index, layer in enumerate(self.model.layers)]
+        # The CPU kernels' forward calls no layer module, so no hook: such a step takes the torch path
+        # (copies land layer by layer only on a GPU; this keeps the rule wherever the runner is).
+        cpu_decoder, self.model.cpu_decoder = self.model.cpu_decoder, None
         try:
             yield
         finally:
+            self.model.cpu_decoder = cpu_decoder
             for handle in handles:
                 handle.remove()
 

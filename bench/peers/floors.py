@@ -1,0 +1,117 @@
+"""What the machine allows, measured on the spot: the floors kvtool's decode and prefill are held to.
+
+- memory floor of a decode step at batch 1: the bytes one step reads (every weight once, the LM
+  head included, one embedding row, and the KV of the context) / the read bandwidth, measured by
+  kvtool's CPU kernels streaming 1 GiB with the run's threads;
+- compute floor of a miss: the prompt's FLOPs (2 per weight per token in the projections, plus
+  causal attention and the LM head's one row) / the peak rate of the GEMM library kvtool uses
+  (torch's oneDNN on a packed weight, 2,048 x 2,048 x 2,048), per dtype.
+
+Best of several tries each: a floor is what the machine can do, not what it did under load.
+
+    .venv/bin/python bench/peers/floors.py --plan PLAN_F32 [--plan PLAN_BF16] --prompt_len 1056 \
+        --context_len 1090 --output floors.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from kvtool.cpu_kernels import CpuKernels
+from kvtool.layers.cpu_linear import can_pack_dtype
+from kvtool.models.model_config import ModelConfig, weight_shapes
+from kvtool.plan import load_plan
+
+GIB = 1 << 30
+BANDWIDTH_BYTES = GIB
+GEMM_SIZE = 2048
+TRIES = 5
+
+
+def read_bandwidth(num_threads: int) -> float:
+    """Bytes per second of a streaming read of BANDWIDTH_BYTES, best of TRIES."""
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    kernels = CpuKernels("auto", num_threads)
+    best = math.inf
+    for _ in range(TRIES):
+        start = time.perf_counter()
+        kernels.sum(data.data_ptr(), data.numel())
+        best = min(best, time.perf_counter() - start)
+    return BANDWIDTH_BYTES / best
+
+
+def gemm_rate(dtype: torch.dtype) -> float | None:
+    """FLOP/s of oneDNN's product on a packed weight (what kvtool's projections run), best of TRIES;
+    None where oneDNN has no native product in this dtype."""
+    if not can_pack_dtype(dtype):
+        return None
+    x = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype), None)
+    best = math.inf
+    for _ in range(TRIES + 1):  # the first creates oneDNN's kernel
+        start = time.perf_counter()
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        best = min(best, time.perf_counter() - start)
+    return 2 * GEMM_SIZE ** 3 / best
+
+
+def decode_bytes(config: ModelConfig, element_size: int, kv_element_size: int, context_len: int) -> int:
+    """Bytes one decode step at batch 1 reads: every weight but the embedding table, which gives one
+    row (and, tied, serves as the LM head, read whole), and the KV of the context."""
+    shapes = weight_shapes(config)
+    elements = sum(math.prod(shape) for name, shape in shapes.items() if name != "embed_tokens.weight")
+    elements += config.hidden_size + (config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0)
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_element_size
+    return elements * element_size + context_len * kv_per_token
+
+
+def prompt_flops(config: ModelConfig, prompt_len: int) -> float:
+    """FLOPs of a whole prompt from position 0 (causal attention counts each visible key once)."""
+    c = config
+    projection = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size + \
+        3 * c.intermediate_size * c.hidden_size
+    attention = 2 * c.num_heads * c.head_dim * prompt_len * (prompt_len + 1)  # QK and PV over L(L+1)/2 pairs
+    return c.num_layers * (2 * projection * prompt_len + attention) + 2 * c.vocab_size * c.hidden_size
+
+
+def floors(plans: list[Path], prompt_len: int, context_len: int) -> dict:
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth(threads)
+    result = {"threads": threads, "read_bandwidth_gb_s": bandwidth / 1e9, "gemm_size": GEMM_SIZE,
+              "prompt_len": prompt_len, "context_len": context_len, "models": {}}
+    for path in plans:
+        plan = load_plan(path, verify_checksum=False)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[plan.build_options.dtype]
+        kv_dtype = plan.kv_cache_dtype
+        rate = gemm_rate(dtype)
+        config = plan.model_config
+        step_bytes = decode_bytes(config, torch.tensor([], dtype=dtype).element_size(),
+                                  torch.tensor([], dtype=kv_dtype).element_size(), context_len)
+        flops = prompt_flops(config, prompt_len)
+        result["models"][plan.build_options.dtype] = {
+            "plan": str(path), "gemm_gflop_s": None if rate is None else rate / 1e9,
+            "decode_bytes": step_bytes, "memory_floor_ms": step_bytes / bandwidth * 1e3,
+            "miss_flops": flops, "compute_floor_ms": None if rate is None else flops / rate * 1e3}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", type=Path, action="append", required=True, help="a plan (repeat: one per dtype)")
+    parser.add_argument("--prompt_len", type=int, required=True, help="tokens of a missed prompt")
+    parser.add_argument("--context_len", type=int, required=True, help="tokens a decode step attends to")
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args()
+    result = floors(args.plan, args.prompt_len, args.context_len)
+    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""bench/peers/run.py's results: the CSVs, the floors, `kvtool compare`'s table and plot, and
+table.md: the machine and its load, TTFT (hits, misses), decode (TPOT, ITL), throughput
+(sequential, 8 in flight, Poisson arrivals), bfloat16, the targets against vLLM and the floors,
+and whether every engine generated the same token ids.
+
+Each figure of a variant is the median over cycles of that cycle's figure (TTFT p50, TPOT p50 ...);
+hits and misses pool the requests of every cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import load_requests, read_outputs
+from load import OTHER_CPU_LIMIT_PCT, is_loaded, other_cpu_pct
+
+from kvtool.reports.metrics import summarize
+from kvtool.reports.csv_report import RequestCsvWriter, read_csv, request_metrics_from_row, write_summary_csv
+
+FIGURES = ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "output_tokens_per_s",
+           "requests_per_s")
+TPOT_FLOOR_RATIO, MISS_FLOOR_RATIO = 1.3, 1.5
+
+
+def write_results(work: Path, out: Path, variants, datasets: dict[str, Path], samples: list[dict], cpu, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rows, cycle_rows, requests, outputs = [], [], {}, {}
+    for variant in variants:
+        runs = [run for run in (work / f"cycle-{c}" / variant.slug for c in range(args.cycles))
+                if (run / "summary.csv").is_file()]
+        if not runs:
+            continue
+        pooled, figures = [], {name: [] for name in FIGURES}
+        for cycle, run in enumerate(runs):
+            summary = read_csv(run / "summary.csv")[0]
+            pooled += [request_metrics_from_row(r) for r in read_csv(run / "requests.csv")]
+            load = [s for s in samples if s["variant"] == f"{cycle}:{variant.name}"]
+            for name in FIGURES:
+                figures[name].append(_float(summary.get(name)))
+            cycle_rows.append({"variant": variant.name, "cycle": cycle, **{n: figures[n][-1] for n in FIGURES},
+                               "cpu_other_pct_mean": other_cpu_pct(load)})
+        with RequestCsvWriter(out / f"requests-{variant.slug}.csv") as writer:
+            for row in pooled:
+                writer.write(row)
+        last = read_csv(runs[-1] / "summary.csv")[0]
+        config = {k: v for k, v in last.items() if not k.startswith(("ttft_", "tpot_", "itl_", "e2e_"))}
+        medians = {f"{name}_median_of_cycles": _median(values) for name, values in figures.items()}
+        rows.append({**config, "label": variant.name, "dtype_variant": variant.dtype, "load": variant.load,
+                     "cycles": len(runs), **medians, **summarize(pooled).as_row(),
+                     "requests_csv": f"requests-{variant.slug}.csv"})
+        requests[variant.name] = pooled
+        outputs[variant.name] = [read_outputs(run / "outputs.jsonl") for run in runs]
+    floors = {when: json.loads((work / f"floors-{when}.json").read_text())
+              for when in ("start", "end") if (work / f"floors-{when}.json").is_file()}
+    (out / "floors.json").write_text(json.dumps(floors, indent=1) + "\n")
+    write_summary_csv(out / "summary.csv", rows)
+    write_summary_csv(out / "cycles.csv", cycle_rows)
+    write_summary_csv(out / "load.csv", samples or [{"at": None}])
+    for dataset in datasets.values():
+        shutil.copyfile(dataset, out / dataset.name)
+    kvtool = str(Path(sys.executable).parent / "kvtool")
+    compare = subprocess.run([kvtool, "compare", str(out / "summary.csv"), "--plot", str(out / "ttft.png"),
+                              "--output", str(out / "compare.csv")], capture_output=True, text=True,
+                             env=dict(os.environ, COLUMNS="200"))
+    (out / "compare.txt").write_text(compare.stdout + compare.stderr)
+    (out / "table.md").write_text(table(rows, requests, outputs, samples, floors, cpu, datasets["fixed"], args))
+
+
+def table(rows, requests, outputs, samples, floors, cpu, dataset: Path, args) -> str:
+    by_name = {row["label"]: row for row in rows}
+    measured = load_requests(dataset)[1:]
+    loaded = [name for name in by_name if is_loaded(_samples_of(samples, name))]
+    lines = [f"# kvtool vs vLLM vs transformers on SmolLM2-135M-Instruct (CPU): {cpu.model}, {cpu.isa}", ""]
+    if loaded:
+        lines += [f"**LOADED RUN**: other processes used more than {OTHER_CPU_LIMIT_PCT:.0f}% of the CPU while "
+                  f"{len(loaded)} variant(s) ran ({', '.join(loaded)}): their timings are not the machine's.", ""]
+    lines += [f"Machine: {cpu.describe()}; flags {cpu.as_row()['cpu_flags']}.", "", _kernels(by_name), "",
+              f"Workload: {dataset.name}: {len(measured)} measured requests ({args.num_groups} groups x "
+              f"{args.prompts_per_group}), prompts {min(len(r.input_ids) for r in measured)}-"
+              f"{max(len(r.input_ids) for r in measured)} tokens (a ~{args.system_prompt_len}-token passage as system "
+              f"prompt + a ~{args.question_len}-token question, chat template), {args.output_len} output tokens "
+              "(greedy; every engine ignores EOS: a sampled EOS is kept and generation goes on), one uncounted "
+              f"warm-up, {args.tokens_per_block}-token blocks. Loads: sequential; 8 requests in flight; Poisson "
+              f"arrivals at {args.request_rate:g} requests/s (the same schedule for every engine). Each figure: the "
+              f"median over {args.cycles} cycles of that cycle's figure (variants alternate, order rotating).", ""]
+    lines += _ttft(by_name, requests) + _decode(by_name) + _throughput(by_name) + _targets(by_name, requests, floors)
+    lines += ["## Greedy token ids across engines", ""] + identity(outputs, len(measured), args.output_len) + [""]
+    lines += _counters(rows) + _load(rows, samples)
+    return "\n".join(lines) + "\n"
+
+
+def _kernels(by_name) -> str:
+    parts = []
+    kvtool = next((r for r in by_name.values() if r.get("engine") == "kvtool"), None)
+    if kvtool:
+        parts.append(f"kvtool: its CPU kernels in {kvtool.get('cpu_kernels_isa') or 'none (torch path)'}, "
+                     f"projections in torch's oneDNN (torch CPU capability {kvtool.get('torch_cpu_capability')})")
+    vllm = next((r for r in by_name.values() if r.get("engine") == "vllm"), None)
+    if vllm:
+        parts.append(f"vLLM {vllm.get('engine_version')}: kernels {vllm.get('vllm_kernels')}, attention "
+                     f"'{vllm.get('vllm_attention_isa')}', torch CPU capability {vllm.get('torch_cpu_capability')}")
+    return "ISA in use: " + "; ".join(parts) + "." if parts else ""
+
+
+def _ttft(by_name, requests) -> list[str]:
+    lines = ["## TTFT (sequential, float32 and bfloat16)", "",
+             "Hits: a group's later requests with reuse on (their passage is cached); misses: reuse off (every "
+             "request), and each group's first request with reuse on.", "",
+             "| engine | dtype | hits p50 (ms) | misses, reuse off p50 (ms) | misses, reuse on (ms) | hits vs vLLM | "
+             "misses vs vLLM |", "|---|---|---:|---:|---:|---:|---:|"]
+    for dtype, tag in (("float32", ""), ("bfloat16", " bf16")):
+        vllm_hits = _hits(requests.get(f"vllm{tag} reuse-on"), hits=True)
+        vllm_misses = _figure(by_name, f"vllm{tag} reuse-off", "ttft_ms_p50")
+        for engine in ("kvtool", "vllm", "transformers"):
+            on, off = (f"{engine}{tag} reuse-on", f"{engine}{tag} reuse-off") if engine != "transformers" else \
+                ("transformers copied-prefix", "transformers no-cache")
+            if (on not in by_name and off not in by_name) or (engine == "transformers" and tag):
+                continue
+            hits, misses = _hits(requests.get(on), hits=True), _figure(by_name, off, "ttft_ms_p50")
+            lines.append(f"| {engine} | {dtype} | {_fmt(hits)} | {_fmt(misses)} | "
+                         f"{_fmt(_hits(requests.get(on), hits=False))} | {_ratio(hits, vllm_hits)} | "
+                         f"{_ratio(misses, vllm_misses)} |")
+    return lines + [""]
+
+
+def _decode(by_name) -> list[str]:
+    lines = ["## Decode at batch 1 (sequential)", "",
+             "| variant | TPOT p50 (ms) | TPOT p90 (ms) | ITL p50 (ms) | TPOT vs vLLM |", "|---|---:|---:|---:|---:|"]
+    for name, row in by_name.items():
+        if row["load"] != "sequential":
+            continue
+        tpot = _figure(by_name, name, "tpot_ms_p50")
+        lines.append(f"| {name} | {_fmt(tpot, 1)} | {_fmt(_figure(by_name, name, 'tpot_ms_p90'), 1)} | "
+                     f"{_fmt(_figure(by_name, name, 'itl_ms_p50'), 1)} | "
+                     f"{_ratio(tpot, _figure(by_name, _vllm_twin(name), 'tpot_ms_p50'))} |")
+    return lines + [""]
+
+
+def _throughput(by_name) -> list[str]:
+    lines = ["## Throughput by load (reuse on)", "",
+             "| variant | load | output tokens/s | requests/s | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | "
+             "tokens/s vs vLLM |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, row in by_name.items():
+        if not name.startswith(("kvtool", "vllm")) or "reuse-on" not in name or "no-partial" in name:
+            continue
+        figure = {f: _figure(by_name, name, f) for f in FIGURES}
+        tokens = figure["output_tokens_per_s"]
+        lines.append(f"| {name} | {row['load']} | {_fmt(tokens, 1)} | {_fmt(figure['requests_per_s'], 3)} | "
+                     f"{_fmt(figure['ttft_ms_p50'])} | {_fmt(figure['ttft_ms_p90'])} | "
+                     f"{_fmt(figure['tpot_ms_p50'], 1)} | "
+                     f"{_ratio(tokens, _figure(by_name, _vllm_twin(name), 'output_tokens_per_s'))} |")
+    return lines + [""]
+
+
+def _targets(by_name, requests, floors) -> list[str]:
+    lines = ["## Targets (issue 24)", "", "| target | kvtool | reference | ratio | met |", "|---|---:|---:|---:|---|"]
+
+    def check(label: str, ours, reference, limit: float, higher_is_better: bool = False) -> None:
+        if ours is None or reference is None:
+            return
+        ratio = ours / reference
+        met = ratio >= limit if higher_is_better else ratio <= limit
+        lines.append(f"| {label} | {_fmt(ours, 1)} | {_fmt(reference, 1)} | {ratio:.2f}x | {'yes' if met else 'NO'} |")
+
+    for dtype, tag in (("float32", ""), ("bfloat16", " bf16")):
+        kvtool, vllm = f"kvtool{tag} reuse", f"vllm{tag} reuse"
+        tpot, miss = _figure(by_name, f"{kvtool}-on", "tpot_ms_p50"), _figure(by_name, f"{kvtool}-off", "ttft_ms_p50")
+        check(f"TTFT hit p50 <= vLLM's ({dtype}, ms)", _hits(requests.get(f"{kvtool}-on"), hits=True),
+              _hits(requests.get(f"{vllm}-on"), hits=True), 1.0)
+        check(f"TTFT miss p50 <= vLLM's ({dtype}, reuse off, ms)", miss,
+              _figure(by_name, f"{vllm}-off", "ttft_ms_p50"), 1.0)
+        check(f"TPOT p50 <= vLLM's ({dtype}, batch 1, ms)", tpot, _figure(by_name, f"{vllm}-on", "tpot_ms_p50"), 1.0)
+        check(f"output tokens/s at concurrency 8 >= vLLM's ({dtype})",
+              _figure(by_name, f"{kvtool}-on c8", "output_tokens_per_s"),
+              _figure(by_name, f"{vllm}-on c8", "output_tokens_per_s"), 1.0, higher_is_better=True)
+        best = _best_floors(floors, dtype)
+        if best:
+            check(f"TPOT p50 <= {TPOT_FLOOR_RATIO}x memory floor ({dtype}, ms)", tpot, best.get("memory_floor_ms"),
+                  TPOT_FLOOR_RATIO)
+            check(f"TTFT miss p50 <= {MISS_FLOOR_RATIO}x compute floor ({dtype}, ms)", miss,
+                  best.get("compute_floor_ms"), MISS_FLOOR_RATIO)
+    lines += ["", "Floors, measured before the first variant and after the last (bench/peers/floors.py):", ""]
+    for when, probe in floors.items():
+        parts = [f"read bandwidth {probe['read_bandwidth_gb_s']:.1f} GB/s ({probe['threads']} threads)"]
+        for dtype, model in probe["models"].items():
+            parts.append(f"{dtype}: GEMM {_fmt(model.get('gemm_gflop_s'))} GFLOP/s, a decode step reads "
+                         f"{model['decode_bytes'] / 1e6:,.0f} MB (context {probe['context_len']}): memory floor "
+                         f"{model['memory_floor_ms']:.1f} ms; a miss of {probe['prompt_len']} tokens is "
+                         f"{model['miss_flops'] / 1e9:,.0f} GFLOP: compute floor "
+                         f"{_fmt(model.get('compute_floor_ms'))} ms")
+        lines.append(f"- {when}: " + "; ".join(parts))
+    return lines + ["", "The targets use the lower (better) floor of the two probes.", ""]
+
+
+def identity(outputs_by_variant, num_requests: int, output_len: int) -> list[str]:
+    """Each variant's greedy ids against the float32 reference (transformers without a cache, else the
+    first variant); bfloat16 variants against kvtool's bfloat16 (rounding differs across engines)."""
+    names = list(outputs_by_variant)
+    float_ref = "transformers no-cache" if "transformers no-cache" in names else names[0]
+    bf16_ref = next((n for n in names if " bf16 " in f" {n} " and n.startswith("kvtool")), None)
+    lines = []
+    for name, runs in outputs_by_variant.items():
+        ref_name = bf16_ref if " bf16" in name and bf16_ref else float_ref
+        reference = outputs_by_variant[ref_name][0]
+        for cycle, run in enumerate(runs):
+            if (name, cycle) == (ref_name, 0):
+                continue
+            first_diffs = sorted(_first_difference(run.get(rid, []), ids) for rid, ids in reference.items()
+                                 if run.get(rid) != ids)
+            verdict = "identical" if not first_diffs else \
+                f"{len(first_diffs)} of {len(reference)} differ (first differing token at {first_diffs[:6]})"
+            lines.append(f"- {name} cycle {cycle} vs {ref_name}: {verdict}")
+    total = sum(len(r) for r in outputs_by_variant.values())
+    return [f"{num_requests} requests x {output_len} tokens, {total} runs:", ""] + lines
+
+
+def _first_difference(ours: list[int], reference: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
+
+
+def _counters(rows) -> list[str]:
+    lines = ["## Cache counters (over one cycle's measured requests)", ""]
+    for row in rows:
+        cycles = int(row["cycles"])
+        detail = (f"{int(row['total_reused_tokens']) // cycles:,} of {int(row['total_input_tokens']) // cycles:,} "
+                  "prompt tokens reused")
+        if row.get("reused_blocks") not in (None, ""):
+            detail += f"; blocks reused / missed {row['reused_blocks']} / {row['missed_blocks']}"
+        if row.get("prefix_cache_hits_tokens") not in (None, ""):
+            detail += (f"; vLLM prefix cache hits / queries {float(row['prefix_cache_hits_tokens']):,.0f} / "
+                       f"{float(row['prefix_cache_queries_tokens']):,.0f} tokens")
+        lines.append(f"- {row['label']}: {detail}")
+    return lines + [""]
+
+
+def _load(rows, samples) -> list[str]:
+    lines = ["## Load while each variant ran", "",
+             f"CPU share of processes other than the benchmark (mean and max of samples every 2 s; flagged above "
+             f"{OTHER_CPU_LIMIT_PCT:.0f}%) and the 1-minute load average:", ""]
+    for name in [row["label"] for row in rows] + ["floors (start)", "floors (end)"]:
+        found = _samples_of(samples, name)
+        if found:
+            flag = " **LOADED**" if is_loaded(found) else ""
+            lines.append(f"- {name}: other processes {other_cpu_pct(found)}% CPU (max "
+                         f"{max(s['cpu_other_pct'] for s in found)}%), load average "
+                         f"{statistics.mean(s['loadavg_1m'] for s in found):.1f}{flag}")
+    return lines
+
+
+def _samples_of(samples, name: str) -> list[dict]:
+    return [s for s in samples if s["variant"].split(":", 1)[-1] == name]
+
+
+def _vllm_twin(name: str) -> str | None:
+    """vLLM's variant with the same cache, dtype and load as kvtool's ``name`` (None for others)."""
+    return "vllm " + name.split(" ", 1)[1] if name.startswith("kvtool ") else None
+
+
+def _hits(rows, *, hits: bool) -> float | None:
+    if not rows:
+        return None
+    values = [r.ttft_ms for r in rows if r.ttft_ms is not None and r.request_id.endswith("q0") != hits]
+    return statistics.median(values) if values else None
+
+
+def _best_floors(floors: dict, dtype: str) -> dict:
+    models = [probe["models"][dtype] for probe in floors.values() if dtype in probe["models"]]
+    if not models:
+        return {}
+    return {key: min((m[key] for m in models if m.get(key) is not None), default=None)
+            for key in ("memory_floor_ms", "compute_floor_ms")}
+
+
+def _figure(by_name, name: str | None, figure: str) -> float | None:
+    return by_name.get(name, {}).get(f"{figure}_median_of_cycles") if name else None
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _float(value) -> float | None:
+    return None if value in (None, "") else float(value)
+
+
+def _fmt(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"

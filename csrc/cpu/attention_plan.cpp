@@ -1,0 +1,129 @@
+#include "attention_plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace kvtool::cpu {
+
+namespace {
+
+// Query rows (queries x the heads of a group) per task: enough that each key tile read serves many
+// rows, few enough that a prompt splits into many tasks for the threads to share.
+constexpr int64_t kMaxRowsPerTask = 128;
+// A share of a split task has at least this many keys.
+constexpr int64_t kMinKeysPerShare = 4 * kKeyTile;
+
+}  // namespace
+
+AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
+                             const int32_t* block_tables, int64_t max_blocks, int64_t num_blocks,
+                             const AttentionShape& shape, int32_t width, int32_t num_threads)
+    : shape_(shape), max_blocks_(max_blocks), block_tables_(block_tables, block_tables + num_seqs * max_blocks) {
+  if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
+    throw std::invalid_argument("attention: num_heads " + std::to_string(shape.num_heads) +
+                                " is not a multiple of num_kv_heads " + std::to_string(shape.num_kv_heads));
+  }
+  const int64_t group = shape.num_heads / shape.num_kv_heads;
+  int64_t queries_per_task = std::max<int64_t>(1, kMaxRowsPerTask / group);
+  // A short chunk (a hit's few new tokens) makes fewer tasks than two per thread: smaller runs of
+  // queries then, as long as a task's rows still fill a vector.
+  int64_t num_tasks = 0, num_queries = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    num_tasks += (query_len + queries_per_task - 1) / queries_per_task * shape.num_kv_heads;
+    num_queries += query_len;
+  }
+  if (num_tasks > 0 && num_tasks < 2 * num_threads) {
+    const int64_t fewest = (width + group - 1) / group;
+    const int64_t even = (num_queries * shape.num_kv_heads + 2 * num_threads - 1) / (2 * num_threads);
+    queries_per_task = std::max(fewest, std::min(queries_per_task, even));
+  }
+  const int64_t tpb = shape.tokens_per_block;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    const int64_t seq_len = seq_lens[seq];
+    if (query_len <= 0) continue;
+    if (query_len > seq_len) {
+      throw std::invalid_argument("attention: sequence " + std::to_string(seq) + " has " + std::to_string(query_len) +
+                                  " new tokens but seq_len " + std::to_string(seq_len));
+    }
+    const int64_t first_position = seq_len - query_len;
+    const int64_t first_key = shape.sliding_window > 0 ? std::max<int64_t>(0, first_position - shape.sliding_window + 1) : 0;
+    if ((seq_len - 1) / tpb >= max_blocks) {
+      throw std::invalid_argument("attention: sequence " + std::to_string(seq) + " of " + std::to_string(seq_len) +
+                                  " tokens has a block table of " + std::to_string(max_blocks) + " blocks");
+    }
+    for (int64_t block = first_key / tpb; block <= (seq_len - 1) / tpb; ++block) {
+      const int32_t id = block_tables[seq * max_blocks + block];
+      if (id < 0 || id >= num_blocks) {
+        throw std::invalid_argument("attention: block_tables row " + std::to_string(seq) + " has block id " +
+                                    std::to_string(id) + " at index " + std::to_string(block) +
+                                    ", inside the attention window (a pool of " + std::to_string(num_blocks) +
+                                    " blocks)");
+      }
+    }
+    for (int64_t begin = 0; begin < query_len; begin += queries_per_task) {
+      const int64_t count = std::min(queries_per_task, query_len - begin);
+      const int64_t position = first_position + begin;
+      const int64_t key_begin = shape.sliding_window > 0 ? std::max<int64_t>(0, position - shape.sliding_window + 1) : 0;
+      const int64_t key_end = position + count;
+      // A few rows per KV head (decode) take every KV head in one task, reading each token's keys
+      // and values as one run rather than a head's share of it; a chunk's rows, a task per head.
+      const bool per_head = rows_in_lanes(count * group, width);
+      const int32_t heads_per_task = per_head ? 1 : shape.num_kv_heads;
+      for (int32_t kv_head = 0; kv_head < shape.num_kv_heads; kv_head += heads_per_task) {
+        tasks_.push_back({static_cast<int32_t>(seq), kv_head, heads_per_task,
+                          static_cast<int32_t>(query_start_loc[seq] + begin), static_cast<int32_t>(count),
+                          static_cast<int32_t>(position), static_cast<int32_t>(key_begin),
+                          static_cast<int32_t>(key_end), -1});
+      }
+      work_ += 2.0 * static_cast<double>(count * shape.num_heads) * static_cast<double>(key_end - key_begin) *
+               static_cast<double>(shape.head_dim);
+      scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(count * group * heads_per_task,
+                                                                           shape.head_dim, heads_per_task, width));
+    }
+  }
+  split_for_threads(width, num_threads);
+  // Longest first, so that no thread is left with a long task at the end.
+  std::stable_sort(tasks_.begin(), tasks_.end(), [](const AttentionTask& a, const AttentionTask& b) {
+    return static_cast<int64_t>(a.num_queries) * (a.key_end - a.key_begin) >
+           static_cast<int64_t>(b.num_queries) * (b.key_end - b.key_begin);
+  });
+}
+
+void AttentionPlan::split_for_threads(int32_t width, int32_t num_threads) {
+  // A step of a few decode tokens has a task per sequence: fewer than the threads can share evenly.
+  // Such tasks (few rows, the head dimension in the lanes) split by keys into shares.
+  const auto num_tasks = static_cast<int64_t>(tasks_.size());
+  if (num_threads <= 1 || num_tasks == 0 || num_tasks >= 2 * num_threads) return;
+  const int64_t group = shape_.num_heads / shape_.num_kv_heads;
+  const int64_t wanted = (2 * num_threads + num_tasks - 1) / num_tasks;
+  std::vector<AttentionTask> tasks;
+  for (const AttentionTask& task : tasks_) {
+    const int64_t keys = task.key_end - task.key_begin;
+    const int64_t shares = std::min(wanted, keys / kMinKeysPerShare);
+    if (rows_in_lanes(task.num_queries * group, width) || shares < 2) {
+      tasks.push_back(task);
+      continue;
+    }
+    const auto first_partial = static_cast<int32_t>(num_partial_floats_);
+    const int64_t share_floats = partial_floats(task.num_queries * group * task.num_kv_heads, shape_.head_dim);
+    merges_.push_back({task.first_row, task.num_queries, task.kv_head, task.num_kv_heads, first_partial,
+                       static_cast<int32_t>(shares)});
+    // Shares of whole key tiles, as even as they come.
+    const int64_t tiles = (keys + kKeyTile - 1) / kKeyTile;
+    for (int64_t share = 0; share < shares; ++share) {
+      AttentionTask part = task;
+      part.key_begin = static_cast<int32_t>(task.key_begin + tiles * share / shares * kKeyTile);
+      part.key_end = static_cast<int32_t>(std::min<int64_t>(task.key_end,
+                                                            task.key_begin + tiles * (share + 1) / shares * kKeyTile));
+      part.partial = static_cast<int32_t>(first_partial + share * share_floats);
+      tasks.push_back(part);
+    }
+    num_partial_floats_ += shares * share_floats;
+  }
+  tasks_ = std::move(tasks);
+}
+
+}  // namespace kvtool::cpu

@@ -1,0 +1,140 @@
+// The Python module kvtool.cpu_kernels._kernels. Tensors cross as raw data pointers (torch's
+// data_ptr()) and element strides: converting a tensor through DLPack costs microseconds, and a
+// decode step calls these kernels a hundred times. Each call releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "cpu_kernels.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvtool::cpu {
+
+namespace {
+
+using Int32Array = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+}  // namespace
+
+}  // namespace kvtool::cpu
+
+NB_MODULE(_kernels, m) {
+  using namespace kvtool::cpu;
+  m.doc() = "kvtool's CPU kernels (fused RMSNorm, SiLU-and-mul, RoPE + KV append, paged attention), "
+            "one build per instruction set, chosen at run time.";
+
+  nb::enum_<DType>(m, "DType", "Element type of activations or of the KV cache.")
+      .value("FLOAT32", DType::kFloat32)
+      .value("BFLOAT16", DType::kBFloat16);
+
+  m.def("supported_isas", &supported_isas, "The instruction sets this CPU runs the kernels for, best first.");
+
+  nb::class_<AttentionPlan>(m, "AttentionPlan",
+                            "One step's attention split into tasks (sequence, KV head, run of queries); every "
+                            "layer of the step uses it.")
+      .def_prop_ro("num_tasks", [](const AttentionPlan& plan) { return plan.tasks().size(); })
+      .def_prop_ro("work", &AttentionPlan::work, "Multiply-adds of all tasks.")
+      .def_prop_ro("num_merges", [](const AttentionPlan& plan) { return plan.merges().size(); },
+                   "Tasks split by keys for the threads (their shares merged after).");
+
+  nb::class_<CpuKernels>(m, "CpuKernels", "The kernels of one instruction set and the threads that run them.")
+      .def(nb::init<const std::string&, int>(), "isa"_a = "auto", "num_threads"_a = 1,
+           "isa: 'auto' (the best this CPU runs) or one of supported_isas(); num_threads counts the caller.")
+      .def_prop_ro("isa", &CpuKernels::isa)
+      .def_prop_ro("width", &CpuKernels::width, "Float lanes of a vector.")
+      .def_prop_ro("num_threads", &CpuKernels::num_threads)
+      .def(
+          "rms_norm",
+          [](CpuKernels& k, uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, int64_t num_rows,
+             int64_t dim, int64_t x_stride, int64_t residual_stride, int64_t out_stride, float eps, DType dtype) {
+            k.rms_norm({ptr<const void>(x), ptr<void>(residual), ptr<const void>(weight), ptr<void>(out), num_rows, dim,
+                        x_stride, residual_stride, out_stride, eps, dtype});
+          },
+          "x"_a, "residual"_a, "weight"_a, "out"_a, "num_rows"_a, "dim"_a, "x_stride"_a, "residual_stride"_a,
+          "out_stride"_a, "eps"_a, "dtype"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "out[r] = rms_norm(x[r] + residual[r]) * weight, residual[r] becoming the sum (residual 0: none).")
+      .def(
+          "silu_mul",
+          [](CpuKernels& k, uintptr_t gate_up, uintptr_t out, int64_t num_rows, int64_t dim, int64_t in_stride,
+             int64_t out_stride, DType dtype) {
+            k.silu_mul({ptr<const void>(gate_up), ptr<void>(out), num_rows, dim, in_stride, out_stride, dtype});
+          },
+          "gate_up"_a, "out"_a, "num_rows"_a, "dim"_a, "in_stride"_a, "out_stride"_a, "dtype"_a,
+          nb::call_guard<nb::gil_scoped_release>(), "out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:].")
+      .def(
+          "rope_store_kv",
+          [](CpuKernels& k, uintptr_t qkv, int64_t num_tokens, int64_t qkv_stride, int32_t num_heads,
+             int32_t num_kv_heads, int32_t head_dim, uintptr_t positions, uintptr_t rope_cache, int64_t max_positions,
+             uintptr_t q_norm_weight, uintptr_t k_norm_weight, float norm_eps, uintptr_t kv_cache,
+             int64_t block_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,
+             uintptr_t slot_mapping, int32_t tokens_per_block, DType dtype, DType cache_dtype) {
+            k.rope_store_kv({ptr<void>(qkv), num_tokens, qkv_stride, num_heads, num_kv_heads, head_dim,
+                             ptr<const int64_t>(positions), ptr<const float>(rope_cache), max_positions,
+                             ptr<const void>(q_norm_weight), ptr<const void>(k_norm_weight), norm_eps,
+                             ptr<void>(kv_cache), block_stride, kv_stride, token_stride, head_stride,
+                             ptr<const int64_t>(slot_mapping), tokens_per_block, dtype, cache_dtype});
+          },
+          "qkv"_a, "num_tokens"_a, "qkv_stride"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "positions"_a,
+          "rope_cache"_a, "max_positions"_a, "q_norm_weight"_a, "k_norm_weight"_a, "norm_eps"_a, "kv_cache"_a,
+          "block_stride"_a, "kv_stride"_a, "token_stride"_a, "head_stride"_a, "slot_mapping"_a, "tokens_per_block"_a,
+          "dtype"_a, "cache_dtype"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "Rotates q and k of each token in place (after the optional per-head q/k RMSNorm; weight 0: none) "
+          "and stores k and v at slot_mapping[t] of the layer's KV cache.")
+      .def(
+          "plan_attention",
+          [](const CpuKernels& k, Int32Array query_start_loc, Int32Array seq_lens, Int32Array block_tables,
+             int64_t num_blocks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t tokens_per_block,
+             int64_t sliding_window) {
+            if (block_tables.ndim() != 2 || seq_lens.ndim() != 1 || query_start_loc.ndim() != 1 ||
+                query_start_loc.shape(0) != seq_lens.shape(0) + 1 || block_tables.shape(0) != seq_lens.shape(0)) {
+              throw std::invalid_argument("plan_attention: query_start_loc [n + 1], seq_lens [n] and block_tables "
+                                          "[n, max_blocks] disagree");
+            }
+            return AttentionPlan(query_start_loc.data(), seq_lens.data(), static_cast<int64_t>(seq_lens.shape(0)),
+                                 block_tables.data(), static_cast<int64_t>(block_tables.shape(1)), num_blocks,
+                                 {num_heads, num_kv_heads, head_dim, tokens_per_block, sliding_window}, k.width(),
+                                 k.num_threads());
+          },
+          "query_start_loc"_a, "seq_lens"_a, "block_tables"_a, "num_blocks"_a, "num_heads"_a, "num_kv_heads"_a,
+          "head_dim"_a, "tokens_per_block"_a, "sliding_window"_a,
+          "The step's attention tasks (int32 arrays as in AttentionMetadata; sliding_window 0: none).")
+      .def(
+          "attention",
+          [](CpuKernels& k, const AttentionPlan& plan, uintptr_t query, int64_t query_stride, uintptr_t out,
+             int64_t out_stride, uintptr_t kv_cache, int64_t block_stride, int64_t kv_stride, int64_t token_stride,
+             int64_t head_stride, float scale, DType dtype, DType cache_dtype) {
+            AttentionArgs args{};
+            args.query = ptr<const void>(query);
+            args.query_stride = query_stride;
+            args.out = ptr<void>(out);
+            args.out_stride = out_stride;
+            args.kv_cache = ptr<const void>(kv_cache);
+            args.block_stride = block_stride;
+            args.kv_stride = kv_stride;
+            args.token_stride = token_stride;
+            args.head_stride = head_stride;
+            args.scale = scale;
+            args.dtype = dtype;
+            args.cache_dtype = cache_dtype;
+            k.attention(plan, args);
+          },
+          "plan"_a, "query"_a, "query_stride"_a, "out"_a, "out_stride"_a, "kv_cache"_a, "block_stride"_a,
+          "kv_stride"_a, "token_stride"_a, "head_stride"_a, "scale"_a, "dtype"_a, "cache_dtype"_a,
+          nb::call_guard<nb::gil_scoped_release>(),
+          "One layer's attention for the planned step: query [tokens, heads, head_dim] -> out (same shape), "
+          "over the paged KV cache.")
+      .def(
+          "sum",
+          [](CpuKernels& k, uintptr_t data, int64_t num_floats) { return k.sum(ptr<const float>(data), num_floats); },
+          "data"_a, "num_floats"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "The sum of num_floats float32 values, each thread reading a share: a streaming read, to time memory "
+          "bandwidth with.");
+}

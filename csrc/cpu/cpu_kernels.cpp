@@ -1,0 +1,159 @@
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace kvtool::cpu {
+
+namespace {
+
+// Below these sizes a kernel runs on the calling thread alone: waking the workers costs more.
+constexpr int64_t kMinParallelElements = 64 * 1024;
+constexpr double kMinParallelAttentionWork = 5e5;  // multiply-adds
+
+bool cpu_supports(const std::string& isa) {
+  if (isa == "generic") return true;
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+  }
+#endif
+  return false;
+}
+
+const KernelTable* table_for(const std::string& isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "avx512") return &avx512_kernels();
+  if (isa == "avx2") return &avx2_kernels();
+#endif
+  return &generic_kernels();
+}
+
+const KernelTable* choose(const std::string& isa) {
+  std::vector<std::string> supported = supported_isas();
+  if (isa == "auto") return table_for(supported.front());
+  if (std::find(supported.begin(), supported.end(), isa) == supported.end()) {
+    std::string known;
+    for (const std::string& name : supported) known += (known.empty() ? "" : ", ") + name;
+    throw std::invalid_argument("CPU kernels for '" + isa + "' do not run on this CPU (it runs: " + known + ")");
+  }
+  return table_for(isa);
+}
+
+template <typename Args>
+struct RowsJob {
+  void (*kernel)(const Args&, int64_t, int64_t);
+  const Args* args;
+  int64_t num_rows, rows_per_task;
+};
+
+struct AttentionJob {
+  const KernelTable* table;
+  const AttentionPlan* plan;
+  const AttentionArgs* args;
+  std::vector<std::vector<float>>* scratch;
+};
+
+}  // namespace
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> isas;
+  for (const char* isa : {"avx512", "avx2"}) {
+    if (cpu_supports(isa)) isas.emplace_back(isa);
+  }
+  isas.emplace_back("generic");
+  return isas;
+}
+
+CpuKernels::CpuKernels(const std::string& isa, int num_threads)
+    : table_(choose(isa)), pool_(std::max(1, num_threads)), scratch_(pool_.num_threads()) {}
+
+template <typename Args>
+void CpuKernels::run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows,
+                          int64_t row_size) {
+  if (num_rows * row_size < kMinParallelElements || pool_.num_threads() == 1) {
+    kernel(args, 0, num_rows);
+    return;
+  }
+  const int64_t num_tasks = std::min<int64_t>(num_rows, 4 * pool_.num_threads());
+  RowsJob<Args> job{kernel, &args, num_rows, (num_rows + num_tasks - 1) / num_tasks};
+  pool_.run(
+      (num_rows + job.rows_per_task - 1) / job.rows_per_task,
+      [](const void* context, int64_t task, int) {
+        const auto* j = static_cast<const RowsJob<Args>*>(context);
+        j->kernel(*j->args, task * j->rows_per_task, std::min(j->num_rows, (task + 1) * j->rows_per_task));
+      },
+      &job);
+}
+
+void CpuKernels::rms_norm(const RmsNormArgs& args) { run_rows(table_->rms_norm, args, args.num_rows, args.dim); }
+
+void CpuKernels::silu_mul(const SiluMulArgs& args) { run_rows(table_->silu_mul, args, args.num_rows, 2 * args.dim); }
+
+void CpuKernels::rope_store_kv(const RopeKvArgs& args) {
+  for (int64_t t = 0; t < args.num_tokens; ++t) {
+    if (args.positions[t] < 0 || args.positions[t] >= args.max_positions) {
+      throw std::invalid_argument("rope_store_kv: position " + std::to_string(args.positions[t]) + " of token " +
+                                  std::to_string(t) + " is outside the RoPE table of " +
+                                  std::to_string(args.max_positions) + " positions");
+    }
+  }
+  const int64_t row = static_cast<int64_t>(args.num_heads + 2 * args.num_kv_heads) * args.head_dim;
+  run_rows(table_->rope_store_kv, args, args.num_tokens, row);
+}
+
+void CpuKernels::attention(const AttentionPlan& plan, AttentionArgs args) {
+  const AttentionShape& shape = plan.shape();
+  args.block_tables = plan.block_tables();
+  args.block_table_stride = plan.block_table_stride();
+  args.num_heads = shape.num_heads;
+  args.num_kv_heads = shape.num_kv_heads;
+  args.head_dim = shape.head_dim;
+  args.tokens_per_block = shape.tokens_per_block;
+  args.sliding_window = shape.sliding_window;
+  if (static_cast<int64_t>(partials_.size()) < plan.num_partial_floats()) partials_.resize(plan.num_partial_floats());
+  args.partials = partials_.data();
+  const int threads = plan.work() < kMinParallelAttentionWork ? 1 : pool_.num_threads();
+  for (int t = 0; t < threads; ++t) {
+    if (static_cast<int64_t>(scratch_[t].size()) < plan.scratch_floats()) scratch_[t].resize(plan.scratch_floats());
+  }
+  AttentionJob job{table_, &plan, &args, &scratch_};
+  auto task_fn = [](const void* context, int64_t task, int thread) {
+    const auto* j = static_cast<const AttentionJob*>(context);
+    j->table->attention(*j->args, j->plan->tasks()[task], (*j->scratch)[thread].data());
+  };
+  const auto num_tasks = static_cast<int64_t>(plan.tasks().size());
+  if (threads == 1) {
+    for (int64_t task = 0; task < num_tasks; ++task) task_fn(&job, task, 0);
+  } else {
+    pool_.run(num_tasks, task_fn, &job);
+  }
+  for (const AttentionMerge& merge : plan.merges()) table_->merge_attention(args, merge);
+}
+
+double CpuKernels::sum(const float* data, int64_t num_floats) {
+  struct SumJob {
+    const KernelTable* table;
+    const float* data;
+    int64_t num_floats, per_task;
+    std::vector<double> partial;
+  };
+  const int64_t num_tasks = pool_.num_threads();
+  SumJob job{table_, data, num_floats, (num_floats + num_tasks - 1) / num_tasks, std::vector<double>(num_tasks)};
+  pool_.run(
+      num_tasks,
+      [](const void* context, int64_t task, int) {
+        auto* j = static_cast<SumJob*>(const_cast<void*>(context));
+        const int64_t begin = std::min(j->num_floats, task * j->per_task);
+        j->partial[task] = j->table->sum(j->data, begin, std::min(j->num_floats, begin + j->per_task));
+      },
+      &job);
+  double total = 0.0;
+  for (double part : job.partial) total += part;
+  return total;
+}
+
+}  // namespace kvtool::cpu

@@ -1,0 +1,44 @@
+// The kernels of the best (or a chosen) instruction set, with the threads that run them. The
+// Python side hands raw data pointers and element strides of torch tensors (kvtool/cpu_kernels).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attention_plan.h"
+#include "kernel_args.h"
+#include "parallel.h"
+
+namespace kvtool::cpu {
+
+// The instruction sets this CPU runs kernels for, best first ("avx512", "avx2", "generic").
+std::vector<std::string> supported_isas();
+
+class CpuKernels {
+ public:
+  // isa: "auto" (the best supported) or one of supported_isas(); std::invalid_argument otherwise.
+  CpuKernels(const std::string& isa, int num_threads);
+
+  std::string isa() const { return table_->isa; }
+  int32_t width() const { return table_->width; }
+  int num_threads() const { return pool_.num_threads(); }
+
+  void rms_norm(const RmsNormArgs& args);
+  void silu_mul(const SiluMulArgs& args);
+  void rope_store_kv(const RopeKvArgs& args);  // positions must be < args.max_positions (checked)
+  void attention(const AttentionPlan& plan, AttentionArgs args);
+  // The sum of num_floats floats read by every thread (a share each): times a streaming read.
+  double sum(const float* data, int64_t num_floats);
+
+ private:
+  template <typename Args>
+  void run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows, int64_t row_size);
+
+  const KernelTable* table_;
+  Parallel pool_;
+  std::vector<std::vector<float>> scratch_;  // one per thread
+  std::vector<float> partials_;              // the shares of split attention tasks
+};
+
+}  // namespace kvtool::cpu

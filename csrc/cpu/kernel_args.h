@@ -1,0 +1,135 @@
+// What each CPU kernel is given: plain structs of raw pointers, element strides and sizes, filled by
+// the bindings (bind_cpu_kernels.cpp) from torch tensors' data_ptr() and strides, and the table of
+// one ISA's kernels. Strides count elements, not bytes. No torch here. Helpers are static: this header
+// is compiled into every ISA's translation unit, and none may hand its copy to another.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvtool::cpu {
+
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+// out[r] = rms_norm(x[r] (+ residual[r])) * weight; with a residual, residual[r] becomes the sum first
+// (rounded to the dtype), as `x = x + y; h = norm(x)` computes it.
+struct RmsNormArgs {
+  const void* x;
+  void* residual;  // nullptr: normalise x alone
+  const void* weight;
+  void* out;
+  int64_t num_rows, dim, x_stride, residual_stride, out_stride;
+  float eps;
+  DType dtype;
+};
+
+// out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:].
+struct SiluMulArgs {
+  const void* gate_up;
+  void* out;
+  int64_t num_rows, dim, in_stride, out_stride;
+  DType dtype;
+};
+
+// Rotates each token's q and k heads (rotate-half RoPE, after the optional per-head q/k RMSNorm of
+// Qwen3) in place in the fused qkv rows, then stores k and v at the token's cache slot.
+struct RopeKvArgs {
+  void* qkv;                  // [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], row stride qkv_stride
+  int64_t num_tokens, qkv_stride;
+  int32_t num_heads, num_kv_heads, head_dim;
+  const int64_t* positions;   // [num_tokens]
+  const float* rope_cache;    // [max_positions, head_dim]: cos of the head_dim / 2 frequencies, then sin
+  int64_t max_positions;
+  const void* q_norm_weight;  // [head_dim] or nullptr
+  const void* k_norm_weight;
+  float norm_eps;
+  void* kv_cache;             // one layer: [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim] (strided)
+  int64_t block_stride, kv_stride, token_stride, head_stride;
+  const int64_t* slot_mapping;  // [num_tokens] block_id * tokens_per_block + offset; < 0: not stored
+  int32_t tokens_per_block;
+  DType dtype, cache_dtype;
+};
+
+// One layer's attention over the paged cache, for the whole step; run task by task.
+struct AttentionArgs {
+  const void* query;  // [num_tokens, num_heads, head_dim], token row stride query_stride
+  int64_t query_stride;
+  void* out;          // [num_tokens, num_heads, head_dim], token row stride out_stride
+  int64_t out_stride;
+  const void* kv_cache;
+  int64_t block_stride, kv_stride, token_stride, head_stride;
+  const int32_t* block_tables;  // [num_seqs, block_table_stride]
+  int64_t block_table_stride;
+  int32_t num_heads, num_kv_heads, head_dim, tokens_per_block;
+  float scale;
+  int64_t sliding_window;  // 0: none; else a query at position p sees keys at positions > p - window
+  DType dtype, cache_dtype;
+  // Where tasks that cover part of a key range leave their results (see AttentionTask::partial).
+  float* partials;
+};
+
+// A share of the work: consecutive queries of one sequence, one KV head (and its group of query heads).
+struct AttentionTask {
+  int32_t seq;
+  int32_t kv_head;         // the first KV head
+  int32_t num_kv_heads;    // KV heads kv_head .. kv_head + num_kv_heads - 1 (a decode task takes all)
+  int32_t first_row;       // the first query's row in the step
+  int32_t num_queries;
+  int32_t first_position;  // the first query's position; query i is at first_position + i
+  int32_t key_begin;       // the keys any of these queries sees: positions [key_begin, key_end)
+  int32_t key_end;
+  // -1: the task sees every key of its queries and writes their output. Else it covers a share of
+  // them (a long decode split for the threads) and leaves, at partials + partial (floats), its
+  // unnormalised output [rows][head_dim], then each row's max and sum of weights
+  // (partial_floats(rows, head_dim) in all); a merge combines the shares.
+  int32_t partial;
+};
+
+// The shares of one split task, merged into its output; share s is at partials + first_partial +
+// s * partial_floats(rows, head_dim).
+struct AttentionMerge {
+  int32_t first_row, num_queries, kv_head, num_kv_heads, first_partial, num_partials;
+};
+
+static inline int64_t partial_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim + 2); }
+
+// Which layout a task of `rows` query rows runs in (kernels_impl.h): rows along the vector lanes
+// once they fill more than about half a vector (always in the one-lane build), else the head
+// dimension along them (a decode token's group of heads).
+static inline bool rows_in_lanes(int64_t rows, int64_t width) { return width == 1 || rows * 8 > width * 5; }
+
+// Keys are taken this many at a time (a tile of scores per query row).
+inline constexpr int kKeyTile = 32;
+
+// The kernels of one instruction set.
+struct KernelTable {
+  const char* isa;
+  int32_t width;  // float lanes of a vector
+  void (*rms_norm)(const RmsNormArgs&, int64_t row_begin, int64_t row_end);
+  void (*silu_mul)(const SiluMulArgs&, int64_t row_begin, int64_t row_end);
+  void (*rope_store_kv)(const RopeKvArgs&, int64_t token_begin, int64_t token_end);
+  // scratch holds the plan's scratch_floats() (attention_scratch_floats of its largest task).
+  void (*attention)(const AttentionArgs&, const AttentionTask&, float* scratch);
+  void (*merge_attention)(const AttentionArgs&, const AttentionMerge&);
+  // The sum of data[begin, end): a plain streaming read, what memory bandwidth is measured with.
+  double (*sum)(const float* data, int64_t begin, int64_t end);
+};
+
+static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Scratch floats of a task of `rows` query rows over num_kv_heads KV heads.
+static inline int64_t attention_scratch_floats(int64_t rows, int64_t head_dim, int64_t num_kv_heads, int64_t width) {
+  int64_t padded = round_up(rows, width);
+  // q (scaled) and the running output, transposed or not (head_dim padded to whole vectors); the
+  // score tile; max, sum, positions, rescaling; K and V tiles widened from a bfloat16 cache.
+  return 2 * round_up(head_dim, width) * padded + kKeyTile * padded + 4 * padded +
+         2 * kKeyTile * head_dim * num_kv_heads;
+}
+
+const KernelTable& generic_kernels();
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable& avx2_kernels();
+const KernelTable& avx512_kernels();
+#endif
+
+}  // namespace kvtool::cpu

@@ -1,0 +1,89 @@
+// 16 float lanes in AVX-512 (F, BW, VL, DQ) registers. Compiled only into kernels_avx512.cpp.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "bf16.h"
+#include "exp_constants.h"
+
+namespace kvtool::cpu::KVTOOL_CPU_ISA {
+
+struct Vec {
+  static constexpr int width = 16;
+  using Mask = __mmask16;
+  __m512 v;
+
+  static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+  // Round to nearest even as torch does, NaN to a quiet NaN; 16 results in the low halves of 32-bit lanes.
+  static __m512i narrow(__m512 x) {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  }
+
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const uint16_t* p) { return {widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static Vec load_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
+  static Vec load_n(const uint16_t* p, int n) { return {widen(_mm256_maskz_loadu_epi16(first(n), p))}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(uint16_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(narrow(v))); }
+  void store_n(float* p, int n) const { _mm512_mask_storeu_ps(p, first(n), v); }
+  void store_n(uint16_t* p, int n) const { _mm512_mask_cvtepi32_storeu_epi16(p, first(n), narrow(v)); }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+
+  friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+  float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+
+  // The horizontal sums of 16 vectors, as one vector (lane i: the sum of v[i]): pairs, then quads,
+  // then the 128-bit lanes are transposed and added.
+  static Vec transpose_sum(const Vec* v) {
+    __m512 pairs[8], quads[4];
+    for (int k = 0; k < 8; ++k) {
+      pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k].v, v[2 * k + 1].v), _mm512_unpackhi_ps(v[2 * k].v, v[2 * k + 1].v));
+    }
+    for (int k = 0; k < 4; ++k) {
+      __m512d a = _mm512_castps_pd(pairs[2 * k]), b = _mm512_castps_pd(pairs[2 * k + 1]);
+      quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return {_mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd))};
+  }
+
+  static Mask le(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }
+  static Mask gt(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+  static bool any(Mask m) { return m != 0; }
+  static Mask mask_and(Mask a, Mask b) { return static_cast<Mask>(a & b); }
+  static Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }  // m ? a : b
+
+  static Vec exp(Vec a) {
+    // Operand order keeps a NaN input NaN (min/max return their second operand on NaN).
+    __m512 x = _mm512_max_ps(_mm512_set1_ps(kExpLo), _mm512_min_ps(_mm512_set1_ps(kExpHi), a.v));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), x);
+    __m512 y = _mm512_set1_ps(kExpP0);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP1));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP2));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP3));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP4));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP5));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 result = _mm512_mul_ps(y, _mm512_castsi512_ps(scale));
+    return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, _mm512_set1_ps(kExpLo), _CMP_NLT_UQ), result)};
+  }
+};
+
+}  // namespace kvtool::cpu::KVTOOL_CPU_ISA

@@ -1,0 +1,46 @@
+// One float lane: the portable path, and the reference the vector widths must agree with.
+// Every kernel source sees `Vec` in its ISA's namespace (kernels_impl.h).
+#pragma once
+
+#include <cstdint>
+
+#include "bf16.h"
+
+namespace kvtool::cpu::KVTOOL_CPU_ISA {
+
+struct Vec {
+  static constexpr int width = 1;
+  using Mask = bool;
+  float v;
+
+  static Vec load(const float* p) { return {*p}; }
+  static Vec load(const uint16_t* p) { return {bf16_to_float(*p)}; }
+  static Vec load_n(const float* p, int) { return {*p}; }
+  static Vec load_n(const uint16_t* p, int) { return {bf16_to_float(*p)}; }
+  void store(float* p) const { *p = v; }
+  void store(uint16_t* p) const { *p = float_to_bf16(v); }
+  void store_n(float* p, int) const { *p = v; }
+  void store_n(uint16_t* p, int) const { *p = float_to_bf16(v); }
+  static Vec set1(float x) { return {x}; }
+  static Vec zero() { return {0.0f}; }
+
+  friend Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+  friend Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+  friend Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+  friend Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {__builtin_fmaf(a.v, b.v, c.v)}; }
+  static Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+  float reduce_add() const { return v; }
+  float reduce_max() const { return v; }
+
+  static Vec transpose_sum(const Vec* v) { return v[0]; }  // lane i: the sum of v[i]
+
+  static Mask le(Vec a, Vec b) { return a.v <= b.v; }
+  static Mask gt(Vec a, Vec b) { return a.v > b.v; }
+  static bool any(Mask m) { return m; }
+  static Mask mask_and(Mask a, Mask b) { return a && b; }
+  static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }  // lane by lane: m ? a : b
+  static Vec exp(Vec a) { return {__builtin_expf(a.v)}; }
+};
+
+}  // namespace kvtool::cpu::KVTOOL_CPU_ISA

@@ -1,0 +1,82 @@
+"""
+kvtool's CPU kernels (fused RMSNorm, SiLU-and-mul, RoPE + KV append, paged attention), one build per instruction set, chosen at run time.
+"""
+
+import enum
+from typing import Annotated
+
+import numpy
+from numpy.typing import NDArray
+
+
+class DType(enum.Enum):
+    """Element type of activations or of the KV cache."""
+
+    FLOAT32 = 0
+
+    BFLOAT16 = 1
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs the kernels for, best first."""
+
+class AttentionPlan:
+    """
+    One step's attention split into tasks (sequence, KV head, run of queries); every layer of the step uses it.
+    """
+
+    @property
+    def num_tasks(self) -> int: ...
+
+    @property
+    def work(self) -> float:
+        """Multiply-adds of all tasks."""
+
+    @property
+    def num_merges(self) -> int:
+        """Tasks split by keys for the threads (their shares merged after)."""
+
+class CpuKernels:
+    """The kernels of one instruction set and the threads that run them."""
+
+    def __init__(self, isa: str = 'auto', num_threads: int = 1) -> None:
+        """
+        isa: 'auto' (the best this CPU runs) or one of supported_isas(); num_threads counts the caller.
+        """
+
+    @property
+    def isa(self) -> str: ...
+
+    @property
+    def width(self) -> int:
+        """Float lanes of a vector."""
+
+    @property
+    def num_threads(self) -> int: ...
+
+    def rms_norm(self, x: int, residual: int, weight: int, out: int, num_rows: int, dim: int, x_stride: int, residual_stride: int, out_stride: int, eps: float, dtype: DType) -> None:
+        """
+        out[r] = rms_norm(x[r] + residual[r]) * weight, residual[r] becoming the sum (residual 0: none).
+        """
+
+    def silu_mul(self, gate_up: int, out: int, num_rows: int, dim: int, in_stride: int, out_stride: int, dtype: DType) -> None:
+        """out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:]."""
+
+    def rope_store_kv(self, qkv: int, num_tokens: int, qkv_stride: int, num_heads: int, num_kv_heads: int, head_dim: int, positions: int, rope_cache: int, max_positions: int, q_norm_weight: int, k_norm_weight: int, norm_eps: float, kv_cache: int, block_stride: int, kv_stride: int, token_stride: int, head_stride: int, slot_mapping: int, tokens_per_block: int, dtype: DType, cache_dtype: DType) -> None:
+        """
+        Rotates q and k of each token in place (after the optional per-head q/k RMSNorm; weight 0: none) and stores k and v at slot_mapping[t] of the layer's KV cache.
+        """
+
+    def plan_attention(self, query_start_loc: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], seq_lens: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], block_tables: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], num_blocks: int, num_heads: int, num_kv_heads: int, head_dim: int, tokens_per_block: int, sliding_window: int) -> AttentionPlan:
+        """
+        The step's attention tasks (int32 arrays as in AttentionMetadata; sliding_window 0: none).
+        """
+
+    def attention(self, plan: AttentionPlan, query: int, query_stride: int, out: int, out_stride: int, kv_cache: int, block_stride: int, kv_stride: int, token_stride: int, head_stride: int, scale: float, dtype: DType, cache_dtype: DType) -> None:
+        """
+        One layer's attention for the planned step: query [tokens, heads, head_dim] -> out (same shape), over the paged KV cache.
+        """
+
+    def sum(self, data: int, num_floats: int) -> float:
+        """
+        The sum of num_floats float32 values, each thread reading a share: a streaming read, to time memory bandwidth with.
+        """

@@ -1,0 +1,207 @@
+"""LlamaModel's forward on the CPU through kvtool's kernels (the model calls it when one is set).
+
+Per layer: the input norm fused with the residual add, the qkv projection, RoPE and the KV append
+in one kernel, paged attention reading the cache in place (no gather), the o projection, the
+post-attention norm fused with its residual add, the gate_up projection, SiLU-and-mul in one
+kernel, the down projection. The projections are torch's oneDNN products on weights packed once
+(kvtool.layers.cpu_linear). The step's attention tasks are planned once and serve every layer;
+activations reuse one workspace, grown when a step has more tokens than any before.
+
+A decode step makes some 300 calls, so the hot loop calls the kernels with the weights' addresses
+read once (make a new decoder after changing the model's weights) and the workspace's known strides,
+and the projections' oneDNN op directly: the checking wrappers of kvtool.cpu_kernels.ops and
+nn.Module's call machinery cost about a millisecond a step.
+
+Computes what the torch path computes (the same float32 or bfloat16 roundings up to the order of
+a few sums), and tests/test_cpu_decoder.py holds it to transformers' logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kvtool.cpu_kernels import ops
+from kvtool.cpu_kernels._kernels import CpuKernels, supported_isas
+from kvtool.layers.attention_metadata import AttentionMetadata
+from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_limit
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the kernels cannot run this model (None: they can)."""
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu":
+        return f"the model is on {weight.device}"
+    if weight.dtype not in ops.DTYPES:
+        return f"the kernels take float32 or bfloat16 weights, not {weight.dtype}"
+    if model.config.head_dim % 2:
+        return f"head_dim {model.config.head_dim} is odd (RoPE rotates halves)"
+    return None
+
+
+def projection(module: torch.nn.Module) -> Projection:
+    """The module's product without nn.Module's call machinery: the packed oneDNN op itself where
+    every row count takes it."""
+    if isinstance(module, PackedLinear) and module.max_packed_rows is None:
+        op, packed, bias = torch.ops.mkldnn._linear_pointwise, module.packed_weight, module.bias
+        return lambda x: op(x, packed, bias, "none", [], "")
+    return module.forward
+
+
+class _Layer(NamedTuple):
+    """One decoder layer as the hot loop uses it: norm weights' addresses (0: none) and products."""
+
+    input_norm: int
+    post_attention_norm: int
+    q_norm: int
+    k_norm: int
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+
+
+class _Workspace:
+    """Activation buffers for steps of up to ``capacity`` tokens; a step takes views of their first rows."""
+
+    def __init__(self, capacity: int, hidden: int, attention: int, intermediate: int, dtype: torch.dtype) -> None:
+        self.capacity = capacity
+        self.normed = torch.empty(capacity, hidden, dtype=dtype)
+        self.attention = torch.empty(capacity, attention, dtype=dtype)
+        self.activation = torch.empty(capacity, intermediate, dtype=dtype)
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+class CpuDecoder:
+    """Runs ``model``'s decoder stack through the CPU kernels (``isa``: 'auto' or one of
+    kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default)."""
+
+    def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the CPU kernels cannot run this model: {reason}")
+        if isa != "auto" and isa not in supported_isas():
+            raise ValueError(f"isa {isa!r} does not run on this CPU; it runs {supported_isas()}")
+        self.model = model
+        self.kernels = CpuKernels(isa, num_threads or torch.get_num_threads())
+        config = model.config
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.hidden_size, self.q_size, self.intermediate_size = config.hidden_size, config.q_size, \
+            config.intermediate_size
+        self.qkv_size = config.q_size + 2 * config.kv_size
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.dtype = model.embed_tokens.weight.dtype
+        self.kernel_dtype = ops.DTYPES[self.dtype]
+        self.layers = [_Layer(layer.input_norm.weight.data_ptr(), layer.post_attention_norm.weight.data_ptr(),
+                              _address(None if layer.attention.q_norm is None else layer.attention.q_norm.weight),
+                              _address(None if layer.attention.k_norm is None else layer.attention.k_norm.weight),
+                              projection(layer.attention.qkv_proj), projection(layer.attention.o_proj),
+                              projection(layer.mlp.gate_up_proj), projection(layer.mlp.down_proj))
+                       for layer in model.layers]
+        self.final_norm = model.norm.weight.data_ptr()
+        # A RoPE scaling that scales cos and sin too (yarn's attention factor), where the model has one.
+        self.rope_scale = float(getattr(model, "rope_attention_factor", 1.0))
+        self._cos_sin = ops.rope_cache(model.rope_inv_freq, 0, self.rope_scale)
+        self._workspace: _Workspace | None = None
+        # The logits' weight (the embedding table when tied), packed as the projections are: one
+        # decode row through MKL took 7 ms on SmolLM2's 113 MB head, through oneDNN 3 (one core).
+        head = self.lm_head_weight()
+        self.lm_head = projection(PackedLinear(head, None, packed_row_limit(head.dtype))) \
+            if can_pack_dtype(head.dtype) else None
+
+    @property
+    def isa(self) -> str:
+        return self.kernels.isa
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids [num_tokens] -> hidden [num_tokens, hidden_size] (a view of a workspace buffer,
+        valid until the next forward); writes each layer's KV into kv_caches[layer]."""
+        kernels, dtype, eps = self.kernels, self.kernel_dtype, self.eps
+        hidden, heads, kv_heads, head_dim = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        n = input_ids.shape[0]
+        positions, slots = meta.positions, meta.slot_mapping
+        for name, tensor in (("positions", positions), ("slot_mapping", slots)):
+            if tensor.dtype != torch.int64 or not tensor.is_contiguous() or tensor.shape[0] != n:
+                raise ValueError(f"AttentionMetadata.{name} must be int64 [{n}], got {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}")
+        ops.check_cache(kv_caches[0], kv_heads, head_dim)
+        cache_dtype = ops.kernel_dtype(kv_caches[0])
+        block_stride, kv_stride, token_stride, head_stride = kv_caches[0].stride()[:4]
+        tokens_per_block = kv_caches[0].shape[2]
+        work = self._workspace_for(n)
+        normed, attended, activation = work.normed[:n], work.attention[:n], work.activation[:n]
+        normed_ptr, attended_ptr, activation_ptr = normed.data_ptr(), attended.data_ptr(), activation.data_ptr()
+        cos_sin = self._rope_table(meta.max_seq_len)
+        plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                  num_blocks=kv_caches[0].shape[0], num_heads=heads, num_kv_heads=kv_heads,
+                                  head_dim=head_dim, tokens_per_block=tokens_per_block,
+                                  sliding_window=self.model.sliding_window)
+        residual = F.embedding(input_ids, self.model.embed_tokens.weight)  # the residual stream, updated in place
+        residual_ptr = residual.data_ptr()
+        x_ptr = 0  # the last sublayer's output (contiguous [n, hidden]), not yet added to the residual
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            cache_ptr = kv_cache.data_ptr()
+            # normed = norm(x + residual), residual += x (the first layer: norm(residual)).
+            kernels.rms_norm(x_ptr or residual_ptr, residual_ptr if x_ptr else 0, layer.input_norm, normed_ptr, n,
+                             hidden, hidden, hidden, hidden, eps, dtype)
+            qkv = layer.qkv(normed)
+            kernels.rope_store_kv(qkv.data_ptr(), n, self.qkv_size, heads, kv_heads, head_dim, positions.data_ptr(),
+                                  cos_sin.data_ptr(), cos_sin.shape[0], layer.q_norm, layer.k_norm, eps, cache_ptr,
+                                  block_stride, kv_stride, token_stride, head_stride, slots.data_ptr(),
+                                  tokens_per_block, dtype, cache_dtype)
+            kernels.attention(plan, qkv.data_ptr(), self.qkv_size, attended_ptr, self.q_size, cache_ptr, block_stride,
+                              kv_stride, token_stride, head_stride, self.scale, dtype, cache_dtype)
+            x = layer.o(attended)
+            kernels.rms_norm(x.data_ptr(), residual_ptr, layer.post_attention_norm, normed_ptr, n, hidden, hidden,
+                             hidden, hidden, eps, dtype)
+            gate_up = layer.gate_up(normed)
+            kernels.silu_mul(gate_up.data_ptr(), activation_ptr, n, self.intermediate_size,
+                             2 * self.intermediate_size, self.intermediate_size, dtype)
+            x = layer.down(activation)
+            x_ptr = x.data_ptr()
+        kernels.rms_norm(x_ptr or residual_ptr, residual_ptr if x_ptr else 0, self.final_norm, normed_ptr, n, hidden,
+                         hidden, hidden, hidden, eps, dtype)
+        return normed
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.lm_head_weight()).float()
+        return self.lm_head(hidden).float()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        model = self.model
+        return model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+
+    def _workspace_for(self, num_tokens: int) -> _Workspace:
+        work = self._workspace
+        if work is None or work.capacity < num_tokens:
+            capacity = max(num_tokens, 2 * work.capacity if work is not None else 1)
+            work = self._workspace = _Workspace(capacity, self.hidden_size, self.q_size, self.intermediate_size,
+                                                self.dtype)
+        return work
+
+    def _rope_table(self, max_seq_len: int) -> torch.Tensor:
+        if self._cos_sin.shape[0] < max_seq_len:
+            # Grown by doubling: a long model's full table can be tens of MB.
+            size = max(max_seq_len, 2 * self._cos_sin.shape[0], 1024)
+            self._cos_sin = ops.rope_cache(self.model.rope_inv_freq, size, self.rope_scale)
+        return self._cos_sin
+
+
+def enable(model, *, isa: str = "auto", num_threads: int | None = None) -> str | None:
+    """Makes ``model`` (a LlamaModel) run its forward through the CPU kernels where they apply;
+    returns the instruction set they use, or None (the model keeps its torch path)."""
+    if unsupported_reason(model) is not None:
+        return None
+    model.cpu_decoder = CpuDecoder(model, isa=isa, num_threads=num_threads)
+    return model.cpu_decoder.isa

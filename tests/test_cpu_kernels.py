@@ -1,0 +1,197 @@
+"""Each CPU kernel computes what the torch ops it replaces compute, in every instruction set this
+CPU runs, for float32 and bfloat16 (and a bfloat16 cache under float32 activations):
+
+- rms_norm (+ residual) against F.rms_norm of x + residual;
+- silu_mul against F.silu(gate) * up;
+- rope_store_kv against kvtool.models.llama's apply_rope (after F.rms_norm for Qwen3's q/k norm)
+  and write_kv_cache;
+- attention against TorchPagedAttention on mixed steps (whole prompts, chunks after a cached
+  prefix, decode tokens), GQA and MHA, head dims 32-128, blocks of 8-32 tokens, a sliding window.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtool.cpu_kernels import CpuKernels, ops, supported_isas
+from kvtool.layers.attention import TorchPagedAttention, write_kv_cache
+from kvtool.layers.attention_metadata import AttentionMetadata
+from kvtool.models.llama import apply_rope, rope_cos_sin
+
+ISAS = supported_isas()
+# (activation dtype, cache dtype, largest relative error): bfloat16 results round once where torch
+# rounds after every op, so they may differ in their last bit.
+DTYPES = [(torch.float32, torch.float32, 2e-6), (torch.bfloat16, torch.bfloat16, 2e-2),
+          (torch.float32, torch.bfloat16, 2e-6)]
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours.float() - reference.float()).abs().max() / reference.float().abs().max())
+
+
+@pytest.fixture(params=ISAS)
+def kernels(request) -> CpuKernels:
+    return CpuKernels(request.param, 2)
+
+
+@pytest.mark.parametrize("dtype, _, tolerance", DTYPES[:2])
+@pytest.mark.parametrize("num_rows, dim", [(1, 576), (300, 576), (5, 37)])
+def test_rms_norm_with_residual_is_the_norm_of_the_sum(kernels, dtype, _, tolerance, num_rows, dim):
+    torch.manual_seed(dim)
+    x, residual, weight = torch.randn(num_rows, dim).to(dtype), torch.randn(num_rows, dim).to(dtype), \
+        torch.randn(dim).to(dtype)
+    out, updated = torch.empty_like(x), residual.clone()
+    ops.rms_norm(kernels, x, weight, 1e-5, out, updated)
+    assert torch.equal(updated, x + residual)
+    assert relative_error(out, F.rms_norm(x + residual, (dim,), weight, 1e-5)) <= tolerance
+    ops.rms_norm(kernels, x, weight, 1e-5, out)
+    assert relative_error(out, F.rms_norm(x, (dim,), weight, 1e-5)) <= tolerance
+
+
+@pytest.mark.parametrize("dtype, _, tolerance", DTYPES[:2])
+@pytest.mark.parametrize("num_rows, dim", [(1, 1536), (200, 1536), (3, 45)])
+def test_silu_mul_is_silu_of_gate_times_up(kernels, dtype, _, tolerance, num_rows, dim):
+    torch.manual_seed(dim)
+    gate_up = (4 * torch.randn(num_rows, 2 * dim)).to(dtype)
+    out = ops.silu_mul(kernels, gate_up, torch.empty(num_rows, dim, dtype=dtype))
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert relative_error(out, F.silu(gate) * up) <= tolerance
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_kv_rotates_q_and_k_and_stores_k_and_v(kernels, dtype, cache_dtype, tolerance, qk_norm):
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, tokens_per_block, num_blocks, num_tokens = 9, 3, 64, 16, 12, 40
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    positions = torch.randint(0, 500, (num_tokens,))
+    slots = torch.randperm(num_blocks * tokens_per_block)[:num_tokens]
+    q_norm, k_norm = (torch.randn(head_dim).to(dtype), torch.randn(head_dim).to(dtype)) if qk_norm else (None, None)
+    pool = torch.zeros(num_blocks, 4, 2, tokens_per_block, kv_heads, head_dim, dtype=cache_dtype)
+    cache = pool[:, 1]  # a layer of a block-major pool: strided across blocks
+
+    q, k, v = (part.reshape(num_tokens, -1, head_dim) for part in
+               qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    if qk_norm:
+        q, k = F.rms_norm(q, (head_dim,), q_norm, 1e-6), F.rms_norm(k, (head_dim,), k_norm, 1e-6)
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    expected_q = apply_rope(q, cos, sin)
+    expected_cache = cache.clone()
+    write_kv_cache(apply_rope(k, cos, sin), v, expected_cache, slots, tokens_per_block)
+
+    ops.rope_store_kv(kernels, qkv, heads, kv_heads, head_dim, positions, ops.rope_cache(inv_freq, 512), cache, slots,
+                      q_norm, k_norm, 1e-6)
+    assert relative_error(qkv[:, :heads * head_dim].reshape(num_tokens, heads, head_dim), expected_q) <= tolerance
+    assert relative_error(cache, expected_cache) <= tolerance
+    assert torch.count_nonzero(pool[:, 0]) == 0 and torch.count_nonzero(pool[:, 2]) == 0  # other layers untouched
+
+
+def test_rope_store_kv_refuses_a_position_past_its_table(kernels):
+    qkv = torch.zeros(2, 3 * 8)
+    cache = torch.zeros(4, 2, 4, 1, 8)
+    with pytest.raises(ValueError, match="position 70 of token 1 is outside the RoPE table of 64"):
+        ops.rope_store_kv(kernels, qkv, 1, 1, 8, torch.tensor([3, 70]), ops.rope_cache(torch.ones(4), 64), cache,
+                          torch.tensor([0, 1]))
+
+
+def step_metadata(seqs: list[tuple[int, int]], tokens_per_block: int, num_blocks: int,
+                  seed: int) -> AttentionMetadata:
+    """Metadata for sequences (num_cached, num_new): context chunks first, shuffled block ids."""
+    seqs = sorted(seqs, key=lambda s: s[1] == 1)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    max_blocks = max(-(-(c + n) // tokens_per_block) for c, n in seqs)
+    tables, positions, slots, starts, lens = [], [], [], [0], []
+    for cached, new in seqs:
+        row = [free.pop() for _ in range(-(-(cached + new) // tokens_per_block))]
+        for p in range(cached, cached + new):
+            positions.append(p)
+            slots.append(row[p // tokens_per_block] * tokens_per_block + p % tokens_per_block)
+        tables.append(row + [-1] * (max_blocks - len(row)))
+        starts.append(starts[-1] + new)
+        lens.append(cached + new)
+    query_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
+    return AttentionMetadata(
+        positions=torch.tensor(positions), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        query_lens=query_lens, seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=torch.tensor(slots),
+        tokens_per_block=tokens_per_block, num_context_seqs=int((query_lens > 1).sum()),
+        max_query_len=int(query_lens.max()), max_seq_len=max(lens))
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens_per_block", [(9, 3, 64, 32), (4, 4, 32, 16),
+                                                                          (8, 2, 128, 8), (6, 2, 80, 32)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_matches_torch_paged_attention(kernels, dtype, cache_dtype, tolerance, heads, kv_heads, head_dim,
+                                                 tokens_per_block, window):
+    torch.manual_seed(heads * head_dim)
+    num_blocks = 64
+    # A whole prompt, a chunk after a cached prefix (longer than the kernels' tasks), chunks of 2
+    # and 33 tokens, decode tokens at various lengths.
+    meta = step_metadata([(0, 70), (40, 150), (64, 2), (3, 33), (100, 1), (5, 1), (17, 1)], tokens_per_block,
+                         num_blocks, seed=head_dim)
+    num_tokens = meta.num_tokens
+    query = torch.randn(num_tokens, heads, head_dim).to(dtype)
+    key, value = torch.randn(num_tokens, kv_heads, head_dim).to(dtype), torch.randn(num_tokens, kv_heads,
+                                                                                    head_dim).to(dtype)
+    cache = torch.randn(num_blocks, 3, 2, tokens_per_block, kv_heads, head_dim).to(cache_dtype)[:, 1]
+    reference_cache = cache.clone()
+    expected = TorchPagedAttention().forward(query, key, value, reference_cache, meta, scale=head_dim ** -0.5,
+                                             sliding_window=window)
+    write_kv_cache(key, value, cache, meta.slot_mapping, tokens_per_block)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
+                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              tokens_per_block=tokens_per_block, sliding_window=window)
+    out = ops.attention(kernels, plan, query, cache, torch.empty_like(query), head_dim ** -0.5)
+    assert relative_error(out, expected) <= tolerance
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("seqs, window", [([(700, 1)], None), ([(700, 1)], 300), ([(500, 2)], None),
+                                          ([(400, 1), (650, 1)], None)])
+def test_a_long_decode_split_by_keys_across_threads_matches_torch(kernels, dtype, cache_dtype, tolerance, seqs,
+                                                                    window):
+    """One or two decode rows have a task per KV head, fewer than two threads share evenly: the tasks
+    split by keys, each share's softmax merged with the others'."""
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, tokens_per_block, num_blocks = 6, 2, 64, 16, 96
+    meta = step_metadata(seqs, tokens_per_block, num_blocks, seed=1)
+    query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
+    key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
+    cache = torch.randn(num_blocks, 2, tokens_per_block, kv_heads, head_dim).to(cache_dtype)
+    expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=0.125, sliding_window=window)
+    write_kv_cache(key, value, cache, meta.slot_mapping, tokens_per_block)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
+                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              tokens_per_block=tokens_per_block, sliding_window=window)
+    if seqs == [(700, 1)]:  # 2 tasks for 2 threads: split, except in the one-lane build (never split)
+        assert (plan.num_merges > 0) == (kernels.width > 1)
+    out = ops.attention(kernels, plan, query, cache, torch.empty_like(query), 0.125)
+    assert relative_error(out, expected) <= tolerance
+
+
+def test_attention_reads_only_the_blocks_inside_the_window(kernels):
+    """Blocks released by a sliding window (-1 in the table) are never read; a released block
+    inside the window is an error, not a read of block -1."""
+    meta = step_metadata([(60, 1)], tokens_per_block=8, num_blocks=16, seed=0)
+    tables = meta.block_tables.clone()
+    cache = torch.randn(16, 2, 8, 1, 16)
+    cache[tables[0, :4].long()] = float("nan")  # released, and poisoned
+    tables[0, :4] = -1  # positions 0..31; the window of 20 starts at position 41
+    args = dict(num_blocks=16, num_heads=2, num_kv_heads=1, head_dim=16, tokens_per_block=8)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, tables, sliding_window=20, **args)
+    out = ops.attention(kernels, plan, torch.randn(1, 2, 16), cache, torch.empty(1, 2, 16), 0.25)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="block_tables row 0 has block id -1 at index 2, inside the attention window"):
+        ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, tables, sliding_window=40, **args)
+
+
+def test_kernels_refuse_an_isa_the_cpu_lacks():
+    with pytest.raises(ValueError, match="do not run on this CPU"):
+        CpuKernels("sve", 1)

@@ -1,0 +1,92 @@
+"""bench/peers' own logic: which CPU kind a run is filed under (from /proc/cpuinfo's flags), the
+floors' byte and FLOP counts, the load flag, the same Poisson schedule for every engine, and the
+cross-engine token-id verdicts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parent.parent / "bench" / "peers"
+sys.path.insert(0, str(PEERS))
+
+from common import load_requests  # noqa: E402
+from load import OTHER_CPU_LIMIT_PCT, is_loaded  # noqa: E402
+from machine import read_cpu_info  # noqa: E402
+from report import identity  # noqa: E402
+
+AVX2 = "fpu sse2 avx avx2 fma"
+AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
+
+
+@pytest.mark.parametrize("model, flags, kind", [
+    ("AMD EPYC", AVX2, "amd-epyc-avx2"),
+    ("AMD EPYC 9654 96-Core Processor", AVX512, "amd-epyc-9654-avx512"),
+    ("AMD EPYC", AVX512 + " avx512_bf16", "amd-epyc-avx512-bf16"),
+    ("Intel(R) Xeon(R) Platinum 8480+", AVX512 + " avx512_bf16 amx_tile amx_bf16 amx_int8",
+     "intel-xeon-platinum-8480-amx"),
+    ("Some CPU", "fpu sse2", "some-cpu-baseline"),
+])
+def test_the_cpu_kind_names_the_model_and_the_best_vector_isa(tmp_path, model, flags, kind):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+                       f"model name\t: {model}\nflags\t\t: {flags}\n")
+    assert read_cpu_info(cpuinfo).kind == kind
+
+
+def test_cpuinfo_without_flags_is_an_error(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: X\n")
+    with pytest.raises(ValueError, match="no CPU model or flags"):
+        read_cpu_info(cpuinfo)
+
+
+def test_floors_count_every_weight_once_and_causal_attention():
+    from floors import decode_bytes, prompt_flops
+
+    from kvtool.models.presets import preset_config
+
+    c = preset_config("tiny-qwen3")  # q/k norms, tied embeddings
+    layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size + 3 * c.intermediate_size * \
+        c.hidden_size + 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    head = c.vocab_size * c.hidden_size
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    expected = (c.num_layers * layer + c.hidden_size + head + c.hidden_size) * 4 + 100 * kv_per_token
+    assert decode_bytes(c, 4, 4, context_len=100) == expected
+    projections = 2 * c.num_layers * (layer - 2 * c.hidden_size - (2 * c.head_dim if c.qk_norm else 0))
+    # 3 tokens see 1 + 2 + 3 = 6 keys: 4 FLOPs per key and head dim (QK and PV).
+    attention = c.num_layers * c.num_heads * c.head_dim * 4 * 6
+    assert prompt_flops(c, 3) == 3 * projections + attention + 2 * head
+
+
+def test_a_variant_is_flagged_when_others_took_over_a_quarter_of_the_cpu():
+    quiet = [{"cpu_other_pct": 10.0}, {"cpu_other_pct": 30.0}]
+    busy = [{"cpu_other_pct": OTHER_CPU_LIMIT_PCT + 10}, {"cpu_other_pct": OTHER_CPU_LIMIT_PCT}]
+    assert not is_loaded(quiet) and is_loaded(busy) and not is_loaded([])
+
+
+def test_the_poisson_dataset_gives_every_engine_the_same_due_times(tmp_path):
+    lines = [{"input_ids": [1, 2, 3], "output_tokens": 4, "request_id": "warmup"},
+             {"input_ids": [4, 5], "output_tokens": 4, "request_id": "a", "arrival_time_s": 0.0},
+             {"input_ids": [6], "output_tokens": 4, "request_id": "b", "arrival_time_s": 0.75}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [(r.request_id, r.arrival_time_s) for r in load_requests(path)] == [("warmup", None), ("a", 0.0),
+                                                                              ("b", 0.75)]
+
+
+def test_identity_reports_where_each_request_first_differs():
+    reference = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}
+    outputs = {"transformers no-cache": [reference],
+               "kvtool reuse-on": [dict(reference)],
+               "vllm reuse-on": [{"a": [1, 2, 9, 4], "b": [5, 6, 7, 8]}],
+               "kvtool bf16 reuse-on": [{"a": [1, 0, 0, 0], "b": [5, 6, 7, 8]}],
+               "vllm bf16 reuse-on": [{"a": [1, 0, 0, 0], "b": [5, 6, 7, 0]}]}
+    lines = identity(outputs, num_requests=2, output_len=4)
+    assert "- kvtool reuse-on cycle 0 vs transformers no-cache: identical" in lines
+    assert "- vllm reuse-on cycle 0 vs transformers no-cache: 1 of 2 differ (first differing token at [2])" in lines
+    # bfloat16 runs are held to kvtool's bfloat16 run: rounding differs from float32's.
+    assert "- vllm bf16 reuse-on cycle 0 vs kvtool bf16 reuse-on: 1 of 2 differ (first differing token at [3])" in lines
