@@ -58,6 +58,7 @@ def test_a_prompt_of_hash_ids_reads_as_a_tuple_of_its_ids(tmp_path):
     hashes, ids = import_both(raw, tmp_path, "--format", "mooncake", "--shrink", 16)
     lazy, written = load_dataset(hashes).records[7].input_ids, tuple(load_dataset(ids).records[7].input_ids)
     assert len(lazy) == len(written) > 64 and lazy == written and list(lazy) == list(written)
+    assert hash(lazy) == hash(written) and {written: 1}[lazy] == 1
     for index in (0, 1, 31, 32, 33, len(written) - 1, -1, -33):
         assert lazy[index] == written[index]
     for piece in (slice(0, 32), slice(5, 70), slice(31, 33), slice(-40, None), slice(None, None, 3), slice(9, 2)):

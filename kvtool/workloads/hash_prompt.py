@@ -86,7 +86,8 @@ class HashBlockPrompt(Sequence):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((self.num_tokens, self.hash_ids))
+        # Equal to the tuple of its ids, so hashed as that tuple is (it makes the ids: not on a hot path).
+        return hash(tuple(self.tolist()))
 
     def __repr__(self) -> str:
         return f"HashBlockPrompt({len(self.hash_ids)} hash ids, {self.num_tokens} tokens)"
