@@ -81,7 +81,8 @@ def main() -> None:
         dataset, with_ids = scratch / "trace.jsonl", scratch / "trace_ids.jsonl"
         imports = [timed([*KVTOOL, "dataset", "import", str(trace), "--format", "mooncake", "--output", str(dataset)])
                    for _ in range(args.repeat)]
-        lines.append(f"| `kvtool dataset import` (hash ids) | {cells(imports)} | {dataset.stat().st_size / 2**20:.1f} MiB |")
+        size = dataset.stat().st_size / 2**20
+        lines.append(f"| `kvtool dataset import` (hash ids) | {cells(imports)} | {size:.1f} MiB |")
         print(lines[-1], flush=True)
 
         trace_run = [*SIMULATE, "--dataset", str(dataset), "--mode", "trace"]
@@ -89,7 +90,8 @@ def main() -> None:
         [summary] = read_rows(scratch / "trace0" / "summary.csv")
         lines.append(f"| `kvtool simulate --mode trace` | {cells(runs)} | {int(summary['num_requests']):,} requests, "
                      f"{int(summary['total_input_tokens']):,} prompt tokens, token hit rate "
-                     f"{float(summary['token_hit_rate']):.1%}, TTFT p50 {float(summary['ttft_ms_p50']) / 1000:,.0f} s |")
+                     f"{float(summary['token_hit_rate']):.1%}, "
+                     f"TTFT p50 {float(summary['ttft_ms_p50']) / 1000:,.0f} s |")
         print(lines[-1], flush=True)
         slow = timed([*STEP_BY_STEP, *trace_run, "--output", str(scratch / "step_by_step")])
         same = filecmp.cmp(scratch / "trace0" / "requests.csv", scratch / "step_by_step" / "requests.csv",
@@ -116,10 +118,13 @@ def main() -> None:
         reference_s = time.process_time() - start
     reused = [int(row["reused_tokens"]) for row in rows]
     num_prompt = int(summary["total_input_tokens"])
-    mismatched = sum(a != b for a, b in zip(reused, expected.reused_tokens)) + abs(len(reused) - len(expected.reused_tokens))
-    lines.append(f"| LRU reference (tests/lru_reference.py), in this process | - | {reference_s:.2f} | - | reused-token "
+    mismatched = (sum(a != b for a, b in zip(reused, expected.reused_tokens))
+                  + abs(len(reused) - len(expected.reused_tokens)))
+    lines.append(f"| LRU reference (tests/lru_reference.py), in this process | - | {reference_s:.2f} | - | "
+                 f"reused-token "
                  f"ratio {sum(expected.reused_tokens) / num_prompt:.6f} (simulate: {sum(reused) / num_prompt:.6f}); "
-                 f"requests that differ: {mismatched} of {len(reused):,}; evicted blocks {expected.num_evicted_blocks:,} "
+                 f"requests that differ: {mismatched} of {len(reused):,}; "
+                 f"evicted blocks {expected.num_evicted_blocks:,} "
                  f"(simulate: {int(summary['evicted_blocks']):,}) |")
     print(lines[-1], flush=True)
 
@@ -131,7 +136,8 @@ def main() -> None:
         f"revision {git_revision()}. Trace: `{trace.name}`. Command: `python bench/trace_speed.py --repeat "
         f"{args.repeat}`. Simulated: preset:qwen3-8b-128k (YaRN to 131,072 tokens), `--profile h100` (estimated), "
         f"`--max_seq_len 131072 --enable_chunked_context`, the default pool of "
-        f"{int(summary['kv_primary_blocks']):,} blocks of {summary['tokens_per_block']} tokens. Times are seconds of the whole "
+        f"{int(summary['kv_primary_blocks']):,} blocks of {summary['tokens_per_block']} tokens. "
+        "Times are seconds of the whole "
         "process (Python start, imports, loading the dataset, reports): wall, and CPU (user + system), which "
         "other jobs on the machine do not inflate.", "",
         *lines, "",

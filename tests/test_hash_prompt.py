@@ -78,8 +78,8 @@ LINE = {"hash_ids": [1, 2], "hash_block_len": 16, "input_length": 20, "token_id_
      "line 2: 'hash_ids' needs 'token_id_limit' as well"),
     ({key: value for key, value in LINE.items() if key != "hash_ids"} | {"input_ids": [11, 12]},
      "line 2: 'hash_block_len' goes with 'hash_ids'"),
-    ({**LINE, "hash_block_len": 32, "input_length": 40}, "line 2: 'hash_block_len' 32 and 'token_id_limit' 32000 differ from line 1's "
-                                     "(16, 32000)"),
+    ({**LINE, "hash_block_len": 32, "input_length": 40},
+     "line 2: 'hash_block_len' 32 and 'token_id_limit' 32000 differ from line 1's (16, 32000)"),
     ({**LINE, "input_ids": [11]}, "line 2: give exactly one of 'input_ids'"),
 ])
 def test_a_bad_line_of_hash_ids_names_the_file_and_line(tmp_path, line, expected):

@@ -255,8 +255,8 @@ def import_trace_command(
                                            "length.")] = None,
     write_token_ids: Annotated[bool, toggle("write_token_ids", "mooncake, azure: write every prompt's token ids "
                                             "(input_ids) instead of its hash ids, for tools that read the file "
-                                            "themselves (the conversation trace: 500 MB instead of 4 MB, 25 s to "
-                                            "load instead of a fraction of one).")] = False,
+                                            "themselves (the conversation trace: 500 MiB instead of 3 MiB, half a "
+                                            "minute to load instead of half a second).")] = False,
 ) -> None:
     """A request trace -> a dataset whose lines carry their arrival_time_s (replay it with --mode trace)."""
     with _user_errors(ctx):

@@ -2,9 +2,10 @@
 capacity, Mooncake's hit-rate-versus-capacity curve for the user's own engine and trace.
 
 The sweep is a grid: the GPU pool (by default a quarter, half and all of what the profile's device
-holds, ``GPU_FRACTIONS``, none smaller than the longest request) by the host cache (none, then from the GPU pool's size up by ``HOST_GROWTH``
-while the trace can fill it), plus the infinite cache: a host cache of every block the replay can
-create (kvtool.workloads.blocks), where nothing is ever evicted, the trace's theoretical maximum.
+holds, ``GPU_FRACTIONS``, none smaller than the longest request) by the host cache (none, then from
+the largest GPU pool's size up by ``HOST_GROWTH`` while the trace can fill it), plus the infinite
+cache: a host cache of every block the replay can create (kvtool.workloads.blocks), where nothing
+is ever evicted, the trace's theoretical maximum.
 Each point is one simulation (kvtool.bench.sweep); its capacity is what the run had, primary and
 host tokens, as its summary row says.
 """
@@ -57,11 +58,12 @@ def probe_pools(llm, engine: EngineConfig, replay: ReplayOptions, dataset: Datas
 
 
 def capacity_variants(probe: PoolProbe, *, gpu_fixed: bool,
-                      explicit: Mapping[str, Sequence[dict]] = {}) -> list[dict]:
+                      explicit: Mapping[str, Sequence[dict]] | None = None) -> list[dict]:
     """The sweep's variants (flag values and a label each), the infinite cache last. ``explicit``: a
     flag's own --sweep values (kvtool.bench.scenario.sweep_variants of one flag) instead of its
     defaults; ``gpu_fixed``: --max_tokens_in_paged_kv_cache is given, only the host cache is swept."""
     tpb, block_bytes = probe.tokens_per_block, probe.block_bytes
+    explicit = explicit or {}
     gpu = [{}] if gpu_fixed else explicit.get(GPU_FLAG) or [
         {"label": f"gpu_tokens={blocks * tpb}", GPU_FLAG: blocks * tpb}
         for blocks in sorted({min(probe.num_primary_blocks, max(probe.num_request_blocks,

@@ -4,9 +4,10 @@ token ids or text prompts, each line with its ``arrival_time_s``, for `bench` / 
 Rows of hash ids become token ids (kvtool.workloads.trace_tokens): prompts that share hash-id
 prefixes share token prefixes, and nothing else. The dataset keeps the hash ids (a line of
 ``hash_ids``, kvtool.workloads.hash_prompt), whose token ids are made when a replay reads them: the
-conversation trace's 145M prompt tokens are a 4 MB file that loads in a fraction of a second;
-``write_token_ids`` writes every id (``input_ids``: 500 MB, 25 s to load) for tools that read the
-ids themselves. Rows of a length alone (Azure's) get hash ids of their own. ``shrink`` divides every prompt of such a trace
+conversation trace's 145M prompt tokens are a 3 MiB file that loads in about half a second;
+``write_token_ids`` writes every id (``input_ids``: 500 MiB, half a minute to load; see
+results/traces/import.md) for tools that read the ids themselves. Rows of a length alone (Azure's)
+get hash ids of their own. ``shrink`` divides every prompt of such a trace
 (a hash id becomes block_size / shrink tokens, a partial block rounds up), keeping which prompts
 share which blocks: a trace of 12k-token prompts replays on a CPU model of a few thousand tokens.
 Rows longer than ``max_seq_len`` (prompt + output, as imported) are an error listing how many and
