@@ -8,7 +8,6 @@ the checkout (see tests/trace_data.py), or --trace.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import platform
@@ -24,48 +23,40 @@ from kvtool.workloads.datasets import load_dataset
 from kvtool.workloads.traces import TraceImportOptions, import_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from trace_data import TRACE_NAME  # noqa: E402
-
-
-def find_trace() -> Path:
-    root = Path(__file__).resolve().parents[1]
-    for directory in (root, *root.parents):
-        if (directory / "shared" / "data" / TRACE_NAME).is_file():
-            return directory / "shared" / "data" / TRACE_NAME
-    raise SystemExit(f"no shared/data/{TRACE_NAME} above {root}: give --trace PATH")
+from trace_data import TRACE_NAME, benchmark_arguments  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
-    trace = args.trace or find_trace()
+    args = benchmark_arguments(__doc__)
+    trace = args.trace
     lines = ["| step | median (s) | runs (s) | detail |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as scratch:
-        output = Path(scratch) / "trace.jsonl"
-        times = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            result = import_trace(trace, "mooncake", output, TraceImportOptions())
-            times.append(time.perf_counter() - start)
-        size = output.stat().st_size
-        lines.append(f"| import the whole trace | {statistics.median(times):.2f} | "
-                     f"{', '.join(f'{t:.2f}' for t in times)} | {result.num_requests:,} requests, "
-                     f"{result.num_prompt_tokens:,} prompt tokens, {size / 2**20:,.0f} MiB written |")
-        for count in (1000, 3000):
-            sliced = Path(scratch) / f"slice{count}.jsonl"
-            with output.open() as source, sliced.open("w") as out:
-                out.writelines(itertools.islice(source, count))
+        # As hash ids (the default: token ids made when read), and with every token id written.
+        for name, write_token_ids in (("hash ids", False), ("--write_token_ids", True)):
+            output = Path(scratch) / "trace.jsonl"
             times = []
             for _ in range(args.repeat):
                 start = time.perf_counter()
-                dataset = load_dataset(sliced)
+                result = import_trace(trace, "mooncake", output, TraceImportOptions(write_token_ids=write_token_ids))
                 times.append(time.perf_counter() - start)
-            tokens = sum(len(record.input_ids) for record in dataset.records)
-            lines.append(f"| load the first {count:,} requests | {statistics.median(times):.2f} | "
-                         f"{', '.join(f'{t:.2f}' for t in times)} | {tokens:,} prompt tokens |")
+            size = output.stat().st_size
+            lines.append(f"| import the whole trace ({name}) | {statistics.median(times):.2f} | "
+                         f"{', '.join(f'{t:.2f}' for t in times)} | {result.num_requests:,} requests, "
+                         f"{result.num_prompt_tokens:,} prompt tokens, {size / 2**20:,.1f} MiB written |")
+            for count in (1000, 3000, None):
+                sliced = Path(scratch) / f"slice{count}.jsonl"
+                with output.open() as source, sliced.open("w") as out:
+                    out.writelines(itertools.islice(source, count))
+                times = []
+                for _ in range(args.repeat):
+                    start = time.perf_counter()
+                    dataset = load_dataset(sliced)
+                    times.append(time.perf_counter() - start)
+                tokens = sum(len(record.input_ids) for record in dataset.records)
+                what = "the whole trace" if count is None else f"the first {count:,} requests"
+                lines.append(f"| load {what} ({name}) | {statistics.median(times):.2f} | "
+                             f"{', '.join(f'{t:.2f}' for t in times)} | {tokens:,} prompt tokens |")
+                print(lines[-1], flush=True)
     report = "\n".join([
         "# Importing the Mooncake conversation trace",
         "",

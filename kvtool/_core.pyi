@@ -974,3 +974,87 @@ class Scheduler:
         """
         The KVCacheManager the scheduler owns (stats(), reset_stats(), check_invariants(), ...); valid while the scheduler lives.
         """
+
+class StepCosts:
+    """
+    Seconds per unit of each term of a step's shape (kvtool.simulate.cost_model.TERMS), and the KV cache's bytes per token (copies cost per byte).
+    """
+
+    def __init__(self, *, step: float = 0.0, context_row: float = 0.0, context_token: float = 0.0, context_cached_token: float = 0.0, context_pair: float = 0.0, decode_row: float = 0.0, decode_kv_token: float = 0.0, copied_byte: float = 0.0, bytes_per_token: int = 0) -> None: ...
+
+    @property
+    def step(self) -> float: ...
+
+    @property
+    def context_row(self) -> float: ...
+
+    @property
+    def context_token(self) -> float: ...
+
+    @property
+    def context_cached_token(self) -> float: ...
+
+    @property
+    def context_pair(self) -> float: ...
+
+    @property
+    def decode_row(self) -> float: ...
+
+    @property
+    def decode_kv_token(self) -> float: ...
+
+    @property
+    def copied_byte(self) -> float: ...
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+class SimulatedSteps:
+    """What one StepSimulator.run did."""
+
+    @property
+    def end_time(self) -> float:
+        """The clock after the last step (seconds)."""
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that computed something."""
+
+    @property
+    def finished_request_ids(self) -> list[int]:
+        """list[int]: requests the last step finished, in complete_step's order."""
+
+    @property
+    def paused_request_ids(self) -> list[int]:
+        """
+        list[int]: requests paused in these steps, once per pause (MAX_UTILIZATION).
+        """
+
+    @property
+    def stalled(self) -> bool:
+        """
+        The last step had no request while some are unfinished: no queued request fits.
+        """
+
+class StepSimulator:
+    """
+    Runs a Scheduler's steps back to back without a model: each costs StepCosts' prediction for its shape, each sampling request gets simulated_token.
+    """
+
+    def __init__(self, costs: StepCosts, vocab_size: int) -> None:
+        """Raises ValueError for a bad one."""
+
+    def run(self, scheduler: Scheduler, now: float, until: float = float('inf'), max_steps: int = 2147483647) -> SimulatedSteps:
+        """
+        Runs steps from clock `now` until, after a step, a request has finished, the clock has reached `until` or max_steps ran; stops early at a step with no request (stalled when requests are left). The same schedule() and complete_step() as a step-by-step run.
+        """
+
+    def take_token_times(self, request_id: int) -> Annotated[NDArray[numpy.float64], dict(shape=(None,))]:
+        """
+        float64 array: the times of the tokens the request sampled in runs since the last call for it (then forgotten).
+        """
+
+def simulated_token(last_token: int, num_tokens: int, vocab_size: int) -> int:
+    """
+    The token a simulated request samples after last_token with num_tokens tokens before it (prompt and generated): the same prompt gives the same answer, as greedy decoding does.
+    """

@@ -36,11 +36,13 @@ CASES = {
 def test_a_sequential_simulation_reuses_what_an_lru_cache_of_its_size_reuses(tmp_path, name):
     case = CASES[name]
     raw = mooncake_slice(tmp_path, case["count"], start=case["start"])
-    dataset = tmp_path / "trace.jsonl"
-    result = invoke("dataset", "import", raw, "--format", "mooncake", "--output", dataset, "--shrink", case["shrink"],
-                    "--max_output_tokens", 16)
-    assert result.exit_code == 0, result.output
-    lines = [json.loads(line) for line in dataset.read_text().splitlines()]
+    # The simulation reads the dataset a user imports (hash ids); the reference the same rows' token ids.
+    dataset, with_ids = tmp_path / "trace.jsonl", tmp_path / "trace_ids.jsonl"
+    for output, more in ((dataset, ()), (with_ids, ("--write_token_ids",))):
+        result = invoke("dataset", "import", raw, "--format", "mooncake", "--output", output, "--shrink",
+                        case["shrink"], "--max_output_tokens", 16, *more)
+        assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in with_ids.read_text().splitlines()]
     requests = [(line["input_ids"], line["output_tokens"]) for line in lines]
     tpb = case["tokens_per_block"]
     num_blocks = max(-(-(len(prompt) + output) // tpb) for prompt, output in requests) + case["spare_blocks"]

@@ -21,6 +21,14 @@ def test_shared_prompt_blocks_count_once_and_generated_blocks_per_request(tmp_pa
     assert max_num_blocks(requests_of(tmp_path, lines), tokens_per_block=4) == 8 + 5 * 2
 
 
+def test_a_block_after_a_different_one_is_a_block_of_its_own(tmp_path):
+    x, y, z, w = ([base + i for i in range(4)] for base in (100, 200, 300, 400))
+    lines = [{"input_ids": x + y + z, "output_tokens": 4}, {"input_ids": x + w + z, "output_tokens": 4},
+             {"input_ids": x + y, "output_tokens": 4}, {"input_ids": x + y + z + w, "output_tokens": 4}]
+    # x y z; then w and z after it (x shared); then nothing new; then w after z. One generated block each.
+    assert max_num_blocks(requests_of(tmp_path, lines), tokens_per_block=4) == 3 + 2 + 0 + 1 + 4
+
+
 def test_cache_salt_and_extra_ids_make_blocks_distinct(tmp_path):
     ids = list(range(10, 18))
     lines = [{"input_ids": ids, "output_tokens": 1}, {"input_ids": ids, "output_tokens": 1, "cache_salt": "a"},

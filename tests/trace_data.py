@@ -3,6 +3,7 @@ README) for tests: copied into the test's directory, never committed."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 from pathlib import Path
@@ -12,14 +13,36 @@ import pytest
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
 
 
-def conversation_trace() -> Path:
-    """The trace file: $KVTOOL_SHARED_DATA/NAME, or shared/data/NAME in a directory above the checkout."""
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_conversation_trace() -> Path | None:
+    """The trace file: $KVTOOL_SHARED_DATA/NAME, or shared/data/NAME in a directory above the checkout
+    (None: neither; the benchmarks under bench/ look for it here too)."""
     candidates = [Path(os.environ["KVTOOL_SHARED_DATA"]) / TRACE_NAME] if "KVTOOL_SHARED_DATA" in os.environ else []
-    root = Path(__file__).resolve().parent.parent
-    candidates += [directory / "shared" / "data" / TRACE_NAME for directory in (root, *root.parents)]
-    found = next((path for path in candidates if path.is_file()), None)
+    candidates += [directory / "shared" / "data" / TRACE_NAME for directory in (ROOT, *ROOT.parents)]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def benchmark_arguments(description: str) -> argparse.Namespace:
+    """A trace benchmark's flags (bench/trace_*.py): --trace (default: the conversation trace), --repeat,
+    --output."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", type=Path)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    args.trace = args.trace or find_conversation_trace()
+    if args.trace is None:
+        parser.error(f"no shared/data/{TRACE_NAME} above {ROOT}: give --trace PATH")
+    return args
+
+
+def conversation_trace() -> Path:
+    """The trace file, or the test is skipped."""
+    found = find_conversation_trace()
     if found is None:
-        pytest.skip(f"the Mooncake conversation trace ({TRACE_NAME}) is not in shared/data above {root}")
+        pytest.skip(f"the Mooncake conversation trace ({TRACE_NAME}) is not in shared/data above {ROOT}")
     return found
 
 

@@ -17,4 +17,5 @@ NB_MODULE(_core, m) {
   kvtool::bind_scheduler_config(m);
   kvtool::bind_scheduler_results(m);
   kvtool::bind_scheduler(m);
+  kvtool::bind_step_simulator(m);
 }

@@ -37,4 +37,7 @@ void bind_scheduler_config(nanobind::module_& m);   // policies, RequestState, S
 void bind_scheduler_results(nanobind::module_& m);  // ScheduledRequest, ScheduledBatch, RequestStats (bind_scheduler_results.cpp)
 void bind_scheduler(nanobind::module_& m);          // Scheduler (bind_scheduler.cpp)
 
+// Simulation
+void bind_step_simulator(nanobind::module_& m);  // StepCosts, SimulatedSteps, StepSimulator (bind_step_simulator.cpp)
+
 }  // namespace kvtool

@@ -136,10 +136,10 @@ class Replayer:
     def _run_until(self, next_due: float | None) -> list[Request]:
         """The engine's steps until one finishes a request or the clock reaches ``next_due`` (the next request
         to issue: None, only a finish lets one be issued): an engine that can (kvtool.runtime.engine.Engine.
-        advance; a simulation runs them in C++) takes them in one call, another one step per call, the
+        step_until; a simulation runs them in C++) takes them in one call, another one step per call, the
         replay checking after each what it can issue."""
-        advance = getattr(self.engine, "advance", None)
-        return self.engine.step() if advance is None else advance(next_due)
+        step_until = getattr(self.engine, "step_until", None)
+        return self.engine.step() if step_until is None else step_until(next_due)
 
     def _due_times(self, entries: Sequence[Request], timed: bool) -> list[float | None]:
         if not timed:

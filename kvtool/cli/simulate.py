@@ -17,7 +17,7 @@ from kvtool.cli import bench as bench_command
 from kvtool.cli.build import DType
 from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
-from kvtool.cli.typer_options import flag, flags_of, with_flags
+from kvtool.cli.typer_options import flag, flags_of, toggle, with_flags
 from kvtool.flags import ENGINE_FLAGS, FLEET_FLAGS, MODEL, RUN_FLAGS, FlagValues
 from kvtool.signals import stop_signals
 from kvtool.simulate.published import DEVICES
@@ -33,13 +33,18 @@ SimulatedDType = Annotated[DType | None, flag(
 Sweep = Annotated[list[str] | None, flag(
     "sweep", "Run one variant per value: --sweep kv_host_cache_bytes=0,1GiB,4GiB (repeatable: every combination). "
     "Replaces a --config scenario's own sweep.", SIMULATION)]
+SweepCapacity = Annotated[bool, toggle(
+    "sweep_capacity", "Sweep the GPU pool (a quarter, half and all of the device's) and the host cache (none, then 4 "
+    "times larger each up to every block the replay creates: the infinite cache) over --dataset; writes capacity.csv "
+    "and capacity.png (reused-token ratio and TTFT p50 / p90 against cache capacity in tokens). --sweep "
+    "max_tokens_in_paged_kv_cache=... or kv_host_cache_bytes=... gives an axis' sizes.", SIMULATION)]
 
 
 @app.command(cls=KvtoolCommand)
 @with_flags
 def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flags_of(RUN_FLAGS),
              profile: Profile = None, dtype: SimulatedDType = None, sweep: Sweep = None,
-             fleet: FlagValues = flags_of(FLEET_FLAGS)) -> None:
+             sweep_capacity: SweepCapacity = False, fleet: FlagValues = flags_of(FLEET_FLAGS)) -> None:
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
     the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
     shapes with the build options asked for: no weights are written or read. --replicas N simulates a
@@ -54,9 +59,12 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
     with user_errors():
         fleet_asked = fleet_options(fleet)
 
+    def factory_quiet(model, engine_config, replay, dataset=None, *, cache_dir=None):
+        return create_simulated_llm(model, engine_config, replay, dataset, profile=profile, dtype=dtype,
+                                    cache_dir=cache_dir)
+
     def factory(model, engine_config, replay, dataset=None, *, cache_dir=None):
-        llm = create_simulated_llm(model, engine_config, replay, dataset, profile=profile, dtype=dtype,
-                                   cache_dir=cache_dir)
+        llm = factory_quiet(model, engine_config, replay, dataset, cache_dir=cache_dir)
         if fleet_asked is not None:
             num_replicas, router = fleet_asked
             llm = create_simulated_fleet(model, engine_config, replay, dataset, num_replicas=num_replicas,
@@ -80,7 +88,12 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
         with user_errors():
             reporting = bench_command.report_outputs(flags)
             bench_command.check_plan_or_model(flags)
-            scenario = _sweep_scenario(sweep, flags) if sweep else None
+            if sweep_capacity:
+                scenario = _sweep_scenario(_capacity_variants(sweep or [], flags, factory_quiet), flags,
+                                           "--sweep_capacity")
+            else:
+                scenario = (_sweep_scenario(sweep_variants(sweep), flags, " ".join(f"--sweep {s}" for s in sweep))
+                            if sweep else None)
             if fleet_asked is not None and (scenario is not None or flags["config"] is not None):
                 raise ValueError("--replicas and --router run one fleet over --dataset, not a --config or --sweep: "
                                  "run each fleet on its own (`kvtool compare` puts them side by side), or --search")
@@ -100,6 +113,12 @@ def simulate(engine: FlagValues = flags_of(ENGINE_FLAGS), run: FlagValues = flag
                                                                                rows_of=rows_of)
 
     def sweep_report(rows, wide):
+        if sweep_capacity:
+            first = rows[0]
+            title = (f"{first.get('model')} on {Path(str(first.get('dataset'))).name} (--mode {first.get('mode')}, "
+                     f"--time_scale {first.get('time_scale')})\n"
+                     f"{summary_title(rows).removeprefix('kvtool simulate summary: ')}")
+            return _capacity_report(rows, Path(written[-1]).parent, wide, title=title)
         if len(rows) < 2 or fleet_asked is not None:
             return []
         print_sweep(rows, wide)
@@ -169,9 +188,9 @@ def summary_title(rows) -> str:
     return f"kvtool simulate summary: simulated, cost profile {profiles}"
 
 
-def _sweep_scenario(sweep, flags: FlagValues):
-    """The scenario --sweep makes: the --config file's with its variants replaced, or one over --dataset."""
-    variants = sweep_variants(sweep)
+def _sweep_scenario(variants: list[dict], flags: FlagValues, source: str):
+    """The scenario of a sweep's ``variants`` (``source``: the flags that made them, for errors): the --config
+    file's with its variants replaced, or one over --dataset."""
     given = flags.config_flags()
     swept = {key for variant in variants for key in variant if key != "label"}
     clash = sorted(swept & set(given))
@@ -186,8 +205,52 @@ def _sweep_scenario(sweep, flags: FlagValues):
     if plan is None and model is None:
         raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
     document = {"name": Path(dataset).stem, "dataset": {"path": str(dataset)}, "sweep": variants}
-    return scenario_from_document(document, Path(" ".join(f"--sweep {s}" for s in sweep)), model=model, plan=plan,
-                                  bench_overrides=given)
+    return scenario_from_document(document, Path(source), model=model, plan=plan, bench_overrides=given)
+
+
+def _capacity_variants(sweep: list[str], flags: FlagValues, make_llm) -> list[dict]:
+    """--sweep_capacity's variants (kvtool.simulate.capacity), sized from the pools a simulation of --dataset
+    with the flags given has and the blocks its replay can create."""
+    from kvtool.flags import configs
+    from kvtool.simulate.capacity import GPU_FLAG, HOST_FLAG, capacity_variants, probe_pools
+    from kvtool.workloads.datasets import load_dataset
+
+    if flags["config"] is not None:
+        raise ValueError("--sweep_capacity sweeps the cache sizes over --dataset: drop --config")
+    if flags["dataset"] is None:
+        raise ValueError("give --dataset FILE.jsonl to --sweep_capacity (a trace: `kvtool dataset import`)")
+    if flags[HOST_FLAG] is not None:
+        raise ValueError(f"--{HOST_FLAG} is given and --sweep_capacity sweeps it: drop --{HOST_FLAG}, or give its "
+                         f"sizes with --sweep {HOST_FLAG}=0,64GiB,...")
+    explicit = {}
+    for assignment in sweep:
+        name = assignment.partition("=")[0].strip()
+        if name not in (GPU_FLAG, HOST_FLAG):
+            raise ValueError(f"--sweep {assignment}: --sweep_capacity sweeps only {GPU_FLAG} and {HOST_FLAG}; drop "
+                             "it, or run a plain --sweep without --sweep_capacity")
+        explicit[name] = sweep_variants([assignment])
+    gpu_fixed = flags[GPU_FLAG] is not None
+    if gpu_fixed and GPU_FLAG in explicit:
+        raise ValueError(f"--{GPU_FLAG} is given and swept: drop --{GPU_FLAG} or its --sweep")
+    engine, replay = configs(flags.config_flags())
+    dataset = load_dataset(flags["dataset"])
+    llm = make_llm(str(flags["plan"] or flags["model"]), engine, replay, dataset, cache_dir=flags["plan_cache_dir"])
+    try:
+        probe = probe_pools(llm, engine, replay, dataset)
+    finally:
+        llm.shutdown()
+    return capacity_variants(probe, gpu_fixed=gpu_fixed, explicit=explicit)
+
+
+def _capacity_report(rows, directory: Path, console: Console, *, title: str) -> list[Path]:
+    """--sweep_capacity's table, capacity.csv and capacity.png."""
+    from kvtool.simulate.capacity import CAPACITY_CSV, CAPACITY_PNG, capacity_points, plot_capacity, print_capacity
+    from kvtool.simulate.capacity import write_capacity_csv
+
+    points = capacity_points(rows)
+    print_capacity(points, console, title=title)
+    return [write_capacity_csv(points, directory / CAPACITY_CSV),
+            plot_capacity(points, directory / CAPACITY_PNG, title=title)]
 
 
 @app.command(cls=KvtoolCommand)

@@ -70,9 +70,9 @@ class FleetEngine:
         return bool(self._events)
 
     def step(self) -> list[Request]:
-        return self.advance(None)
+        return self.step_until(None)
 
-    def advance(self, until: float | None) -> list[Request]:
+    def step_until(self, until: float | None) -> list[Request]:
         """Runs the fleet's events before ``until`` (None: no arrival is waiting) until some release
         finished requests, which it returns, with the clock at their finish; or, when none finish
         before ``until``, returns none with the clock at ``until``."""

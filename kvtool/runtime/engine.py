@@ -52,6 +52,10 @@ class Engine:
         # engine (kvtool serve) keeps no state of what it served; the caller holds its Request.
         self._running: dict[int, Request] = {}
         self._generators: dict[int, torch.Generator | None] = {}
+        # Unfinished requests that may end before their length or decode text as they go: step_until steps
+        # them one at a time (_on_token), like step.
+        self._may_stop: set[int] = set()
+        self._lagging = False  # step_until left tokens of running requests in C++ (_catch_up)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -71,6 +75,8 @@ class Engine:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)  # to find them
         self._running[request_id] = request
         self._generators[request_id] = self._make_generator(params, request_id)
+        if not params.ignore_eos or request.detokenizer is not None:
+            self._may_stop.add(request_id)
 
     def request_problem(self, request: Request) -> str | None:
         """Why add_request would refuse this request (None: it would be queued), without queuing it:
@@ -91,10 +97,12 @@ class Engine:
     @staticmethod
     def _checked_prompt(request: Request, name: str):
         """The prompt for the scheduler, which checks its token ids against the vocabulary (in C++, as it
-        converts them); ValueError for an empty one."""
-        if len(request.prompt_token_ids) == 0:
+        converts them); ValueError for an empty one. A prompt that makes its ids when read (a trace's,
+        kvtool.workloads.hash_prompt) is made here, as an int32 array, and not kept."""
+        prompt = request.prompt_token_ids
+        if len(prompt) == 0:
             raise ValueError(f"{name}: the prompt is empty; give at least one token")
-        return request.prompt_token_ids
+        return prompt if isinstance(prompt, (list, tuple, np.ndarray)) else np.asarray(prompt, dtype=np.int32)
 
     @staticmethod
     def _extra_ids(request: Request) -> np.ndarray | None:
@@ -104,6 +112,7 @@ class Engine:
         """Finishes an unfinished request with finish_reason "abort" (its blocks are freed); nothing
         for one that already finished."""
         if request_id in self._running:
+            self._catch_up(self._running[request_id])
             self._finish(self._running[request_id], "abort", self.clock())
 
     @property
@@ -118,6 +127,10 @@ class Engine:
     def step(self) -> list[Request]:
         """Runs one step; returns the requests that produced a token in it (the token is the last
         of their output_token_ids; those that finished have a finish_reason)."""
+        if self._lagging:
+            for request in self._running.values():
+                self._catch_up(request)
+            self._lagging = False
         # Retention durations run on the engine's clock (a simulated one in kvtool.simulate).
         self.scheduler.cache_manager.set_time(int(self.clock() * 1000))
         batch = self.scheduler.schedule()
@@ -125,10 +138,7 @@ class Engine:
         token_ids = self._execute(batch, sampling)
         if token_ids is None:
             if self.scheduler.has_unfinished_requests():
-                raise KvtoolError(
-                    f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
-                    f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise "
-                    "--max_tokens_in_paged_kv_cache or --kv_cache_free_gpu_mem_fraction")
+                raise self._stalled()
             return []
         now = self.clock()
         for request_id in batch.paused_request_ids:
@@ -139,6 +149,55 @@ class Engine:
             self._on_token(request, token_id, now, request.request_id in finished_ids)
         return sampling
 
+    def step_until(self, until: float | None = None) -> list[Request]:
+        """Runs steps, at least one while requests are unfinished, until after one of them a request has
+        finished or the clock has reached ``until`` (None: until a request finishes). Returns the requests
+        that finished, in the order step() returns them: the same as calling step() until then.
+
+        A simulation's executor runs the steps in C++ when every unfinished request runs to its length
+        without decoding text (bench requests: ignore_eos), kvtool.simulate.executor.CostModelExecutor.run_steps;
+        the tokens and times of a request still running then reach its Request when it finishes, or at
+        the next step() or abort_request.
+        """
+        if self._may_stop or not hasattr(self.executor, "run_steps"):
+            finished: list[Request] = []
+            while not finished and self.scheduler.has_unfinished_requests():
+                finished = [request for request in self.step() if request.finished]
+                if until is not None and self.clock() >= until:
+                    break
+            return finished
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        steps = self.executor.run_steps(self.scheduler, until)
+        self._lagging = True
+        for request_id in steps.paused_request_ids:
+            self._running[request_id].num_pauses += 1
+        if steps.stalled:
+            raise self._stalled()
+        finished = [self._running[request_id] for request_id in steps.finished_request_ids]
+        for request in finished:
+            self._catch_up(request)
+            self._finish(request, "length", request.token_times[-1])
+        return finished
+
+    def _catch_up(self, request: Request) -> None:
+        """Gives a request the tokens and token times step_until left in C++ for it."""
+        if not self._lagging:
+            return
+        generated = self.scheduler.generated_token_ids(request.request_id)
+        if len(generated) == len(request.output_token_ids):
+            return
+        request.output_token_ids.extend(generated[len(request.output_token_ids):].tolist())
+        request.token_times.extend(self.executor.take_token_times(request.request_id).tolist())
+        if request.first_token_time is None:
+            self._first_token(request, request.token_times[0])
+
+    def _stalled(self) -> KvtoolError:
+        return KvtoolError(
+            f"no queued request fits in the KV cache ({self.scheduler.num_queued_requests()} waiting, "
+            f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise "
+            "--max_tokens_in_paged_kv_cache or --kv_cache_free_gpu_mem_fraction")
+
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
         batch order), or None when the batch has no request."""
@@ -147,15 +206,19 @@ class Engine:
     def _make_generator(self, params, request_id: int) -> torch.Generator | None:
         return self.executor.make_generator(params, request_id)
 
+    def _first_token(self, request: Request, now: float) -> None:
+        """The first token's time, and the reuse figures of the request's first admission."""
+        request.first_token_time = now
+        stats = self.scheduler.request_stats(request.request_id)
+        request.num_reused_tokens = stats.num_reused_tokens
+        request.num_reused_blocks = stats.num_reused_blocks
+        request.num_onboarded_blocks = stats.num_onboarded_blocks
+        request.num_early_reused_blocks = stats.num_early_reused_blocks
+        request.miss_reasons = stats.missed.to_dict()
+
     def _on_token(self, request: Request, token_id: int, now: float, reached_length: bool) -> None:
         if request.first_token_time is None:
-            request.first_token_time = now
-            stats = self.scheduler.request_stats(request.request_id)
-            request.num_reused_tokens = stats.num_reused_tokens
-            request.num_reused_blocks = stats.num_reused_blocks
-            request.num_onboarded_blocks = stats.num_onboarded_blocks
-            request.num_early_reused_blocks = stats.num_early_reused_blocks
-            request.miss_reasons = stats.missed.to_dict()
+            self._first_token(request, now)
         request.output_token_ids.append(token_id)
         request.token_times.append(now)
         completes_stop_string = request.detokenizer is not None and request.detokenizer.append(token_id)
@@ -175,6 +238,7 @@ class Engine:
         """Ends the request (the scheduler frees its blocks if it still holds them) and forgets it."""
         self.scheduler.remove_request(request.request_id)
         del self._running[request.request_id], self._generators[request.request_id]
+        self._may_stop.discard(request.request_id)
         request.finish_time = now
         request.finish_reason = reason
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtool import _core
 from kvtool.errors import KvtoolError
 
 PROFILE_DIR = "cost_models"  # beside plan.json: one <device key>.json per device calibrated
@@ -128,6 +129,11 @@ class CostModel:
                 + c.get("decode_row", 0.0) * shape.num_decode_rows
                 + c.get("decode_kv_token", 0.0) * shape.num_decode_kv_tokens
                 + c.get("copied_byte", 0.0) * shape.num_copied_bytes)
+
+    def step_costs(self, bytes_per_token: int) -> _core.StepCosts:
+        """The coefficients as kvtool._core.StepSimulator takes them (it adds the terms as ``predict`` does)."""
+        return _core.StepCosts(**{term: float(self.coefficients.get(term, 0.0)) for term in TERMS},
+                               bytes_per_token=bytes_per_token)
 
     def describe_terms(self) -> list[tuple[str, str]]:
         """(term, 'value unit') for each coefficient, in TERMS order."""

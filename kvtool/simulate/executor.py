@@ -4,6 +4,11 @@ shape instead of running copies, forward and sampling (kvtool.runtime.assemble b
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
+from kvtool import _core
 from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.errors import KvtoolError
 from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
@@ -34,9 +39,14 @@ class SimulatedClock:
 class CostModelExecutor:
     """Runs an engine's steps on ``clock``: each advances it by ``cost_model.predict`` of the step's shape.
 
-    Generated tokens are a deterministic function of the request's last token and length, so two
-    requests with the same prompt get the same answer (as greedy decoding gives), and a later session
-    turn, which resends the answer, finds its blocks as it would in a real run.
+    Generated tokens are a deterministic function of the request's last token and length
+    (kvtool._core.simulated_token), so two requests with the same prompt get the same answer (as greedy
+    decoding gives), and a later session turn, which resends the answer, finds its blocks as it would in
+    a real run.
+
+    ``run_steps`` runs many steps in one call (kvtool._core.StepSimulator: the same scheduler calls, the
+    same costs added in the same order, the same tokens), for an engine whose requests all run to
+    their length (kvtool.runtime.engine.Engine.step_until).
     """
 
     def __init__(self, cost_model: CostModel, clock: SimulatedClock, *, vocab_size: int) -> None:
@@ -45,6 +55,7 @@ class CostModelExecutor:
         self.vocab_size = vocab_size
         self.bytes_per_token = 0  # set by start
         self.num_steps = 0  # steps that computed something
+        self._simulator: _core.StepSimulator | None = None  # set by start
 
     def pool_budget(self, kv_cache_config: KvCacheConfig) -> PoolBudget:
         """The pools as a real run on the profile's device would size them: a CPU's out of this machine's
@@ -65,6 +76,7 @@ class CostModelExecutor:
         # A simulated step costs what the cost model says: CUDA graphs (config.enforce_eager) are in it, as
         # a calibration times steps as the LLM runs them.
         self.bytes_per_token = shape.bytes_per_token
+        self._simulator = _core.StepSimulator(self.cost_model.step_costs(shape.bytes_per_token), self.vocab_size)
 
     def make_generator(self, params, request_id: int) -> None:
         return None
@@ -83,6 +95,17 @@ class CostModelExecutor:
         for request in requests:
             output = request.output_token_ids
             last = output[-1] if output else request.prompt_token_ids[-1]
-            length = len(request.prompt_token_ids) + len(output)
-            tokens.append((last * 2654435761 + length * 40503 + 1) % vocab_size)
+            tokens.append(_core.simulated_token(last, len(request.prompt_token_ids) + len(output), vocab_size))
         return tokens
+
+    def run_steps(self, scheduler: _core.Scheduler, until: float | None) -> _core.SimulatedSteps:
+        """Runs ``scheduler``'s steps on the clock until, after a step, a request has finished or the clock
+        has reached ``until`` (None: only a finish stops it); see kvtool._core.StepSimulator.run."""
+        steps = self._simulator.run(scheduler, self.clock.seconds, math.inf if until is None else until)
+        self.clock.seconds = steps.end_time
+        self.num_steps += steps.num_steps
+        return steps
+
+    def take_token_times(self, request_id: int) -> np.ndarray:
+        """float64: the times of the tokens ``run_steps`` gave the request since the last call for it."""
+        return self._simulator.take_token_times(request_id)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvtool.runtime.request import Request
 from kvtool.workloads.requests import dataset_requests
 
@@ -33,18 +35,36 @@ def max_num_blocks(requests: Sequence[Request], tokens_per_block: int) -> int:
             num_unknown += -(-after // tokens_per_block) - before // tokens_per_block
             session_lengths[session_id] = after
             continue
-        parent = ("salt", request.sampling_params.cache_salt)
         num_full = len(new_ids) // tokens_per_block
-        for block in range(num_full):
-            span = slice(block * tokens_per_block, (block + 1) * tokens_per_block)
-            extra = tuple(new_extra[span]) if new_extra else ()
-            key = (parent, tuple(new_ids[span]), extra if any(extra) else None)  # extra id 0: a normal token
-            parent = block_index.setdefault(key, len(block_index))
+        # A block's tokens as the bytes of their int32 ids (ids are int32 in the engine): slices of one
+        # bytes object per prompt, not a tuple of ints per block (the conversation trace: 4.5M blocks).
+        token_bytes = np.asarray(new_ids, dtype=np.int32)[:num_full * tokens_per_block].tobytes()
+        width = 4 * tokens_per_block
+        keys = [(token_bytes[block * width:(block + 1) * width], _block_extra(new_extra, block, tokens_per_block))
+                for block in range(num_full)]
+        parent = ("salt", request.sampling_params.cache_salt)
+        num_known = 0
+        while num_known < num_full and (parent, *keys[num_known]) in block_index:
+            parent = block_index[(parent, *keys[num_known])]
+            num_known += 1
+        if num_known < num_full:  # the rest are new blocks, and so are their children: numbered in order
+            first = len(block_index)
+            parents = [parent, *range(first, first + num_full - num_known - 1)]
+            block_index.update(zip([(p, tokens, extra) for p, (tokens, extra) in zip(parents, keys[num_known:])],
+                                   range(first, first + num_full - num_known)))
         total = len(new_ids) + num_output
         num_unknown += -(-total // tokens_per_block) - num_full
         if session_id is not None:
             session_lengths[session_id] = total
     return len(block_index) + num_unknown
+
+
+def _block_extra(extra_ids, block: int, tokens_per_block: int) -> tuple | None:
+    """A block's extra ids (multimodal items), or None when it has none (an extra id 0: a normal token)."""
+    if not extra_ids:
+        return None
+    extra = tuple(extra_ids[block * tokens_per_block:(block + 1) * tokens_per_block])
+    return extra if any(extra) else None
 
 
 def workload_blocks(plan, config, replay, dataset) -> int | None:

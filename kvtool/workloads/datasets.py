@@ -2,7 +2,8 @@
 line, so that a malformed line is a DatasetError naming the file and the line before anything runs.
 
 For a multi-turn session, a line holds only its turn's new tokens or text: the replay prepends the
-conversation so far when it issues the turn.
+conversation so far when it issues the turn. A trace imported by `kvtool dataset import` gives its
+prompts as block hash ids, whose token ids are made when read (kvtool.workloads.hash_prompt).
 """
 
 from __future__ import annotations
@@ -11,29 +12,33 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtool.errors import DatasetError
 from kvtool.files import atomic_write
+from kvtool.workloads.hash_prompt import HashPromptReader
+from kvtool.workloads.trace_tokens import MIN_TOKEN_ID
 
 # Token ids reach the engine as int32, extra ids as uint64: a larger id is no id of any model.
 ID_LIMITS = {"input_ids": 1 << 31, "extra_ids": 1 << 64}
+HASH_KEYS = ("hash_ids", "hash_block_len", "input_length", "token_id_limit")  # a prompt of hash ids
 ALLOWED_KEYS = ("input_ids", "prompt", "output_tokens", "max_tokens", "session_id", "turn",
-                "arrival_time_s", "extra_ids", "priority", "cache_salt", "request_id", "task_id")
+                "arrival_time_s", "extra_ids", "priority", "cache_salt", "request_id", "task_id", *HASH_KEYS)
 
 
 @dataclass(frozen=True)
 class DatasetRecord:
     """One validated dataset line.
 
-    For a session turn, ``input_ids``/``prompt`` hold only this turn's new tokens/text.
+    For a session turn, ``input_ids``/``prompt`` hold only this turn's new tokens/text. ``input_ids``
+    is a tuple, or a HashBlockPrompt for a line of hash ids (its ids made when read).
     """
 
     line_number: int
     output_tokens: int
-    input_ids: tuple[int, ...] | None = None
+    input_ids: Sequence[int] | None = None
     prompt: str | None = None
     session_id: str | None = None
     turn: int | None = None
@@ -123,8 +128,32 @@ class LineChecker:
         raise self.fail(f"'{key}' must be a non-empty string or an integer, got {json.dumps(value)}")
 
 
-def parse_line(obj, path: Path, line_number: int) -> DatasetRecord:
-    """Validates one decoded JSON line; raises DatasetError naming the line."""
+def _hash_prompt(check: LineChecker, obj: Mapping, hash_prompts: HashPromptReader | None):
+    """The prompt of a line of hash ids (kvtool.workloads.hash_prompt), or None for another line."""
+    if "hash_ids" not in obj:
+        given = [key for key in HASH_KEYS if key in obj]
+        if given:
+            raise check.fail(f"'{given[0]}' goes with 'hash_ids' (a prompt of block hash ids); leave it out")
+        return None
+    missing = [key for key in HASH_KEYS if key not in obj]
+    if missing:
+        raise check.fail(f"'hash_ids' needs {', '.join(repr(key) for key in missing)} as well (a line of hash ids "
+                         "has 'hash_ids', 'hash_block_len', 'input_length' and 'token_id_limit')")
+    hash_ids = check.id_list(obj, "hash_ids", limit=1 << 63)
+    block_len = check.int_field(obj, "hash_block_len", minimum=2)
+    num_tokens = check.int_field(obj, "input_length", minimum=1)
+    token_id_limit = check.int_field(obj, "token_id_limit", minimum=MIN_TOKEN_ID + 2, maximum=ID_LIMITS["input_ids"])
+    if len(hash_ids) != -(-num_tokens // block_len):
+        raise check.fail(f"'input_length' {num_tokens} takes {-(-num_tokens // block_len)} blocks of 'hash_block_len' "
+                         f"{block_len} tokens, but 'hash_ids' has {len(hash_ids)}")
+    if hash_prompts is None:
+        raise check.fail("a line of 'hash_ids' is read with the rest of its file (load_dataset)")
+    return hash_prompts.add(check.line_number, hash_ids, block_len, num_tokens, token_id_limit)
+
+
+def parse_line(obj, path: Path, line_number: int, hash_prompts: HashPromptReader | None = None) -> DatasetRecord:
+    """Validates one decoded JSON line; raises DatasetError naming the line. A line of hash ids is
+    added to ``hash_prompts`` (its prompt is readable once that has read the whole file)."""
     check = LineChecker(path, line_number)
     if not isinstance(obj, dict):
         raise check.fail(f"expected a JSON object, got {type(obj).__name__}")
@@ -132,9 +161,13 @@ def parse_line(obj, path: Path, line_number: int) -> DatasetRecord:
     if unknown:
         raise check.fail(f"unknown key(s) {unknown}; allowed keys are {list(ALLOWED_KEYS)}")
 
-    if ("input_ids" in obj) == ("prompt" in obj):
-        raise check.fail("give exactly one of 'input_ids' (token ids) or 'prompt' (text)")
+    if sum(key in obj for key in ("input_ids", "prompt", "hash_ids")) != 1:
+        raise check.fail("give exactly one of 'input_ids' (token ids), 'prompt' (text) or 'hash_ids' (block hash "
+                         "ids of an imported trace)")
     input_ids = check.id_list(obj, "input_ids")
+    hash_prompt = _hash_prompt(check, obj, hash_prompts)
+    if hash_prompt is not None:
+        input_ids = hash_prompt
     prompt = obj.get("prompt")
     if input_ids is not None and not input_ids and "session_id" not in obj:
         raise check.fail("'input_ids' is empty; a request needs at least one prompt token")
@@ -231,6 +264,7 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
         raise DatasetError(f"dataset {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): "
                            "give a JSON Lines file (see `kvtool dataset`)") from None
     records: list[DatasetRecord] = []
+    hash_prompts = HashPromptReader(path)
     for line_number, line in enumerate(text.replace("\r\n", "\n").split("\n"), start=1):
         if not line.strip():
             continue
@@ -239,7 +273,8 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
         except json.JSONDecodeError as error:
             raise DatasetError(f"{path} line {line_number}: not valid JSON ({error.msg} at column "
                                f"{error.colno})") from None
-        records.append(parse_line(obj, path, line_number))
+        records.append(parse_line(obj, path, line_number, hash_prompts))
+    hash_prompts.finish()
     if not records:
         raise DatasetError(f"dataset {path} has no requests (the file is empty)")
     _check_sessions_and_ids(path, records)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 MIN_TOKEN_ID = 10   # ids below are left out: special tokens of many tokenizers (pad, bos, eos, unk)
 _FILLER_END = 256   # filler ids are below it (one shared int object each)
 
@@ -64,23 +66,48 @@ class HashBlockTokens:
         self._filler_ends = [0]
         for token_id in self._filler:
             self._filler_ends.append(self._filler_ends[-1] + len(str(token_id)) + 1)
-        self._heads: dict[int, list[int]] = {}      # hash id -> its first token and digits
-        self._head_texts: dict[int, str] = {}
+        # A block's ids with zeros where the head goes (its first 1 + num_digits): int32 [block_len].
+        self.block_template = np.array([0] * (1 + self.num_digits) + self._filler, dtype=np.int32)
+        self._first_tokens: dict[int, int] = {}         # hash id -> its first token (its number among siblings)
         self._num_children: dict[int | None, int] = {}  # parent hash id (None: a prompt's start) -> children seen
+        self._head_texts: dict[int, str] = {}
 
-    def _head(self, hash_id: int, parent: int | None) -> list[int]:
-        head = self._heads.get(hash_id)
-        if head is None:
-            sibling = self._num_children.get(parent, 0)
-            self._num_children[parent] = sibling + 1
-            head = [MIN_TOKEN_ID + sibling % self.radix]
-            value = hash_id
-            for _ in range(self.num_digits):  # least significant digit first
-                value, digit = divmod(value, self.radix)
-                head.append(MIN_TOKEN_ID + digit)
-            self._heads[hash_id] = head
-            self._head_texts[hash_id] = ",".join(map(str, head))
+    def _number(self, hash_id: int, parent: int | None) -> None:
+        sibling = self._num_children.get(parent, 0)
+        self._num_children[parent] = sibling + 1
+        self._first_tokens[hash_id] = MIN_TOKEN_ID + sibling % self.radix
+
+    def number(self, hash_ids: Sequence[int]) -> None:
+        """Numbers each block of a prompt's hash ids not numbered yet among its parent's children (a block
+        keeps the first number it gets): what ``head`` does for each, without making the heads."""
+        parent = None
+        for hash_id in hash_ids:
+            if hash_id not in self._first_tokens:
+                self._number(hash_id, parent)
+            parent = hash_id
+
+    def head(self, hash_id: int, parent: int | None) -> list[int]:
+        """The first 1 + num_digits ids of the hash id's block, following ``parent`` (None: a prompt's
+        first block), which numbers it among its parent's children when it is first seen."""
+        if hash_id not in self._first_tokens:
+            self._number(hash_id, parent)
+        head = [self._first_tokens[hash_id]]
+        value = hash_id
+        for _ in range(self.num_digits):  # least significant digit first
+            value, digit = divmod(value, self.radix)
+            head.append(MIN_TOKEN_ID + digit)
         return head
+
+    def heads(self, hash_ids: np.ndarray) -> np.ndarray:
+        """``head`` of each of these numbered hash ids (int64 [n]), at once: int32 [n, 1 + num_digits]."""
+        out = np.empty((len(hash_ids), 1 + self.num_digits), dtype=np.int32)
+        out[:, 0] = np.fromiter(map(self._first_tokens.__getitem__, hash_ids.tolist()), dtype=np.int32,
+                                count=len(hash_ids))
+        value = hash_ids.astype(np.int64)
+        for digit in range(self.num_digits):  # least significant digit first
+            value, out[:, 1 + digit] = np.divmod(value, self.radix)
+            out[:, 1 + digit] += MIN_TOKEN_ID
+        return out
 
     def prompt_ids(self, hash_ids: Sequence[int], last_block_len: int) -> list[int]:
         """The prompt's token ids: a block per hash id, the last one ``last_block_len`` tokens long."""
@@ -88,7 +115,7 @@ class HashBlockTokens:
         parent = None
         for position, hash_id in enumerate(hash_ids):
             length = self.block_len if position < len(hash_ids) - 1 else last_block_len
-            ids += (self._head(hash_id, parent) + self._filler)[:length]
+            ids += (self.head(hash_id, parent) + self._filler)[:length]
             parent = hash_id
         return ids
 
@@ -99,8 +126,9 @@ class HashBlockTokens:
         parent = None
         full_tail = "," + self._filler_text if self._filler else ""
         for position, hash_id in enumerate(hash_ids):
-            self._head(hash_id, parent)
-            head_text = self._head_texts[hash_id]
+            head_text = self._head_texts.get(hash_id)
+            if head_text is None:
+                head_text = self._head_texts[hash_id] = ",".join(map(str, self.head(hash_id, parent)))
             length = self.block_len if position < len(hash_ids) - 1 else last_block_len
             if length == self.block_len:
                 parts.append(head_text + full_tail)

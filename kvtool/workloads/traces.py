@@ -2,7 +2,12 @@
 token ids or text prompts, each line with its ``arrival_time_s``, for `bench` / `simulate --mode trace`.
 
 Rows of hash ids become token ids (kvtool.workloads.trace_tokens): prompts that share hash-id
-prefixes share token prefixes, and nothing else. ``shrink`` divides every prompt of such a trace
+prefixes share token prefixes, and nothing else. The dataset keeps the hash ids (a line of
+``hash_ids``, kvtool.workloads.hash_prompt), whose token ids are made when a replay reads them: the
+conversation trace's 145M prompt tokens are a 3 MiB file that loads in about half a second;
+``write_token_ids`` writes every id (``input_ids``: 500 MiB, half a minute to load; see
+results/traces/import.md) for tools that read the ids themselves. Rows of a length alone (Azure's)
+get hash ids of their own. ``shrink`` divides every prompt of such a trace
 (a hash id becomes block_size / shrink tokens, a partial block rounds up), keeping which prompts
 share which blocks: a trace of 12k-token prompts replays on a CPU model of a few thousand tokens.
 Rows longer than ``max_seq_len`` (prompt + output, as imported) are an error listing how many and
@@ -30,7 +35,8 @@ DEFAULT_VOCAB_SIZE = 32000  # Llama 2's and Mistral's: ids below it are valid in
 class TraceImportOptions:
     """How a trace becomes a dataset (the fields are `kvtool dataset import`'s flags).
 
-    Token ids made from hash ids are below ``vocab_size`` (``DEFAULT_VOCAB_SIZE`` when None) and
+    Token ids made from hash ids (written as ``input_ids`` with ``write_token_ids``, else kept as hash
+    ids) are below ``vocab_size`` (``DEFAULT_VOCAB_SIZE`` when None) and
     below every id of ``special_token_ids`` from MIN_TOKEN_ID up (a plan's bos and eos: no prompt
     holds one); ids a csv trace gives are checked against ``vocab_size`` when it is set.
     ``count_tokens``: the tokenizer that measures text prompts against ``max_seq_len`` (without one
@@ -45,6 +51,7 @@ class TraceImportOptions:
     skip_too_long: bool = False
     max_output_tokens: int | None = None
     output_len: int | None = None
+    write_token_ids: bool = False
     count_tokens: Callable[[str], int] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -176,8 +183,14 @@ def _lines(rows: list[TraceRow], options: TraceImportOptions) -> Iterator[str]:
         output = options.output_tokens(row)
         if row.input_length is not None:
             hash_ids = row.hash_ids if row.hash_ids is not None else own_blocks[row.line_number]
-            last_len = options.prompt_length(row) - (len(hash_ids) - 1) * options.block_len
-            yield f'{{{arrival}"input_ids":[{tokens.prompt_text(hash_ids, last_len)}],"output_tokens":{output}}}\n'
+            num_tokens = options.prompt_length(row)
+            if options.write_token_ids:
+                last_len = num_tokens - (len(hash_ids) - 1) * options.block_len
+                yield f'{{{arrival}"input_ids":[{tokens.prompt_text(hash_ids, last_len)}],"output_tokens":{output}}}\n'
+            else:
+                yield (f'{{{arrival}"hash_ids":[{",".join(map(str, hash_ids))}],"hash_block_len":{options.block_len},'
+                       f'"input_length":{num_tokens},"token_id_limit":{options.token_id_limit},'
+                       f'"output_tokens":{output}}}\n')
         else:
             prompt = {"prompt": row.prompt} if row.prompt is not None else {"input_ids": row.input_ids}
             yield f"{{{arrival}{json.dumps(prompt, separators=(',', ':'))[1:-1]},\"output_tokens\":{output}}}\n"
