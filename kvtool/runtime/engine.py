@@ -20,6 +20,7 @@ from kvtool import _core
 from kvtool.errors import KvtoolError
 from kvtool.runtime.detokenizer import IncrementalDetokenizer
 from kvtool.runtime.request import Request
+from kvtool.runtime.tier3 import TIERS, Tier3
 
 
 def cache_salt_id(cache_salt: str | None) -> int:
@@ -35,7 +36,9 @@ class Engine:
 
     def __init__(self, executor, cache_config: _core.CacheConfig, scheduler_config: _core.SchedulerConfig, *,
                  vocab_size: int, eos_token_ids: list[int], bytes_per_token: int, tokenizer=None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, tier3_store=None) -> None:
+        """``tier3_store``: the third tier's store (kvtool.runtime.tier3.open_tier), whose blocks the
+        engine stages before scheduling a request; the executor runs the copies into and out of it."""
         self.executor = executor
         self.clock = clock  # token and finish times; kvtool.simulate passes its simulated clock
         # Prompt token ids are checked against the vocabulary where C++ converts them: a 2k-token
@@ -52,6 +55,10 @@ class Engine:
         # engine (kvtool serve) keeps no state of what it served; the caller holds its Request.
         self._running: dict[int, Request] = {}
         self._generators: dict[int, torch.Generator | None] = {}
+        self.tier3 = None if tier3_store is None else Tier3(self.scheduler.cache_manager, tier3_store,
+                                                             executor.run_copies)
+        self._unstaged: dict[int, None] = {}  # requests not staged from the third tier yet, in arrival order
+        self._max_batch_size = scheduler_config.max_batch_size
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -71,6 +78,8 @@ class Engine:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)  # to find them
         self._running[request_id] = request
         self._generators[request_id] = self._make_generator(params, request_id)
+        if self.tier3 is not None:
+            self._unstaged[request_id] = None
 
     def request_problem(self, request: Request) -> str | None:
         """Why add_request would refuse this request (None: it would be queued), without queuing it:
@@ -120,6 +129,8 @@ class Engine:
         of their output_token_ids; those that finished have a finish_reason)."""
         # Retention durations run on the engine's clock (a simulated one in kvtool.simulate).
         self.scheduler.cache_manager.set_time(int(self.clock() * 1000))
+        if self._unstaged:
+            self._stage_next()
         batch = self.scheduler.schedule()
         sampling = [self._running[r.request_id] for r in batch.requests if r.samples]
         token_ids = self._execute(batch, sampling)
@@ -139,6 +150,22 @@ class Engine:
             self._on_token(request, token_id, now, request.request_id in finished_ids)
         return sampling
 
+    def _stage_next(self) -> None:
+        """Stages the third tier's blocks of the next requests the scheduler may admit (the oldest
+        unstaged ones, a batch's worth), so that it shares them from the host tier."""
+        for request_id in list(itertools.islice(self._unstaged, self._max_batch_size)):
+            del self._unstaged[request_id]
+            request = self._running.get(request_id)
+            if request is None:
+                continue
+            params = request.sampling_params
+            retention = params.kv_cache_retention_config
+            cost = self.tier3.stage(
+                request.prompt_token_ids, extra_ids=self._extra_ids(request), lora_task_id=params.lora_task_id,
+                cache_salt=cache_salt_id(params.cache_salt), priority=params.priority,
+                retention=retention.to_core(len(request.prompt_token_ids)) if retention is not None else None)
+            request.num_staged_blocks = cost.num_staged_blocks
+
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
         batch order), or None when the batch has no request."""
@@ -155,7 +182,7 @@ class Engine:
             request.num_reused_blocks = stats.num_reused_blocks
             request.num_onboarded_blocks = stats.num_onboarded_blocks
             request.num_early_reused_blocks = stats.num_early_reused_blocks
-            request.miss_reasons = stats.missed.to_dict()
+            request.miss_reasons = stats.missed.to_dict(tier3=self.tier3 is not None)
         request.output_token_ids.append(token_id)
         request.token_times.append(now)
         completes_stop_string = request.detokenizer is not None and request.detokenizer.append(token_id)
@@ -175,6 +202,7 @@ class Engine:
         """Ends the request (the scheduler frees its blocks if it still holds them) and forgets it."""
         self.scheduler.remove_request(request.request_id)
         del self._running[request.request_id], self._generators[request.request_id]
+        self._unstaged.pop(request.request_id, None)
         request.finish_time = now
         request.finish_reason = reason
 
@@ -204,8 +232,32 @@ class Engine:
             "secondary_free_blocks": s.secondary.num_free_blocks,
             "secondary_cached_blocks": s.secondary.num_cached_blocks,
             "secondary_used_blocks": s.secondary.num_used_blocks,
+            **self._tier_stats(s),
         }
+
+    def _tier_stats(self, s) -> dict[str, int | float]:
+        """Per tier (primary, host, disk, remote): reused blocks it served, blocks dropped from it and the
+        bytes copied into and out of it; with a third tier, its miss reasons, traffic and store failures."""
+        out: dict[str, int | float] = {}
+        for name, pool in TIERS:
+            tier = s.tier(pool)
+            out[f"{name}_hit_blocks"] = tier.hit_blocks
+            out[f"{name}_evicted_blocks"] = tier.evicted_blocks
+            if pool in (_core.PoolKind.DISK, _core.PoolKind.REMOTE):
+                out[f"{name}_in_bytes"] = tier.num_tokens_in * self.bytes_per_token
+                out[f"{name}_out_bytes"] = tier.num_tokens_out * self.bytes_per_token
+        if self.tier3 is not None:
+            out.update({f"missed_{reason}_blocks": count for reason, count in s.missed.to_dict(tier3=True).items()})
+            out.update(self.tier3.stats(s, self.bytes_per_token))
+        return out
+
+    def close(self) -> None:
+        """Waits for the third tier's queued spills and closes its store (nothing without one)."""
+        if self.tier3 is not None:
+            self.tier3.close()
 
     def reset_stats(self) -> None:
         """Zeroes the cache counters, keeping the cache (after warm-up requests)."""
         self.scheduler.cache_manager.reset_stats()
+        if self.tier3 is not None:
+            self.tier3.reset_stats()
