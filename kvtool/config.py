@@ -142,7 +142,7 @@ class KvCacheConfig:
         check(not self.has_third_tier or self.host_cache_size > 0, self,
               "disk_cache_dir" if url is None else "remote_cache_url",
               "needs a host cache, which blocks pass through on their way to and from the third tier: give "
-              "the host cache's size too")
+              "the host cache a size too (--kv_host_cache_bytes)")
 
     @property
     def has_third_tier(self) -> bool:

@@ -59,9 +59,11 @@ def open_tier(kv: KvCacheConfig, block_bytes: int, plan: bytes) -> OpenedTier | 
                               f"{slot_bytes} bytes on disk; give at least that (a few GiB to matter)")
         try:
             return OpenedTier(DiskStore(kv.disk_cache_dir, num_blocks, block_bytes, plan), num_blocks)
-        except (DiskStoreError, OSError) as error:
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-            raise KvtoolError(f"--kv_disk_cache_dir {kv.disk_cache_dir}: {reason}") from None
+        except DiskStoreError as error:  # its message names the directory and the fix
+            raise KvtoolError(f"--kv_disk_cache_dir {error}") from None
+        except OSError as error:
+            raise KvtoolError(f"--kv_disk_cache_dir {kv.disk_cache_dir}: {error.strerror or error}: give a "
+                              "writable directory on a file system with room") from None
     if kv.remote_cache_url is not None:
         url = kv.remote_cache_url
         try:
