@@ -57,7 +57,7 @@ class Engine:
         self._generators: dict[int, torch.Generator | None] = {}
         self.tier3 = None if tier3_store is None else Tier3(self.scheduler.cache_manager, tier3_store,
                                                              executor.run_copies)
-        self._unstaged: dict[int, None] = {}  # requests not staged from the third tier yet, in arrival order
+        self._unadmitted: dict[int, None] = {}  # with a third tier: requests it may stage for, in arrival order
         self._max_batch_size = scheduler_config.max_batch_size
 
     # -- requests ---------------------------------------------------------------------------
@@ -79,7 +79,7 @@ class Engine:
         self._running[request_id] = request
         self._generators[request_id] = self._make_generator(params, request_id)
         if self.tier3 is not None:
-            self._unstaged[request_id] = None
+            self._unadmitted[request_id] = None
 
     def request_problem(self, request: Request) -> str | None:
         """Why add_request would refuse this request (None: it would be queued), without queuing it:
@@ -129,7 +129,7 @@ class Engine:
         of their output_token_ids; those that finished have a finish_reason)."""
         # Retention durations run on the engine's clock (a simulated one in kvtool.simulate).
         self.scheduler.cache_manager.set_time(int(self.clock() * 1000))
-        if self._unstaged:
+        if self._unadmitted:
             self._stage_next()
         batch = self.scheduler.schedule()
         sampling = [self._running[r.request_id] for r in batch.requests if r.samples]
@@ -151,20 +151,30 @@ class Engine:
         return sampling
 
     def _stage_next(self) -> None:
-        """Stages the third tier's blocks of the next requests the scheduler may admit (the oldest
-        unstaged ones, a batch's worth), so that it shares them from the host tier."""
-        for request_id in list(itertools.islice(self._unstaged, self._max_batch_size)):
-            del self._unstaged[request_id]
-            request = self._running.get(request_id)
-            if request is None:
-                continue
+        """Stages the third tier's blocks of the requests the scheduler may admit in this step (the oldest
+        waiting ones, a batch's worth), so that it shares them from the host tier. A request is staged
+        again at each step it keeps waiting: what an earlier staging brought may have been pushed out
+        since (staging blocks already in the primary or host tier does nothing)."""
+        admitted, waiting = [], []
+        for request_id in self._unadmitted:
+            state = self.scheduler.request_stats(request_id).state
+            if state in (_core.RequestState.QUEUED, _core.RequestState.PAUSED):
+                waiting.append(request_id)
+                if len(waiting) == self._max_batch_size:
+                    break
+            else:  # admitted: a request paused later is not staged again
+                admitted.append(request_id)
+        for request_id in admitted:
+            del self._unadmitted[request_id]
+        for request_id in waiting:
+            request = self._running[request_id]
             params = request.sampling_params
             retention = params.kv_cache_retention_config
             cost = self.tier3.stage(
                 request.prompt_token_ids, extra_ids=self._extra_ids(request), lora_task_id=params.lora_task_id,
                 cache_salt=cache_salt_id(params.cache_salt), priority=params.priority,
                 retention=retention.to_core(len(request.prompt_token_ids)) if retention is not None else None)
-            request.num_staged_blocks = cost.num_staged_blocks
+            request.num_staged_blocks += cost.num_staged_blocks
 
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
@@ -202,7 +212,7 @@ class Engine:
         """Ends the request (the scheduler frees its blocks if it still holds them) and forgets it."""
         self.scheduler.remove_request(request.request_id)
         del self._running[request.request_id], self._generators[request.request_id]
-        self._unstaged.pop(request.request_id, None)
+        self._unadmitted.pop(request.request_id, None)
         request.finish_time = now
         request.finish_reason = reason
 

@@ -107,7 +107,8 @@ class Tier3:
         identity = {"extra_ids": extra_ids, "lora_task_id": lora_task_id, "cache_salt": cache_salt}
         lookup = m.tier3_lookup(token_ids, **identity)
         num_staged = 0
-        if lookup.keys:
+        # The disk tier's index is the manager's: nothing to ask the store when it knows of no block.
+        if lookup.keys and (lookup.num_known_blocks or self.store.pool != _core.PoolKind.DISK):
             present = self.store.count_present(lookup.keys)
             if present is not None:
                 result = m.stage_tier3(token_ids, present, priority=priority, retention=retention, **identity)
