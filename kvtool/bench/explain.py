@@ -33,7 +33,8 @@ REASONS = (
     ("missed_evicted_remote_blocks", "had been stored in the remote tier and were gone from it"),
     ("missed_fetch_failed_blocks", "were in the third tier, but fetching them failed (the store's failure counters "
                                    "say why)"),
-    ("missed_not_staged_blocks", "were in the third tier, but their request was admitted before they were staged"),
+    ("missed_not_staged_blocks", "were in the third tier, but not staged into the host tier before their request "
+                                 "was admitted (a staging needs room for them in the host tier)"),
     ("missed_identity_blocks", "had been computed under another cache salt, LoRA task or extra ids"),
     ("missed_partial_blocks", "were reused partly (their first tokens copied from a cached block)"),
     ("missed_last_token_blocks", "were cached but hold the prompt's last token, which is always computed"),
