@@ -244,9 +244,19 @@ class KvCacheRetentionConfig:
                   "token_range_retention_configs",
                   f"has overlapping or unsorted ranges ({before.token_start}..{before.token_end} then "
                   f"{after.token_start}..{after.token_end}): sort them by token_start, each ending before the next")
-        check(self.decode_retention_priority is None or 0 <= self.decode_retention_priority <= 100, self,
+        priority = self.decode_retention_priority
+        check(priority is None or (isinstance(priority, int) and not isinstance(priority, bool)
+                                   and 0 <= priority <= 100), self,
               "decode_retention_priority", f"must be in 0..100 (or None), got {self.decode_retention_priority!r}")
         self.decode_duration_ms = _milliseconds(self.decode_duration_ms, self, "decode_duration_ms")
+
+    def to_json(self) -> dict:
+        """The JSON form retention_from_json reads (a serve request's field, a dataset line's)."""
+        return {"token_range_retention_configs": [{"token_start": r.token_start, "token_end": r.token_end,
+                                                   "priority": r.priority, "duration_ms": r.duration_ms}
+                                                  for r in self.token_range_retention_configs],
+                "decode_retention_priority": self.decode_retention_priority,
+                "decode_duration_ms": self.decode_duration_ms}
 
     def to_core(self, num_prompt_tokens: int) -> list[_core.RetentionRange]:
         """The C++ manager's ranges for a prompt of ``num_prompt_tokens`` tokens: the prompt ranges
@@ -261,6 +271,49 @@ class KvCacheRetentionConfig:
             out.append(_core.RetentionRange(num_prompt_tokens, None, self.decode_retention_priority,
                                             self.decode_duration_ms))
         return out
+
+
+RETENTION_FIELD = "kv_cache_retention_config"
+_RANGE_KEYS = ("token_start", "token_end", "priority", "duration_ms")
+_RETENTION_KEYS = ("token_range_retention_configs", "decode_retention_priority", "decode_duration_ms")
+
+
+def retention_from_json(value) -> KvCacheRetentionConfig:
+    """A KvCacheRetentionConfig from its JSON form (a dataset line's or a serve request's
+    ``kv_cache_retention_config``: TensorRT-LLM's field names, durations in milliseconds):
+    ``{"token_range_retention_configs": [{"token_start": 0, "token_end": 512, "priority": 90,
+    "duration_ms": 60000}], "decode_retention_priority": 10}``. ValueError naming the JSON field."""
+    def fail(field_path: str, problem: str) -> ValueError:
+        return ValueError(f"'{field_path}' {problem}")
+
+    def known(obj, keys: tuple[str, ...], where: str) -> dict:
+        if not isinstance(obj, dict):
+            raise fail(where, f"must be a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(keys))
+        if unknown:
+            raise fail(where, f"has unknown key(s) {unknown}; allowed keys are {list(keys)}")
+        return obj
+
+    obj = known(value, _RETENTION_KEYS, RETENTION_FIELD)
+    ranges_json = obj.get("token_range_retention_configs", [])
+    if not isinstance(ranges_json, list):
+        raise fail(f"{RETENTION_FIELD}.token_range_retention_configs", "must be a list of ranges")
+    ranges = []
+    for i, item in enumerate(ranges_json):
+        where = f"{RETENTION_FIELD}.token_range_retention_configs[{i}]"
+        item = known(item, _RANGE_KEYS, where)
+        missing = [key for key in ("token_start", "priority") if key not in item]
+        if missing:
+            raise fail(where, f"needs {missing[0]!r} (and token_end, duration_ms: null or absent for open ones)")
+        try:
+            ranges.append(TokenRangeRetentionConfig(item["token_start"], item.get("token_end"), item["priority"],
+                                                    item.get("duration_ms")))
+        except ConfigError as error:
+            raise fail(f"{where}.{error.field}", error.problem) from None
+    try:
+        return KvCacheRetentionConfig(ranges, obj.get("decode_retention_priority"), obj.get("decode_duration_ms"))
+    except ConfigError as error:
+        raise fail(f"{RETENTION_FIELD}.{error.field}", error.problem) from None
 
 
 @dataclass
