@@ -71,9 +71,11 @@ def _goodput_lines(rows: list[Mapping]) -> list[tuple[str, Callable[[Mapping], s
 
 
 _MISS_NAMES = {"never_seen": "new", "evicted_primary": "evicted from primary", "evicted_host": "evicted from host",
-               "evicted_disk": "evicted from disk", "evicted_remote": "evicted from remote",
-               "fetch_failed": "fetch failed", "not_staged": "not staged", "identity": "other identity",
-               "partial": "partial", "last_token": "last token", "reuse_off": "reuse off"}
+               "identity": "other identity", "partial": "partial", "last_token": "last token",
+               "reuse_off": "reuse off"}
+# The third tier's reasons (MissReasons.to_dict(tier3=True)), in rows of an engine that has one.
+_TIER3_MISS_NAMES = {"evicted_disk": "evicted from disk", "evicted_remote": "evicted from remote",
+                     "fetch_failed": "fetch failed", "not_staged": "not staged"}
 TIER_NAMES = ("primary", "host", "disk", "remote")
 
 
@@ -113,7 +115,8 @@ def _staging_cost(row: Mapping) -> str:
 
 def _miss_reasons(row: Mapping) -> str:
     """'12 new, 3 evicted from host': the reasons that missed blocks ('-' when the engine gave none)."""
-    counts = {name: as_number(row.get(f"missed_{reason}_blocks")) for reason, name in _MISS_NAMES.items()}
+    counts = {name: as_number(row.get(f"missed_{reason}_blocks"))
+              for reason, name in {**_MISS_NAMES, **_TIER3_MISS_NAMES}.items()}
     if all(count is None for count in counts.values()):
         return "-"
     return ", ".join(f"{_count(count)} {name}" for name, count in counts.items() if count) or "none"
