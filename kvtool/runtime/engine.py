@@ -67,11 +67,7 @@ class Engine:
         request.request_id = request_id = next(self._request_ids)
         token_ids = self._checked_prompt(request, f"request {request_id}")
         params = request.sampling_params
-        retention = params.kv_cache_retention_config
-        self.scheduler.add_request(request_id, token_ids, params.max_tokens, extra_ids=self._extra_ids(request),
-                                   lora_task_id=params.lora_task_id, cache_salt=cache_salt_id(params.cache_salt),
-                                   priority=params.priority,
-                                   retention=retention.to_core(len(token_ids)) if retention is not None else [])
+        self.scheduler.add_request(request_id, token_ids, params.max_tokens, **self._cache_args(request))
         if request.arrival_time is None:
             request.arrival_time = self.clock()
         if request.detokenizer is None and params.stop and not params.ignore_eos and self.tokenizer is not None:
@@ -104,6 +100,15 @@ class Engine:
         if len(request.prompt_token_ids) == 0:
             raise ValueError(f"{name}: the prompt is empty; give at least one token")
         return request.prompt_token_ids
+
+    def _cache_args(self, request: Request) -> dict:
+        """What the cache manager keys and keeps a request's blocks by, besides its tokens (the scheduler's
+        add_request and a third-tier staging take the same): extra ids, LoRA task, cache salt, priorities."""
+        params = request.sampling_params
+        retention = params.kv_cache_retention_config
+        return dict(extra_ids=self._extra_ids(request), lora_task_id=params.lora_task_id,
+                    cache_salt=cache_salt_id(params.cache_salt), priority=params.priority,
+                    retention=[] if retention is None else retention.to_core(len(request.prompt_token_ids)))
 
     @staticmethod
     def _extra_ids(request: Request) -> np.ndarray | None:
@@ -168,12 +173,7 @@ class Engine:
             del self._unadmitted[request_id]
         for request_id in waiting:
             request = self._running[request_id]
-            params = request.sampling_params
-            retention = params.kv_cache_retention_config
-            cost = self.tier3.stage(
-                request.prompt_token_ids, extra_ids=self._extra_ids(request), lora_task_id=params.lora_task_id,
-                cache_salt=cache_salt_id(params.cache_salt), priority=params.priority,
-                retention=retention.to_core(len(request.prompt_token_ids)) if retention is not None else None)
+            cost = self.tier3.stage(request.prompt_token_ids, **self._cache_args(request))
             request.num_staged_blocks += cost.num_staged_blocks
 
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
