@@ -59,6 +59,9 @@ class Engine:
                                                              executor.run_copies)
         self._unadmitted: dict[int, None] = {}  # with a third tier: requests it may stage for, in arrival order
         self._max_batch_size = scheduler_config.max_batch_size
+        # What one step's stagings may bring into the host tier: half of it, so that the blocks staged for
+        # one request are not evicted by the next one's staging before the scheduler admits them.
+        self._max_staged_blocks = max(1, cache_config.num_secondary_blocks // 2)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -156,25 +159,31 @@ class Engine:
         return sampling
 
     def _stage_next(self) -> None:
-        """Stages the third tier's blocks of the requests the scheduler may admit in this step (the oldest
-        waiting ones, a batch's worth), so that it shares them from the host tier. A request is staged
-        again at each step it keeps waiting: what an earlier staging brought may have been pushed out
-        since (staging blocks already in the primary or host tier does nothing)."""
+        """Stages the third tier's blocks of the requests the scheduler may admit in this step: the oldest
+        waiting ones, as many as the batch has free slots, while the host tier has room for what they
+        fetch (half of it per step). A request is staged again at each step it keeps waiting: what an
+        earlier staging brought may have been pushed out since (staging blocks already in the primary or
+        host tier does nothing)."""
+        num_free_slots = self._max_batch_size - self.scheduler.num_running_requests()
         admitted, waiting = [], []
         for request_id in self._unadmitted:
+            if len(waiting) >= num_free_slots:
+                break
             state = self.scheduler.request_stats(request_id).state
             if state in (_core.RequestState.QUEUED, _core.RequestState.PAUSED):
                 waiting.append(request_id)
-                if len(waiting) == self._max_batch_size:
-                    break
             else:  # admitted: a request paused later is not staged again
                 admitted.append(request_id)
         for request_id in admitted:
             del self._unadmitted[request_id]
+        num_staged = 0
         for request_id in waiting:
             request = self._running[request_id]
             cost = self.tier3.stage(request.prompt_token_ids, **self._cache_args(request))
             request.num_staged_blocks += cost.num_staged_blocks
+            num_staged += cost.num_staged_blocks
+            if num_staged >= self._max_staged_blocks:
+                break
 
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
