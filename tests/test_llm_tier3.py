@@ -142,7 +142,8 @@ def test_a_server_killed_mid_run_is_a_miss_not_a_crash(redis_server):
 def test_a_bad_third_tier_is_refused_naming_its_flag(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(KvtoolError, match=r"^--kv_disk_cache_dir cannot use .*file/kv for the disk tier: Not a directory"):
+    with pytest.raises(KvtoolError, match=r"^--kv_disk_cache_dir cannot use .*file/kv for the disk tier: Not a "
+                                         "directory"):
         make_llm(disk_cache_dir=str(blocker / "kv"), disk_cache_size=1 << 20)
     with pytest.raises(KvtoolError, match=r"^--kv_disk_cache_bytes 4096 holds no KV block: a block takes 20480 "):
         make_llm(disk_cache_dir=str(tmp_path / "disk"), disk_cache_size=4096)

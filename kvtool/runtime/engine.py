@@ -267,7 +267,7 @@ class Engine:
                 out[f"{name}_out_bytes"] = tier.num_tokens_out * self.bytes_per_token
         if self.tier3 is not None:
             out.update({f"missed_{reason}_blocks": count for reason, count in s.missed.to_dict(tier3=True).items()})
-            out.update(self.tier3.stats(s, self.bytes_per_token))
+            out.update(self.tier3.stats(s))
         return out
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvtool import _core
-from kvtool.config import KvCacheConfig
+from kvtool.config import DEFAULT_PRIORITY, KvCacheConfig
 from kvtool.errors import KvtoolError
 from kvtool.runtime.disk_store import PAGE_BYTES, DiskStore, DiskStoreError, round_up
 from kvtool.runtime.remote_store import RemoteStore, RemoteStoreError
@@ -93,13 +93,11 @@ class Tier3:
     def __init__(self, manager, store: Tier3Store, run_copies: Callable[[object], list[int]]) -> None:
         self.manager = manager
         self.store = store
-        self.name = "disk" if store.pool == _core.PoolKind.DISK else "remote"
         self._run_copies = run_copies
-        self.num_stagings = 0
         self.staging_seconds = 0.0  # lookups and fetches, on the step path
 
-    def stage(self, token_ids, *, extra_ids=None, lora_task_id: int = 0, cache_salt: int = 0, priority: int = 35,
-              retention=None) -> StagingCost:
+    def stage(self, token_ids, *, extra_ids=None, lora_task_id: int = 0, cache_salt: int = 0,
+              priority: int = DEFAULT_PRIORITY, retention=None) -> StagingCost:
         """Fetches the prompt's leading blocks the store holds (after those in the primary and host tiers)
         into the host tier; a store that cannot be asked stages nothing."""
         start = time.perf_counter()
@@ -117,11 +115,10 @@ class Tier3:
                 m.complete_staging(failed)
                 num_staged -= len(failed)
         seconds = time.perf_counter() - start
-        self.num_stagings += 1
         self.staging_seconds += seconds
         return StagingCost(num_staged, seconds)
 
-    def stats(self, cache_stats, bytes_per_token: int) -> dict[str, int | float]:
+    def stats(self, cache_stats) -> dict[str, int | float]:
         """The third tier's counters for Engine.get_stats: its traffic, its store's failures and the
         time stagings took on the step path."""
         traffic = cache_stats.tier3_traffic
@@ -141,7 +138,6 @@ class Tier3:
 
     def reset_stats(self) -> None:
         """Zeroes the staging time and the store's counters (the blocks it holds stay)."""
-        self.num_stagings = 0
         self.staging_seconds = 0.0
         self.store.counters = StoreCounters()
 
