@@ -21,6 +21,10 @@ ContextChunkingPolicy = _core.ContextChunkingPolicy
 
 # TensorRT-LLM's default retention priority (0..100); blocks of at least this priority are offloaded.
 DEFAULT_PRIORITY = 35
+# The remote tier: the URL schemes redis-py connects to, and how many of the store's blocks an engine's
+# index remembers by default (a node of the C++ tree each, about 150 bytes).
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+REMOTE_INDEX_BLOCKS = 1 << 16
 
 
 class ConfigError(ValueError):
@@ -78,6 +82,12 @@ class KvCacheConfig:
     ``layered_copy_min_bytes`` (kvtool's): a step moving at least this many bytes between the
     pools copies layer by layer so the forward overlaps it (None: 128 MiB where the GPU copy kernel
     runs, whole blocks elsewhere; 0: always layer by layer).
+
+    The third tier (kvtool's; docs/architecture.md#kv-cache-rules), below the host tier, which it
+    needs: ``disk_cache_dir`` with ``disk_cache_size`` bytes of files private to this engine (emptied
+    at start), or ``remote_cache_url`` (redis://host:port), a Redis / Valkey server that every engine
+    pointed at it shares (``remote_cache_index_blocks``: how many of its blocks this engine's index
+    remembers; blocks other engines stored are found by key anyway).
     """
 
     enable_block_reuse: bool = True
@@ -92,6 +102,10 @@ class KvCacheConfig:
     secondary_offload_min_priority: int = DEFAULT_PRIORITY
     event_buffer_max_size: int = 0
     layered_copy_min_bytes: int | None = None
+    disk_cache_dir: str | None = None
+    disk_cache_size: int = 0
+    remote_cache_url: str | None = None
+    remote_cache_index_blocks: int = REMOTE_INDEX_BLOCKS
 
     def __post_init__(self) -> None:
         check(self.max_tokens is None or self.max_tokens > 0, self, "max_tokens",
@@ -108,16 +122,49 @@ class KvCacheConfig:
               f"must be >= 0, got {self.event_buffer_max_size}")
         check(self.layered_copy_min_bytes is None or self.layered_copy_min_bytes >= 0, self,
               "layered_copy_min_bytes", f"must be >= 0 bytes, got {self.layered_copy_min_bytes}")
+        self._check_third_tier()
+
+    def _check_third_tier(self) -> None:
+        if self.disk_cache_dir is not None:
+            self.disk_cache_dir = str(self.disk_cache_dir)
+        check(self.disk_cache_size >= 0, self, "disk_cache_size", f"must be >= 0 bytes, got {self.disk_cache_size}")
+        check(self.disk_cache_dir is None or self.disk_cache_size > 0, self, "disk_cache_size",
+              "must be given with the disk cache's directory: give its size in bytes (e.g. 4GiB)")
+        check(self.disk_cache_size == 0 or self.disk_cache_dir is not None, self, "disk_cache_dir",
+              "must be given with the disk cache's size: give the directory its files go to")
+        url = self.remote_cache_url
+        check(url is None or (isinstance(url, str) and url.startswith(REMOTE_SCHEMES)), self, "remote_cache_url",
+              f"{url!r} is not a Redis URL: use redis://host:port (rediss:// for TLS, unix:///path.sock)")
+        check(url is None or self.disk_cache_dir is None, self, "remote_cache_url",
+              "and the disk cache are both given, but an engine has one third tier: give one of them")
+        check(self.remote_cache_index_blocks >= 1, self, "remote_cache_index_blocks",
+              f"must be >= 1, got {self.remote_cache_index_blocks}")
+        check(not self.has_third_tier or self.host_cache_size > 0, self,
+              "disk_cache_dir" if url is None else "remote_cache_url",
+              "needs a host cache, which blocks pass through on their way to and from the third tier: give "
+              "the host cache a size too (--kv_host_cache_bytes)")
+
+    @property
+    def has_third_tier(self) -> bool:
+        """Whether blocks evicted from the host tier go to disk or a remote store."""
+        return self.disk_cache_dir is not None or self.remote_cache_url is not None
 
     def to_core(self, *, tokens_per_block: int, num_primary_blocks: int, num_secondary_blocks: int,
-                max_attention_window: int | None) -> _core.CacheConfig:
-        """The C++ manager's configuration, with the pool sizes and the window the LLM settled on."""
-        return _core.CacheConfig(
+                max_attention_window: int | None, num_tier3_blocks: int = 0,
+                plan_digest: bytes = b"") -> _core.CacheConfig:
+        """The C++ manager's configuration, with the pool sizes and the window the LLM settled on (and the
+        third tier's blocks, with the plan identity its keys start from)."""
+        config = _core.CacheConfig(
             tokens_per_block=tokens_per_block, num_primary_blocks=num_primary_blocks,
             num_secondary_blocks=num_secondary_blocks, enable_block_reuse=self.enable_block_reuse,
             enable_partial_reuse=self.enable_partial_reuse,
             secondary_offload_min_priority=self.secondary_offload_min_priority,
             max_attention_window=max_attention_window or 0, event_buffer_max_size=self.event_buffer_max_size)
+        if num_tier3_blocks:
+            config.num_tier3_blocks = num_tier3_blocks
+            config.tier3_pool = _core.PoolKind.DISK if self.remote_cache_url is None else _core.PoolKind.REMOTE
+            config.plan_digest = plan_digest
+        return config
 
 
 @dataclass
@@ -197,9 +244,19 @@ class KvCacheRetentionConfig:
                   "token_range_retention_configs",
                   f"has overlapping or unsorted ranges ({before.token_start}..{before.token_end} then "
                   f"{after.token_start}..{after.token_end}): sort them by token_start, each ending before the next")
-        check(self.decode_retention_priority is None or 0 <= self.decode_retention_priority <= 100, self,
+        priority = self.decode_retention_priority
+        check(priority is None or (isinstance(priority, int) and not isinstance(priority, bool)
+                                   and 0 <= priority <= 100), self,
               "decode_retention_priority", f"must be in 0..100 (or None), got {self.decode_retention_priority!r}")
         self.decode_duration_ms = _milliseconds(self.decode_duration_ms, self, "decode_duration_ms")
+
+    def to_json(self) -> dict:
+        """The JSON form retention_from_json reads (a serve request's field, a dataset line's)."""
+        return {"token_range_retention_configs": [{"token_start": r.token_start, "token_end": r.token_end,
+                                                   "priority": r.priority, "duration_ms": r.duration_ms}
+                                                  for r in self.token_range_retention_configs],
+                "decode_retention_priority": self.decode_retention_priority,
+                "decode_duration_ms": self.decode_duration_ms}
 
     def to_core(self, num_prompt_tokens: int) -> list[_core.RetentionRange]:
         """The C++ manager's ranges for a prompt of ``num_prompt_tokens`` tokens: the prompt ranges
@@ -214,6 +271,49 @@ class KvCacheRetentionConfig:
             out.append(_core.RetentionRange(num_prompt_tokens, None, self.decode_retention_priority,
                                             self.decode_duration_ms))
         return out
+
+
+RETENTION_FIELD = "kv_cache_retention_config"
+_RANGE_KEYS = ("token_start", "token_end", "priority", "duration_ms")
+_RETENTION_KEYS = ("token_range_retention_configs", "decode_retention_priority", "decode_duration_ms")
+
+
+def retention_from_json(value) -> KvCacheRetentionConfig:
+    """A KvCacheRetentionConfig from its JSON form (a dataset line's or a serve request's
+    ``kv_cache_retention_config``: TensorRT-LLM's field names, durations in milliseconds):
+    ``{"token_range_retention_configs": [{"token_start": 0, "token_end": 512, "priority": 90,
+    "duration_ms": 60000}], "decode_retention_priority": 10}``. ValueError naming the JSON field."""
+    def fail(field_path: str, problem: str) -> ValueError:
+        return ValueError(f"'{field_path}' {problem}")
+
+    def known(obj, keys: tuple[str, ...], where: str) -> dict:
+        if not isinstance(obj, dict):
+            raise fail(where, f"must be a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(keys))
+        if unknown:
+            raise fail(where, f"has unknown key(s) {unknown}; allowed keys are {list(keys)}")
+        return obj
+
+    obj = known(value, _RETENTION_KEYS, RETENTION_FIELD)
+    ranges_json = obj.get("token_range_retention_configs", [])
+    if not isinstance(ranges_json, list):
+        raise fail(f"{RETENTION_FIELD}.token_range_retention_configs", "must be a list of ranges")
+    ranges = []
+    for i, item in enumerate(ranges_json):
+        where = f"{RETENTION_FIELD}.token_range_retention_configs[{i}]"
+        item = known(item, _RANGE_KEYS, where)
+        missing = [key for key in ("token_start", "priority") if key not in item]
+        if missing:
+            raise fail(where, f"needs {missing[0]!r} (and token_end, duration_ms: null or absent for open ones)")
+        try:
+            ranges.append(TokenRangeRetentionConfig(item["token_start"], item.get("token_end"), item["priority"],
+                                                    item.get("duration_ms")))
+        except ConfigError as error:
+            raise fail(f"{where}.{error.field}", error.problem) from None
+    try:
+        return KvCacheRetentionConfig(ranges, obj.get("decode_retention_priority"), obj.get("decode_duration_ms"))
+    except ConfigError as error:
+        raise fail(f"{RETENTION_FIELD}.{error.field}", error.problem) from None
 
 
 @dataclass

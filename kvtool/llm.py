@@ -205,7 +205,9 @@ class LLM:
         return self.engine.get_stats()
 
     def shutdown(self) -> None:
-        """Frees the model and the KV pools."""
+        """Frees the model and the KV pools; the third tier's queued spills are written first."""
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -69,10 +69,29 @@ def test_build_names_the_flag(tmp_path, args, message):
     (["--plan", "{plan}", "--max_num_tokens", 32],
      "exceeds --max_num_tokens 32 tokens per step: enable chunked context (--enable_chunked_context)"),
     (["--plan", "{plan}", "--max_seq_len", 40], "44 tokens exceeds --max_seq_len 40"),
+    # The third KV tier: a directory that cannot be made, a size below one block, a URL that is not Redis's,
+    # a server that does not answer, no host tier.
+    (["--plan", "{plan}", "--kv_host_cache_bytes", "1MiB", "--kv_disk_cache_dir", "{file}/kv",
+      "--kv_disk_cache_bytes", "1MiB"], "--kv_disk_cache_dir cannot use {file}/kv for the disk tier: Not a "
+                                        "directory; give a writable directory"),
+    (["--plan", "{plan}", "--kv_host_cache_bytes", "1MiB", "--kv_disk_cache_dir", "{tmp}/kv",
+      "--kv_disk_cache_bytes", "4KiB"], "--kv_disk_cache_bytes 4096 holds no KV block: a block takes 20480 bytes"),
+    (["--plan", "{plan}", "--kv_host_cache_bytes", "1MiB", "--kv_remote_cache", "http://127.0.0.1:6379"],
+     "--kv_remote_cache 'http://127.0.0.1:6379' is not a Redis URL: use redis://host:port"),
+    (["--plan", "{plan}", "--kv_host_cache_bytes", "1MiB", "--kv_remote_cache", "redis://127.0.0.1:1"],
+     "--kv_remote_cache redis://127.0.0.1:1: no Redis server answers there"),
+    (["--plan", "{plan}", "--kv_remote_cache", "redis://127.0.0.1:1"], "--kv_remote_cache needs a host cache"),
 ])
 def test_bench_names_the_flag(tiny_llama_plan, dataset, tmp_path, args, message):
-    args = [str(tiny_llama_plan) if a == "{plan}" else a for a in args]
-    assert message in run("bench", "--dataset", dataset, "--output", tmp_path / "out", *args)
+    (tmp_path / "file").write_text("")
+    places = {"{plan}": str(tiny_llama_plan), "{file}": str(tmp_path / "file"), "{tmp}": str(tmp_path)}
+
+    def placed(text):
+        for name, value in places.items():
+            text = str(text).replace(name, value)
+        return text
+
+    assert placed(message) in run("bench", "--dataset", dataset, "--output", tmp_path / "out", *map(placed, args))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -99,6 +118,8 @@ def _free_port() -> int:
     (["--model", "preset:tiny-llama", "--tokens_per_block", 1024], "--tokens_per_block must be a power of 2"),
     (["--plan", "{plan}", "--max_batch_size", 1000], "--max_batch_size 1000 is outside what the plan was built for"),
     (["--plan", "{plan}", "--tokens_per_block", 32], "--tokens_per_block 32 does not match the plan"),
+    (["--plan", "{plan}", "--kv_host_cache_bytes", "1MiB", "--kv_remote_cache", "redis://127.0.0.1:1"],
+     "--kv_remote_cache redis://127.0.0.1:1: no Redis server answers there"),
 ])
 def test_serve_names_the_flag(tiny_llama_plan, tmp_path, args, message):
     args = [str(tiny_llama_plan) if a == "{plan}" else a for a in args]

@@ -52,18 +52,21 @@ def test_one_power_of_two_rule_for_every_block_size(make):
 
 
 def test_every_flag_sets_its_field():
-    values = {"enable_kv_cache_reuse": False, "kv_host_cache_bytes": "2KiB", "max_tokens_in_paged_kv_cache": 512,
+    values = {"enable_kv_cache_reuse": False, "kv_host_cache_bytes": "2KiB", "kv_disk_cache_dir": "/var/kv",
+              "kv_disk_cache_bytes": "1GiB", "max_tokens_in_paged_kv_cache": 512,
               "kv_cache_free_gpu_mem_fraction": 0.5, "max_attention_window_size": 64,
               "scheduler_policy": "static_batch", "context_chunking_policy": "equal_progress",
               "enable_chunked_context": True, "max_batch_size": 3, "max_num_tokens": 100, "max_seq_len": 200,
               "enforce_eager": True, "tokens_per_block": 8, "mode": "offline", "concurrency": 2,
               "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5,
               "time_scale": 1.0}  # (other scales contradict request_rate: tests/test_trace_replay.py)
-    assert set(values) == {flag.name for flag in CONFIG_FLAGS}
+    # The remote tier's flag excludes the disk tier's: test_the_remote_tier_flag_sets_its_url.
+    assert set(values) | {"kv_remote_cache"} == {flag.name for flag in CONFIG_FLAGS}
     engine, replay = configs(values)
     assert engine == EngineConfig(
         kv_cache_config=KvCacheConfig(enable_block_reuse=False, host_cache_size=2048, max_tokens=512,
-                                      free_gpu_memory_fraction=0.5, max_attention_window=64),
+                                      free_gpu_memory_fraction=0.5, max_attention_window=64,
+                                      disk_cache_dir="/var/kv", disk_cache_size=1 << 30),
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.STATIC_BATCH, ContextChunkingPolicy.EQUAL_PROGRESS,
                                          enable_chunked_context=True),
         max_batch_size=3, max_num_tokens=100, max_seq_len=200, tokens_per_block=8, enforce_eager=True)
@@ -71,9 +74,19 @@ def test_every_flag_sets_its_field():
                                    num_requests=5)
     # The summary columns keep the flags' names (and spellings), so older reports still compare.
     row = as_row(engine, replay)
-    assert row == {**{name: value for name, value in values.items() if name not in ("kv_host_cache_bytes",
-                                                                                      "num_requests")},
-                   "kv_host_cache_bytes": 2048, "num_requests_limit": 5}
+    assert row == {**{name: value for name, value in values.items() if name not in (
+        "kv_host_cache_bytes", "kv_disk_cache_bytes", "num_requests")}, "kv_host_cache_bytes": 2048,
+        "kv_disk_cache_bytes": 1 << 30, "kv_remote_cache": None, "num_requests_limit": 5}
+
+
+def test_the_remote_tier_flag_sets_its_url():
+    engine, _ = configs({"kv_host_cache_bytes": "1GiB", "kv_remote_cache": "redis://cache:6379/2"})
+    kv = engine.kv_cache_config
+    assert (kv.remote_cache_url, kv.disk_cache_dir, kv.has_third_tier) == ("redis://cache:6379/2", None, True)
+    core = kv.to_core(tokens_per_block=16, num_primary_blocks=4, num_secondary_blocks=2, max_attention_window=None,
+                      num_tier3_blocks=100, plan_digest=b"p" * 32)
+    assert (core.num_tier3_blocks, core.tier3_pool, core.plan_digest) == (100, _core.PoolKind.REMOTE, b"p" * 32)
+    assert as_row(engine, ReplayOptions())["kv_remote_cache"] == "redis://cache:6379/2"
 
 
 def test_enforce_eager_turns_the_llms_cuda_graphs_off():
@@ -103,6 +116,18 @@ def test_the_llm_apis_block_size_is_the_engines_build_option():
     ({"warmup": -1}, "--warmup must be >= 0 requests, got -1"),
     ({"kv_host_cache_bytes": "lots"}, "--kv_host_cache_bytes: byte size 'lots' is not understood"),
     ({"concurency": 2}, "--concurency is not a bench flag"),
+    ({"kv_host_cache_bytes": "1GiB", "kv_remote_cache": "http://cache:6379"},
+     "--kv_remote_cache 'http://cache:6379' is not a Redis URL: use redis://host:port"),
+    ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_dir": "/var/kv"},
+     "--kv_disk_cache_bytes must be given with the disk cache's directory"),
+    ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_bytes": "4GiB"},
+     "--kv_disk_cache_dir must be given with the disk cache's size"),
+    ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_dir": "/var/kv", "kv_disk_cache_bytes": "lots"},
+     "--kv_disk_cache_bytes: byte size 'lots' is not understood"),
+    ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_dir": "/var/kv", "kv_disk_cache_bytes": "4GiB",
+      "kv_remote_cache": "redis://cache:6379"}, "--kv_remote_cache and the disk cache are both given"),
+    ({"kv_disk_cache_dir": "/var/kv", "kv_disk_cache_bytes": "4GiB"},
+     "--kv_disk_cache_dir needs a host cache, which blocks pass through"),
 ])
 def test_a_bad_flag_value_names_the_flag(flags, message):
     with pytest.raises(ValueError) as error:

@@ -279,6 +279,8 @@ class EndpointEngine:
             body["return_token_ids"] = True
         if self.owned_by == "kvtool" and line is not None and line.priority is not None:
             body["priority"] = params.priority  # kvtool's KV retention priority; vLLM's means something else
+        if self.owned_by == "kvtool" and params.kv_cache_retention_config is not None:
+            body["kv_cache_retention_config"] = params.kv_cache_retention_config.to_json()
         if self.options.api == "chat":
             history = self._chat_history.get(session_id, []) if session_id is not None else []
             body["messages"] = [*history, {"role": "user", "content": line.prompt}]

@@ -29,6 +29,12 @@ REASONS = (
     ("missed_evicted_primary_blocks", "had been evicted from the primary pool and dropped, with no host cache "
                                       "to take them"),
     ("missed_evicted_host_blocks", "had been offloaded to the host cache and evicted from it too"),
+    ("missed_evicted_disk_blocks", "had been spilled to the disk tier and dropped from it too"),
+    ("missed_evicted_remote_blocks", "had been stored in the remote tier and were gone from it"),
+    ("missed_fetch_failed_blocks", "were in the third tier, but fetching them failed (the store's failure counters "
+                                   "say why)"),
+    ("missed_not_staged_blocks", "were in the third tier, but not staged into the host tier before their request "
+                                 "was admitted (a staging needs room for them in the host tier)"),
     ("missed_identity_blocks", "had been computed under another cache salt, LoRA task or extra ids"),
     ("missed_partial_blocks", "were reused partly (their first tokens copied from a cached block)"),
     ("missed_last_token_blocks", "were cached but hold the prompt's last token, which is always computed"),
@@ -149,6 +155,7 @@ def explain_runs(runs: Sequence[Mapping], *, report_dir: Path, profile: str | No
     sentences = [f"{label}: {_span(_figures(runs, 'num_requests'), _count)} {count}; {_span(reused, _count)} of "
                  f"{_span(totals, _count)} full prompt blocks were reused (hit rate "
                  f"{_span(rates, _rate) if rates else '-'}); TTFT p50 {p50} ({kind})."]
+    sentences += _tiers(runs)
     if not any(missed):
         return sentences
     if row.get("missed_never_seen_blocks") in (None, ""):
@@ -158,6 +165,9 @@ def explain_runs(runs: Sequence[Mapping], *, report_dir: Path, profile: str | No
     sentences += _reasons(runs)
     changes = what_ifs(row)
     if not changes:
+        return sentences
+    if row.get("kv_disk_cache_dir") or row.get("kv_remote_cache"):
+        sentences.append("(No simulated what-ifs: kvtool simulate does not model the third KV tier yet.)")
         return sentences
     baseline = simulate_row(runs[0], {}, report_dir=report_dir, profile=profile)
     profile_name = baseline.get("cost_profile")
@@ -169,6 +179,36 @@ def explain_runs(runs: Sequence[Mapping], *, report_dir: Path, profile: str | No
             f"{_ms(as_number(baseline.get('ttft_ms_p50')))} to {_ms(as_number(predicted.get('ttft_ms_p50')))} ms.")
     sentences.append(f"(Simulated with the {profile_name} step cost model; its baseline predicts TTFT p50 "
                      f"{_ms(as_number(baseline.get('ttft_ms_p50')))} ms for this configuration.)")
+    return sentences
+
+
+TIERS = (("primary", "the primary pool"), ("host", "the host tier"), ("disk", "the disk tier"),
+         ("remote", "the remote tier"))
+
+
+def _tiers(runs: Sequence[Mapping]) -> list[str]:
+    """Where the reused blocks came from, which tiers dropped blocks, and what third-tier stagings cost
+    (none for a report without per-tier counts)."""
+    if not any(as_number(run.get("primary_hit_blocks")) is not None for run in runs):
+        return []
+
+    def by_tier(what: str) -> str:
+        parts = [f"{where} ({_span(counts, _count)})" for tier, where in TIERS
+                 if any(counts := _figures(runs, f"{tier}_{what}_blocks"))]
+        return ", ".join(parts) or "none"
+
+    sentences = []
+    if any(_figures(runs, "reused_blocks")):
+        sentences.append(f"The reused blocks came from {by_tier('hit')}.")
+    if any(any(_figures(runs, f"{tier}_evicted_blocks")) for tier, _ in TIERS):
+        sentences.append(f"Blocks dropped from the cache: {by_tier('evicted')}.")
+    staged = _figures(runs, "tier3_staged_blocks")
+    seconds = _figures(runs, "tier3_staging_s")
+    if any(staged) and any(seconds):
+        per_block = [1e6 * s / n for s, n in zip(seconds, staged) if n]
+        sentences.append(f"Staging {_span(staged, _count)} blocks from the third tier took "
+                         f"{_span([1000 * s for s in seconds], _ms)} ms on the step path, lookups included "
+                         f"({_span(per_block, lambda v: f'{v:,.0f}')} µs per staged block).")
     return sentences
 
 

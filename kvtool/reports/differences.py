@@ -94,6 +94,9 @@ FLEET_FIELDS: tuple[ConfigField, ...] = (
 FLAG_FIELDS: tuple[ConfigField, ...] = (
     _flag("enable_kv_cache_reuse", _on_off, lambda v: f"reuse {_on_off(v)}"),
     _flag("kv_host_cache_bytes", _size, lambda v: f"host {_size(v)}"),
+    _flag("kv_disk_cache_bytes", _size, lambda v: f"disk {_size(v)}"),
+    _flag("kv_disk_cache_dir", short=lambda v: f"disk in {v}"),
+    _flag("kv_remote_cache", short=lambda v: f"remote {v}"),
     _flag("tokens_per_block", short=lambda v: f"block {v}"),
     _flag("max_tokens_in_paged_kv_cache", _count, lambda v: f"pool {_count(v)}{' tokens' * (v != 'default')}"),
     _flag("kv_cache_free_gpu_mem_fraction", short=lambda v: f"mem fraction {v}"),

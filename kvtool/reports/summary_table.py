@@ -55,6 +55,7 @@ def summary_table(rows: list[Mapping], *, title: str = "kvtool bench summary") -
         ("offloaded / onboarded blocks",
          lambda r: f"{_count(r.get('offloaded_blocks'))} / {_count(r.get('onboarded_blocks'))}"),
         ("bytes offloaded / onboarded", lambda r: f"{format_bytes(as_number(r.get('offloaded_bytes')))} / {format_bytes(as_number(r.get('onboarded_bytes')))}"),
+        *_tier_lines(rows),
     ]
     for name, cell in lines:
         table.add_row(name, *(cell(row) for row in rows))
@@ -86,11 +87,50 @@ def _fleet_lines(rows: list[Mapping]) -> list[tuple[str, Callable[[Mapping], str
 _MISS_NAMES = {"never_seen": "new", "evicted_primary": "evicted from primary", "evicted_host": "evicted from host",
                "identity": "other identity", "partial": "partial", "last_token": "last token",
                "reuse_off": "reuse off"}
+# The third tier's reasons (MissReasons.to_dict(tier3=True)), in rows of an engine that has one.
+_TIER3_MISS_NAMES = {"evicted_disk": "evicted from disk", "evicted_remote": "evicted from remote",
+                     "fetch_failed": "fetch failed", "not_staged": "not staged"}
+TIER_NAMES = ("primary", "host", "disk", "remote")
+
+
+def _tier_lines(rows: list[Mapping]) -> list[tuple[str, Callable[[Mapping], str]]]:
+    """Where the reused blocks came from and which tier dropped blocks; with a third tier (disk or
+    remote), its traffic and what a staging cost on the step path. None for rows without them."""
+    if not any(as_number(row.get("primary_hit_blocks")) is not None for row in rows):
+        return []
+    lines = [("reused blocks by tier", lambda r: _by_tier(r, "hit")),
+             ("evicted blocks by tier", lambda r: _by_tier(r, "evicted"))]
+    if any(as_number(row.get("tier3_staged_blocks")) is not None for row in rows):
+        lines += [("third tier: spilled / staged blocks",
+                   lambda r: f"{_count(r.get('tier3_spilled_blocks'))} / {_count(r.get('tier3_staged_blocks'))}"),
+                  ("third tier: staging time, lookups included (per staged block)", _staging_cost),
+                  ("third tier: failed fetches / writes / lookups", lambda r: " / ".join(
+                      _count(r.get(f"tier3_{name}")) for name in ("fetch_failed_blocks", "write_failures",
+                                                                   "lookup_failures")))]
+    return lines
+
+
+def _by_tier(row: Mapping, what: str) -> str:
+    """'59 primary, 19 host, 18 disk' ('-' when the row has no per-tier counts)."""
+    counts = {tier: as_number(row.get(f"{tier}_{what}_blocks")) for tier in TIER_NAMES}
+    if all(count is None for count in counts.values()):
+        return "-"
+    return ", ".join(f"{_count(count)} {tier}" for tier, count in counts.items() if count) or "none"
+
+
+def _staging_cost(row: Mapping) -> str:
+    """'4.1 ms (227 µs/block)': lookups and fetches of the third tier, on the step path."""
+    seconds, staged = as_number(row.get("tier3_staging_s")), as_number(row.get("tier3_staged_blocks"))
+    if seconds is None:
+        return "-"
+    per_block = f" ({seconds * 1e6 / staged:,.0f} µs/block)" if staged else ""
+    return f"{seconds * 1000:,.1f} ms{per_block}"
 
 
 def _miss_reasons(row: Mapping) -> str:
     """'12 new, 3 evicted from host': the reasons that missed blocks ('-' when the engine gave none)."""
-    counts = {name: as_number(row.get(f"missed_{reason}_blocks")) for reason, name in _MISS_NAMES.items()}
+    counts = {name: as_number(row.get(f"missed_{reason}_blocks"))
+              for reason, name in {**_MISS_NAMES, **_TIER3_MISS_NAMES}.items()}
     if all(count is None for count in counts.values()):
         return "-"
     return ", ".join(f"{_count(count)} {name}" for name, count in counts.items() if count) or "none"

@@ -20,6 +20,7 @@ from kvtool.runtime.engine import Engine
 from kvtool.runtime.kv_pool import BlockShape
 from kvtool.runtime.pool_sizes import PoolSizes, size_pools
 from kvtool.runtime.request import Request
+from kvtool.runtime.tier3 import OpenedTier, open_tier, plan_identity
 
 
 class PoolBudget(NamedTuple):
@@ -88,15 +89,42 @@ def assemble_engine(plan, config: EngineConfig, executor: Executor, clock: Clock
     # max_seq_len never applies, and the cache manager keeps every block then.
     window = effective_window(model_config.sliding_window, kv.max_attention_window)
     window = window if window is not None and window < limits.max_seq_len else None
-    executor.start(shape, pool_sizes, config, limits)
+    tier = open_third_tier(plan, kv, shape, executor)
+    try:
+        executor.start(shape, pool_sizes, config, limits)
+    except BaseException:
+        if tier is not None:
+            tier.store.close()
+        raise
+    if tier is not None:
+        executor.use_tier3_store(tier.store)
     engine = Engine(
         executor, kv.to_core(tokens_per_block=tokens_per_block, num_primary_blocks=pool_sizes.num_primary_blocks,
-                             num_secondary_blocks=pool_sizes.num_secondary_blocks, max_attention_window=window),
+                             num_secondary_blocks=pool_sizes.num_secondary_blocks, max_attention_window=window,
+                             num_tier3_blocks=0 if tier is None else tier.num_blocks,
+                             plan_digest=b"" if tier is None else tier.store.plan_digest),
         config.scheduler_config.to_core(max_batch_size=limits.max_batch_size, max_num_tokens=limits.max_num_tokens,
                                         max_seq_len=limits.max_seq_len),
         vocab_size=model_config.vocab_size, eos_token_ids=model_config.eos_token_ids,
-        bytes_per_token=shape.bytes_per_token, tokenizer=plan.tokenizer, clock=clock.now)
+        bytes_per_token=shape.bytes_per_token, tokenizer=plan.tokenizer, clock=clock.now,
+        tier3_store=None if tier is None else tier.store)
     return AssembledEngine(engine, limits, pool_sizes)
+
+
+def open_third_tier(plan, kv: KvCacheConfig, shape: BlockShape, executor) -> OpenedTier | None:
+    """The third tier's store when the configuration asks for one; refused where the executor cannot
+    run its copies (`kvtool simulate` does not model the tier)."""
+    if not kv.has_third_tier:
+        return None
+    flag = "--kv_disk_cache_dir" if kv.disk_cache_dir is not None else "--kv_remote_cache"
+    if not hasattr(executor, "use_tier3_store"):
+        raise KvtoolError(f"{flag}: a simulated engine has no third KV tier (kvtool simulate does not model it): "
+                          "drop the flag, or run the model with kvtool bench")
+    if not kv.enable_block_reuse:
+        raise KvtoolError(f"{flag}: the third tier keeps blocks for reuse, which --disable_kv_cache_reuse turns "
+                          "off: drop one of them")
+    digest = plan_identity(plan, shape.dtype, shape.tokens_per_block)
+    return open_tier(kv, shape.num_bytes, digest)
 
 
 def runtime_limits(plan, config: EngineConfig) -> RuntimeLimits:

@@ -20,6 +20,7 @@ from kvtool import _core
 from kvtool.errors import KvtoolError
 from kvtool.runtime.detokenizer import IncrementalDetokenizer
 from kvtool.runtime.request import Request
+from kvtool.runtime.tier3 import TIERS, Tier3
 
 
 def cache_salt_id(cache_salt: str | None) -> int:
@@ -35,7 +36,9 @@ class Engine:
 
     def __init__(self, executor, cache_config: _core.CacheConfig, scheduler_config: _core.SchedulerConfig, *,
                  vocab_size: int, eos_token_ids: list[int], bytes_per_token: int, tokenizer=None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, tier3_store=None) -> None:
+        """``tier3_store``: the third tier's store (kvtool.runtime.tier3.open_tier), whose blocks the
+        engine stages before scheduling a request; the executor runs the copies into and out of it."""
         self.executor = executor
         self.clock = clock  # token and finish times; kvtool.simulate passes its simulated clock
         # Prompt token ids are checked against the vocabulary where C++ converts them: a 2k-token
@@ -56,6 +59,13 @@ class Engine:
         # them one at a time (_on_token), like step.
         self._may_stop: set[int] = set()
         self._lagging = False  # step_until left tokens of running requests in C++ (_catch_up)
+        self.tier3 = None if tier3_store is None else Tier3(self.scheduler.cache_manager, tier3_store,
+                                                             executor.run_copies)
+        self._unadmitted: dict[int, None] = {}  # with a third tier: requests it may stage for, in arrival order
+        self._max_batch_size = scheduler_config.max_batch_size
+        # What one step's stagings may bring into the host tier: half of it, so that the blocks staged for
+        # one request are not evicted by the next one's staging before the scheduler admits them.
+        self._max_staged_blocks = max(1, cache_config.num_secondary_blocks // 2)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -64,11 +74,7 @@ class Engine:
         request.request_id = request_id = next(self._request_ids)
         token_ids = self._checked_prompt(request, f"request {request_id}")
         params = request.sampling_params
-        retention = params.kv_cache_retention_config
-        self.scheduler.add_request(request_id, token_ids, params.max_tokens, extra_ids=self._extra_ids(request),
-                                   lora_task_id=params.lora_task_id, cache_salt=cache_salt_id(params.cache_salt),
-                                   priority=params.priority,
-                                   retention=retention.to_core(len(token_ids)) if retention is not None else [])
+        self.scheduler.add_request(request_id, token_ids, params.max_tokens, **self._cache_args(request))
         if request.arrival_time is None:
             request.arrival_time = self.clock()
         if request.detokenizer is None and params.stop and not params.ignore_eos and self.tokenizer is not None:
@@ -77,6 +83,8 @@ class Engine:
         self._generators[request_id] = self._make_generator(params, request_id)
         if not params.ignore_eos or request.detokenizer is not None:
             self._may_stop.add(request_id)
+        if self.tier3 is not None:
+            self._unadmitted[request_id] = None
 
     def request_problem(self, request: Request) -> str | None:
         """Why add_request would refuse this request (None: it would be queued), without queuing it:
@@ -103,6 +111,15 @@ class Engine:
         if len(prompt) == 0:
             raise ValueError(f"{name}: the prompt is empty; give at least one token")
         return prompt if isinstance(prompt, (list, tuple, np.ndarray)) else np.asarray(prompt, dtype=np.int32)
+
+    def _cache_args(self, request: Request) -> dict:
+        """What the cache manager keys and keeps a request's blocks by, besides its tokens (the scheduler's
+        add_request and a third-tier staging take the same): extra ids, LoRA task, cache salt, priorities."""
+        params = request.sampling_params
+        retention = params.kv_cache_retention_config
+        return dict(extra_ids=self._extra_ids(request), lora_task_id=params.lora_task_id,
+                    cache_salt=cache_salt_id(params.cache_salt), priority=params.priority,
+                    retention=[] if retention is None else retention.to_core(len(request.prompt_token_ids)))
 
     @staticmethod
     def _extra_ids(request: Request) -> np.ndarray | None:
@@ -133,6 +150,8 @@ class Engine:
             self._lagging = False
         # Retention durations run on the engine's clock (a simulated one in kvtool.simulate).
         self.scheduler.cache_manager.set_time(int(self.clock() * 1000))
+        if self._unadmitted:
+            self._stage_next()
         batch = self.scheduler.schedule()
         sampling = [self._running[r.request_id] for r in batch.requests if r.samples]
         token_ids = self._execute(batch, sampling)
@@ -159,7 +178,8 @@ class Engine:
         the tokens and times of a request still running then reach its Request when it finishes, or at
         the next step() or abort_request.
         """
-        if self._may_stop or not hasattr(self.executor, "run_steps"):
+        # A third tier stages before each step (_stage_next), which only step() does.
+        if self._may_stop or self.tier3 is not None or not hasattr(self.executor, "run_steps"):
             finished: list[Request] = []
             while not finished and self.scheduler.has_unfinished_requests():
                 finished = [request for request in self.step() if request.finished]
@@ -198,6 +218,33 @@ class Engine:
             f"{self.scheduler.cache_manager.num_available_blocks()} blocks available): raise "
             "--max_tokens_in_paged_kv_cache or --kv_cache_free_gpu_mem_fraction")
 
+    def _stage_next(self) -> None:
+        """Stages the third tier's blocks of the requests the scheduler may admit in this step: the oldest
+        waiting ones, as many as the batch has free slots, while the host tier has room for what they
+        fetch (half of it per step). A request is staged again at each step it keeps waiting: what an
+        earlier staging brought may have been pushed out since (staging blocks already in the primary or
+        host tier does nothing)."""
+        num_free_slots = self._max_batch_size - self.scheduler.num_running_requests()
+        admitted, waiting = [], []
+        for request_id in self._unadmitted:
+            if len(waiting) >= num_free_slots:
+                break
+            state = self.scheduler.request_stats(request_id).state
+            if state in (_core.RequestState.QUEUED, _core.RequestState.PAUSED):
+                waiting.append(request_id)
+            else:  # admitted: a request paused later is not staged again
+                admitted.append(request_id)
+        for request_id in admitted:
+            del self._unadmitted[request_id]
+        num_staged = 0
+        for request_id in waiting:
+            request = self._running[request_id]
+            cost = self.tier3.stage(self._checked_prompt(request, f"request {request_id}"), **self._cache_args(request))
+            request.num_staged_blocks += cost.num_staged_blocks
+            num_staged += cost.num_staged_blocks
+            if num_staged >= self._max_staged_blocks:
+                break
+
     def _execute(self, batch, sampling: list[Request]) -> list[int] | None:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
         batch order), or None when the batch has no request."""
@@ -214,7 +261,7 @@ class Engine:
         request.num_reused_blocks = stats.num_reused_blocks
         request.num_onboarded_blocks = stats.num_onboarded_blocks
         request.num_early_reused_blocks = stats.num_early_reused_blocks
-        request.miss_reasons = stats.missed.to_dict()
+        request.miss_reasons = stats.missed.to_dict(tier3=self.tier3 is not None)
 
     def _on_token(self, request: Request, token_id: int, now: float, reached_length: bool) -> None:
         if request.first_token_time is None:
@@ -239,6 +286,7 @@ class Engine:
         self.scheduler.remove_request(request.request_id)
         del self._running[request.request_id], self._generators[request.request_id]
         self._may_stop.discard(request.request_id)
+        self._unadmitted.pop(request.request_id, None)
         request.finish_time = now
         request.finish_reason = reason
 
@@ -268,8 +316,32 @@ class Engine:
             "secondary_free_blocks": s.secondary.num_free_blocks,
             "secondary_cached_blocks": s.secondary.num_cached_blocks,
             "secondary_used_blocks": s.secondary.num_used_blocks,
+            **self._tier_stats(s),
         }
+
+    def _tier_stats(self, s) -> dict[str, int | float]:
+        """Per tier (primary, host, disk, remote): reused blocks it served, blocks dropped from it and the
+        bytes copied into and out of it; with a third tier, its miss reasons, traffic and store failures."""
+        out: dict[str, int | float] = {}
+        for name, pool in TIERS:
+            tier = s.tier(pool)
+            out[f"{name}_hit_blocks"] = tier.hit_blocks
+            out[f"{name}_evicted_blocks"] = tier.evicted_blocks
+            if pool in (_core.PoolKind.DISK, _core.PoolKind.REMOTE):
+                out[f"{name}_in_bytes"] = tier.num_tokens_in * self.bytes_per_token
+                out[f"{name}_out_bytes"] = tier.num_tokens_out * self.bytes_per_token
+        if self.tier3 is not None:
+            out.update({f"missed_{reason}_blocks": count for reason, count in s.missed.to_dict(tier3=True).items()})
+            out.update(self.tier3.stats(s))
+        return out
+
+    def close(self) -> None:
+        """Waits for the third tier's queued spills and closes its store (nothing without one)."""
+        if self.tier3 is not None:
+            self.tier3.close()
 
     def reset_stats(self) -> None:
         """Zeroes the cache counters, keeping the cache (after warm-up requests)."""
         self.scheduler.cache_manager.reset_stats()
+        if self.tier3 is not None:
+            self.tier3.reset_stats()

@@ -19,6 +19,7 @@ from kvtool.runtime.device import available_host_memory_bytes, free_device_memor
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, HostStep, flatten_step
+from kvtool.runtime.tier3_store import Tier3Store, run_copies
 
 
 class StepRequest(NamedTuple):
@@ -53,6 +54,7 @@ class ModelRunner:
         # use, e.g. 'avx512'; None: the torch path).
         self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
         self.mixed_graphs: MixedGraphs | None = None
+        self.tier3_store: Tier3Store | None = None  # the third tier's (use_tier3_store)
 
     # -- the executor of an engine (kvtool.runtime.assemble.Executor) ----------------------------
     def pool_budget(self, kv_cache_config: KvCacheConfig) -> PoolBudget:
@@ -72,6 +74,19 @@ class ModelRunner:
         self.warm_up(min(limits.max_num_tokens, limits.max_seq_len - 1, 4 * self.tokens_per_block))
         if config.cuda_graphs and graphs_can_capture(self.model, self.kv_caches[0]):
             self.enable_cuda_graphs(limits.max_batch_size, limits.max_seq_len, limits.max_num_tokens)
+
+    def use_tier3_store(self, store: Tier3Store) -> None:
+        """Runs the copies into and out of the third tier on ``store`` (a disk or remote store)."""
+        self.tier3_store = store
+
+    def run_copies(self, ops) -> list[int]:
+        """Runs copy operations (kvtool._core.CopyOpArrays) in order, the third tier's on its store;
+        returns the host blocks whose fetch from the third tier failed."""
+        if self.tier3_store is None:
+            self.pools.execute_copies(ops.src_pool, ops.src_block_ids, ops.dst_pool, ops.dst_block_ids,
+                                      ops.num_tokens)
+            return []
+        return run_copies(ops, self.pools, self.tier3_store)
 
     def execute_step(self, batch, requests, generators) -> list[int] | None:
         """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
@@ -151,9 +166,8 @@ class ModelRunner:
     def execute_batch(self, batch) -> torch.Tensor | None:
         """Runs a kvtool._core.ScheduledBatch: its block copies, then the forward of its requests;
         returns what execute does, or None when no request was scheduled."""
-        copies = batch.copy_ops
-        self.pools.execute_copies(copies.src_pool, copies.src_block_ids, copies.dst_pool, copies.dst_block_ids,
-                                  copies.num_tokens)
+        # A step's copies never fetch from the third tier (stagings do, before the step): its ops are spills.
+        self.run_copies(batch.copy_ops)
         if len(batch.requests) == 0:
             self.pools.wait_for_all_copies()  # no forward will wait for them layer by layer
             return None

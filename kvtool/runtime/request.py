@@ -66,6 +66,7 @@ class Request:
     num_onboarded_blocks: int = 0
     num_early_reused_blocks: int = 0
     num_pauses: int = 0
+    num_staged_blocks: int = 0        # prompt blocks fetched from the third tier (disk, remote) before admission
     # The full prompt blocks not reused, {reason in MISS_REASONS: blocks}, at first admission; None
     # where the engine does not say (a server behind bench --endpoint).
     miss_reasons: dict[str, int] | None = None

@@ -47,7 +47,8 @@ class _EngineCollector:
             return
         stats = counts.stats
         for key, text in COUNTERS:
-            yield CounterMetricFamily(f"{PREFIX}_{key}", text, value=stats[key])
+            if key in stats:  # the third tier's only where the engine has one
+                yield CounterMetricFamily(f"{PREFIX}_{key}", text, value=stats[key])
         yield GaugeMetricFamily(f"{PREFIX}_cache_hit_rate", "Reused / (reused + missed) full prompt blocks",
                                 value=stats["cache_hit_rate"])
         for key, text in GAUGES:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from kvtool.config import ConfigError, SamplingParams
+from kvtool.config import RETENTION_FIELD, ConfigError, SamplingParams, retention_from_json
 from kvtool.runtime.request import Request
 from kvtool.serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
                                    SamplingFields)
@@ -88,6 +88,11 @@ class PromptBuilder:
         # generates up to it; its finish_reason says "length".
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         extra = {} if body.priority is None else {"priority": body.priority}
+        if body.kv_cache_retention_config is not None:
+            try:
+                extra["kv_cache_retention_config"] = retention_from_json(body.kv_cache_retention_config)
+            except ValueError as error:
+                raise ApiError(str(error), param=RETENTION_FIELD) from None
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, stop=body.stop,

@@ -3,8 +3,10 @@
 Requests are pydantic models in strict mode: a field of the wrong type ("max_tokens": "5") is a
 400, never silently converted. Fields kvtool has no use for are ignored, as vLLM ignores them, so
 clients that send their defaults work. kvtool's extras (``priority``, ``cache_salt``,
-``ignore_eos``, ``return_token_ids``) are accepted as vLLM spells them. Answers are built as dicts:
-they are written once per token while streaming, and a model class would only add a copy.
+``ignore_eos``, ``return_token_ids``) are accepted as vLLM spells them, and
+``kv_cache_retention_config`` (token ranges kept at their own priority) as TensorRT-LLM spells it.
+Answers are built as dicts: they are written once per token while streaming, and a model class
+would only add a copy.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class SamplingFields(BaseModel):
     priority: int | None = None
     cache_salt: str | None = None
     return_token_ids: bool = False
+    # Retention of token ranges, TensorRT-LLM's JSON form (kvtool.config.retention_from_json).
+    kv_cache_retention_config: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -15,17 +15,22 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtool.errors import DatasetError
 from kvtool.files import atomic_write
 from kvtool.workloads.hash_prompt import HashPromptReader
 from kvtool.workloads.trace_tokens import MIN_TOKEN_ID
 
+if TYPE_CHECKING:
+    from kvtool.config import KvCacheRetentionConfig
+
 # Token ids reach the engine as int32, extra ids as uint64: a larger id is no id of any model.
 ID_LIMITS = {"input_ids": 1 << 31, "extra_ids": 1 << 64}
 HASH_KEYS = ("hash_ids", "hash_block_len", "input_length", "token_id_limit")  # a prompt of hash ids
 ALLOWED_KEYS = ("input_ids", "prompt", "output_tokens", "max_tokens", "session_id", "turn",
-                "arrival_time_s", "extra_ids", "priority", "cache_salt", "request_id", "task_id", *HASH_KEYS)
+                "arrival_time_s", "extra_ids", "priority", "cache_salt", "request_id", "task_id",
+                "kv_cache_retention_config", *HASH_KEYS)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class DatasetRecord:
     priority: int | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    # Retention of token ranges (kvtool.config.KvCacheRetentionConfig; TensorRT-LLM's JSON field names).
+    kv_cache_retention_config: KvCacheRetentionConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -207,12 +214,20 @@ def parse_line(obj, path: Path, line_number: int, hash_prompts: HashPromptReader
 
     request_id = check.name_field(obj, "request_id")
     task_id = check.name_field(obj, "task_id")
+    retention = None
+    if obj.get("kv_cache_retention_config") is not None:
+        from kvtool.config import retention_from_json  # noqa: PLC0415 - the C++ extension, only when used
+
+        try:
+            retention = retention_from_json(obj["kv_cache_retention_config"])
+        except ValueError as error:
+            raise check.fail(str(error)) from None
     return DatasetRecord(
         line_number=line_number, output_tokens=output_tokens, input_ids=input_ids, prompt=prompt,
         session_id=session_id, turn=turn,
         arrival_time_s=None if arrival_time_s is None else float(arrival_time_s),
         extra_ids=extra_ids, priority=priority, cache_salt=cache_salt or None,
-        request_id=request_id if request_id is not None else task_id)
+        request_id=request_id if request_id is not None else task_id, kv_cache_retention_config=retention)
 
 
 def _check_sessions_and_ids(path: Path, records: list[DatasetRecord]) -> None:

@@ -28,7 +28,7 @@ def dataset_requests(dataset: Dataset, *, tokenizer) -> list[Request]:
                 token_ids = token_ids[1:]
         if line.session_id is not None:
             sessions_seen.add(line.session_id)
-        key = (line.output_tokens, line.cache_salt, line.priority)
+        key = (line.output_tokens, line.cache_salt, line.priority, id(line.kv_cache_retention_config))
         if key not in shared_params:
             shared_params[key] = sampling_params_for(line)
         requests.append(Request(token_ids, shared_params[key],
@@ -44,4 +44,5 @@ def sampling_params_for(line: DatasetRecord) -> SamplingParams:
     if line.priority is not None:
         extra["priority"] = line.priority
     return SamplingParams(max_tokens=line.output_tokens, temperature=0.0, ignore_eos=True,
-                          cache_salt=line.cache_salt, **extra)
+                          cache_salt=line.cache_salt, kv_cache_retention_config=line.kv_cache_retention_config,
+                          **extra)
