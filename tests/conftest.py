@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from hf_checkpoints import TEST_TOKENS_PER_BLOCK, HfCheckpoint, make_hf_checkpoint
 
-from kvtool.plan import BuildOptions, build_plan
+from kvtool.plan import BuildOptions, build_plan, load_plan
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,6 +87,23 @@ def plan_from_checkpoint(hf_checkpoint, tmp_path_factory):
         return built[name]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def models(hf_checkpoint, plan_from_checkpoint):
+    """Factory: HF_CASES name -> (kvtool model on the torch path, transformers model), loaded once per test
+    module (a module may swap a model's CPU decoder; the next module gets its own copy)."""
+    from kvtool.layers.attention import TorchPagedAttention  # noqa: PLC0415 - torch only where a test needs it
+
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            plan = load_plan(plan_from_checkpoint(name))
+            built[name] = (plan.load_model("cpu", TorchPagedAttention()), hf_checkpoint(name).model)
+        return built[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -11,32 +11,16 @@ import torch
 
 from kvtool.cpu_kernels import supported_isas
 from kvtool.cpu_kernels.decoder import CpuDecoder, enable
-from kvtool.layers.attention import TorchPagedAttention
-from kvtool.plan import load_plan
 from hf_checkpoints import HF_CASES
 from hf_checkpoints import TEST_TOKENS_PER_BLOCK as T
 from paged_driver import PagedDriver
 from test_model_vs_transformers import MAX_RELATIVE_ERROR, hf_logits, random_prompt, relative_error
 
 
-@pytest.fixture(scope="module")
-def loaded(hf_checkpoint, plan_from_checkpoint):
-    """name -> (kvtool model, transformers model); the model is loaded once, decoders are swapped in."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            plan = load_plan(plan_from_checkpoint(name))
-            built[name] = (plan.load_model("cpu", TorchPagedAttention()), hf_checkpoint(name).model)
-        return built[name]
-
-    return get
-
-
 @pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("name", list(HF_CASES))
-def test_prefix_reuse_mixed_batches_and_greedy_decoding_match_transformers(loaded, name, isa):
-    ours, hf = loaded(name)
+def test_prefix_reuse_mixed_batches_and_greedy_decoding_match_transformers(models, name, isa):
+    ours, hf = models(name)
     ours.cpu_decoder = CpuDecoder(ours, isa=isa, num_threads=2)
     try:
         window = ours.sliding_window
@@ -78,8 +62,8 @@ def test_prefix_reuse_mixed_batches_and_greedy_decoding_match_transformers(loade
         ours.cpu_decoder = None
 
 
-def test_bfloat16_model_matches_its_torch_path(loaded):
-    ours, _ = loaded("qwen3_qk_norm")
+def test_bfloat16_model_matches_its_torch_path(models):
+    ours, _ = models("qwen3_qk_norm")
     model = ours.to(torch.bfloat16)
     try:
         prompt = random_prompt(45, seed=11)
@@ -98,8 +82,8 @@ def test_bfloat16_model_matches_its_torch_path(loaded):
         model.to(torch.float32)
 
 
-def test_enable_keeps_the_torch_path_where_the_kernels_do_not_apply(loaded):
-    ours, _ = loaded("llama_mha_tied_bias")
+def test_enable_keeps_the_torch_path_where_the_kernels_do_not_apply(models):
+    ours, _ = models("llama_mha_tied_bias")
     half = ours.to(torch.float16)
     try:
         assert enable(half) is None
@@ -110,7 +94,7 @@ def test_enable_keeps_the_torch_path_where_the_kernels_do_not_apply(loaded):
         ours.to(torch.float32)
 
 
-def test_an_unknown_isa_is_refused(loaded):
-    ours, _ = loaded("llama_mha_tied_bias")
+def test_an_unknown_isa_is_refused(models):
+    ours, _ = models("llama_mha_tied_bias")
     with pytest.raises(ValueError, match="does not run on this CPU"):
         CpuDecoder(ours, isa="neon")

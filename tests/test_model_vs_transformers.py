@@ -33,20 +33,6 @@ def random_prompt(length: int, seed: int, vocab_size: int = 512) -> list[int]:
     return [rng.randrange(3, vocab_size) for _ in range(length)]
 
 
-@pytest.fixture(scope="module")
-def models(hf_checkpoint, plan_from_checkpoint):
-    """name -> (kvtool model, transformers model)."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            plan = load_plan(plan_from_checkpoint(name))
-            built[name] = (plan.load_model("cpu", TorchPagedAttention()), hf_checkpoint(name).model)
-        return built[name]
-
-    return get
-
-
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([token_ids])).logits[0].float()  # [len, vocab]
