@@ -50,10 +50,10 @@ class ModelRunner:
         self.tokens_per_block = 0
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        self.mixed_graphs: MixedGraphs | None = None
         # On the CPU the model runs through kvtool's fused kernels where they apply (the ISA they
         # use, e.g. 'avx512'; None: the torch path).
         self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
-        self.mixed_graphs: MixedGraphs | None = None
         self.tier3_store: Tier3Store | None = None  # the third tier's (use_tier3_store)
 
     # -- the executor of an engine (kvtool.runtime.assemble.Executor) ----------------------------
