@@ -119,6 +119,9 @@ inline NodeId KVCacheManager::Impl::insert_node(NodeId parent, uint64_t hash, co
   fresh.lora_task_id = lora_task_id;
   fresh.cache_salt = cache_salt;
   x = fresh;
+  // A reused slot forgets its former node's third-tier state (a block staged from the third tier,
+  // then dropped, must not make this node's later host hits count as the third tier's).
+  if (has_t3) node_tier3[n] = NodeTier3{};
   std::memcpy(&node_token_ids[static_cast<size_t>(n) * tpb], token_ids, sizeof(TokenId) * tpb);
   if (x.has_extras) {
     if (node_extra_ids.empty()) node_extra_ids.assign(node_token_ids.size(), 0);
