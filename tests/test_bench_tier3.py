@@ -37,14 +37,3 @@ def test_bench_and_explain_tell_the_tier_of_each_hit(tmp_path, tiny_llama_plan):
     explained = " ".join(invoke("explain", out).output.split())
     assert f"the disk tier ({disk_hits})." in explained
     assert f"Staging {disk_hits} blocks from the third tier took" in explained
-
-
-def test_simulate_refuses_a_third_tier_naming_its_flag(tmp_path):
-    """kvtool simulate does not model the third tier (yet): a scenario asking for one is refused, one line."""
-    config = Path(__file__).resolve().parent.parent / "bench_configs" / "third_tier.yaml"
-    result = invoke("simulate", "--config", config, "--profile", "h100", "--output", tmp_path / "out",
-                    "--set", "dataset.num_sessions=2")
-    assert result.exit_code == 2
-    # The host-only variant runs first; the disk one stops the run.
-    assert ("Error: --kv_disk_cache_dir: a simulated engine has no third KV tier (kvtool simulate does not model "
-            "it)") in " ".join(result.output.split())
