@@ -34,6 +34,8 @@ def test_bench_and_explain_tell_the_tier_of_each_hit(tmp_path, tiny_llama_plan):
     assert int(row["disk_out_bytes"]) == disk_hits * block_bytes
     table = " ".join(result.output.split())
     assert "reused blocks by tier │ 32 disk │" in table and "evicted blocks by tier │ none │" in table
-    explained = " ".join(invoke("explain", out).output.split())
+    explain = invoke("explain", out)
+    assert explain.exit_code == 0, explain.output
+    explained = " ".join(explain.output.split())
     assert f"the disk tier ({disk_hits})." in explained
     assert f"Staging {disk_hits} blocks from the third tier took" in explained

@@ -43,7 +43,10 @@ class OpenedTier(NamedTuple):
 def plan_identity(plan, kv_cache_dtype, tokens_per_block: int) -> bytes:
     """The 32-byte identity of a plan's KV in every third-tier key: its weights' checksum, KV dtype and shapes."""
     config = plan.model_config
-    return plan_digest(weights_digest=plan.manifest["weights"]["checksum"], kv_dtype=kv_cache_dtype,
+    weights = getattr(plan, "manifest", {}).get("weights")
+    # A simulation of a model's shapes (kvtool.simulate.shapes) has no weights: its name stands for them.
+    return plan_digest(weights_digest=weights["checksum"] if weights else f"shapes of {plan.name}",
+                       kv_dtype=kv_cache_dtype,
                        tokens_per_block=tokens_per_block, num_layers=config.num_layers,
                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
