@@ -152,3 +152,20 @@ def test_a_real_engine_refuses_what_only_a_simulation_models(tmp_path, tiny_llam
     assert result.exit_code == 2, result.output
     assert " ".join(result.output.split()).startswith(
         "Error: --kv_disk_cache_bytes 1073741824: a disk tier writes its files to --kv_disk_cache_dir DIR: give it")
+
+
+def test_sweep_capacity_points_to_a_sweep_of_the_third_tier(tmp_path, tiny_llama_plan, profile):
+    result, _ = _simulate(tmp_path, profile, tiny_llama_plan, "--dataset", _dataset(tmp_path, "AB"),
+                          "--kv_disk_cache_bytes", "1GiB", "--sweep_capacity")
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()).startswith("Error: --kv_disk_cache_bytes: --sweep_capacity sweeps the GPU "
+                                                      "pool and the host tier")
+
+
+def test_a_sweep_of_the_disk_tier_size_raises_the_hit_rate(tmp_path, tiny_llama_plan, profile):
+    result, out = _simulate(tmp_path, profile, tiny_llama_plan, "--dataset", _dataset(tmp_path, "ABCD"),
+                            "--mode", "sequential", "--max_tokens_in_paged_kv_cache", 160, "--kv_host_cache_bytes",
+                            8 * BLOCK_BYTES, "--sweep", "kv_disk_cache_bytes=0,12MiB")
+    assert result.exit_code == 0, result.output
+    rates = {row["label"]: float(row["cache_hit_rate"]) for row in _summary(out)}
+    assert rates == {"kv_disk_cache_bytes=0": 0.0, "kv_disk_cache_bytes=12MiB": 0.5}

@@ -231,6 +231,12 @@ def _capacity_variants(sweep: list[str], flags: FlagValues, make_llm) -> list[di
         raise ValueError("--sweep_capacity sweeps the cache sizes over --dataset: drop --config")
     if flags["dataset"] is None:
         raise ValueError("give --dataset FILE.jsonl to --sweep_capacity (a trace: `kvtool dataset import`)")
+    tier = next((f"--{name}" for name in ("kv_disk_cache_bytes", "kv_remote_cache_bytes", "kv_remote_cache")
+                 if flags[name]), None)
+    if tier is not None:
+        raise ValueError(f"{tier}: --sweep_capacity sweeps the GPU pool and the host tier, which a third tier needs "
+                         "(its host-less points cannot have one): sweep the third tier's size with --sweep "
+                         "kv_disk_cache_bytes=0,1TiB,... at a fixed --kv_host_cache_bytes instead")
     if flags[HOST_FLAG] is not None:
         raise ValueError(f"--{HOST_FLAG} is given and --sweep_capacity sweeps it: drop --{HOST_FLAG}, or give its "
                          f"sizes with --sweep {HOST_FLAG}=0,64GiB,...")
