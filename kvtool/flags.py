@@ -138,8 +138,11 @@ CONFIG_FLAGS: tuple[Flag, ...] = tuple(FLAG_BY_NAME[name] for name in (
     "max_batch_size", "max_num_tokens", "max_seq_len", "enforce_eager", "tokens_per_block", "mode", "concurrency",
     "request_rate", "seed", "warmup", "warmup_counts_in_stats", "time_scale", "num_requests"))
 FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS)
-# The flags that configure the engine (not how a dataset is replayed): what `kvtool serve` takes too.
-ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS if flag.section != REPLAY)
+# A simulated engine's only: a remote store's size is a simulation's (a real one's is its server's maxmemory).
+SIMULATION_ONLY_FLAGS = ("kv_remote_cache_bytes",)
+# The flags that configure a real engine (not how a dataset is replayed): what `kvtool serve` takes too.
+ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS
+                                           if flag.section != REPLAY and flag.name not in SIMULATION_ONLY_FLAGS)
 _FLAG_BY_FIELD = MappingProxyType({(_OWNERS[flag.section], flag.field): flag for flag in CONFIG_FLAGS})
 
 
@@ -150,9 +153,8 @@ def names_in(*panels: str) -> tuple[str, ...]:
 
 # The flags of a command that runs an engine (what to run and how it is configured), and those of a
 # command that replays a dataset through it (what, how, and what is written).
-# A simulated engine's: a remote store's size is a simulation's (a real one's is its server's).
 SIMULATED_ENGINE_FLAGS = names_in(MODEL, KV_CACHE, SCHEDULER)
-ENGINE_FLAGS = tuple(name for name in SIMULATED_ENGINE_FLAGS if name != "kv_remote_cache_bytes")
+ENGINE_FLAGS = tuple(name for name in SIMULATED_ENGINE_FLAGS if name not in SIMULATION_ONLY_FLAGS)
 RUN_FLAGS = names_in(WORKLOAD, OUTPUT, REPORT)
 # A fleet's: simulate takes them all, bench --endpoint the router's (its replicas are the servers given).
 FLEET_FLAGS = names_in(FLEET)

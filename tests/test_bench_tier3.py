@@ -4,7 +4,6 @@ served the reused blocks, which tier dropped blocks and what staging cost; expla
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 from test_cli_bench import invoke
 
