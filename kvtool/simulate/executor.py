@@ -117,7 +117,8 @@ class CostModelExecutor:
             pool, index, cost, num_index_blocks = (_core.PoolKind.REMOTE, self.remote_index, costs.tiers["remote"],
                                                    kv.remote_cache_index_blocks)
         else:
-            pool, index, cost, num_index_blocks = _core.PoolKind.DISK, KeyIndex(num_blocks), costs.tiers["disk"], num_blocks
+            pool, index, cost, num_index_blocks = (_core.PoolKind.DISK, KeyIndex(num_blocks), costs.tiers["disk"],
+                                                   num_blocks)
         self.tier3_store = SimulatedStore(pool, index, cost, block_bytes, plan_digest, self.clock.advance)
         return OpenedTier(self.tier3_store, num_index_blocks)
 

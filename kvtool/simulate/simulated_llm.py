@@ -50,8 +50,8 @@ class SimulatedLLM:
         what = (f"{self.plan.name} from its shapes (no weights written or read)" if isinstance(self.plan, ModelShapes)
                 else f"the plan {self.plan.path} (its weights are not read)")
         store = self.executor.tier3_store
-        tier = ("" if store is None else f"; a simulated {store.tier} tier of {store.index.num_blocks} blocks (no bytes "
-                f"stored), {self.executor.tier_costs.describe(store.tier)}")
+        tier = ("" if store is None else f"; a simulated {store.tier} tier of {store.index.num_blocks} blocks (no "
+                f"bytes stored), {self.executor.tier_costs.describe(store.tier)}")
         return (f"simulating {what}: {opts.dtype} weights, {opts.resolved_kv_cache_dtype} KV cache in blocks of "
                 f"{opts.tokens_per_block} tokens; cost profile {self.cost_model.name}{tier}")
 
