@@ -88,6 +88,11 @@ class KvCacheConfig:
     at start), or ``remote_cache_url`` (redis://host:port), a Redis / Valkey server that every engine
     pointed at it shares (``remote_cache_index_blocks``: how many of its blocks this engine's index
     remembers; blocks other engines stored are found by key anyway).
+
+    A simulated engine (`kvtool simulate`) models the third tier from its size alone: a disk tier of
+    ``disk_cache_size`` bytes (no directory: nothing is written), or a remote store of
+    ``remote_cache_size`` bytes shared by every replica (a real store holds what its server's
+    maxmemory allows, so a real engine refuses this size; the URL is optional there).
     """
 
     enable_block_reuse: bool = True
@@ -106,6 +111,7 @@ class KvCacheConfig:
     disk_cache_size: int = 0
     remote_cache_url: str | None = None
     remote_cache_index_blocks: int = REMOTE_INDEX_BLOCKS
+    remote_cache_size: int = 0
 
     def __post_init__(self) -> None:
         check(self.max_tokens is None or self.max_tokens > 0, self, "max_tokens",
@@ -130,24 +136,27 @@ class KvCacheConfig:
         check(self.disk_cache_size >= 0, self, "disk_cache_size", f"must be >= 0 bytes, got {self.disk_cache_size}")
         check(self.disk_cache_dir is None or self.disk_cache_size > 0, self, "disk_cache_size",
               "must be given with the disk cache's directory: give its size in bytes (e.g. 4GiB)")
-        check(self.disk_cache_size == 0 or self.disk_cache_dir is not None, self, "disk_cache_dir",
-              "must be given with the disk cache's size: give the directory its files go to")
+        check(self.remote_cache_size >= 0, self, "remote_cache_size",
+              f"must be >= 0 bytes, got {self.remote_cache_size}")
         url = self.remote_cache_url
         check(url is None or (isinstance(url, str) and url.startswith(REMOTE_SCHEMES)), self, "remote_cache_url",
               f"{url!r} is not a Redis URL: use redis://host:port (rediss:// for TLS, unix:///path.sock)")
-        check(url is None or self.disk_cache_dir is None, self, "remote_cache_url",
-              "and the disk cache are both given, but an engine has one third tier: give one of them")
+        remote = url is not None or self.remote_cache_size > 0
+        check(not remote or self.disk_cache_size == 0, self, "remote_cache_url" if url is not None else
+              "remote_cache_size", "and the disk cache are both given, but an engine has one third tier: give one "
+              "of them")
         check(self.remote_cache_index_blocks >= 1, self, "remote_cache_index_blocks",
               f"must be >= 1, got {self.remote_cache_index_blocks}")
         check(not self.has_third_tier or self.host_cache_size > 0, self,
-              "disk_cache_dir" if url is None else "remote_cache_url",
+              ("remote_cache_url" if url is not None else "remote_cache_size") if remote
+              else "disk_cache_dir" if self.disk_cache_dir is not None else "disk_cache_size",
               "needs a host cache, which blocks pass through on their way to and from the third tier: give "
               "the host cache a size too (--kv_host_cache_bytes)")
 
     @property
     def has_third_tier(self) -> bool:
         """Whether blocks evicted from the host tier go to disk or a remote store."""
-        return self.disk_cache_dir is not None or self.remote_cache_url is not None
+        return self.disk_cache_size > 0 or self.remote_cache_url is not None or self.remote_cache_size > 0
 
     def to_core(self, *, tokens_per_block: int, num_primary_blocks: int, num_secondary_blocks: int,
                 max_attention_window: int | None, num_tier3_blocks: int = 0,
@@ -162,7 +171,7 @@ class KvCacheConfig:
             max_attention_window=max_attention_window or 0, event_buffer_max_size=self.event_buffer_max_size)
         if num_tier3_blocks:
             config.num_tier3_blocks = num_tier3_blocks
-            config.tier3_pool = _core.PoolKind.DISK if self.remote_cache_url is None else _core.PoolKind.REMOTE
+            config.tier3_pool = _core.PoolKind.DISK if self.disk_cache_size else _core.PoolKind.REMOTE
             config.plan_digest = plan_digest
         return config
 

@@ -71,11 +71,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_disk_cache_dir", "Third KV tier on local disk: blocks evicted from the host cache spill to files in "
          "this directory (private to this engine, emptied at start; needs --kv_host_cache_bytes and "
          "--kv_disk_cache_bytes).", KV_CACHE, str, KV, "disk_cache_dir"),
-    Flag("kv_disk_cache_bytes", "Size of the disk tier's files: bytes or 4GB / 8GiB.", KV_CACHE, str, KV,
-         "disk_cache_size", parse=parse_bytes),
+    Flag("kv_disk_cache_bytes", "Size of the disk tier's files: bytes or 4GB / 8GiB (simulate: the disk tier, no "
+         "directory needed).", KV_CACHE, str, KV, "disk_cache_size", parse=parse_bytes),
     Flag("kv_remote_cache", "Third KV tier in a Redis / Valkey server shared by every engine pointed at it: "
          "redis://host:port (needs --kv_host_cache_bytes; keys carry the model, cache salt and LoRA id).",
          KV_CACHE, str, KV, "remote_cache_url"),
+    Flag("kv_remote_cache_bytes", "simulate only: a remote store of this size shared by every --replicas (its "
+         "least recently used blocks dropped when full; a real store's size is its server's maxmemory).", KV_CACHE,
+         str, KV, "remote_cache_size", parse=parse_bytes),
     Flag("max_attention_window_size", "Sliding attention window (tokens).", KV_CACHE, int, KV, "max_attention_window"),
     Flag("scheduler_policy", "guaranteed_no_evict (default) | max_utilization | static_batch.", SCHEDULER, str,
          SCHED, "capacity_scheduler_policy"),
@@ -130,13 +133,16 @@ FLAG_BY_NAME: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in
 # in the order summary rows have always given them.
 CONFIG_FLAGS: tuple[Flag, ...] = tuple(FLAG_BY_NAME[name] for name in (
     "enable_kv_cache_reuse", "kv_host_cache_bytes", "kv_disk_cache_dir", "kv_disk_cache_bytes", "kv_remote_cache",
-    "max_tokens_in_paged_kv_cache", "kv_cache_free_gpu_mem_fraction",
+    "kv_remote_cache_bytes", "max_tokens_in_paged_kv_cache", "kv_cache_free_gpu_mem_fraction",
     "max_attention_window_size", "scheduler_policy", "context_chunking_policy", "enable_chunked_context",
     "max_batch_size", "max_num_tokens", "max_seq_len", "enforce_eager", "tokens_per_block", "mode", "concurrency",
     "request_rate", "seed", "warmup", "warmup_counts_in_stats", "time_scale", "num_requests"))
 FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS)
-# The flags that configure the engine (not how a dataset is replayed): what `kvtool serve` takes too.
-ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS if flag.section != REPLAY)
+# A simulated engine's only: a remote store's size is a simulation's (a real one's is its server's maxmemory).
+SIMULATION_ONLY_FLAGS = ("kv_remote_cache_bytes",)
+# The flags that configure a real engine (not how a dataset is replayed): what `kvtool serve` takes too.
+ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS
+                                           if flag.section != REPLAY and flag.name not in SIMULATION_ONLY_FLAGS)
 _FLAG_BY_FIELD = MappingProxyType({(_OWNERS[flag.section], flag.field): flag for flag in CONFIG_FLAGS})
 
 
@@ -147,9 +153,8 @@ def names_in(*panels: str) -> tuple[str, ...]:
 
 # The flags of a command that runs an engine (what to run and how it is configured), and those of a
 # command that replays a dataset through it (what, how, and what is written).
-ENGINE_FLAGS = names_in(MODEL, KV_CACHE, SCHEDULER)
-# The third KV tier's flags: real engines only (`kvtool simulate` does not model the tier).
-TIER3_FLAG_NAMES = ("kv_disk_cache_dir", "kv_disk_cache_bytes", "kv_remote_cache")
+SIMULATED_ENGINE_FLAGS = names_in(MODEL, KV_CACHE, SCHEDULER)
+ENGINE_FLAGS = tuple(name for name in SIMULATED_ENGINE_FLAGS if name not in SIMULATION_ONLY_FLAGS)
 RUN_FLAGS = names_in(WORKLOAD, OUTPUT, REPORT)
 # A fleet's: simulate takes them all, bench --endpoint the router's (its replicas are the servers given).
 FLEET_FLAGS = names_in(FLEET)

@@ -60,8 +60,8 @@ def test_every_flag_sets_its_field():
               "enforce_eager": True, "tokens_per_block": 8, "mode": "offline", "concurrency": 2,
               "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5,
               "time_scale": 1.0}  # (other scales contradict request_rate: tests/test_trace_replay.py)
-    # The remote tier's flag excludes the disk tier's: test_the_remote_tier_flag_sets_its_url.
-    assert set(values) | {"kv_remote_cache"} == {flag.name for flag in CONFIG_FLAGS}
+    # The remote tier's flags exclude the disk tier's: test_the_remote_tier_flag_sets_its_url.
+    assert set(values) | {"kv_remote_cache", "kv_remote_cache_bytes"} == {flag.name for flag in CONFIG_FLAGS}
     engine, replay = configs(values)
     assert engine == EngineConfig(
         kv_cache_config=KvCacheConfig(enable_block_reuse=False, host_cache_size=2048, max_tokens=512,
@@ -76,7 +76,7 @@ def test_every_flag_sets_its_field():
     row = as_row(engine, replay)
     assert row == {**{name: value for name, value in values.items() if name not in (
         "kv_host_cache_bytes", "kv_disk_cache_bytes", "num_requests")}, "kv_host_cache_bytes": 2048,
-        "kv_disk_cache_bytes": 1 << 30, "kv_remote_cache": None, "num_requests_limit": 5}
+        "kv_disk_cache_bytes": 1 << 30, "kv_remote_cache": None, "kv_remote_cache_bytes": 0, "num_requests_limit": 5}
 
 
 def test_the_remote_tier_flag_sets_its_url():
@@ -87,6 +87,19 @@ def test_the_remote_tier_flag_sets_its_url():
                       num_tier3_blocks=100, plan_digest=b"p" * 32)
     assert (core.num_tier3_blocks, core.tier3_pool, core.plan_digest) == (100, _core.PoolKind.REMOTE, b"p" * 32)
     assert as_row(engine, ReplayOptions())["kv_remote_cache"] == "redis://cache:6379/2"
+
+
+def test_a_simulated_third_tier_is_given_by_its_size_alone():
+    """`kvtool simulate` models a disk tier from --kv_disk_cache_bytes and a shared store from
+    --kv_remote_cache_bytes: neither needs a directory or a URL."""
+    for flags, pool in (({"kv_disk_cache_bytes": "2TiB"}, _core.PoolKind.DISK),
+                        ({"kv_remote_cache_bytes": "8TiB"}, _core.PoolKind.REMOTE)):
+        engine, _ = configs({"kv_host_cache_bytes": "1GiB", **flags})
+        kv = engine.kv_cache_config
+        assert kv.has_third_tier and (kv.disk_cache_dir, kv.remote_cache_url) == (None, None)
+        core = kv.to_core(tokens_per_block=16, num_primary_blocks=4, num_secondary_blocks=2,
+                          max_attention_window=None, num_tier3_blocks=100)
+        assert core.tier3_pool == pool
 
 
 def test_enforce_eager_turns_the_llms_cuda_graphs_off():
@@ -120,8 +133,10 @@ def test_the_llm_apis_block_size_is_the_engines_build_option():
      "--kv_remote_cache 'http://cache:6379' is not a Redis URL: use redis://host:port"),
     ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_dir": "/var/kv"},
      "--kv_disk_cache_bytes must be given with the disk cache's directory"),
-    ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_bytes": "4GiB"},
-     "--kv_disk_cache_dir must be given with the disk cache's size"),
+    ({"kv_remote_cache_bytes": "-1"}, "--kv_remote_cache_bytes: must be >= 0 bytes, got -1"),
+    ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_bytes": "4GiB", "kv_remote_cache_bytes": "1TiB"},
+     "--kv_remote_cache_bytes and the disk cache are both given"),
+    ({"kv_remote_cache_bytes": "1TiB"}, "--kv_remote_cache_bytes needs a host cache, which blocks pass through"),
     ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_dir": "/var/kv", "kv_disk_cache_bytes": "lots"},
      "--kv_disk_cache_bytes: byte size 'lots' is not understood"),
     ({"kv_host_cache_bytes": "1GiB", "kv_disk_cache_dir": "/var/kv", "kv_disk_cache_bytes": "4GiB",

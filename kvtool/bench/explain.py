@@ -166,9 +166,6 @@ def explain_runs(runs: Sequence[Mapping], *, report_dir: Path, profile: str | No
     changes = what_ifs(row)
     if not changes:
         return sentences
-    if row.get("kv_disk_cache_dir") or row.get("kv_remote_cache"):
-        sentences.append("(No simulated what-ifs: kvtool simulate does not model the third KV tier yet.)")
-        return sentences
     baseline = simulate_row(runs[0], {}, report_dir=report_dir, profile=profile)
     profile_name = baseline.get("cost_profile")
     for change in changes:

@@ -18,7 +18,7 @@ from kvtool.cli.build import DType
 from kvtool.cli.user_errors import user_errors
 from kvtool.cli.help import KvtoolCommand
 from kvtool.cli.typer_options import flag, flags_of, toggle, with_flags
-from kvtool.flags import ENGINE_FLAGS, FLEET_FLAGS, MODEL, RUN_FLAGS, TIER3_FLAG_NAMES, FlagValues
+from kvtool.flags import FLEET_FLAGS, MODEL, RUN_FLAGS, SIMULATED_ENGINE_FLAGS, FlagValues
 from kvtool.signals import stop_signals
 from kvtool.simulate.published import DEVICES
 
@@ -40,15 +40,18 @@ SweepCapacity = Annotated[bool, toggle(
     "max_tokens_in_paged_kv_cache=... or kv_host_cache_bytes=... gives an axis' sizes.", SIMULATION)]
 
 
-# The third KV tier is not modelled yet (issue 26, item 5): simulate does not take its flags.
-SIMULATED_ENGINE_FLAGS = tuple(name for name in ENGINE_FLAGS if name not in TIER3_FLAG_NAMES)
+TierCost = Annotated[list[str] | None, flag(
+    "tier_cost", "A third tier's cost per block instead of this machine's (results/tiers.md): --tier_cost "
+    "disk=80us,7GB/s (a fetch: latency, bandwidth), disk.spill=0us,10GB/s (the step's share of a spill), "
+    "remote.lookup=300us (repeatable).", SIMULATION)]
 
 
 @app.command(cls=KvtoolCommand)
 @with_flags
 def simulate(engine: FlagValues = flags_of(SIMULATED_ENGINE_FLAGS), run: FlagValues = flags_of(RUN_FLAGS),
              profile: Profile = None, dtype: SimulatedDType = None, sweep: Sweep = None,
-             sweep_capacity: SweepCapacity = False, fleet: FlagValues = flags_of(FLEET_FLAGS)) -> None:
+             sweep_capacity: SweepCapacity = False, fleet: FlagValues = flags_of(FLEET_FLAGS),
+             tier_cost: TierCost = None) -> None:
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
     the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
     shapes with the build options asked for: no weights are written or read. --replicas N simulates a
@@ -56,16 +59,21 @@ def simulate(engine: FlagValues = flags_of(SIMULATED_ENGINE_FLAGS), run: FlagVal
     from kvtool.fleet.fleet_run import create_simulated_fleet, fleet_options, simulated_fleet_rows
     from kvtool.reports.sweep_table import plot_sweep, print_sweep
     from kvtool.simulate.profiles import create_simulated_llm, profile_dtype, source_plan
+    from kvtool.simulate.tier_costs import tier_costs
 
     flags = engine | run
     console = Console(stderr=True)
     dtype = dtype.value if dtype is not None else None
     with user_errors():
         fleet_asked = fleet_options(fleet)
+        costs = tier_costs(tier_cost or ())
+        if tier_cost and fleet["search"]:
+            raise ValueError("--tier_cost does not go with --search (its fleets use this machine's tier costs): "
+                             "drop --tier_cost, or compare fleets with --replicas runs")
 
     def factory_quiet(model, engine_config, replay, dataset=None, *, cache_dir=None):
         return create_simulated_llm(model, engine_config, replay, dataset, profile=profile, dtype=dtype,
-                                    cache_dir=cache_dir)
+                                    cache_dir=cache_dir, tier_costs=costs)
 
     def factory(model, engine_config, replay, dataset=None, *, cache_dir=None):
         llm = factory_quiet(model, engine_config, replay, dataset, cache_dir=cache_dir)
@@ -223,6 +231,12 @@ def _capacity_variants(sweep: list[str], flags: FlagValues, make_llm) -> list[di
         raise ValueError("--sweep_capacity sweeps the cache sizes over --dataset: drop --config")
     if flags["dataset"] is None:
         raise ValueError("give --dataset FILE.jsonl to --sweep_capacity (a trace: `kvtool dataset import`)")
+    tier = next((f"--{name}" for name in ("kv_disk_cache_bytes", "kv_remote_cache_bytes", "kv_remote_cache")
+                 if flags[name]), None)
+    if tier is not None:
+        raise ValueError(f"{tier}: --sweep_capacity sweeps the GPU pool and the host tier, which a third tier needs "
+                         "(its host-less points cannot have one): sweep the third tier's size with --sweep "
+                         "kv_disk_cache_bytes=0,1TiB,... at a fixed --kv_host_cache_bytes instead")
     if flags[HOST_FLAG] is not None:
         raise ValueError(f"--{HOST_FLAG} is given and --sweep_capacity sweeps it: drop --{HOST_FLAG}, or give its "
                          f"sizes with --sweep {HOST_FLAG}=0,64GiB,...")

@@ -32,9 +32,10 @@ def create_simulated_fleet(model, engine, replay, dataset, *, num_replicas: int,
 
     first = llm or create_simulated_llm(model, engine, replay, dataset, profile=profile, dtype=dtype,
                                         cache_dir=cache_dir)
-    # The others share its plan and cost model; a simulation's host pool never needs the workload's size
-    # (its budget is what is asked for).
-    replicas = [first] + [SimulatedLLM(first.plan, first.cost_model, engine) for _ in range(num_replicas - 1)]
+    # The others share its plan, cost model and remote store (one store for the fleet); a simulation's host
+    # pool never needs the workload's size (its budget is what is asked for).
+    replicas = [first] + [SimulatedLLM(first.plan, first.cost_model, engine, tier_costs=first.executor.tier_costs,
+                                       remote_index=first.executor.remote_index) for _ in range(num_replicas - 1)]
     pools = first.pool_sizes
     capacity = (pools.num_primary_blocks + pools.num_secondary_blocks) * pools.tokens_per_block
     return SimulatedFleet(replicas, make_router(router, num_replicas, block_size=pools.tokens_per_block,

@@ -112,19 +112,19 @@ def assemble_engine(plan, config: EngineConfig, executor: Executor, clock: Clock
 
 
 def open_third_tier(plan, kv: KvCacheConfig, shape: BlockShape, executor) -> OpenedTier | None:
-    """The third tier's store when the configuration asks for one; refused where the executor cannot
-    run its copies (`kvtool simulate` does not model the tier)."""
+    """The third tier's store when the configuration asks for one: the executor's own where it has one
+    (``open_tier3``: a simulation's index-only store), else the disk files or remote store
+    (kvtool.runtime.tier3.open_tier)."""
     if not kv.has_third_tier:
         return None
-    flag = "--kv_disk_cache_dir" if kv.disk_cache_dir is not None else "--kv_remote_cache"
-    if not hasattr(executor, "use_tier3_store"):
-        raise KvtoolError(f"{flag}: a simulated engine has no third KV tier (kvtool simulate does not model it): "
-                          "drop the flag, or run the model with kvtool bench")
     if not kv.enable_block_reuse:
+        flag = ("--kv_disk_cache_bytes" if kv.disk_cache_size else
+                "--kv_remote_cache" if kv.remote_cache_url is not None else "--kv_remote_cache_bytes")
         raise KvtoolError(f"{flag}: the third tier keeps blocks for reuse, which --disable_kv_cache_reuse turns "
                           "off: drop one of them")
     digest = plan_identity(plan, shape.dtype, shape.tokens_per_block)
-    return open_tier(kv, shape.num_bytes, digest)
+    opener = getattr(executor, "open_tier3", open_tier)
+    return opener(kv, shape.num_bytes, digest)
 
 
 def runtime_limits(plan, config: EngineConfig) -> RuntimeLimits:

@@ -60,7 +60,7 @@ class Engine:
         self._may_stop: set[int] = set()
         self._lagging = False  # step_until left tokens of running requests in C++ (_catch_up)
         self.tier3 = None if tier3_store is None else Tier3(self.scheduler.cache_manager, tier3_store,
-                                                             executor.run_copies)
+                                                             executor.run_copies, clock=clock)
         self._unadmitted: dict[int, None] = {}  # with a third tier: requests it may stage for, in arrival order
         self._max_batch_size = scheduler_config.max_batch_size
         # What one step's stagings may bring into the host tier: half of it, so that the blocks staged for

@@ -43,7 +43,10 @@ class OpenedTier(NamedTuple):
 def plan_identity(plan, kv_cache_dtype, tokens_per_block: int) -> bytes:
     """The 32-byte identity of a plan's KV in every third-tier key: its weights' checksum, KV dtype and shapes."""
     config = plan.model_config
-    return plan_digest(weights_digest=plan.manifest["weights"]["checksum"], kv_dtype=kv_cache_dtype,
+    weights = getattr(plan, "manifest", {}).get("weights")
+    # A simulation of a model's shapes (kvtool.simulate.shapes) has no weights: its name stands for them.
+    return plan_digest(weights_digest=weights["checksum"] if weights else f"shapes of {plan.name}",
+                       kv_dtype=kv_cache_dtype,
                        tokens_per_block=tokens_per_block, num_layers=config.num_layers,
                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
@@ -51,6 +54,13 @@ def plan_identity(plan, kv_cache_dtype, tokens_per_block: int) -> bytes:
 def open_tier(kv: KvCacheConfig, block_bytes: int, plan: bytes) -> OpenedTier | None:
     """The store the configuration asks for (None: no third tier). KvtoolError naming the flag when the
     directory cannot hold the tier, the size holds no block, or no server answers at the URL."""
+    if kv.disk_cache_size and kv.disk_cache_dir is None:
+        raise KvtoolError(f"--kv_disk_cache_bytes {kv.disk_cache_size}: a disk tier writes its files to "
+                          "--kv_disk_cache_dir DIR: give it (only kvtool simulate models a disk tier from its size "
+                          "alone)")
+    if kv.remote_cache_size:
+        raise KvtoolError(f"--kv_remote_cache_bytes {kv.remote_cache_size} sizes a simulated store (kvtool "
+                          "simulate); a real one holds what its server's maxmemory allows: drop the flag")
     if kv.disk_cache_dir is not None:
         slot_bytes = round_up(HEADER_BYTES + block_bytes, PAGE_BYTES)
         num_blocks = kv.disk_cache_size // slot_bytes
@@ -88,19 +98,22 @@ class StagingCost(NamedTuple):
 class Tier3:
     """The third tier of one engine: stages requests' blocks from ``store`` into the host tier of
     ``manager``, the copies run by ``run_copies`` (the executor's: a step's copy operations, the third
-    tier's on the store; returns the host blocks whose fetch failed)."""
+    tier's on the store; returns the host blocks whose fetch failed), timed on ``clock`` (the engine's: a
+    simulation's store advances its simulated clock by what the staging costs)."""
 
-    def __init__(self, manager, store: Tier3Store, run_copies: Callable[[object], list[int]]) -> None:
+    def __init__(self, manager, store: Tier3Store, run_copies: Callable[[object], list[int]], *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.manager = manager
         self.store = store
         self._run_copies = run_copies
+        self._clock = clock
         self.staging_seconds = 0.0  # lookups and fetches, on the step path
 
     def stage(self, token_ids, *, extra_ids=None, lora_task_id: int = 0, cache_salt: int = 0,
               priority: int = DEFAULT_PRIORITY, retention=None) -> StagingCost:
         """Fetches the prompt's leading blocks the store holds (after those in the primary and host tiers)
         into the host tier; a store that cannot be asked stages nothing."""
-        start = time.perf_counter()
+        start = self._clock()
         m = self.manager
         identity = {"extra_ids": extra_ids, "lora_task_id": lora_task_id, "cache_salt": cache_salt}
         lookup = m.tier3_lookup(token_ids, **identity)
@@ -114,7 +127,7 @@ class Tier3:
                 failed = self._run_copies(m.take_copy_ops()) if num_staged else []
                 m.complete_staging(failed)
                 num_staged -= len(failed)
-        seconds = time.perf_counter() - start
+        seconds = self._clock() - start
         self.staging_seconds += seconds
         return StagingCost(num_staged, seconds)
 
