@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_import import find_trace  # the shared trace, found above the checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from trace_data import TRACE_NAME, find_conversation_trace  # the shared trace, found above the checkout
 
 KVTOOL = str(Path(sys.executable).parent / "kvtool")
 MODEL = ["--model", "preset:llama-3.1-8b", "--max_seq_len", "131072", "--enable_chunked_context", "--profile", "h100",
@@ -56,8 +57,10 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="the Mooncake trace (default: shared/data above the checkout)")
     parser.add_argument("--search_requests", type=int, help="search over the trace's first N requests (default: all)")
     args = parser.parse_args()
+    trace = args.trace or find_conversation_trace()
+    if trace is None:
+        parser.error(f"no shared/data/{TRACE_NAME} above the checkout: give --trace PATH")
     work = Path(tempfile.mkdtemp(prefix="fleet-speed-"))
-    trace = args.trace or find_trace()
     dataset = work / "trace.jsonl"
     subprocess.run([KVTOOL, "dataset", "import", str(trace), "--format", "mooncake", "--max_output_tokens", "64",
                     "--output", str(dataset)], check=True, stdout=subprocess.DEVNULL)

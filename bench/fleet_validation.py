@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_import import find_trace  # the shared trace, found above the checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from trace_data import TRACE_NAME, find_conversation_trace  # the shared trace, found above the checkout
 
 ROOT = Path(__file__).resolve().parent.parent
 KVTOOL = str(Path(sys.executable).parent / "kvtool")
@@ -97,6 +98,9 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="the Mooncake trace (default: shared/data above the checkout)")
     parser.add_argument("--time_scale", type=float, default=1.0)
     args = parser.parse_args()
+    args.trace = args.trace or find_conversation_trace()
+    if args.trace is None:
+        parser.error(f"no shared/data/{TRACE_NAME} above the checkout: give --trace PATH")
     out = args.output
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -110,7 +114,7 @@ def main() -> None:
     dataset = out / "slice.jsonl"
     if not dataset.is_file():
         head = out / "trace-head.jsonl"
-        with open(args.trace or find_trace()) as source, open(head, "w") as sink:
+        with open(args.trace) as source, open(head, "w") as sink:
             for _, line in zip(range(args.requests), source):
                 sink.write(line)
         run([KVTOOL, "dataset", "import", str(head), "--format", "mooncake", "--shrink", "16", "--plan", str(plan),
