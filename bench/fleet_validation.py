@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server and the calibration")
     parser.add_argument("--trace", type=Path, help="the Mooncake trace (default: shared/data above the checkout)")
     parser.add_argument("--time_scale", type=float, default=1.0)
+    parser.add_argument("--no_served", dest="served", action="store_false",
+                        help="simulate the engine alone (without `kvtool calibrate --served`'s costs of serving)")
     args = parser.parse_args()
     args.trace = args.trace or find_conversation_trace()
     if args.trace is None:
@@ -110,7 +112,9 @@ def main() -> None:
         run([KVTOOL, "build", "--model", "preset:tiny-llama", "--tokens_per_block", "16", "--max_seq_len", "2048",
              "--output", str(plan)], env, out / "build.log")
     if not list((plan / "cost_models").glob("*.json")):
-        run([KVTOOL, "calibrate", "--plan", str(plan)], env, out / "calibrate.log")
+        # --served: what kvtool serve and the bench's client add here too (the fleet below is served).
+        run([KVTOOL, "calibrate", "--plan", str(plan), *(["--served"] if args.served else [])], env,
+            out / "calibrate.log")
     dataset = out / "slice.jsonl"
     if not dataset.is_file():
         head = out / "trace-head.jsonl"
@@ -137,6 +141,7 @@ def main() -> None:
             print(f"{router}: measured in {time.perf_counter() - started:.1f} s; load average {load:.1f} before, "
                   f"{os.getloadavg()[0]:.1f} after", flush=True)
         run([KVTOOL, "simulate", "--plan", str(plan), *(["--replicas", str(args.replicas)] if fleet else []),
+             *(["--served"] if args.served else []),
              *fleet[:2], "--max_tokens_in_paged_kv_cache", str(args.pool_tokens), *replay, "--output", str(sim_dir)],
             env, out / f"{router}-simulate.log")
         for real, sim in zip(read_rows(real_dir / "summary.csv"), read_rows(sim_dir / "summary.csv")):
@@ -150,7 +155,8 @@ def main() -> None:
     (out / "table.md").write_text(table + "\n")
     # The cost model's own error on held-out steps, and the load the measurements ran under.
     if (out / "calibrate.log").is_file():
-        print((out / "calibrate.log").read_text().splitlines()[-2])
+        print("\n".join(line for line in (out / "calibrate.log").read_text().splitlines()
+                        if line.startswith(("held-out", "served by"))))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,12 @@ SweepCapacity = Annotated[bool, toggle(
     "max_tokens_in_paged_kv_cache=... or kv_host_cache_bytes=... gives an axis' sizes.", SIMULATION)]
 
 
+Served = Annotated[bool, toggle(
+    "served", "Simulate requests served by `kvtool serve` over HTTP, as `kvtool bench --endpoint` measures them: "
+    "each step also costs what serving adds per request and per streamed token on this machine, measured by "
+    "`kvtool calibrate --plan DIR --served`. For comparing with real servers.", SIMULATION)]
+
+
 TierCost = Annotated[list[str] | None, flag(
     "tier_cost", "A third tier's cost per block instead of this machine's (results/tiers.md): --tier_cost "
     "disk=80us,7GB/s (a fetch: latency, bandwidth), disk.spill=0us,10GB/s (the step's share of a spill), "
@@ -51,7 +57,7 @@ TierCost = Annotated[list[str] | None, flag(
 def simulate(engine: FlagValues = flags_of(SIMULATED_ENGINE_FLAGS), run: FlagValues = flags_of(RUN_FLAGS),
              profile: Profile = None, dtype: SimulatedDType = None, sweep: Sweep = None,
              sweep_capacity: SweepCapacity = False, fleet: FlagValues = flags_of(FLEET_FLAGS),
-             tier_cost: TierCost = None) -> None:
+             tier_cost: TierCost = None, served: Served = False) -> None:
     """Replay a dataset through kvtool's scheduler and KV cache with a step cost model instead of the model:
     the same reports as `kvtool bench`, marked simulated, in seconds. A --model is simulated from its
     shapes with the build options asked for: no weights are written or read. --replicas N simulates a
@@ -73,7 +79,7 @@ def simulate(engine: FlagValues = flags_of(SIMULATED_ENGINE_FLAGS), run: FlagVal
 
     def factory_quiet(model, engine_config, replay, dataset=None, *, cache_dir=None):
         return create_simulated_llm(model, engine_config, replay, dataset, profile=profile, dtype=dtype,
-                                    cache_dir=cache_dir, tier_costs=costs)
+                                    cache_dir=cache_dir, tier_costs=costs, served=bool(served))
 
     def factory(model, engine_config, replay, dataset=None, *, cache_dir=None):
         llm = factory_quiet(model, engine_config, replay, dataset, cache_dir=cache_dir)
@@ -88,7 +94,7 @@ def simulate(engine: FlagValues = flags_of(SIMULATED_ENGINE_FLAGS), run: FlagVal
         with stop_signals() as stop, bench_command.stopped_early(console, stop), user_errors():
             if sweep:
                 raise ValueError("--sweep does not go with --search: search its values instead (--search NAME=...)")
-            _search(flags, fleet, console, profile=profile, dtype=dtype, stop=stop)
+            _search(flags, fleet, console, profile=profile, dtype=dtype, stop=stop, served=bool(served))
         return
 
     def plan_resolver(variant):
@@ -140,7 +146,7 @@ def simulate(engine: FlagValues = flags_of(SIMULATED_ENGINE_FLAGS), run: FlagVal
                              reporting=reporting, title=summary_title(rows), stop=stop)
 
 
-def _search(flags: FlagValues, fleet: FlagValues, console: Console, *, profile, dtype, stop) -> None:
+def _search(flags: FlagValues, fleet: FlagValues, console: Console, *, profile, dtype, stop, served: bool) -> None:
     """--search: the checks, the search (kvtool.fleet.slo_search) through simulated fleets, its table and files."""
     from kvtool.bench.runner import default_output_dir
     from kvtool.cli.paths import check_writable_dir
@@ -170,7 +176,7 @@ def _search(flags: FlagValues, fleet: FlagValues, console: Console, *, profile, 
                   else default_output_dir(f"{Path(flags['dataset']).stem}-search"))
     check_writable_dir(output_dir, "--output")
     runs = FleetSearch(flags, fleet, load_dataset(flags["dataset"]), output_dir, reporting.summary, profile=profile,
-                       dtype=dtype)
+                       dtype=dtype, served=served)
     console.print(f"searching {space.num_configurations} configurations ({len(space.settings)} settings x "
                   f"{len(space.replica_counts)} replica counts) for {slo.describe()}", highlight=False)
     tried = []
@@ -278,6 +284,10 @@ def calibrate(
     device: Annotated[str | None, flag("device", f"Estimate for {' | '.join(DEVICES)} from published figures "
                                        "instead of measuring here (labelled estimated).")] = None,
     quick: Annotated[bool, flag("quick", "A small grid (seconds, rougher): for tests and a first look.")] = False,
+    served: Annotated[bool, flag("served", "Also measure what `kvtool serve` adds to each request and each streamed "
+                                 "token here: starts a kvtool serve of the plan, probes it with `kvtool bench "
+                                 "--endpoint` (half a minute) and fits the costs `kvtool simulate --served` adds.")
+                      ] = False,
     output: Annotated[Path | None, flag("output", "Where to write the cost model (default: beside the plan, "
                                         "PLAN/cost_models/<device>.json).")] = None,
 ) -> None:
@@ -292,6 +302,9 @@ def calibrate(
     with user_errors():
         if (plan is None) == (model is None):
             raise ValueError("give --plan DIR (from `kvtool build`) or --model preset:NAME")
+        if device is not None and served:
+            raise ValueError("--served measures a real kvtool serve on this machine; --device estimates another "
+                             "device from published figures: drop one of them")
         if device is not None and device.lower() not in DEVICES:
             raise ValueError(f"--device {device}: published figures are known for {', '.join(DEVICES)}")
         # A --model is built as bench and simulate build it on this machine, so that they find its calibration.
@@ -301,7 +314,9 @@ def calibrate(
 
             cost_model = estimate(built, device.lower())
         else:
-            cost_model = _measure(built, quick, console)
+            cost_model, limits = _measure(built, quick, console)
+            if served:
+                cost_model = _measure_served(built, cost_model, limits, quick, console)
         if output is not None:
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(cost_model.to_json(), encoding="utf-8")
@@ -317,6 +332,8 @@ def calibrate(
     print(cost_model.source)
     if cost_model.fit is not None:
         print(cost_model.fit.describe())
+    if cost_model.served is not None:
+        print(cost_model.served.describe())
     console.print(f"wrote {path}", highlight=False)
 
 
@@ -338,8 +355,21 @@ def _measure(plan, quick: bool, console: Console):
         llm.shutdown()
     source = (f"calibrated on {llm.device_description}: {len(calibration.steps)} engine steps and "
               f"{len(calibration.copies)} copy batches ({'quick' if quick else 'full'} grid)")
-    return fit(calibration, device=llm.device_description, plan_digest=plan.manifest.get("plan_digest"),
-               source=source, details={"grid": "quick" if quick else "full", "free_memory_bytes": free_bytes})
+    model = fit(calibration, device=llm.device_description, plan_digest=plan.manifest.get("plan_digest"),
+                source=source, details={"grid": "quick" if quick else "full", "free_memory_bytes": free_bytes})
+    return model, (llm.max_batch_size, llm.max_seq_len)
+
+
+def _measure_served(plan, cost_model, limits: tuple[int, int], quick: bool, console: Console):
+    from dataclasses import replace
+
+    from kvtool.bench.served_probe import QUICK_PROBE, ServedProbe, measure_served
+
+    max_batch_size, max_seq_len = limits
+    with console.status("probing kvtool serve") as status:
+        served = measure_served(plan, cost_model, QUICK_PROBE if quick else ServedProbe(),
+                                max_batch_size=max_batch_size, max_seq_len=max_seq_len, on_status=status.update)
+    return replace(cost_model, served=served)
 
 
 @app.command(cls=KvtoolCommand)

@@ -22,16 +22,16 @@ def fleet_options(flags) -> tuple[int, RouterOptions] | None:
 
 def create_simulated_fleet(model, engine, replay, dataset, *, num_replicas: int, router: RouterOptions,
                            profile: str | None = None, dtype: str | None = None, cache_dir: Path | None = None,
-                           llm=None) -> SimulatedFleet:
+                           llm=None, served: bool = False) -> SimulatedFleet:
     """``num_replicas`` SimulatedLLMs configured by ``engine`` (an EngineConfig), as `kvtool simulate`
     creates one (kvtool.simulate.profiles.create_simulated_llm), behind the router ``router`` asks for,
     whose record of each replica holds as many tokens as the replica's primary and host pools.
-    ``llm``: the first replica when the caller made it already."""
+    ``llm``: the first replica when the caller made it already; ``served``: see create_simulated_llm."""
     from kvtool.simulate.profiles import create_simulated_llm
     from kvtool.simulate.simulated_llm import SimulatedLLM
 
     first = llm or create_simulated_llm(model, engine, replay, dataset, profile=profile, dtype=dtype,
-                                        cache_dir=cache_dir)
+                                        cache_dir=cache_dir, served=served)
     # The others share its plan, cost model and remote store (one store for the fleet); a simulation's host
     # pool never needs the workload's size (its budget is what is asked for).
     replicas = [first] + [SimulatedLLM(first.plan, first.cost_model, engine, tier_costs=first.executor.tier_costs,

@@ -85,11 +85,11 @@ class FleetSearch:
     its per-request rows written into ``output_dir`` (requests-<configuration>.csv)."""
 
     def __init__(self, flags: Mapping, fleet_flags: Mapping, dataset, output_dir: Path, summary, *,
-                 profile: str | None, dtype: str | None) -> None:
+                 profile: str | None, dtype: str | None, served: bool = False) -> None:
         from kvtool.flags import configs
 
         self.flags, self.dataset, self.output_dir, self.summary = flags, dataset, output_dir, summary
-        self.profile, self.dtype = profile, dtype
+        self.profile, self.dtype, self.served = profile, dtype, served
         self.source = str(flags["plan"] if flags["plan"] is not None else flags["model"])
         self.router = fleet_flags.get("router") or "round_robin"
         self.router_block_size = fleet_flags.get("router_block_size")
@@ -112,7 +112,7 @@ class FleetSearch:
         started = time.perf_counter()
         fleet = create_simulated_fleet(self.source, engine, replay, self.dataset, num_replicas=replicas,
                                        router=router, profile=self.profile, dtype=self.dtype,
-                                       cache_dir=self.flags["plan_cache_dir"])
+                                       cache_dir=self.flags["plan_cache_dir"], served=self.served)
         if self.early_stop_ok:
             fleet.engine.early_stop = SloEarlyStop(slo, self.output_lengths)
         try:

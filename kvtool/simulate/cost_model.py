@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -93,6 +93,33 @@ class FitReport:
 
 
 @dataclass(frozen=True)
+class ServedCosts:
+    """What `kvtool serve` adds around the engine's steps on one machine, as `kvtool calibrate --served`
+    measured it with a probe against a real server and its own client (kvtool.bench.served_probe). The
+    server's event loop runs the engine's steps, admits new requests and writes each token between them,
+    so both costs lengthen the step they belong to: ``request_s`` the step that starts a request's prompt
+    (HTTP, parsing, validation, admission), ``token_s`` the step that made a token (an event written,
+    read by the client). Applied by ``CostModel.as_served`` (`kvtool simulate --served`)."""
+
+    request_s: float
+    token_s: float
+    ttft_p50_error: float  # the fitted simulation against the probe's measurements: median over burst sizes
+    tpot_p50_error: float  # (relative, signed: simulated / measured - 1)
+    probe: str = ""        # what was measured
+
+    def __post_init__(self) -> None:
+        for name in ("request_s", "token_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"ServedCosts.{name} must be seconds >= 0, got {value!r}")
+
+    def describe(self) -> str:
+        return (f"served by kvtool serve: +{self.request_s * 1e3:.3g} ms per request, +{self.token_s * 1e3:.3g} ms "
+                f"per streamed token; the probe simulated with them: TTFT p50 {self.ttft_p50_error:+.1%}, TPOT p50 "
+                f"{self.tpot_p50_error:+.1%} ({self.probe})")
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Seconds per step for one plan on one device. ``estimated``: derived from published figures,
     not measured; every output that uses it says so."""
@@ -105,6 +132,7 @@ class CostModel:
     fit: FitReport | None = None
     created_at: str = ""
     details: dict = field(default_factory=dict)  # published figures / grid used
+    served: ServedCosts | None = None  # `kvtool calibrate --served`: what serving over HTTP adds here
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.coefficients) - set(TERMS))
@@ -117,7 +145,21 @@ class CostModel:
     @property
     def name(self) -> str:
         """How reports name the profile: the device key, and '(estimated)' when it is."""
-        return f"{device_key(self.device)} ({'estimated' if self.estimated else 'calibrated'})"
+        how = "estimated" if self.estimated else "calibrated"
+        return f"{device_key(self.device)} ({how}{', served' if self.details.get('served') else ''})"
+
+    def as_served(self) -> CostModel:
+        """The model of a step of `kvtool serve` on this machine: a context row (a request's prompt; each chunk
+        with chunked context) costs ``served.request_s + served.token_s`` more, a decode row ``token_s`` more.
+        KvtoolError when the model has no served costs."""
+        if self.served is None:
+            raise KvtoolError(f"the cost model {self.name} has no costs of serving over HTTP: measure them with "
+                              "`kvtool calibrate --plan DIR --served` (it starts a kvtool serve and probes it)")
+        c, served = dict(self.coefficients), self.served
+        c["context_row"] = c.get("context_row", 0.0) + served.request_s + served.token_s
+        c["decode_row"] = c.get("decode_row", 0.0) + served.token_s
+        return replace(self, coefficients=c, served=None, source=f"{self.source}; {served.describe()}",
+                       details={**self.details, "served": True})
 
     def predict(self, shape: StepShape) -> float:
         """Seconds of one step."""
@@ -150,9 +192,9 @@ class CostModel:
     def from_json(cls, text: str, *, source: str) -> CostModel:
         try:
             data = json.loads(text)
-            fit = data.pop("fit", None)
+            fit, served = data.pop("fit", None), data.pop("served", None)
             return cls(fit=None if fit is None else FitReport(**{**fit, "dropped_terms": tuple(fit.get(
-                "dropped_terms", ()))}), **data)
+                "dropped_terms", ()))}), served=None if served is None else ServedCosts(**served), **data)
         except (ValueError, TypeError) as error:
             raise KvtoolError(f"{source} is not a kvtool cost model ({error}): recreate it with `kvtool calibrate`")
 

@@ -113,13 +113,15 @@ def source_plan(plan_dir: Path | None, model: str | None, options, *, cache_dir:
 
 
 def create_simulated_llm(model, engine, replay=None, dataset=None, *, profile: str | None = None,
-                         dtype: str | None = None, cache_dir: Path | None = None, tier_costs=None):
+                         dtype: str | None = None, cache_dir: Path | None = None, tier_costs=None,
+                         served: bool = False):
     """What kvtool.bench.runner.create_llm is for a real run, without building: a SimulatedLLM configured by
     ``engine`` (an EngineConfig), with the profile's cost model, over a plan directory as built (built_plan),
     or a preset, checkpoint or GGUF file with the build options ``engine`` asks for (simulated_model), in
     ``dtype``, else the one the profile's device implies (profile_dtype). With ``dataset`` (replayed as
     ``replay``) and a host cache, told the most KV blocks the replay can create, as a real run is. A third
-    tier costs ``tier_costs`` (kvtool.simulate.tier_costs; None: this machine's)."""
+    tier costs ``tier_costs`` (kvtool.simulate.tier_costs; None: this machine's). ``served``: each step costs
+    what `kvtool serve` adds around it too (CostModel.as_served: the profile's `kvtool calibrate --served`)."""
     from kvtool.plan.load import is_built_plan
     from kvtool.plan.load import on_the_fly_build_options
     from kvtool.simulate.shapes import ModelShapes
@@ -133,5 +135,6 @@ def create_simulated_llm(model, engine, replay=None, dataset=None, *, profile: s
     else:
         plan = simulated_model(str(model), on_the_fly_build_options(engine, dtype=dtype or profile_dtype(profile)),
                                cache_dir)
-    return SimulatedLLM(plan, resolve_profile(profile, plan), engine, tier_costs=tier_costs,
+    cost_model = resolve_profile(profile, plan)
+    return SimulatedLLM(plan, cost_model.as_served() if served else cost_model, engine, tier_costs=tier_costs,
                         num_workload_blocks=workload_blocks(plan, engine, replay, dataset))
