@@ -1,7 +1,7 @@
 """The CPU kernels' forward (kvtool.cpu_kernels.decoder) computes transformers' logits, in every
 instruction set this CPU runs (AVX-512, AVX2, the portable build), for every family feature of
 tests/hf_checkpoints.py: prompts in one step and in chunks, a suffix after shared prefix blocks,
-mixed context + decode batches with greedy decoding, Mistral's sliding window with released blocks.
+mixed context + decode batches with greedy decoding, decode rows alone and in pairs (the row product), Mistral's sliding window with released blocks.
 """
 
 from __future__ import annotations
@@ -45,6 +45,13 @@ def test_prefix_reuse_mixed_batches_and_greedy_decoding_match_transformers(model
         reuser.append(int(suffix[-1].argmax()))
         other.append(int(whole[-1].argmax()))
         owner.append(int(decoded[-1].argmax()))
+        # Decode rows alone and in pairs: every projection and the logits take the kernels' row product.
+        lone = driver.step(decode=[owner])[0]
+        assert relative_error(lone, hf_logits(hf, owner.token_ids)[-1:]) <= MAX_RELATIVE_ERROR
+        owner.append(int(lone[-1].argmax()))
+        for seq, logits in zip((owner, reuser), driver.step(decode=[owner, reuser])):
+            assert relative_error(logits, hf_logits(hf, seq.token_ids)[-1:]) <= MAX_RELATIVE_ERROR
+            seq.append(int(logits[-1].argmax()))
         for _ in range(4):
             if window is not None:
                 for seq in seqs:

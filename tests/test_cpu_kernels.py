@@ -3,6 +3,7 @@ CPU runs, for float32 and bfloat16 (and a bfloat16 cache under float32 activatio
 
 - rms_norm (+ residual) against F.rms_norm of x + residual;
 - silu_mul against F.silu(gate) * up;
+- linear (a few rows' projection) against F.linear in float32;
 - rope_store_kv against kvtool.models.llama's apply_rope (after F.rms_norm for Qwen3's q/k norm)
   and write_kv_cache;
 - attention against TorchPagedAttention on mixed steps (whole prompts, chunks after a cached
@@ -60,6 +61,31 @@ def test_silu_mul_is_silu_of_gate_times_up(kernels, dtype, _, tolerance, num_row
     out = ops.silu_mul(kernels, gate_up, torch.empty(num_rows, dim, dtype=dtype))
     gate, up = gate_up.chunk(2, dim=-1)
     assert relative_error(out, F.silu(gate) * up) <= tolerance
+
+
+@pytest.mark.parametrize("dtype, _, tolerance", DTYPES[:2])
+@pytest.mark.parametrize("num_rows, in_features, out_features", [(1, 576, 960), (1, 1536, 576), (2, 64, 3),
+                                                                  (3, 37, 129), (1, 130, 40_000)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_is_x_times_the_transposed_weight(kernels, dtype, _, tolerance, num_rows, in_features, out_features,
+                                                 with_bias):
+    # In-feature counts off every vector multiple exercise the tails; 40,000 outputs split across threads.
+    torch.manual_seed(in_features)
+    x = torch.randn(num_rows, in_features).to(dtype)
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(dtype)
+    bias = torch.randn(out_features).to(dtype) if with_bias else None
+    out = ops.linear(kernels, x, weight, bias, torch.empty(num_rows, out_features, dtype=dtype))
+    reference = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    # bfloat16: one rounding of the float32 sum, as torch's product makes it.
+    assert relative_error(out, reference) <= (tolerance if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_linear_refuses_shapes_that_disagree(kernels):
+    x, weight = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"linear: x \(1, 8\), weight \(4, 8\), bias None and out \(1, 5\) disagree"):
+        ops.linear(kernels, x, weight, None, torch.empty(1, 5))
+    with pytest.raises(ValueError, match="must share one dtype"):
+        ops.linear(kernels, x, weight.bfloat16(), None, torch.empty(1, 4))
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)

@@ -132,6 +132,18 @@ NB_MODULE(_kernels, m) {
           "One layer's attention for the planned step: query [tokens, heads, head_dim] -> out (same shape), "
           "over the paged KV cache.")
       .def(
+          "linear",
+          [](CpuKernels& k, uintptr_t x, uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t num_rows,
+             int64_t in_features, int64_t out_features, int64_t x_stride, int64_t weight_stride, int64_t out_stride,
+             DType dtype) {
+            k.linear({ptr<const void>(x), ptr<const void>(weight), ptr<const void>(bias), ptr<void>(out), num_rows,
+                      in_features, out_features, x_stride, weight_stride, out_stride, dtype});
+          },
+          "x"_a, "weight"_a, "bias"_a, "out"_a, "num_rows"_a, "in_features"_a, "out_features"_a, "x_stride"_a,
+          "weight_stride"_a, "out_stride"_a, "dtype"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "out[m, n] = x[m] . weight[n] (+ bias[n]; bias 0: none) for a few rows: each weight row is read once for "
+          "all of them, the output features shared by the threads.")
+      .def(
           "sum",
           [](CpuKernels& k, uintptr_t data, int64_t num_floats) { return k.sum(ptr<const float>(data), num_floats); },
           "data"_a, "num_floats"_a, nb::call_guard<nb::gil_scoped_release>(),

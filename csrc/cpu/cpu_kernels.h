@@ -28,6 +28,8 @@ class CpuKernels {
   void silu_mul(const SiluMulArgs& args);
   void rope_store_kv(const RopeKvArgs& args);  // positions must be < args.max_positions (checked)
   void attention(const AttentionPlan& plan, AttentionArgs args);
+  // A projection of a few rows (LinearArgs), its output features shared by the threads.
+  void linear(const LinearArgs& args);
   // The sum of num_floats floats read by every thread (a share each): times a streaming read.
   double sum(const float* data, int64_t num_floats);
 

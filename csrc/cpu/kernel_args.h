@@ -98,6 +98,17 @@ static inline int64_t partial_floats(int64_t rows, int64_t head_dim) { return ro
 // dimension along them (a decode token's group of heads).
 static inline bool rows_in_lanes(int64_t rows, int64_t width) { return width == 1 || rows * 8 > width * 5; }
 
+// out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]): a projection of a few rows (a decode step's),
+// run over a range of output features.
+struct LinearArgs {
+  const void* x;       // [num_rows, in_features], row stride x_stride
+  const void* weight;  // [out_features, in_features], row stride weight_stride
+  const void* bias;    // [out_features] or nullptr
+  void* out;           // [num_rows, out_features], row stride out_stride
+  int64_t num_rows, in_features, out_features, x_stride, weight_stride, out_stride;
+  DType dtype;
+};
+
 // Keys are taken this many at a time (a tile of scores per query row).
 inline constexpr int kKeyTile = 32;
 
@@ -113,6 +124,7 @@ struct KernelTable {
   void (*merge_attention)(const AttentionArgs&, const AttentionMerge&);
   // The sum of data[begin, end): a plain streaming read, what memory bandwidth is measured with.
   double (*sum)(const float* data, int64_t begin, int64_t end);
+  void (*linear)(const LinearArgs&, int64_t feature_begin, int64_t feature_end);
 };
 
 static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }

@@ -682,6 +682,62 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   });
 }
 
+// ---- products of a few rows ------------------------------------------------------------------
+
+// How far ahead of its loads a dot product asks for its weight row: a thread's share of the rows is one
+// sequential stream, and with the hardware prefetcher alone the products of a decode step read their
+// weights well below the rate a streaming read gets (bench/cpu_linear_rows.py).
+constexpr int64_t kPrefetchBytes = 1024;
+
+// w . x over d elements, four accumulators in flight (bfloat16: split into even and odd elements).
+template <typename T>
+static inline float dot_row(const T* w, const T* x, int64_t d) {
+  Vec acc[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+  int64_t k = 0;
+  if constexpr (sizeof(T) == sizeof(uint16_t)) {
+    for (; k + 4 * W <= d; k += 4 * W) {
+      __builtin_prefetch(w + k + kPrefetchBytes / static_cast<int64_t>(sizeof(T)));
+      Vec xe, xo, we, wo;
+      Vec::load_pairs(x + k, xe, xo);
+      Vec::load_pairs(w + k, we, wo);
+      acc[0] = Vec::fma(we, xe, acc[0]);
+      acc[1] = Vec::fma(wo, xo, acc[1]);
+      Vec::load_pairs(x + k + 2 * W, xe, xo);
+      Vec::load_pairs(w + k + 2 * W, we, wo);
+      acc[2] = Vec::fma(we, xe, acc[2]);
+      acc[3] = Vec::fma(wo, xo, acc[3]);
+    }
+  } else {
+    for (; k + 4 * W <= d; k += 4 * W) {
+      __builtin_prefetch(w + k + kPrefetchBytes / static_cast<int64_t>(sizeof(T)));
+      for (int u = 0; u < 4; ++u) acc[u] = Vec::fma(Vec::load(w + k + u * W), Vec::load(x + k + u * W), acc[u]);
+    }
+  }
+  for (; k < d; k += W) acc[0] = Vec::fma(load_part(w + k, d - k), load_part(x + k, d - k), acc[0]);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add();
+}
+
+// Output features [begin, end) one weight row at a time, for every input row while it is in L1: each
+// weight is read from memory once. Fastest for a single row (a decode step at batch 1); with more rows
+// oneDNN's blocked product wins, so kvtool uses this for one row only (kvtool.cpu_kernels.decoder).
+template <typename T>
+static void linear_typed(const LinearArgs& a, int64_t begin, int64_t end) {
+  const T* weight = static_cast<const T*>(a.weight);
+  const T* bias = static_cast<const T*>(a.bias);
+  for (int64_t n = begin; n < end; ++n) {
+    const T* w = weight + n * a.weight_stride;
+    const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
+    for (int64_t m = 0; m < a.num_rows; ++m) {
+      const T* x = static_cast<const T*>(a.x) + m * a.x_stride;
+      store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n, dot_row(w, x, a.in_features) + b);
+    }
+  }
+}
+
+void linear(const LinearArgs& a, int64_t begin, int64_t end) {
+  with_type(a.dtype, [&](auto t) { linear_typed<decltype(t)>(a, begin, end); });
+}
+
 // ---- a streaming read ------------------------------------------------------------------------
 
 double sum(const float* data, int64_t begin, int64_t end) {

@@ -37,6 +37,12 @@ struct Vec {
     for (int i = 0; i < n; ++i) buffer[i] = p[i];
     return load(buffer);
   }
+  // 16 bfloat16 values as floats, the even-indexed in `even`, the odd-indexed in `odd` (in-lane only).
+  static void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even.v = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    odd.v = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(uint16_t* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow(v)); }
   template <typename T>

@@ -29,6 +29,13 @@ struct Vec {
   static Vec load(const uint16_t* p) { return {widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
   static Vec load_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
   static Vec load_n(const uint16_t* p, int n) { return {widen(_mm256_maskz_loadu_epi16(first(n), p))}; }
+  // 32 bfloat16 values as floats, the even-indexed in `even`, the odd-indexed in `odd`: two in-lane
+  // operations where widening 16 at a time takes a lane-crossing one for each half.
+  static void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+    __m512i bits = _mm512_loadu_si512(p);
+    even.v = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    odd.v = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(uint16_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(narrow(v))); }
   void store_n(float* p, int n) const { _mm512_mask_storeu_ps(p, first(n), v); }

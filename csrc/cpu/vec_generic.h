@@ -17,6 +17,10 @@ struct Vec {
   static Vec load(const uint16_t* p) { return {bf16_to_float(*p)}; }
   static Vec load_n(const float* p, int) { return {*p}; }
   static Vec load_n(const uint16_t* p, int) { return {bf16_to_float(*p)}; }
+  static void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+    even.v = bf16_to_float(p[0]);
+    odd.v = bf16_to_float(p[1]);
+  }
   void store(float* p) const { *p = v; }
   void store(uint16_t* p) const { *p = float_to_bf16(v); }
   void store_n(float* p, int) const { *p = v; }

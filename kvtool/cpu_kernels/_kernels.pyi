@@ -76,6 +76,11 @@ class CpuKernels:
         One layer's attention for the planned step: query [tokens, heads, head_dim] -> out (same shape), over the paged KV cache.
         """
 
+    def linear(self, x: int, weight: int, bias: int, out: int, num_rows: int, in_features: int, out_features: int, x_stride: int, weight_stride: int, out_stride: int, dtype: DType) -> None:
+        """
+        out[m, n] = x[m] . weight[n] (+ bias[n]; bias 0: none) for a few rows: each weight row is read once for all of them, the output features shared by the threads.
+        """
+
     def sum(self, data: int, num_floats: int) -> float:
         """
         The sum of num_floats float32 values, each thread reading a share: a streaming read, to time memory bandwidth with.

@@ -4,7 +4,9 @@ Per layer: the input norm fused with the residual add, the qkv projection, RoPE 
 in one kernel, paged attention reading the cache in place (no gather), the o projection, the
 post-attention norm fused with its residual add, the gate_up projection, SiLU-and-mul in one
 kernel, the down projection. The projections are torch's oneDNN products on weights packed once
-(kvtool.layers.cpu_linear). The step's attention tasks are planned once and serve every layer;
+(kvtool.layers.cpu_linear), except those of one or two rows (decode steps at batch 1 and 2, and
+their logits): kvtool's row product streams each weight row once and took 0.79-0.89 of oneDNN's time
+there, 1.03-1.09 at four rows (bench/cpu_linear_rows.py, results/cpu_decode_rows.md). The step's attention tasks are planned once and serve every layer;
 activations reuse one workspace, grown when a step has more tokens than any before.
 
 A decode step makes some 300 calls, so the hot loop calls the kernels with the weights' addresses
@@ -30,6 +32,7 @@ from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_limit
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
+MAX_ROW_PRODUCT_ROWS = 2  # products of more rows run oneDNN's (see the module docstring)
 
 
 def unsupported_reason(model) -> str | None:
@@ -44,13 +47,34 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def projection(module: torch.nn.Module) -> Projection:
-    """The module's product without nn.Module's call machinery: the packed oneDNN op itself where
-    every row count takes it."""
+def projection(module: torch.nn.Module, kernels: CpuKernels | None) -> Projection:
+    """The module's product without nn.Module's call machinery: up to MAX_ROW_PRODUCT_ROWS rows through
+    ``kernels``' row product (into a buffer of the projection's own, valid until its next call), more
+    (every row count when ``kernels`` is None) through the packed oneDNN op itself where every row count
+    takes it."""
     if isinstance(module, PackedLinear) and module.max_packed_rows is None:
         op, packed, bias = torch.ops.mkldnn._linear_pointwise, module.packed_weight, module.bias
-        return lambda x: op(x, packed, bias, "none", [], "")
-    return module.forward
+        many = lambda x: op(x, packed, bias, "none", [], "")  # noqa: E731
+    else:
+        many = module.forward
+    weight, bias = module.weight, module.bias
+    if kernels is None or weight.dtype not in ops.DTYPES or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+        return many
+    out_features, in_features = weight.shape
+    out = torch.empty(MAX_ROW_PRODUCT_ROWS, out_features, dtype=weight.dtype)  # [rows, out_features]
+    outputs = [out[:rows] for rows in range(MAX_ROW_PRODUCT_ROWS + 1)]
+    weight_ptr, weight_stride, bias_ptr, out_ptr = weight.data_ptr(), weight.stride(0), _address(bias), out.data_ptr()
+    dtype = ops.DTYPES[weight.dtype]
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows > MAX_ROW_PRODUCT_ROWS or rows == 0 or x.stride(-1) != 1:
+            return many(x)
+        kernels.linear(x.data_ptr(), weight_ptr, bias_ptr, out_ptr, rows, in_features, out_features, x.stride(0),
+                       weight_stride, out_features, dtype)
+        return outputs[rows]
+
+    return product
 
 
 class _Layer(NamedTuple):
@@ -82,9 +106,11 @@ def _address(tensor: torch.Tensor | None) -> int:
 
 class CpuDecoder:
     """Runs ``model``'s decoder stack through the CPU kernels (``isa``: 'auto' or one of
-    kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default)."""
+    kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default;
+    ``row_products``: single-row projections through the kernels' row product, else oneDNN's, for
+    comparing the two)."""
 
-    def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None) -> None:
+    def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None, row_products: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the CPU kernels cannot run this model: {reason}")
@@ -92,6 +118,7 @@ class CpuDecoder:
             raise ValueError(f"isa {isa!r} does not run on this CPU; it runs {supported_isas()}")
         self.model = model
         self.kernels = CpuKernels(isa, num_threads or torch.get_num_threads())
+        rows = self.kernels if row_products else None
         config = model.config
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.hidden_size, self.q_size, self.intermediate_size = config.hidden_size, config.q_size, \
@@ -104,8 +131,10 @@ class CpuDecoder:
         self.layers = [_Layer(layer.input_norm.weight.data_ptr(), layer.post_attention_norm.weight.data_ptr(),
                               _address(None if layer.attention.q_norm is None else layer.attention.q_norm.weight),
                               _address(None if layer.attention.k_norm is None else layer.attention.k_norm.weight),
-                              projection(layer.attention.qkv_proj), projection(layer.attention.o_proj),
-                              projection(layer.mlp.gate_up_proj), projection(layer.mlp.down_proj))
+                              projection(layer.attention.qkv_proj, rows),
+                              projection(layer.attention.o_proj, rows),
+                              projection(layer.mlp.gate_up_proj, rows),
+                              projection(layer.mlp.down_proj, rows))
                        for layer in model.layers]
         self.final_norm = model.norm.weight.data_ptr()
         # A RoPE scaling that scales cos and sin too (yarn's attention factor), where the model has one.
@@ -115,7 +144,7 @@ class CpuDecoder:
         # The logits' weight (the embedding table when tied), packed as the projections are: one
         # decode row through MKL took 7 ms on SmolLM2's 113 MB head, through oneDNN 3 (one core).
         head = self.lm_head_weight()
-        self.lm_head = projection(PackedLinear(head, None, packed_row_limit(head.dtype))) \
+        self.lm_head = projection(PackedLinear(head, None, packed_row_limit(head.dtype)), rows) \
             if can_pack_dtype(head.dtype) else None
 
     @property

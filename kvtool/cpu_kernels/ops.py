@@ -47,6 +47,26 @@ def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor, out: torch.Tensor) -> t
     return out
 
 
+def linear(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor) -> torch.Tensor:
+    """out [rows, out_features] = x [rows, in_features] @ weight [out_features, in_features].T (+ bias),
+    each weight row read once for all rows (a decode step's products; few rows)."""
+    for tensor, name in ((x, "x"), (weight, "weight"), (out, "out")):
+        _rows(tensor, name)
+    dtype = kernel_dtype(x)
+    if weight.dtype != x.dtype or out.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"linear: x, weight, bias and out must share one dtype, got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype} and {out.dtype}")
+    (rows, in_features), out_features = x.shape, weight.shape[0]
+    if weight.shape[1] != in_features or tuple(out.shape) != (rows, out_features) or (
+            bias is not None and (tuple(bias.shape) != (out_features,) or not bias.is_contiguous())):
+        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} and out {tuple(out.shape)} disagree")
+    kernels.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+                   in_features, out_features, x.stride(0), weight.stride(0), out.stride(0), dtype)
+    return out
+
+
 def rope_cache(inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of each position's head_dim / 2 angles, then their sin,
     times ``scale`` (a RoPE scaling's attention factor; the values kvtool.models.llama.rope_cos_sin
