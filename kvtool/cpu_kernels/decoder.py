@@ -47,9 +47,10 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def projection(module: torch.nn.Module, kernels: CpuKernels | None) -> Projection:
+def projection(module: torch.nn.Module, kernels: CpuKernels | None, *, own_output: bool = True) -> Projection:
     """The module's product without nn.Module's call machinery: up to MAX_ROW_PRODUCT_ROWS rows through
-    ``kernels``' row product (into a buffer of the projection's own, valid until its next call), more
+    ``kernels``' row product (into a buffer of the projection's own, valid until its next call; a new
+    tensor each call with ``own_output=False``, for results a caller keeps, as logits), more
     (every row count when ``kernels`` is None) through the packed oneDNN op itself where every row count
     takes it."""
     if isinstance(module, PackedLinear) and module.max_packed_rows is None:
@@ -58,21 +59,23 @@ def projection(module: torch.nn.Module, kernels: CpuKernels | None) -> Projectio
     else:
         many = module.forward
     weight, bias = module.weight, module.bias
-    if kernels is None or weight.dtype not in ops.DTYPES or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
+    if (kernels is None or weight.dtype not in ops.DTYPES or weight.stride(1) != 1
+            or (bias is not None and not bias.is_contiguous())):
         return many
     out_features, in_features = weight.shape
     out = torch.empty(MAX_ROW_PRODUCT_ROWS, out_features, dtype=weight.dtype)  # [rows, out_features]
     outputs = [out[:rows] for rows in range(MAX_ROW_PRODUCT_ROWS + 1)]
-    weight_ptr, weight_stride, bias_ptr, out_ptr = weight.data_ptr(), weight.stride(0), _address(bias), out.data_ptr()
+    weight_ptr, weight_stride, bias_ptr = weight.data_ptr(), weight.stride(0), _address(bias)
     dtype = ops.DTYPES[weight.dtype]
 
     def product(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows > MAX_ROW_PRODUCT_ROWS or rows == 0 or x.stride(-1) != 1:
             return many(x)
-        kernels.linear(x.data_ptr(), weight_ptr, bias_ptr, out_ptr, rows, in_features, out_features, x.stride(0),
-                       weight_stride, out_features, dtype)
-        return outputs[rows]
+        result = outputs[rows] if own_output else torch.empty(rows, out_features, dtype=weight.dtype)
+        kernels.linear(x.data_ptr(), weight_ptr, bias_ptr, result.data_ptr(), rows, in_features, out_features,
+                       x.stride(0), weight_stride, out_features, dtype)
+        return result
 
     return product
 
@@ -144,7 +147,8 @@ class CpuDecoder:
         # The logits' weight (the embedding table when tied), packed as the projections are: one
         # decode row through MKL took 7 ms on SmolLM2's 113 MB head, through oneDNN 3 (one core).
         head = self.lm_head_weight()
-        self.lm_head = projection(PackedLinear(head, None, packed_row_limit(head.dtype)), rows) \
+        self.lm_head = projection(PackedLinear(head, None, packed_row_limit(head.dtype)), rows,
+                                  own_output=False) \
             if can_pack_dtype(head.dtype) else None
 
     @property
