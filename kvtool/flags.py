@@ -123,7 +123,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("router", "round_robin (default) | least_loaded (fewest requests in flight) | prefix_aware (Dynamo's "
          "cost: prefill blocks not in the router's record of the replica + blocks in flight there).", FLEET),
     Flag("router_block_size", "Tokens per block of prefix_aware's record of what it sent where (default: the "
-         "replicas' block size; with --endpoint, 32: give the servers' block size).", FLEET, int),
+         "replicas' block size; with --endpoint, kvtool serve's from its /metrics, else 32: give the servers' block "
+         "size).", FLEET, int),
     Flag("search", "Search for the cheapest fleet meeting --slo's percentile objectives: --search replicas=1..16 "
          "--search max_batch_size=8,16,32 (repeatable; replicas are binary-searched).", FLEET, repeatable=True),
 )

@@ -70,3 +70,26 @@ def test_bad_fleet_flags_of_bench_are_one_clear_line(dataset, tmp_path, args, me
     result = invoke("bench", "--dataset", dataset, "--output", tmp_path / "out", *args)
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def test_prefix_aware_records_of_kvtool_servers_hold_what_their_pools_hold(tiny_llama_plan):
+    from kvtool.bench.endpoint import EndpointOptions
+    from kvtool.fleet.endpoint_fleet import EndpointFleet
+    from kvtool.fleet.routers import RouterOptions
+
+    host_bytes = 1 << 20
+    configs = [KvCacheConfig(max_tokens=POOL_TOKENS), KvCacheConfig(max_tokens=2 * POOL_TOKENS,
+                                                                     host_cache_size=host_bytes)]
+    with contextlib.ExitStack() as stack:
+        llms = [tiny_llm(tiny_llama_plan, kv_cache_config=config) for config in configs]
+        servers = [stack.enter_context(running_server(llm)) for llm in llms]
+        fleet = EndpointFleet([EndpointOptions(url=s.url) for s in servers], RouterOptions("prefix_aware"), timed=False)
+        try:
+            # The block size and pools each server reports on /metrics, as a simulated replica's record holds them.
+            block = llms[0].pool_sizes.tokens_per_block
+            assert fleet.router.block_size == block == 16
+            assert [record.capacity for record in fleet.router.records] == [
+                llm.pool_sizes.num_primary_blocks + llm.pool_sizes.num_secondary_blocks for llm in llms]
+            assert llms[1].pool_sizes.num_secondary_blocks > 0
+        finally:
+            fleet.shutdown()

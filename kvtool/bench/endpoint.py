@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx  # the untimed requests: /v1/models, /metrics
 
@@ -152,6 +152,13 @@ def list_models(options: EndpointOptions, ssl_context=None) -> list[dict[str, An
     if not data:
         raise KvtoolError(f"--endpoint {options.url}: GET {url} lists no model: give --served_model NAME")
     return [m for m in data if isinstance(m, dict)]
+
+
+class CacheSize(NamedTuple):
+    """What a server's KV cache holds: its block size and its pools' tokens (primary and host)."""
+
+    tokens_per_block: int
+    capacity_tokens: int
 
 
 class EndpointEngine:
@@ -393,7 +400,21 @@ class EndpointEngine:
         elif call.sent_as == "text":
             self._text_history[call.session_id] = call.body["prompt"] + answer
 
+    def cache_size(self) -> CacheSize | None:
+        """kvtool serve's tokens per block and the tokens its primary and host pools hold, from /metrics;
+        None for another server (or one that does not answer)."""
+        gauges = self._metrics(("tokens_per_block", "primary_blocks", "secondary_blocks"))
+        if len(gauges) < 3:
+            return None
+        tokens_per_block = int(gauges["tokens_per_block"])
+        return CacheSize(tokens_per_block,
+                         int(gauges["primary_blocks"] + gauges["secondary_blocks"]) * tokens_per_block)
+
     def _counters(self) -> dict[str, float]:
+        return self._metrics(KVTOOL_COUNTERS)
+
+    def _metrics(self, names) -> dict[str, float]:
+        """kvtool serve's /metrics values of ``names`` (kvtool_NAME, kvtool_NAME_total); {} for other servers."""
         if self.owned_by != "kvtool":
             return {}
         try:
@@ -403,7 +424,7 @@ class EndpointEngine:
         values = {}
         for line in response.text.splitlines():
             match = re.match(r"^kvtool_(\w+?)(?:_total)? ([0-9.eE+-]+)$", line)
-            if match and match.group(1) in KVTOOL_COUNTERS:
+            if match and match.group(1) in names:
                 values[match.group(1)] = float(match.group(2))
         return values
 

@@ -5,8 +5,10 @@ Each server is an EndpointLLM (kvtool.bench.endpoint); they share one queue of f
 numbering of requests and one text history (a session's turns may go to different servers), so the
 fleet's ``step`` waits on that queue as one server's does. A request is routed when the replay hands it
 over, at its arrival, by the same router code a simulated fleet uses; the router is told of each finish
-when the replay collects it. prefix_aware's record of each server is not bounded (a server's KV cache
-size is not known here): it guesses that a server still caches all it was sent.
+when the replay collects it. prefix_aware's record of a kvtool serve holds as many tokens as its primary
+and host pools (read from its /metrics at the start, with its block size), as a simulated replica's does;
+another server's cache size is not known here, so its record is not bounded: it guesses that the server
+still caches all it was sent.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from kvtool.fleet.routers import Router, RouterOptions, make_router
 from kvtool.fleet.simulated_fleet import sum_stats
 from kvtool.runtime.request import Request
 
-DEFAULT_BLOCK_SIZE = 32  # kvtool serve's default tokens per block: give --router_block_size for other servers
+DEFAULT_BLOCK_SIZE = 32  # servers that do not say theirs (not kvtool serve): give --router_block_size for them
 
 
 class EndpointFleetEngine:
@@ -88,7 +90,11 @@ class EndpointFleet:
                              "serves one; give --served_model NAME or endpoints of one model")
         first = servers[0]
         self.servers = servers
-        self.router = make_router(router, len(servers), block_size=DEFAULT_BLOCK_SIZE)
+        sizes = [server.engine.cache_size() for server in servers]
+        block_sizes = {size.tokens_per_block for size in sizes if size is not None}
+        block_size = block_sizes.pop() if len(block_sizes) == 1 else DEFAULT_BLOCK_SIZE
+        self.router = make_router(router, len(servers), block_size=block_size,
+                                  capacity_tokens=[None if size is None else size.capacity_tokens for size in sizes])
         self.engine = EndpointFleetEngine(servers, self.router)
         self.served_model = first.served_model
         self.tokenizer, self.clock = first.tokenizer, first.clock

@@ -51,6 +51,7 @@ class Engine:
         self.bytes_per_token = bytes_per_token
         self.tokenizer = tokenizer
         self.max_seq_len = scheduler_config.max_seq_len
+        self.tokens_per_block = cache_config.tokens_per_block
         # Unfinished requests only: a finished one is dropped here and in the scheduler, so a long-lived
         # engine (kvtool serve) keeps no state of what it served; the caller holds its Request.
         self._running: dict[int, Request] = {}

@@ -60,6 +60,7 @@ class EngineCounts:
     num_running_requests: int
     num_queued_requests: int
     num_aborted_requests: int  # since the start: their clients went away, or the server stopped
+    tokens_per_block: int
 
 
 class EngineLoop:
@@ -135,7 +136,7 @@ class EngineLoop:
     async def counts(self) -> EngineCounts:
         scheduler = self.engine.scheduler
         return EngineCounts(self.engine.get_stats(), scheduler.num_running_requests(), scheduler.num_queued_requests(),
-                            self._num_aborted)
+                            self._num_aborted, self.engine.tokens_per_block)
 
     async def _run(self) -> None:
         while not self._stopping:

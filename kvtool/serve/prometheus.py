@@ -57,6 +57,8 @@ class _EngineCollector:
                                 value=counts.num_running_requests)
         yield GaugeMetricFamily(f"{PREFIX}_num_requests_waiting", "Requests queued in the scheduler",
                                 value=counts.num_queued_requests)
+        yield GaugeMetricFamily(f"{PREFIX}_tokens_per_block", "Tokens per KV block (a router's block size, and the "
+                                "pools' blocks in tokens)", value=counts.tokens_per_block)
         yield CounterMetricFamily(f"{PREFIX}_aborted_requests", "Requests aborted: the client went away, or the "
                                   "server stopped", value=counts.num_aborted_requests)
 
