@@ -9,7 +9,8 @@ Drives the ModelRunner directly (no scheduler), one step at a time, on a prompt 
 Each kind runs --repeats times, kinds and paths interleaved in one process (so a changing load
 touches every path alike); prints medians (ms). --paths compares the forward through kvtool's CPU
 kernels ('kernels', in each --isa) with the torch path ('torch'), or with the kernels whose single-row
-projections run oneDNN's product instead of kvtool's row product ('kernels-onednn'). --clock cpu measures process
+projections run oneDNN's product instead of kvtool's row product ('kernels-onednn'), or whose MLP runs
+gate_up as one fused product instead of two ('kernels-fused-gate-up'). --clock cpu measures process
 CPU time instead of wall time; --profile prints torch.profiler's top operators per kind.
 
     python bench/cpu_forward.py --plan PLAN [--paths kernels,torch] [--isa avx512,avx2] [--threads 1]
@@ -47,7 +48,8 @@ def main() -> None:
     parser.add_argument("--hit_tokens", type=int, default=32)
     parser.add_argument("--partial_tokens", type=int, default=17)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--paths", default="kernels", help="kernels, kernels-onednn, torch (comma-separated: compared)")
+    parser.add_argument("--paths", default="kernels", help="kernels, kernels-onednn, kernels-fused-gate-up, torch (comma-separated: "
+                        "compared)")
     parser.add_argument("--isa", default="auto", help="the kernels' instruction sets (comma-separated)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
@@ -68,6 +70,8 @@ def main() -> None:
             paths["torch"] = None
         elif path == "kernels-onednn":
             paths[path] = CpuDecoder(model, row_products=False)
+        elif path == "kernels-fused-gate-up":
+            paths[path] = CpuDecoder(model, split_gate_up=False)
         else:
             paths.update({f"kernels-{isa}" if isa != "auto" else "kernels": CpuDecoder(model, isa=isa)
                           for isa in args.isa.split(",")})
@@ -86,9 +90,11 @@ def main() -> None:
 
     kinds = step_kinds(args.prompt_len, args.hit_tokens, args.partial_tokens)
     times: dict[tuple[str, str], list[float]] = {(p, k): [] for p in paths for k in kinds}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for kind, shape in kinds.items():
-            for path, decoder in paths.items():
+            # Paths in turn, their order reversed every other repeat: a step runs slower right after some
+            # others (caches), and which path comes first must not decide the comparison.
+            for path, decoder in (list(paths.items()) if repeat % 2 else list(paths.items())[::-1]):
                 model.cpu_decoder = decoder
                 step = requests(*shape)
                 start = clock()

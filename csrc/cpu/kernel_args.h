@@ -23,11 +23,13 @@ struct RmsNormArgs {
   DType dtype;
 };
 
-// out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:].
+// out[r] = silu(gate[r]) * up[r], rows of dim elements (gate and up: the halves of one gate_up row, or
+// two products' rows).
 struct SiluMulArgs {
-  const void* gate_up;
+  const void* gate;
+  const void* up;
   void* out;
-  int64_t num_rows, dim, in_stride, out_stride;
+  int64_t num_rows, dim, gate_stride, up_stride, out_stride;
   DType dtype;
 };
 
