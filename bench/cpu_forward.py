@@ -9,8 +9,7 @@ Drives the ModelRunner directly (no scheduler), one step at a time, on a prompt 
 Each kind runs --repeats times, kinds and paths interleaved in one process (so a changing load
 touches every path alike); prints medians (ms). --paths compares the forward through kvtool's CPU
 kernels ('kernels', in each --isa) with the torch path ('torch'), or with the kernels whose single-row
-projections run oneDNN's product instead of kvtool's row product ('kernels-onednn'), or whose MLP runs
-gate_up as one fused product instead of two ('kernels-fused-gate-up'). --clock cpu measures process
+projections run oneDNN's product instead of kvtool's row product ('kernels-onednn'). --clock cpu measures process
 CPU time instead of wall time; --profile prints torch.profiler's top operators per kind.
 
     python bench/cpu_forward.py --plan PLAN [--paths kernels,torch] [--isa avx512,avx2] [--threads 1]
@@ -48,8 +47,7 @@ def main() -> None:
     parser.add_argument("--hit_tokens", type=int, default=32)
     parser.add_argument("--partial_tokens", type=int, default=17)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--paths", default="kernels", help="kernels, kernels-onednn, kernels-fused-gate-up, torch (comma-separated: "
-                        "compared)")
+    parser.add_argument("--paths", default="kernels", help="kernels, kernels-onednn, torch (comma-separated: compared)")
     parser.add_argument("--isa", default="auto", help="the kernels' instruction sets (comma-separated)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
@@ -70,8 +68,6 @@ def main() -> None:
             paths["torch"] = None
         elif path == "kernels-onednn":
             paths[path] = CpuDecoder(model, row_products=False)
-        elif path == "kernels-fused-gate-up":
-            paths[path] = CpuDecoder(model, split_gate_up=False)
         else:
             paths.update({f"kernels-{isa}" if isa != "auto" else "kernels": CpuDecoder(model, isa=isa)
                           for isa in args.isa.split(",")})

@@ -105,26 +105,3 @@ def test_an_unknown_isa_is_refused(models):
     ours, _ = models("llama_mha_tied_bias")
     with pytest.raises(ValueError, match="does not run on this CPU"):
         CpuDecoder(ours, isa="neon")
-
-
-def test_packed_gate_up_halves_compute_the_fused_product_and_transformers_logits(models):
-    # pack_linears splits gate_up in two products; a 45-token prompt (more rows than the row product
-    # takes) runs them, a decode row the fused weight's row product.
-    import copy
-
-    from kvtool.layers.cpu_linear import pack_linears
-
-    ours, hf = models("llama_llama3_rope_gqa")
-    packed = copy.deepcopy(ours)
-    pack_linears(packed)
-    prompt = random_prompt(45, seed=13)
-    results = []
-    for split in (True, False):
-        packed.cpu_decoder = CpuDecoder(packed, num_threads=2, split_gate_up=split)
-        driver = PagedDriver(packed, tokens_per_block=T, num_blocks=16)
-        seq = driver.add_sequence(prompt)
-        logits = driver.step(context=[(seq, len(prompt))])[0]
-        seq.append(int(logits[-1].argmax()))
-        results.append(torch.cat([logits, driver.step(decode=[seq])[0]]))
-    assert relative_error(results[0][:-1], hf_logits(hf, prompt)) <= MAX_RELATIVE_ERROR
-    assert relative_error(results[0], results[1]) <= 1e-5

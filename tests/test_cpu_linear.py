@@ -15,13 +15,12 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.mark.parametrize("num_rows", [1, 7, MAX_PACKED_ROWS_AVX2, MAX_PACKED_ROWS_AVX2 + 1, 600])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("max_packed_rows", [MAX_PACKED_ROWS_AVX2, None])
-@pytest.mark.parametrize("num_parts", [1, 2])
-def test_packed_linear_equals_linear(num_rows, bias, max_packed_rows, num_parts):
+def test_packed_linear_equals_linear(num_rows, bias, max_packed_rows):
     torch.manual_seed(num_rows)
     linear = nn.Linear(48, 80, bias=bias)
     x = torch.randn(num_rows, 48)
     expected = linear(x)
-    out = PackedLinear(linear.weight, linear.bias, max_packed_rows, num_parts)(x)
+    out = PackedLinear(linear.weight, linear.bias, max_packed_rows)(x)
     assert out.shape == (num_rows, 80)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -64,14 +63,3 @@ def test_half_precision_models_are_left_alone():
     assert not can_pack(model)
     assert pack_linears(model) == 0
     assert type(model.layers[0].proj) is nn.Linear
-
-
-def test_a_fused_gate_up_is_packed_as_its_two_halves():
-    block = nn.Module()
-    block.gate_up_proj, block.down_proj = nn.Linear(8, 32, bias=False), nn.Linear(16, 8, bias=False)
-    model = nn.Module()
-    model.layers = nn.ModuleList([block])
-    assert pack_linears(model) == 2
-    assert len(block.gate_up_proj.packed_parts) == 2 and len(block.down_proj.packed_parts) == 1
-    with pytest.raises(ValueError, match="cannot split 5 output features into 2 equal parts"):
-        PackedLinear(torch.randn(5, 4), None, None, 2)

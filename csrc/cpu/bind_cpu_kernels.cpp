@@ -63,14 +63,12 @@ NB_MODULE(_kernels, m) {
           "out[r] = rms_norm(x[r] + residual[r]) * weight, residual[r] becoming the sum (residual 0: none).")
       .def(
           "silu_mul",
-          [](CpuKernels& k, uintptr_t gate, uintptr_t up, uintptr_t out, int64_t num_rows, int64_t dim,
-             int64_t gate_stride, int64_t up_stride, int64_t out_stride, DType dtype) {
-            k.silu_mul({ptr<const void>(gate), ptr<const void>(up), ptr<void>(out), num_rows, dim, gate_stride,
-                        up_stride, out_stride, dtype});
+          [](CpuKernels& k, uintptr_t gate_up, uintptr_t out, int64_t num_rows, int64_t dim, int64_t in_stride,
+             int64_t out_stride, DType dtype) {
+            k.silu_mul({ptr<const void>(gate_up), ptr<void>(out), num_rows, dim, in_stride, out_stride, dtype});
           },
-          "gate"_a, "up"_a, "out"_a, "num_rows"_a, "dim"_a, "gate_stride"_a, "up_stride"_a, "out_stride"_a, "dtype"_a,
-          nb::call_guard<nb::gil_scoped_release>(),
-          "out[r] = silu(gate[r]) * up[r] (the halves of one gate_up row, or two products' rows).")
+          "gate_up"_a, "out"_a, "num_rows"_a, "dim"_a, "in_stride"_a, "out_stride"_a, "dtype"_a,
+          nb::call_guard<nb::gil_scoped_release>(), "out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:].")
       .def(
           "rope_store_kv",
           [](CpuKernels& k, uintptr_t qkv, int64_t num_tokens, int64_t qkv_stride, int32_t num_heads,

@@ -23,13 +23,11 @@ struct RmsNormArgs {
   DType dtype;
 };
 
-// out[r] = silu(gate[r]) * up[r], rows of dim elements (gate and up: the halves of one gate_up row, or
-// two products' rows).
+// out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:].
 struct SiluMulArgs {
-  const void* gate;
-  const void* up;
+  const void* gate_up;
   void* out;
-  int64_t num_rows, dim, gate_stride, up_stride, out_stride;
+  int64_t num_rows, dim, in_stride, out_stride;
   DType dtype;
 };
 

@@ -104,8 +104,8 @@ static void silu_mul_rows(const SiluMulArgs& a, int64_t begin, int64_t end) {
   const int64_t n = a.dim;
   const Vec one = Vec::set1(1.0f);
   for (int64_t r = begin; r < end; ++r) {
-    const T* gate = static_cast<const T*>(a.gate) + r * a.gate_stride;
-    const T* up = static_cast<const T*>(a.up) + r * a.up_stride;
+    const T* gate = static_cast<const T*>(a.gate_up) + r * a.in_stride;
+    const T* up = gate + n;
     T* out = static_cast<T*>(a.out) + r * a.out_stride;
     for (int64_t i = 0; i < n; i += W) {
       Vec g = load_part(gate + i, n - i);

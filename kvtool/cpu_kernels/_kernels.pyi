@@ -58,10 +58,8 @@ class CpuKernels:
         out[r] = rms_norm(x[r] + residual[r]) * weight, residual[r] becoming the sum (residual 0: none).
         """
 
-    def silu_mul(self, gate: int, up: int, out: int, num_rows: int, dim: int, gate_stride: int, up_stride: int, out_stride: int, dtype: DType) -> None:
-        """
-        out[r] = silu(gate[r]) * up[r] (the halves of one gate_up row, or two products' rows).
-        """
+    def silu_mul(self, gate_up: int, out: int, num_rows: int, dim: int, in_stride: int, out_stride: int, dtype: DType) -> None:
+        """out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:]."""
 
     def rope_store_kv(self, qkv: int, num_tokens: int, qkv_stride: int, num_heads: int, num_kv_heads: int, head_dim: int, positions: int, rope_cache: int, max_positions: int, q_norm_weight: int, k_norm_weight: int, norm_eps: float, kv_cache: int, block_stride: int, kv_stride: int, token_stride: int, head_stride: int, slot_mapping: int, tokens_per_block: int, dtype: DType, cache_dtype: DType) -> None:
         """

@@ -53,8 +53,8 @@ def projection(module: torch.nn.Module, kernels: CpuKernels | None, *, own_outpu
     tensor each call with ``own_output=False``, for results a caller keeps, as logits), more
     (every row count when ``kernels`` is None) through the packed oneDNN op itself where every row count
     takes it."""
-    if isinstance(module, PackedLinear) and module.max_packed_rows is None and len(module.packed_parts) == 1:
-        op, packed, bias = torch.ops.mkldnn._linear_pointwise, module.packed_parts[0], module.bias
+    if isinstance(module, PackedLinear) and module.max_packed_rows is None:
+        op, packed, bias = torch.ops.mkldnn._linear_pointwise, module.packed_weight, module.bias
         many = lambda x: op(x, packed, bias, "none", [], "")  # noqa: E731
     else:
         many = module.forward
@@ -80,36 +80,6 @@ def projection(module: torch.nn.Module, kernels: CpuKernels | None, *, own_outpu
     return product
 
 
-Halves = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def gate_up_halves(module: torch.nn.Module, kernels: CpuKernels | None, *, split: bool = True) -> Halves:
-    """A fused gate_up projection as its (gate, up) halves, [rows, intermediate] each: up to
-    MAX_ROW_PRODUCT_ROWS rows as views of the fused product (the row product), more as the two products
-    of a PackedLinear packed in two parts (kvtool.layers.cpu_linear) where every row count takes them.
-    ``split=False``: always the fused product (packed here once more), for comparing the two."""
-    intermediate = module.weight.shape[0] // 2
-    if not split and isinstance(module, PackedLinear):
-        module = PackedLinear(module.weight, module.bias, module.max_packed_rows)
-    fused = projection(module, kernels)
-
-    def halves_of_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = fused(x)  # [rows, 2 * intermediate]
-        return gate_up[:, :intermediate], gate_up[:, intermediate:]
-
-    if not (isinstance(module, PackedLinear) and module.max_packed_rows is None and len(module.packed_parts) == 2):
-        return halves_of_fused
-    op = torch.ops.mkldnn._linear_pointwise
-    (gate, up), (gate_bias, up_bias) = module.packed_parts, module.part_biases
-
-    def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.shape[0] <= MAX_ROW_PRODUCT_ROWS:
-            return halves_of_fused(x)
-        return op(x, gate, gate_bias, "none", [], ""), op(x, up, up_bias, "none", [], "")
-
-    return halves
-
-
 class _Layer(NamedTuple):
     """One decoder layer as the hot loop uses it: norm weights' addresses (0: none) and products."""
 
@@ -119,7 +89,7 @@ class _Layer(NamedTuple):
     k_norm: int
     qkv: Projection
     o: Projection
-    gate_up: Halves
+    gate_up: Projection
     down: Projection
 
 
@@ -141,11 +111,9 @@ class CpuDecoder:
     """Runs ``model``'s decoder stack through the CPU kernels (``isa``: 'auto' or one of
     kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default;
     ``row_products``: single-row projections through the kernels' row product, else oneDNN's, for
-    comparing the two; ``split_gate_up``: the MLP's gate and up as two products, else one fused product,
-    for comparing those)."""
+    comparing the two)."""
 
-    def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None, row_products: bool = True,
-                 split_gate_up: bool = True) -> None:
+    def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None, row_products: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the CPU kernels cannot run this model: {reason}")
@@ -168,7 +136,7 @@ class CpuDecoder:
                               _address(None if layer.attention.k_norm is None else layer.attention.k_norm.weight),
                               projection(layer.attention.qkv_proj, rows),
                               projection(layer.attention.o_proj, rows),
-                              gate_up_halves(layer.mlp.gate_up_proj, rows, split=split_gate_up),
+                              projection(layer.mlp.gate_up_proj, rows),
                               projection(layer.mlp.down_proj, rows))
                        for layer in model.layers]
         self.final_norm = model.norm.weight.data_ptr()
@@ -228,9 +196,9 @@ class CpuDecoder:
             x = layer.o(attended)
             kernels.rms_norm(x.data_ptr(), residual_ptr, layer.post_attention_norm, normed_ptr, n, hidden, hidden,
                              hidden, hidden, eps, dtype)
-            gate, up = layer.gate_up(normed)  # [n, intermediate] each
-            kernels.silu_mul(gate.data_ptr(), up.data_ptr(), activation_ptr, n, self.intermediate_size, gate.stride(0),
-                             up.stride(0), self.intermediate_size, dtype)
+            gate_up = layer.gate_up(normed)
+            kernels.silu_mul(gate_up.data_ptr(), activation_ptr, n, self.intermediate_size,
+                             2 * self.intermediate_size, self.intermediate_size, dtype)
             x = layer.down(activation)
             x_ptr = x.data_ptr()
         kernels.rms_norm(x_ptr or residual_ptr, residual_ptr if x_ptr else 0, self.final_norm, normed_ptr, n, hidden,

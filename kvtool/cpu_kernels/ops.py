@@ -38,20 +38,12 @@ def rms_norm(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: fl
     return out
 
 
-def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor, out: torch.Tensor,
-             up: torch.Tensor | None = None) -> torch.Tensor:
-    """out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:]; with ``up`` [rows, n], silu(gate_up) * up."""
+def silu_mul(kernels: CpuKernels, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:]."""
     _rows(gate_up, "gate_up")
     _rows(out, "out")
-    rows, n = out.shape
-    gate = gate_up[:, :n]
-    up = gate_up[:, n:] if up is None else up
-    _rows(up, "up")
-    if gate.shape != out.shape or up.shape != out.shape or not gate.dtype == up.dtype == out.dtype:
-        raise ValueError(f"silu_mul: gate {tuple(gate.shape)}, up {tuple(up.shape)} and out {tuple(out.shape)} "
-                         "disagree")
-    kernels.silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), rows, n, gate.stride(0), up.stride(0),
-                     out.stride(0), kernel_dtype(out))
+    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], gate_up.stride(0), out.stride(0),
+                     kernel_dtype(out))
     return out
 
 

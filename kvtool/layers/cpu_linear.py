@@ -7,11 +7,6 @@ GFLOP/s per core on a 1,056-row prefill and oneDNN 230 (``python bench/cpu_gemm.
 results/cpu_profile.md). On an AVX2-only CPU the two were level from 512 rows on, so products
 above MAX_PACKED_ROWS_AVX2 rows stay on MKL there. bfloat16 products always take oneDNN (MKL has
 none). The packed copy costs the weight's bytes once more.
-
-A fused gate_up projection is packed as its two halves, run as two products: a 1,053-token miss of
-SmolLM2-135M after decode steps (as a request's prompt comes after others' tokens) took 0.88x (float32)
-and 0.90x (bfloat16) of the fused product's time, right after another miss 1.00x, decode steps alike,
-results identical (bench/cpu_forward.py --paths kernels,kernels-fused-gate-up; results/cpu_decode_rows.md).
 """
 
 from __future__ import annotations
@@ -42,33 +37,24 @@ def can_pack_dtype(dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """A linear layer whose products run on a oneDNN-packed copy of its weight (up to
-    ``max_packed_rows`` rows, all when None; larger ones on ``F.linear``). ``num_parts`` > 1 packs the
-    weight's output rows as that many equal parts, each its own product (a fused gate_up's halves)."""
+    ``max_packed_rows`` rows, all when None; larger ones on ``F.linear``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_packed_rows: int | None,
-                 num_parts: int = 1) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_packed_rows: int | None) -> None:
         super().__init__()
-        if num_parts < 1 or weight.shape[0] % num_parts:
-            raise ValueError(f"cannot split {weight.shape[0]} output features into {num_parts} equal parts")
         self.weight = weight  # [out_features, in_features]
         self.bias = bias
         self.max_packed_rows = max_packed_rows
-        # Opaque oneDNN tensors in a blocked layout: not parameters, never saved or moved.
-        rows = weight.shape[0] // num_parts
-        self.packed_parts = [torch.ops.mkldnn._reorder_linear_weight(part.detach().contiguous(), None)
-                             for part in weight.split(rows)]
-        self.part_biases = [None] * num_parts if bias is None else list(bias.detach().split(rows))
+        # An opaque oneDNN tensor in a blocked layout: not a parameter, never saved or moved.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     @classmethod
-    def of(cls, linear: nn.Linear, num_parts: int = 1) -> PackedLinear:
-        return cls(linear.weight, linear.bias, packed_row_limit(linear.weight.dtype), num_parts)
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias, packed_row_limit(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
         if x.dim() == 2 and (self.max_packed_rows is None or x.shape[0] <= self.max_packed_rows):
-            outputs = [torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-                       for packed, bias in zip(self.packed_parts, self.part_biases)]
-            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -79,8 +65,7 @@ def can_pack(model: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swaps every ``nn.Linear`` inside ``model.layers`` for a PackedLinear (a fused ``gate_up_proj`` in
-    two parts, see the module docstring); returns how many.
+    """Swaps every ``nn.Linear`` inside ``model.layers`` for a PackedLinear; returns how many.
 
     The LM head stays as it is: with tied embeddings its weight is also the embedding table (the
     CPU kernels' decoder packs a copy of it for the logits; kvtool.cpu_kernels.decoder).
@@ -92,6 +77,6 @@ def pack_linears(model: nn.Module) -> int:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, name, PackedLinear.of(child, 2 if name == "gate_up_proj" else 1))
+                    setattr(parent, name, PackedLinear.of(child))
                     num_packed += 1
     return num_packed
