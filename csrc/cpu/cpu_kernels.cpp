@@ -10,7 +10,6 @@ namespace {
 // Below these sizes a kernel runs on the calling thread alone: waking the workers costs more.
 constexpr int64_t kMinParallelElements = 64 * 1024;
 constexpr double kMinParallelAttentionWork = 5e5;  // multiply-adds
-constexpr int64_t kLinearFeatureAlign = 16;        // a thread's share of output features starts at a multiple
 
 bool cpu_supports(const std::string& isa) {
   if (isa == "generic") return true;
@@ -139,28 +138,8 @@ void CpuKernels::linear(const LinearArgs& args) {
   if (args.num_rows < 1 || args.in_features < 1 || args.out_features < 1) {
     throw std::invalid_argument("linear: num_rows, in_features and out_features must be >= 1");
   }
-  const int64_t weight_elements = args.out_features * args.in_features;
-  if (weight_elements < kMinParallelElements || pool_.num_threads() == 1) {
-    table_->linear(args, 0, args.out_features);
-    return;
-  }
-  // One contiguous share of the weight per thread: each streams its rows from memory in order.
-  struct LinearJob {
-    const KernelTable* table;
-    const LinearArgs* args;
-    int64_t per_task;
-  };
-  const int64_t threads = pool_.num_threads();
-  const int64_t per_task = round_up((args.out_features + threads - 1) / threads, kLinearFeatureAlign);
-  LinearJob job{table_, &args, per_task};
-  pool_.run(
-      (args.out_features + per_task - 1) / per_task,
-      [](const void* context, int64_t task, int) {
-        const auto* j = static_cast<const LinearJob*>(context);
-        const int64_t begin = task * j->per_task;
-        j->table->linear(*j->args, begin, std::min(j->args->out_features, begin + j->per_task));
-      },
-      &job);
+  // Each task streams a contiguous run of weight rows, one output feature per row.
+  run_rows(table_->linear, args, args.out_features, args.in_features);
 }
 
 double CpuKernels::sum(const float* data, int64_t num_floats) {

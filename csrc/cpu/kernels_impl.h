@@ -684,7 +684,7 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
 
 // ---- products of a few rows ------------------------------------------------------------------
 
-// How far ahead of its loads a dot product asks for its weight row: a thread's share of the rows is one
+// How far ahead of its loads a dot product asks for its weight row: a task's run of rows is one
 // sequential stream, and with the hardware prefetcher alone the products of a decode step read their
 // weights well below the rate a streaming read gets (bench/cpu_linear_rows.py).
 constexpr int64_t kPrefetchBytes = 1024;
