@@ -211,8 +211,8 @@ class ProbeSimulation:
 
         self.plan, self.cost_model, self.probe, self.dataset = plan, cost_model, probe, dataset
         self.requests_csv = Path(directory) / "simulated.csv"
-        tokens = pool_tokens(probe, plan.build_options.tokens_per_block)
-        self.config = EngineConfig(kv_cache_config=KvCacheConfig(max_tokens=tokens))
+        self.pool_tokens = pool_tokens(probe, plan.build_options.tokens_per_block)  # the real server's too
+        self.config = EngineConfig(kv_cache_config=KvCacheConfig(max_tokens=self.pool_tokens))
         self.replay = ReplayOptions(mode="trace")
 
     def __call__(self, request_s: float, token_s: float) -> LatencyMedians:
@@ -237,9 +237,9 @@ def measure_served(plan, cost_model: CostModel, probe: ServedProbe, *, max_batch
     with tempfile.TemporaryDirectory(prefix="kvtool-served-probe-") as tmp:
         directory = Path(tmp)
         dataset_path = write_jsonl(directory / "probe.jsonl", probe.lines(vocab_size=plan.model_config.vocab_size))
+        simulation = ProbeSimulation(plan, cost_model, probe, load_dataset(dataset_path), directory)
         on_status(f"probing kvtool serve: {probe.describe()}")
-        tokens = pool_tokens(probe, plan.build_options.tokens_per_block)
-        with _server(Path(plan.path), tokens, directory / "serve.log") as url:
+        with _server(Path(plan.path), simulation.pool_tokens, directory / "serve.log") as url:
             command = _kvtool("bench", "--endpoint", url, "--dataset", str(dataset_path), "--mode", "trace",
                               "--output", str(directory / "real"))
             done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
@@ -249,5 +249,4 @@ def measure_served(plan, cost_model: CostModel, probe: ServedProbe, *, max_batch
         with open(directory / "real" / "requests.csv", newline="") as source:
             measured = medians(list(csv.DictReader(source)), probe)
         on_status("fitting the served costs")
-        simulation = ProbeSimulation(plan, cost_model, probe, load_dataset(dataset_path), directory)
         return fit_served(simulation, measured, probe)
