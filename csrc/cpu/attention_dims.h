@@ -1,0 +1,311 @@
+// The decode layout of attention (few query rows: a decode token's group of heads, for every KV head
+// of the sequence in one task), compiled once per instruction set (kernels_impl.h). Lanes would sit
+// mostly idle with rows along them, so the head dimension runs along the lanes instead: a score is a
+// dot product of a q row and a key row, and o [rows][head_dim] accumulates p-weighted value rows.
+//
+// Keys and values are read where the cache holds them, float32 or bfloat16, never copied: a decode
+// step reads every cached token once per layer, so the kernel is as fast as it streams the cache.
+#pragma once
+
+
+
+#include "kernels_common.h"
+
+namespace kvtool::cpu::KVTOOL_CPU_ISA {
+
+// A bfloat16 row whose length is a whole number of vector pairs is read 2W elements at a time and
+// split into its even and odd elements (Vec::load_pairs: two in-lane operations, where widening W at
+// a time takes a lane-crossing one per vector). q and o are held in that order too, each 2W-element
+// chunk's even elements first: dot products and weighted sums of rows do not depend on the order of
+// their elements, and the output is put back in order once per task.
+template <typename C>
+static inline bool paired_rows(int64_t head_dim) {
+  return sizeof(C) == sizeof(uint16_t) && head_dim % (2 * W) == 0;
+}
+
+// Where element e of a head row sits in a paired row.
+static inline int64_t paired_lane(int64_t e) {
+  const int64_t r = e % (2 * W);
+  return e - r + (r % 2) * W + r / 2;
+}
+
+// NV vectors of a cache row as float32; d: the elements left in the row from p (the last vector may
+// be partial).
+template <typename C, bool Paired, int NV>
+static inline void load_row(const C* p, int64_t d, Vec* out) {
+  if constexpr (Paired) {
+    static_assert(NV % 2 == 0, "a paired row is read in vector pairs");
+    for (int v = 0; v < NV; v += 2) Vec::load_pairs(p + v * W, out[v], out[v + 1]);
+  } else {
+    for (int v = 0; v < NV; ++v) out[v] = load_part(p + v * W, d - v * W);
+  }
+}
+
+// One key tile's rows for a task: pointers to each key's row of the task's first KV head (its next
+// heads follow at head_stride) and to its value row.
+template <typename C>
+struct DecodeTile {
+  const C* key[kKeyTile];
+  const C* value[kKeyTile];
+  int num_keys;
+};
+
+// Finds a tile's rows and asks for their cache lines, a tile ahead of their use. A task's keys and
+// values are many short runs (a token's heads, keys and values apart, blocks wherever the block table
+// puts them). (The prefetches are here, where the pointers are stored, rather than in a function of
+// their own, which the compiler finds free of effects and drops.)
+template <typename C>
+static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, DecodeTile<C>& tile) {
+  const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
+  const int64_t bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
+  // Block and offset advance with the position (no division per key).
+  int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
+  const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
+  for (int j = 0; j < num_keys; ++j, ++offset) {
+    if (offset == a.tokens_per_block) {
+      ++block;
+      offset = 0;
+    }
+    tile.key[j] = base + table[block] * a.block_stride + offset * a.token_stride;
+    tile.value[j] = tile.key[j] + a.kv_stride;
+    for (int64_t line = 0; line < bytes; line += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(tile.key[j]) + line, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(tile.value[j]) + line, 0, 3);
+    }
+  }
+  tile.num_keys = num_keys;
+}
+
+// s[r][j] (+)= q[r] . key[j] for R rows of one KV head and NV vectors of the head dimension (q and the
+// rows start at the same element; `offset` from each key pointer): W keys at a time, each key's
+// lane-wise products with the rows, then one transposing sum per row gives W scores. `add`: a later
+// chunk of a row longer than the registers hold adds to the scores of the earlier ones.
+template <typename C, bool Paired, int R, int NV>
+static void chunk_scores(const float* q, int64_t padded_d, const DecodeTile<C>& tile, int64_t offset, int64_t d,
+                         float* s, bool add) {
+  Vec qv[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) qv[r][v] = Vec::load(q + r * padded_d + v * W);
+  for (int j0 = 0; j0 < tile.num_keys; j0 += W) {
+    Vec partial[R][W];
+    for (int jj = 0; jj < W; ++jj) {
+      Vec acc[R][2];  // two chains a row: half the additions' latency
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+      if (j0 + jj < tile.num_keys) {
+        Vec k[NV];
+        load_row<C, Paired, NV>(tile.key[j0 + jj] + offset, d, k);
+        for (int v = 0; v < NV; ++v)
+          for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::fma(qv[r][v], k[v], acc[r][v & 1]);
+      }
+      for (int r = 0; r < R; ++r) partial[r][jj] = acc[r][0] + acc[r][1];
+    }
+    for (int r = 0; r < R; ++r) {
+      Vec scores = Vec::transpose_sum(partial[r]);
+      if (add) scores = scores + Vec::load(s + r * kKeyTile + j0);
+      scores.store(s + r * kKeyTile + j0);
+    }
+  }
+}
+
+// o[r] = alpha[r] o[r] + sum_j p[r][j] value[j] for R rows of one KV head, NV vectors of the head
+// dimension: each value row is read once for all R rows.
+template <typename C, bool Paired, int R, int NV>
+static void chunk_values(const DecodeTile<C>& tile, int64_t offset, const float* p, const float* alpha, int64_t d,
+                         float* o, int64_t padded_d) {
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::load(o + r * padded_d + v * W) * Vec::set1(alpha[r]);
+  for (int j = 0; j < tile.num_keys; ++j) {
+    Vec values[NV];
+    load_row<C, Paired, NV>(tile.value[j] + offset, d, values);
+    for (int r = 0; r < R; ++r) {
+      const Vec weight = Vec::set1(p[r * kKeyTile + j]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(weight, values[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v].store(o + r * padded_d + v * W);
+}
+
+// The task's rows and their running state: q (scaled) and o [rows][padded_d], the tile's scores and
+// weights s [rows][kKeyTile], the tile's rescaling of each row's output alpha [rows].
+struct DecodeRows {
+  float* q;
+  float* o;
+  float* s;
+  float* alpha;
+  int64_t rows, rows_per_head, head_stride, d, padded_d;
+};
+
+// Rows per chunk_scores / chunk_values call: as many as fit in the registers beside one key or value row.
+template <int NV>
+constexpr int rows_per_call() {
+  constexpr int registers = W >= 16 ? 32 : 16;
+  constexpr int rows = (registers - NV - 2) / NV;
+  return rows < 1 ? 1 : (rows > 4 ? 4 : rows);
+}
+
+// A tile's scores (or weighted values) for every row, over the NV vectors of the head dimension from
+// vector v0.
+template <typename C, bool Paired, int NV>
+static void chunk_products(const DecodeRows& rows, const DecodeTile<C>& tile, int64_t v0, bool scores) {
+  constexpr int kMaxRows = rows_per_call<NV>();
+  const int64_t d = rows.d - v0 * W, padded_d = rows.padded_d;
+  for (int64_t first = 0; first < rows.rows; first += rows.rows_per_head) {  // one KV head's rows
+    const int64_t offset = first / rows.rows_per_head * rows.head_stride + v0 * W;
+    for (int64_t m = first; m < first + rows.rows_per_head;) {
+      const int64_t count = min64(kMaxRows, first + rows.rows_per_head - m);
+      auto run = [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        if constexpr (R <= kMaxRows) {
+          if (scores) {
+            chunk_scores<C, Paired, R, NV>(rows.q + m * padded_d + v0 * W, padded_d, tile, offset, d,
+                                           rows.s + m * kKeyTile, v0 > 0);
+          } else {
+            chunk_values<C, Paired, R, NV>(tile, offset, rows.s + m * kKeyTile, rows.alpha + m, d,
+                                           rows.o + m * padded_d + v0 * W, padded_d);
+          }
+        }
+      };
+      switch (count) {
+        case 4: run(std::integral_constant<int, 4>{}); break;
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        default: run(std::integral_constant<int, 1>{}); break;
+      }
+      m += count;
+    }
+  }
+}
+
+// The head dimension in chunks of at most 8 vectors, each held in registers while the tile's keys
+// or values stream past.
+template <typename C, bool Paired>
+static void tile_products(const DecodeRows& rows, const DecodeTile<C>& tile, bool scores) {
+  const int64_t num_vectors = rows.padded_d / W;
+  for (int64_t v0 = 0; v0 < num_vectors; v0 += 8) {
+    switch (min64(8, num_vectors - v0)) {
+#define KVTOOL_CHUNK_CASE(n)                                                        \
+  case n:                                                                           \
+    if constexpr (!Paired || n % 2 == 0) chunk_products<C, Paired, n>(rows, tile, v0, scores); \
+    break;
+      KVTOOL_CHUNK_CASE(1)
+      KVTOOL_CHUNK_CASE(2)
+      KVTOOL_CHUNK_CASE(3)
+      KVTOOL_CHUNK_CASE(4)
+      KVTOOL_CHUNK_CASE(5)
+      KVTOOL_CHUNK_CASE(6)
+      KVTOOL_CHUNK_CASE(7)
+      KVTOOL_CHUNK_CASE(8)
+#undef KVTOOL_CHUNK_CASE
+      default: break;
+    }
+  }
+}
+
+// The online softmax of a tile for every row: masked scores to weights (in place), the running max
+// and sum, and alpha, the rescaling of each row's output so far.
+static void tile_softmax(const AttentionArgs& a, const AttentionTask& t, const DecodeRows& rows, int64_t k0,
+                         int num_keys, const float* positions, float* row_max, float* row_sum) {
+  const int64_t last_position = t.first_position + t.num_queries - 1;
+  // A tile reaching past the first query, or (with a window) back past the last query's window, is masked.
+  const bool causal_edge = k0 + num_keys - 1 > t.first_position;
+  const bool window_edge = a.sliding_window > 0 && k0 <= last_position - a.sliding_window;
+  for (int64_t m = 0; m < rows.rows; ++m) {
+    float* sm = rows.s + m * kKeyTile;
+    if (causal_edge || window_edge) {
+      for (int j = 0; j < num_keys; ++j) {
+        const float key_position = static_cast<float>(k0 + j);
+        if (key_position > positions[m] ||
+            (a.sliding_window > 0 && key_position <= positions[m] - static_cast<float>(a.sliding_window))) {
+          sm[j] = kNegInf;
+        }
+      }
+    }
+    // Whole vectors: the scores past num_keys are -inf, their weights 0.
+    for (int j = num_keys; j < round_up(num_keys, W); ++j) sm[j] = kNegInf;
+    Vec tile_max_vec = Vec::set1(kNegInf);
+    for (int j = 0; j < num_keys; j += W) tile_max_vec = Vec::max(tile_max_vec, Vec::load(sm + j));
+    const float tile_max = tile_max_vec.reduce_max();
+    // A row that has seen no visible key yet keeps max -inf, and its weights come out 0 rather than NaN.
+    const float new_max = tile_max > row_max[m] ? tile_max : row_max[m];
+    const float shift = new_max > kNegInf ? new_max : 0.0f;
+    rows.alpha[m] = __builtin_expf(row_max[m] - shift);
+    Vec sum = Vec::zero();
+    for (int j = 0; j < num_keys; j += W) {
+      Vec p = Vec::exp(Vec::load(sm + j) - Vec::set1(shift));
+      p.store(sm + j);
+      sum = sum + p;
+    }
+    row_sum[m] = row_sum[m] * rows.alpha[m] + sum.reduce_add();
+    row_max[m] = new_max;
+  }
+}
+
+template <typename A, typename C, bool Paired>
+static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  // Row m: query m % nq of head m / nq counted from the task's first KV head's group (so of KV head
+  // kv_head + m / (nq * group)).
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
+  const int64_t num_rows = nq * group * t.num_kv_heads, padded_d = round_up(d, W);
+  DecodeRows rows{scratch, nullptr, nullptr, nullptr, num_rows, nq * group, a.head_stride, d, padded_d};
+  rows.o = rows.q + num_rows * padded_d;
+  rows.s = rows.o + num_rows * padded_d;
+  float* row_max = rows.s + num_rows * kKeyTile;
+  float* row_sum = row_max + num_rows;
+  float* positions = row_sum + num_rows;
+  rows.alpha = positions + num_rows;
+  auto lane = [](int64_t e) { return Paired ? paired_lane(e) : e; };
+
+  for (int64_t m = 0; m < num_rows; ++m) {
+    const int64_t h = m / nq, i = m % nq;
+    const A* src = static_cast<const A*>(a.query) + (t.first_row + i) * a.query_stride + (t.kv_head * group + h) * d;
+    float* q = rows.q + m * padded_d;
+    for (int64_t e = 0; e < padded_d; ++e) q[e] = rows.o[m * padded_d + e] = 0.0f;
+    for (int64_t e = 0; e < d; ++e) q[lane(e)] = load_scalar(src + e) * a.scale;
+    row_max[m] = kNegInf;
+    row_sum[m] = 0.0f;
+    positions[m] = static_cast<float>(t.first_position + i);
+  }
+
+  // The next tile's rows are found (and asked for) before this tile's products.
+  DecodeTile<C> tiles[2];
+  int current = 0;
+  find_tile(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)), tiles[current]);
+  for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
+    const DecodeTile<C>& tile = tiles[current];
+    if (k0 + kKeyTile < t.key_end) {
+      find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), tiles[1 - current]);
+    }
+    tile_products<C, Paired>(rows, tile, true);
+    tile_softmax(a, t, rows, k0, tile.num_keys, positions, row_max, row_sum);
+    tile_products<C, Paired>(rows, tile, false);
+    current = 1 - current;
+  }
+
+  if (t.partial >= 0) {
+    float* partial = a.partials + t.partial;
+    for (int64_t m = 0; m < num_rows; ++m) {
+      for (int64_t e = 0; e < d; ++e) partial[m * d + e] = rows.o[m * padded_d + lane(e)];
+      partial[num_rows * d + 2 * m] = row_max[m];
+      partial[num_rows * d + 2 * m + 1] = row_sum[m];
+    }
+    return;
+  }
+  for (int64_t m = 0; m < num_rows; ++m) {
+    const int64_t h = m / nq, i = m % nq;
+    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
+    const float inv_sum = 1.0f / row_sum[m];
+    for (int64_t e = 0; e < d; ++e) store_scalar(out + e, rows.o[m * padded_d + lane(e)] * inv_sum);
+  }
+}
+
+template <typename A, typename C>
+static void attention_dims_in_lanes(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  if constexpr (sizeof(C) == sizeof(uint16_t)) {
+    if (paired_rows<C>(a.head_dim)) return decode_task<A, C, true>(a, t, scratch);
+  }
+  decode_task<A, C, false>(a, t, scratch);
+}
+
+}  // namespace kvtool::cpu::KVTOOL_CPU_ISA

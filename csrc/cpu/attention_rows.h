@@ -1,0 +1,222 @@
+// The prompt layout of attention (rows along the vector lanes), compiled once per instruction set
+// (kernels_impl.h); attention_dims.h holds the decode layout.
+#pragma once
+
+#include "kernels_common.h"
+
+namespace kvtool::cpu::KVTOOL_CPU_ISA {
+
+// A task holds `rows` = num_queries x group query rows (the group: the query heads of one KV head),
+// row m = h * num_queries + i for head h of the group and query i. Keys are visited kKeyTile at a
+// time with the online softmax (running max and sum per row). Two layouts of the same arithmetic:
+//
+// - many rows (a prompt chunk): rows along the vector lanes. q is transposed once per task into
+//   qt [head_dim][padded rows]; a score tile s [keys][rows] is k . qt, each key element broadcast
+//   against a vector of rows; the output ot [head_dim][rows] accumulates v^T . p the same way. No
+//   key is ever transposed and the softmax needs no horizontal reductions.
+// - few rows (decode: one query x the group; attention_dims.h): lanes would sit mostly idle, so the
+//   head dimension runs along the lanes instead: a score is a dot product of q and k rows, and o
+//   [rows][head_dim] accumulates p-weighted v rows.
+
+// Lanes of a score vector where the key at position key_position is visible to the query at each
+// lane's position (causal, and within the sliding window when there is one).
+static inline Vec visible_or_neg_inf(Vec scores, float key_position, Vec query_positions, int64_t window) {
+  Vec key = Vec::set1(key_position);
+  typename Vec::Mask visible = Vec::le(key, query_positions);
+  if (window > 0) {
+    visible = Vec::mask_and(visible, Vec::gt(key, query_positions - Vec::set1(static_cast<float>(window))));
+  }
+  return Vec::select(visible, scores, Vec::set1(kNegInf));
+}
+
+// The new running max and e^(old max - new max) for the rows of one vector; a row that has seen no
+// visible key yet keeps max -inf, and its weights come out 0 rather than NaN.
+struct Rescale {
+  Vec max, shift, alpha;
+};
+
+static inline Rescale rescale(Vec old_max, Vec tile_max) {
+  Vec new_max = Vec::max(old_max, tile_max);
+  Vec shift = Vec::select(Vec::gt(new_max, Vec::set1(kNegInf)), new_max, Vec::zero());
+  return {new_max, shift, Vec::exp(old_max - shift)};
+}
+
+// s[j][v*W..] = sum_d key[j][d] * qt[d][v*W..] for RK keys x NQ row vectors.
+template <int RK, int NQ>
+static inline void score_block(const float* const* key, const float* qt, int64_t padded, int64_t d, float* s,
+                               int j0, int v0) {
+  Vec acc[RK][NQ];
+  for (int r = 0; r < RK; ++r)
+    for (int n = 0; n < NQ; ++n) acc[r][n] = Vec::zero();
+  for (int64_t e = 0; e < d; ++e) {
+    Vec q[NQ];
+    for (int n = 0; n < NQ; ++n) q[n] = Vec::load(qt + e * padded + (v0 + n) * W);
+    for (int r = 0; r < RK; ++r) {
+      Vec k = Vec::set1(key[j0 + r][e]);
+      for (int n = 0; n < NQ; ++n) acc[r][n] = Vec::fma(k, q[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < RK; ++r)
+    for (int n = 0; n < NQ; ++n) acc[r][n].store(s + (j0 + r) * padded + (v0 + n) * W);
+}
+
+// ot[e][v*W..] += sum_j value[j][e] * p[j][v*W..] for RD dims x NQ row vectors.
+template <int RD, int NQ>
+static inline void value_block(const float* const* value, int num_keys, const float* p, int64_t padded, float* ot,
+                               int64_t e0, int v0) {
+  Vec acc[RD][NQ];
+  for (int r = 0; r < RD; ++r)
+    for (int n = 0; n < NQ; ++n) acc[r][n] = Vec::load(ot + (e0 + r) * padded + (v0 + n) * W);
+  for (int j = 0; j < num_keys; ++j) {
+    Vec weight[NQ];
+    for (int n = 0; n < NQ; ++n) weight[n] = Vec::load(p + j * padded + (v0 + n) * W);
+    for (int r = 0; r < RD; ++r) {
+      Vec v = Vec::set1(value[j][e0 + r]);
+      for (int n = 0; n < NQ; ++n) acc[r][n] = Vec::fma(v, weight[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < RD; ++r)
+    for (int n = 0; n < NQ; ++n) acc[r][n].store(ot + (e0 + r) * padded + (v0 + n) * W);
+}
+
+// Register blocking: 16 accumulators (half the vector registers with AVX-512), 4 keys or head dims
+// by 4 row vectors; 8 accumulators with AVX2's 16 registers. Measured on a 1,056-token prompt, one
+// thread: 176 GFLOP/s against 156 with 8 keys by 2 row vectors.
+constexpr int kBlockKeys = 4;
+constexpr int kBlockRows = W >= 16 ? 4 : 2;
+constexpr int kValueDims = 4;
+constexpr int kValueRows = W >= 16 ? 4 : 2;
+
+template <int NQ>
+static void scores(const float* const* key, int num_keys, const float* qt, int64_t padded, int64_t d, float* s,
+                   int v0) {
+  int j = 0;
+  for (; j + kBlockKeys <= num_keys; j += kBlockKeys) score_block<kBlockKeys, NQ>(key, qt, padded, d, s, j, v0);
+  for (; j < num_keys; ++j) score_block<1, NQ>(key, qt, padded, d, s, j, v0);
+}
+
+template <int NQ>
+static void weighted_values(const float* const* value, int num_keys, const float* p, int64_t padded, int64_t d,
+                            float* ot, int v0) {
+  int64_t e = 0;
+  for (; e + kValueDims <= d; e += kValueDims) value_block<kValueDims, NQ>(value, num_keys, p, padded, ot, e, v0);
+  for (; e < d; ++e) value_block<1, NQ>(value, num_keys, p, padded, ot, e, v0);
+}
+
+// Pointers to the tile's key and value rows of the task's KV head (float32), widened into kbuf/vbuf
+// from a bfloat16 cache: each element is read once per row vector of the task, so widening once pays.
+template <typename C>
+static constexpr bool widened() { return sizeof(C) != sizeof(float); }
+
+template <typename C>
+static void tile_rows(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, float* kbuf,
+                      float* vbuf, const float** key, const float** value) {
+  const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
+  const int64_t d = a.head_dim, row = d * t.num_kv_heads;
+  // Block and offset advance with the position (no division per key).
+  int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
+  const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
+  for (int j = 0; j < num_keys; ++j, ++offset) {
+    if (offset == a.tokens_per_block) {
+      ++block;
+      offset = 0;
+    }
+    const C* keys = base + table[block] * a.block_stride + offset * a.token_stride;
+    if constexpr (!widened<C>()) {
+      key[j] = keys;
+      value[j] = keys + a.kv_stride;
+    } else {
+      for (int32_t g = 0; g < t.num_kv_heads; ++g) {
+        copy_converted(keys + g * a.head_stride, kbuf + j * row + g * d, d);
+        copy_converted(keys + a.kv_stride + g * a.head_stride, vbuf + j * row + g * d, d);
+      }
+      key[j] = kbuf + j * row;
+      value[j] = vbuf + j * row;
+    }
+  }
+}
+
+template <typename A, typename C>
+static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
+  const int64_t rows = nq * group, padded = round_up(rows, W), num_vectors = padded / W;
+  float* qt = scratch;                  // [d][padded]
+  float* ot = qt + d * padded;          // [d][padded]
+  float* s = ot + d * padded;           // [kKeyTile][padded]
+  float* row_max = s + kKeyTile * padded;
+  float* row_sum = row_max + padded;
+  float* positions = row_sum + padded;
+  float* kbuf = positions + padded;     // [kKeyTile][d]
+  float* vbuf = kbuf + kKeyTile * d;
+
+  for (int64_t m = 0; m < padded; ++m) {
+    int64_t h = m / nq, i = m % nq;
+    bool real = m < rows;
+    const A* q = static_cast<const A*>(a.query) + (t.first_row + (real ? i : 0)) * a.query_stride +
+                 (t.kv_head * group + (real ? h : 0)) * d;
+    for (int64_t e = 0; e < d; ++e) qt[e * padded + m] = real ? load_scalar(q + e) * a.scale : 0.0f;
+    // Padding rows copy the last query's position: finite scores, never NaN; their output is dropped.
+    positions[m] = static_cast<float>(t.first_position + (real ? i : nq - 1));
+    row_max[m] = kNegInf;
+    row_sum[m] = 0.0f;
+  }
+  for (int64_t e = 0; e < d * padded; ++e) ot[e] = 0.0f;
+
+  const float* key[kKeyTile];
+  const float* value[kKeyTile];
+  const int64_t last_position = t.first_position + nq - 1;
+  for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
+    const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
+    tile_rows<C>(a, t, k0, num_keys, kbuf, vbuf, key, value);
+    int64_t v = 0;
+    for (; v + kBlockRows <= num_vectors; v += kBlockRows)
+      scores<kBlockRows>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
+    for (; v + 2 <= num_vectors; v += 2) scores<2>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
+    for (; v < num_vectors; ++v) scores<1>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
+
+    // A tile reaching past the first query, or (with a window) back past the last query's window, is masked.
+    const bool causal_edge = k0 + num_keys - 1 > t.first_position;
+    const bool window_edge = a.sliding_window > 0 && k0 <= last_position - a.sliding_window;
+    for (int64_t vec = 0; vec < num_vectors; ++vec) {
+      float* sv = s + vec * W;
+      Vec query_positions = Vec::load(positions + vec * W);
+      Vec tile_max = Vec::set1(kNegInf);
+      for (int j = 0; j < num_keys; ++j) {
+        Vec score = Vec::load(sv + j * padded);
+        if (causal_edge || window_edge) {
+          score = visible_or_neg_inf(score, static_cast<float>(k0 + j), query_positions, a.sliding_window);
+          score.store(sv + j * padded);
+        }
+        tile_max = Vec::max(tile_max, score);
+      }
+      const Vec old_max = Vec::load(row_max + vec * W);
+      Rescale r = rescale(old_max, tile_max);
+      Vec sum = Vec::zero();
+      for (int j = 0; j < num_keys; ++j) {
+        Vec p = Vec::exp(Vec::load(sv + j * padded) - r.shift);
+        p.store(sv + j * padded);
+        sum = sum + p;
+      }
+      (Vec::load(row_sum + vec * W) * r.alpha + sum).store(row_sum + vec * W);
+      r.max.store(row_max + vec * W);
+      // Once the running max settles (most tiles of a long prompt) no row's output needs rescaling.
+      if (Vec::any(Vec::gt(r.max, old_max))) {
+        for (int64_t e = 0; e < d; ++e) (Vec::load(ot + e * padded + vec * W) * r.alpha).store(ot + e * padded + vec * W);
+      }
+    }
+    v = 0;
+    for (; v + kValueRows <= num_vectors; v += kValueRows)
+      weighted_values<kValueRows>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
+    for (; v + 2 <= num_vectors; v += 2) weighted_values<2>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
+    for (; v < num_vectors; ++v) weighted_values<1>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
+  }
+
+  for (int64_t m = 0; m < rows; ++m) {
+    int64_t h = m / nq, i = m % nq;
+    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
+    float inv_sum = 1.0f / row_sum[m];
+    for (int64_t e = 0; e < d; ++e) store_scalar(out + e, ot[e * padded + m] * inv_sum);
+  }
+}
+
+}  // namespace kvtool::cpu::KVTOOL_CPU_ISA

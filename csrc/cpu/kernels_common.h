@@ -1,0 +1,63 @@
+// Helpers of every CPU kernel (kernels_impl.h, attention_rows.h, attention_dims.h), compiled once per
+// instruction set as kernels_impl.h describes: everything here lives in the ISA's own namespace.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernel_args.h"
+
+namespace kvtool::cpu::KVTOOL_CPU_ISA {
+
+constexpr int W = Vec::width;
+constexpr float kNegInf = -__builtin_inff();
+
+static inline float load_scalar(const float* p) { return *p; }
+static inline float load_scalar(const uint16_t* p) { return bf16_to_float(*p); }
+static inline void store_scalar(float* p, float x) { *p = x; }
+static inline void store_scalar(uint16_t* p, float x) { *p = float_to_bf16(x); }
+
+// v as the element type T holds it: bfloat16 rounding for uint16_t, nothing for float.
+template <typename T>
+static inline Vec rounded_to(Vec v) {
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return v;
+  } else {
+    T buffer[W];
+    v.store(buffer);
+    return Vec::load(buffer);
+  }
+}
+
+template <typename T>
+static inline Vec load_part(const T* p, int64_t n) {
+  return n >= W ? Vec::load(p) : Vec::load_n(p, static_cast<int>(n));
+}
+
+template <typename T>
+static inline void store_part(Vec v, T* p, int64_t n) {
+  if (n >= W) {
+    v.store(p);
+  } else {
+    v.store_n(p, static_cast<int>(n));
+  }
+}
+
+template <typename A, typename C>
+static void copy_converted(const A* src, C* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += W) store_part(load_part(src + i, n - i), dst + i, n - i);
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Calls f with a value of the element type a DType names (uint16_t holds bfloat16 bits).
+template <typename F>
+static inline void with_type(DType dtype, F&& f) {
+  if (dtype == DType::kBFloat16) {
+    f(uint16_t{});
+  } else {
+    f(float{});
+  }
+}
+
+}  // namespace kvtool::cpu::KVTOOL_CPU_ISA
