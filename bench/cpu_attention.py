@@ -4,8 +4,10 @@ new token per sequence, per layer, with the KV cache read from memory as in a re
 A real decode step streams every layer's weights between two visits of a layer's cache, so the cache
 is never in the CPU's caches when attention reads it. Here --num_layers layers' caches (distinct
 tensors, together larger than the last-level cache by default) are visited in turn; the median time
-per layer over --rounds rounds, and the cache bytes it read per second, beside the streaming read
-rate measured on the spot (bench/peers/floors.py).
+per layer over --rounds rounds, and the layer's cache bytes per second, beside the streaming read
+rate measured on the spot (bench/peers/floors.py). Several sequences run twice: each with blocks of
+its own, and all beginning with the same --shared_tokens tokens' blocks (a cached prompt prefix,
+which the kernel reads once for them all).
 
     python bench/cpu_attention.py [--context 1056] [--seqs 1 8] [--threads 1 2]
 
@@ -25,27 +27,40 @@ from bench.peers.floors import read_bandwidth
 from kvtool.cpu_kernels import CpuKernels, ops
 
 
-def per_layer(kernels: CpuKernels, args, dtype: torch.dtype, num_seqs: int) -> float:
-    """Median seconds of one layer's decode attention for num_seqs sequences of args.context tokens."""
+def block_tables(args, num_seqs: int, shared: bool) -> tuple[np.ndarray, int]:
+    """[num_seqs, blocks] int32 and the pool's size: each sequence's blocks of its own, interleaved as
+    a pool hands them out to requests arriving together; or (shared) the first --shared_tokens
+    tokens' blocks the same for every sequence, a prompt prefix cached once."""
     blocks_per_seq = -(-args.context // args.tokens_per_block)
-    num_blocks = blocks_per_seq * num_seqs
+    num_shared = args.shared_tokens // args.tokens_per_block if shared else 0
+    own = blocks_per_seq - num_shared
+    own_ids = np.arange(num_shared, num_shared + own * num_seqs, dtype=np.int32).reshape(own, num_seqs).T
+    tables = np.concatenate([np.broadcast_to(np.arange(num_shared, dtype=np.int32), (num_seqs, num_shared)), own_ids],
+                            axis=1)
+    return np.ascontiguousarray(tables), num_shared + own * num_seqs
+
+
+def per_layer(kernels: CpuKernels, args, dtype: torch.dtype, num_seqs: int, shared: bool) -> tuple[float, int]:
+    """Median seconds of one layer's decode attention for num_seqs sequences of args.context tokens,
+    and the cache bytes a layer holds for them."""
+    tables, num_blocks = block_tables(args, num_seqs, shared)
     shape = (num_blocks, 2, args.tokens_per_block, args.num_kv_heads, args.head_dim)
     caches = [torch.randn(shape).to(dtype) for _ in range(args.num_layers)]
     query = torch.randn(num_seqs, args.num_heads, args.head_dim).to(dtype)
     out = torch.empty_like(query)
-    # Blocks of the sequences interleaved, as a pool hands them out to requests arriving together.
-    block_tables = np.arange(num_blocks, dtype=np.int32).reshape(blocks_per_seq, num_seqs).T.copy()
     plan = ops.plan_attention(kernels, np.arange(num_seqs + 1, dtype=np.int32),
-                              np.full(num_seqs, args.context, dtype=np.int32), block_tables, num_blocks=num_blocks,
+                              np.full(num_seqs, args.context, dtype=np.int32), tables, num_blocks=num_blocks,
                               num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                               tokens_per_block=args.tokens_per_block, sliding_window=None)
+    if shared != (plan.num_shared_prefixes > 0):
+        raise SystemExit(f"the plan of {num_seqs} sequences has {plan.num_shared_prefixes} shared prefixes")
     times = []
     for _ in range(args.rounds):
         start = time.perf_counter()
         for cache in caches:
             ops.attention(kernels, plan, query, cache, out, args.head_dim ** -0.5)
         times.append((time.perf_counter() - start) / len(caches))
-    return statistics.median(times)
+    return statistics.median(times), caches[0].numel() * caches[0].element_size()
 
 
 def main() -> None:
@@ -58,6 +73,8 @@ def main() -> None:
     parser.add_argument("--num_kv_heads", type=int, default=3)
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--tokens_per_block", type=int, default=32)
+    parser.add_argument("--shared_tokens", type=int, default=1024,
+                        help="tokens of the prefix the sequences share in the shared variant")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     for threads in args.threads:
@@ -65,11 +82,11 @@ def main() -> None:
         print(f"{threads} thread(s), kernels in {kernels.isa}: streaming read {read_bandwidth(threads) / 1e9:.1f} GB/s")
         for dtype in (torch.float32, torch.bfloat16):
             for num_seqs in args.seqs:
-                seconds = per_layer(kernels, args, dtype, num_seqs)
-                cache_bytes = num_seqs * args.context * args.num_kv_heads * args.head_dim * 2 * dtype.itemsize
-                print(f"  {str(dtype)[6:]:9s} {num_seqs} seq x {args.context} tokens: {seconds * 1e6:7.1f} us a layer "
-                      f"({cache_bytes / seconds / 1e9:5.1f} GB/s of cache)")
-
+                for shared in (False, True) if num_seqs > 1 else (False,):
+                    seconds, cache_bytes = per_layer(kernels, args, dtype, num_seqs, shared)
+                    tables = f"the first {args.shared_tokens} shared" if shared else "own blocks"
+                    print(f"  {str(dtype)[6:]:9s} {num_seqs} seq x {args.context} tokens ({tables:>20s}): "
+                          f"{seconds * 1e6:7.1f} us a layer ({cache_bytes / seconds / 1e9:5.1f} GB/s of cache)")
 
 if __name__ == "__main__":
     main()

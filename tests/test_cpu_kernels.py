@@ -202,6 +202,76 @@ def test_a_long_decode_split_by_keys_across_threads_matches_torch(kernels, dtype
     assert relative_error(out, expected) <= tolerance
 
 
+def shared_prefix_metadata(seqs: list[tuple[int | None, int, int, int]], tokens_per_block: int, num_blocks: int,
+                           seed: int) -> AttentionMetadata:
+    """Metadata for sequences (group, shared_blocks, num_cached, num_new): a sequence of a group begins
+    with the first shared_blocks block ids of its group's prefix (the same ids for every member), then
+    blocks of its own."""
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    prefixes: dict[int, list[int]] = {}
+    for group, shared, _, _ in seqs:
+        if group is not None:
+            prefixes.setdefault(group, [])
+            while len(prefixes[group]) < shared:
+                prefixes[group].append(free.pop())
+    max_blocks = max(-(-(c + n) // tokens_per_block) for _, _, c, n in seqs)
+    tables, positions, slots, starts, lens = [], [], [], [0], []
+    for group, shared, cached, new in seqs:
+        row = (prefixes[group][:shared] if group is not None else [])
+        row = row + [free.pop() for _ in range(-(-(cached + new) // tokens_per_block) - len(row))]
+        for p in range(cached, cached + new):
+            positions.append(p)
+            slots.append(row[p // tokens_per_block] * tokens_per_block + p % tokens_per_block)
+        tables.append(row + [-1] * (max_blocks - len(row)))
+        starts.append(starts[-1] + new)
+        lens.append(cached + new)
+    query_lens = torch.tensor([n for *_, n in seqs], dtype=torch.int32)
+    return AttentionMetadata(
+        positions=torch.tensor(positions), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        query_lens=query_lens, seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=torch.tensor(slots),
+        tokens_per_block=tokens_per_block, num_context_seqs=int((query_lens > 1).sum()),
+        max_query_len=int(query_lens.max()), max_seq_len=max(lens))
+
+
+# (group, shared blocks, cached tokens, new tokens); 16-token blocks, a prefix needs 128 shared keys.
+SHARED_STEPS = {
+    # Six decode sequences of one prompt prefix (their own tails from 1 to 75 tokens), two of
+    # another, one alone, and a prompt chunk that begins with the first prefix (not a decode row).
+    "two prefixes": ([(0, 20, 321, 1), (0, 20, 330, 1), (0, 20, 395, 1), (0, 20, 400, 1), (0, 20, 336, 1),
+                      (0, 20, 352, 1), (1, 12, 200, 1), (1, 12, 260, 1), (None, 0, 300, 1), (0, 20, 320, 30)], 2),
+    # One member holds only 9 of the prefix's blocks: the prefix read once is those 9 (144 keys).
+    "a shorter member": ([(0, 20, 330, 1), (0, 9, 300, 1), (0, 20, 340, 1)], 1),
+    # Two sequences sharing 7 blocks (112 keys): too short to be worth a task of its own.
+    "too short": ([(0, 7, 200, 1), (0, 7, 210, 1)], 0),
+}
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("step", list(SHARED_STEPS))
+def test_decode_sequences_sharing_a_prefix_read_it_once_and_match_torch(kernels, dtype, cache_dtype, tolerance,
+                                                                         step):
+    """Decode rows whose block tables begin with the same blocks (a cached prompt prefix) attend to
+    those keys in one task for all of them, then each to its own keys, the two shares merged: the
+    output is torch's paged attention over each sequence's whole table."""
+    seqs, num_prefixes = SHARED_STEPS[step]
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim, tokens_per_block, num_blocks = 6, 2, 64, 16, 160
+    meta = shared_prefix_metadata(seqs, tokens_per_block, num_blocks, seed=2)
+    query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
+    key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
+    cache = torch.randn(num_blocks, 2, tokens_per_block, kv_heads, head_dim).to(cache_dtype)
+    expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=0.125, sliding_window=None)
+    write_kv_cache(key, value, cache, meta.slot_mapping, tokens_per_block)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
+                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              tokens_per_block=tokens_per_block, sliding_window=None)
+    assert plan.num_shared_prefixes == num_prefixes
+    out = ops.attention(kernels, plan, query, cache, torch.empty_like(query), 0.125)
+    assert relative_error(out, expected) <= tolerance
+
+
 def test_attention_reads_only_the_blocks_inside_the_window(kernels):
     """Blocks released by a sliding window (-1 in the table) are never read; a released block
     inside the window is an error, not a read of block -1."""

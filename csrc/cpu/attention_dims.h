@@ -259,7 +259,7 @@ static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* s
 
   for (int64_t m = 0; m < num_rows; ++m) {
     const int64_t h = m / nq, i = m % nq;
-    const A* src = static_cast<const A*>(a.query) + (t.first_row + i) * a.query_stride + (t.kv_head * group + h) * d;
+    const A* src = static_cast<const A*>(a.query) + query_row(a, t, i) * a.query_stride + (t.kv_head * group + h) * d;
     float* q = rows.q + m * padded_d;
     for (int64_t e = 0; e < padded_d; ++e) q[e] = rows.o[m * padded_d + e] = 0.0f;
     for (int64_t e = 0; e < d; ++e) q[lane(e)] = load_scalar(src + e) * a.scale;
@@ -284,11 +284,11 @@ static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* s
   }
 
   if (t.partial >= 0) {
-    float* partial = a.partials + t.partial;
     for (int64_t m = 0; m < num_rows; ++m) {
-      for (int64_t e = 0; e < d; ++e) partial[m * d + e] = rows.o[m * padded_d + lane(e)];
-      partial[num_rows * d + 2 * m] = row_max[m];
-      partial[num_rows * d + 2 * m + 1] = row_sum[m];
+      const PartialRow partial = partial_row(a, t, num_rows, m);
+      for (int64_t e = 0; e < d; ++e) partial.out[e] = rows.o[m * padded_d + lane(e)];
+      partial.stats[0] = row_max[m];
+      partial.stats[1] = row_sum[m];
     }
     return;
   }

@@ -1,6 +1,7 @@
 #include "attention_plan.h"
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -13,6 +14,40 @@ namespace {
 constexpr int64_t kMaxRowsPerTask = 128;
 // A share of a split task has at least this many keys.
 constexpr int64_t kMinKeysPerShare = 4 * kKeyTile;
+// Decode sequences read their common leading blocks once when they share at least this many keys.
+constexpr int64_t kMinSharedKeys = 4 * kKeyTile;
+
+// Decode sequences (one new token each) whose block tables begin with the same blocks: a prompt
+// prefix cached once and held by every request that sent it. Grouped by their first block; a
+// group's prefix is the whole blocks all of them hold before their new token.
+std::vector<SharedPrefix> find_shared_prefixes(const int32_t* query_start_loc, const int32_t* seq_lens,
+                                               int64_t num_seqs, const int32_t* block_tables, int64_t max_blocks,
+                                               int64_t tokens_per_block) {
+  std::map<int32_t, std::vector<int64_t>> by_first_block;  // ordered: the same step makes the same plan
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    if (query_start_loc[seq + 1] - query_start_loc[seq] == 1 && seq_lens[seq] > kMinSharedKeys) {
+      by_first_block[block_tables[seq * max_blocks]].push_back(seq);
+    }
+  }
+  std::vector<SharedPrefix> prefixes;
+  for (auto& [block, seqs] : by_first_block) {
+    if (seqs.size() < 2) continue;
+    const int32_t* first = block_tables + seqs[0] * max_blocks;
+    int64_t num_blocks = max_blocks;
+    for (int64_t seq : seqs) {
+      const int32_t* table = block_tables + seq * max_blocks;
+      // Whole blocks before the new token's position: the sequence's own task keeps at least that token.
+      const int64_t limit = std::min(num_blocks, (seq_lens[seq] - 1) / tokens_per_block);
+      int64_t common = 0;
+      while (common < limit && table[common] == first[common]) ++common;
+      num_blocks = common;
+    }
+    if (num_blocks * tokens_per_block >= kMinSharedKeys) {
+      prefixes.push_back({std::move(seqs), num_blocks * tokens_per_block});
+    }
+  }
+  return prefixes;
+}
 
 }  // namespace
 
@@ -40,6 +75,7 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
     queries_per_task = std::max(fewest, std::min(queries_per_task, even));
   }
   const int64_t tpb = shape.tokens_per_block;
+  std::vector<bool> in_shared_prefix(num_seqs, false);
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
     const int64_t seq_len = seq_lens[seq];
@@ -63,6 +99,20 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
                                     " blocks)");
       }
     }
+  }
+  // Only after every sequence's blocks are checked: the prefixes compare block ids.
+  if (shape.sliding_window == 0) {
+    for (const SharedPrefix& prefix : find_shared_prefixes(query_start_loc, seq_lens, num_seqs, block_tables,
+                                                           max_blocks, tpb)) {
+      add_shared_prefix(prefix, query_start_loc, seq_lens, width, num_threads);
+      for (int64_t seq : prefix.seqs) in_shared_prefix[seq] = true;
+    }
+  }
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
+    const int64_t seq_len = seq_lens[seq];
+    if (query_len <= 0 || in_shared_prefix[seq]) continue;
+    const int64_t first_position = seq_len - query_len;
     for (int64_t begin = 0; begin < query_len; begin += queries_per_task) {
       const int64_t count = std::min(queries_per_task, query_len - begin);
       const int64_t position = first_position + begin;
@@ -76,7 +126,7 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
         tasks_.push_back({static_cast<int32_t>(seq), kv_head, heads_per_task,
                           static_cast<int32_t>(query_start_loc[seq] + begin), static_cast<int32_t>(count),
                           static_cast<int32_t>(position), static_cast<int32_t>(key_begin),
-                          static_cast<int32_t>(key_end), -1});
+                          static_cast<int32_t>(key_end), -1, -1});
       }
       work_ += 2.0 * static_cast<double>(count * shape.num_heads) * static_cast<double>(key_end - key_begin) *
                static_cast<double>(shape.head_dim);
@@ -92,6 +142,51 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
   });
 }
 
+void AttentionPlan::add_shared_prefix(const SharedPrefix& prefix, const int32_t* query_start_loc,
+                                      const int32_t* seq_lens, int32_t width, int32_t num_threads) {
+  const int64_t group = shape_.num_heads / shape_.num_kv_heads, d = shape_.head_dim;
+  const auto members = static_cast<int64_t>(prefix.seqs.size());
+  // Each member's output is merged from the prefix's shares (split by keys for the threads) and one
+  // share of its own keys, each the size of a decode task's partial of all heads.
+  const int64_t share_floats = partial_floats(shape_.num_heads, d);
+  const int64_t shares = std::clamp<int64_t>(prefix.num_keys / kMinKeysPerShare, 1, num_threads);
+  const auto first_query = static_cast<int32_t>(shared_queries_.size());
+  // A sequence's own keys: one query's task (its rows as a decode step's, by layout), the last share.
+  const int32_t own_heads_per_task = rows_in_lanes(group, width) ? 1 : shape_.num_kv_heads;
+  for (int64_t seq : prefix.seqs) {
+    const int32_t row = query_start_loc[seq], seq_len = seq_lens[seq];
+    const auto first_partial = static_cast<int32_t>(num_partial_floats_);
+    num_partial_floats_ += (shares + 1) * share_floats;
+    merges_.push_back({row, 1, 0, shape_.num_kv_heads, first_partial, static_cast<int32_t>(shares + 1)});
+    for (int32_t kv_head = 0; kv_head < shape_.num_kv_heads; kv_head += own_heads_per_task) {
+      tasks_.push_back({static_cast<int32_t>(seq), kv_head, own_heads_per_task, row, 1, seq_len - 1,
+                        static_cast<int32_t>(prefix.num_keys), seq_len, static_cast<int32_t>(shares * share_floats),
+                        static_cast<int32_t>(shared_queries_.size())});
+    }
+    shared_queries_.push_back({row, first_partial});
+    work_ += 2.0 * static_cast<double>(shape_.num_heads * (seq_len - prefix.num_keys) * d);
+    scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(group * own_heads_per_task, d,
+                                                                         own_heads_per_task, width));
+  }
+  // The prefix's tasks: every member's query rows, a KV head each once they fill the lanes.
+  const int32_t heads_per_task = rows_in_lanes(members * group, width) ? 1 : shape_.num_kv_heads;
+  const int64_t tiles = (prefix.num_keys + kKeyTile - 1) / kKeyTile;
+  for (int64_t share = 0; share < shares; ++share) {
+    const auto key_begin = static_cast<int32_t>(tiles * share / shares * kKeyTile);
+    const auto key_end = static_cast<int32_t>(std::min(prefix.num_keys, tiles * (share + 1) / shares * kKeyTile));
+    for (int32_t kv_head = 0; kv_head < shape_.num_kv_heads; kv_head += heads_per_task) {
+      // Every key of the prefix is visible to every member's new token: no mask.
+      tasks_.push_back({static_cast<int32_t>(prefix.seqs[0]), kv_head, heads_per_task, -1,
+                        static_cast<int32_t>(members), static_cast<int32_t>(prefix.num_keys - 1), key_begin, key_end,
+                        static_cast<int32_t>(share * share_floats), first_query});
+    }
+  }
+  work_ += 2.0 * static_cast<double>(members * shape_.num_heads * prefix.num_keys * d);
+  scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(members * group * heads_per_task, d,
+                                                                       heads_per_task, width));
+  ++num_shared_prefixes_;
+}
+
 void AttentionPlan::split_for_threads(int32_t width, int32_t num_threads) {
   // A step of a few decode tokens has a task per sequence: fewer than the threads can share evenly.
   // Such tasks (few rows, the head dimension in the lanes) split by keys into shares.
@@ -103,7 +198,7 @@ void AttentionPlan::split_for_threads(int32_t width, int32_t num_threads) {
   for (const AttentionTask& task : tasks_) {
     const int64_t keys = task.key_end - task.key_begin;
     const int64_t shares = std::min(wanted, keys / kMinKeysPerShare);
-    if (rows_in_lanes(task.num_queries * group, width) || shares < 2) {
+    if (task.partial >= 0 || rows_in_lanes(task.num_queries * group, width) || shares < 2) {
       tasks.push_back(task);
       continue;
     }

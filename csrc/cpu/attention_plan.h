@@ -14,6 +14,12 @@ struct AttentionShape {
   int64_t sliding_window;  // 0: none
 };
 
+// Decode sequences whose first num_keys keys lie in the same blocks (see AttentionTask::shared).
+struct SharedPrefix {
+  std::vector<int64_t> seqs;
+  int64_t num_keys;
+};
+
 class AttentionPlan {
  public:
   // query_start_loc [num_seqs + 1] and seq_lens [num_seqs] as in AttentionMetadata; block_tables
@@ -21,12 +27,16 @@ class AttentionPlan {
   // of the pool (0 <= id < num_blocks); std::invalid_argument names the first that is not.
   // width: float lanes of the kernels that will run the plan; num_threads: the threads that will
   // (too few tasks for them, and long decode tasks are split by keys, their shares merged).
+  // Decode sequences that begin with the same blocks (a cached prompt prefix they share) read those
+  // blocks' keys and values once, in tasks that hold all their queries (no sliding window).
   AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs, const int32_t* block_tables,
                 int64_t max_blocks, int64_t num_blocks, const AttentionShape& shape, int32_t width,
                 int32_t num_threads);
 
   const std::vector<AttentionTask>& tasks() const { return tasks_; }
   const std::vector<AttentionMerge>& merges() const { return merges_; }
+  const std::vector<SharedQuery>& shared_queries() const { return shared_queries_; }
+  int64_t num_shared_prefixes() const { return num_shared_prefixes_; }
   int64_t num_partial_floats() const { return num_partial_floats_; }
   const int32_t* block_tables() const { return block_tables_.data(); }
   int64_t block_table_stride() const { return max_blocks_; }
@@ -40,9 +50,13 @@ class AttentionPlan {
   int64_t max_blocks_;
   std::vector<int32_t> block_tables_;
   void split_for_threads(int32_t width, int32_t num_threads);
+  void add_shared_prefix(const SharedPrefix& prefix, const int32_t* query_start_loc, const int32_t* seq_lens,
+                         int32_t width, int32_t num_threads);
 
   std::vector<AttentionTask> tasks_;
   std::vector<AttentionMerge> merges_;
+  std::vector<SharedQuery> shared_queries_;
+  int64_t num_shared_prefixes_ = 0;
   int64_t num_partial_floats_ = 0;
   int64_t scratch_floats_ = 0;
   double work_ = 0.0;

@@ -152,7 +152,7 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
   for (int64_t m = 0; m < padded; ++m) {
     int64_t h = m / nq, i = m % nq;
     bool real = m < rows;
-    const A* q = static_cast<const A*>(a.query) + (t.first_row + (real ? i : 0)) * a.query_stride +
+    const A* q = static_cast<const A*>(a.query) + query_row(a, t, real ? i : 0) * a.query_stride +
                  (t.kv_head * group + (real ? h : 0)) * d;
     for (int64_t e = 0; e < d; ++e) qt[e * padded + m] = real ? load_scalar(q + e) * a.scale : 0.0f;
     // Padding rows copy the last query's position: finite scores, never NaN; their output is dropped.
@@ -212,6 +212,13 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
   }
 
   for (int64_t m = 0; m < rows; ++m) {
+    if (t.partial >= 0) {  // a shared prefix's share
+      const PartialRow partial = partial_row(a, t, rows, m);
+      for (int64_t e = 0; e < d; ++e) partial.out[e] = ot[e * padded + m];
+      partial.stats[0] = row_max[m];
+      partial.stats[1] = row_sum[m];
+      continue;
+    }
     int64_t h = m / nq, i = m % nq;
     A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
     float inv_sum = 1.0f / row_sum[m];

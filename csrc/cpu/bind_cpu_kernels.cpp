@@ -43,7 +43,10 @@ NB_MODULE(_kernels, m) {
       .def_prop_ro("num_tasks", [](const AttentionPlan& plan) { return plan.tasks().size(); })
       .def_prop_ro("work", &AttentionPlan::work, "Multiply-adds of all tasks.")
       .def_prop_ro("num_merges", [](const AttentionPlan& plan) { return plan.merges().size(); },
-                   "Tasks split by keys for the threads (their shares merged after).");
+                   "Outputs merged from shares: of decode tasks split by keys for the threads, and of the "
+                   "sequences of a shared prefix.")
+      .def_prop_ro("num_shared_prefixes", &AttentionPlan::num_shared_prefixes,
+                   "Groups of decode sequences whose common leading blocks are read once for all of them.");
 
   nb::class_<CpuKernels>(m, "CpuKernels", "The kernels of one instruction set and the threads that run them.")
       .def(nb::init<const std::string&, int>(), "isa"_a = "auto", "num_threads"_a = 1,

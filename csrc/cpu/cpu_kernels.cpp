@@ -116,6 +116,7 @@ void CpuKernels::attention(const AttentionPlan& plan, AttentionArgs args) {
   args.sliding_window = shape.sliding_window;
   if (static_cast<int64_t>(partials_.size()) < plan.num_partial_floats()) partials_.resize(plan.num_partial_floats());
   args.partials = partials_.data();
+  args.shared_queries = plan.shared_queries().data();
   const int threads = plan.work() < kMinParallelAttentionWork ? 1 : pool_.num_threads();
   for (int t = 0; t < threads; ++t) {
     if (static_cast<int64_t>(scratch_[t].size()) < plan.scratch_floats()) scratch_[t].resize(plan.scratch_floats());

@@ -66,6 +66,14 @@ struct AttentionArgs {
   DType dtype, cache_dtype;
   // Where tasks that cover part of a key range leave their results (see AttentionTask::partial).
   float* partials;
+  const struct SharedQuery* shared_queries;  // the plan's, for tasks with shared >= 0
+};
+
+// A query of a shared-prefix task (AttentionTask::shared): its row in the step, and where its
+// sequence's partial results begin (floats into partials).
+struct SharedQuery {
+  int32_t row;
+  int32_t partial;
 };
 
 // A share of the work: consecutive queries of one sequence, one KV head (and its group of query heads).
@@ -83,6 +91,12 @@ struct AttentionTask {
   // unnormalised output [rows][head_dim], then each row's max and sum of weights
   // (partial_floats(rows, head_dim) in all); a merge combines the shares.
   int32_t partial;
+  // -1, or the first of num_queries entries of shared_queries, one new token each of sequences that
+  // hold keys [key_begin, key_end) in the same blocks (a prompt prefix cached once; with one entry, a
+  // sequence's own keys after it). seq is the first of them; query i leaves its share of each of the
+  // task's heads at partials + shared_queries[shared + i].partial + partial, laid out as a decode
+  // task of all heads leaves its partial.
+  int32_t shared;
 };
 
 // The shares of one split task, merged into its output; share s is at partials + first_partial +

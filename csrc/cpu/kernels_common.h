@@ -50,6 +50,28 @@ static void copy_converted(const A* src, C* dst, int64_t n) {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// The step row of a task's query i.
+static inline int64_t query_row(const AttentionArgs& a, const AttentionTask& t, int64_t i) {
+  return t.shared < 0 ? t.first_row + i : a.shared_queries[t.shared + i].row;
+}
+
+// Where a task covering part of its queries' keys (partial >= 0) leaves row m of its `rows` rows
+// (m = h * num_queries + i: head h of the task's heads, query i): the unnormalised output
+// [head_dim], and the row's max and sum of weights.
+struct PartialRow {
+  float* out;
+  float* stats;
+};
+
+static inline PartialRow partial_row(const AttentionArgs& a, const AttentionTask& t, int64_t rows, int64_t m) {
+  const int64_t d = a.head_dim;
+  if (t.shared < 0) return {a.partials + t.partial + m * d, a.partials + t.partial + rows * d + 2 * m};
+  // A shared task's queries are one per sequence, each with a sequence's merge of all heads.
+  const int64_t nq = t.num_queries, head = static_cast<int64_t>(t.kv_head) * (a.num_heads / a.num_kv_heads) + m / nq;
+  float* first = a.partials + a.shared_queries[t.shared + m % nq].partial + t.partial;
+  return {first + head * d, first + static_cast<int64_t>(a.num_heads) * d + 2 * head};
+}
+
 // Calls f with a value of the element type a DType names (uint16_t holds bfloat16 bits).
 template <typename F>
 static inline void with_type(DType dtype, F&& f) {

@@ -33,7 +33,15 @@ class AttentionPlan:
 
     @property
     def num_merges(self) -> int:
-        """Tasks split by keys for the threads (their shares merged after)."""
+        """
+        Outputs merged from shares: of decode tasks split by keys for the threads, and of the sequences of a shared prefix.
+        """
+
+    @property
+    def num_shared_prefixes(self) -> int:
+        """
+        Groups of decode sequences whose common leading blocks are read once for all of them.
+        """
 
 class CpuKernels:
     """The kernels of one instruction set and the threads that run them."""
