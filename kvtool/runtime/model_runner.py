@@ -16,6 +16,7 @@ from kvtool.layers.sampler import make_generator, sample
 from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
 from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs, MixedGraphs
 from kvtool.runtime.device import available_host_memory_bytes, free_device_memory_bytes
+from kvtool.runtime.host_allocator import keep_freed_memory
 from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, HostStep, flatten_step
@@ -54,6 +55,8 @@ class ModelRunner:
         # On the CPU the model runs through kvtool's fused kernels where they apply (the ISA they
         # use, e.g. 'avx512'; None: the torch path).
         self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
+        if device.type == "cpu":
+            keep_freed_memory()  # a prompt's activations are reused, not page-faulted in again each product
         self.tier3_store: Tier3Store | None = None  # the third tier's (use_tier3_store)
 
     # -- the executor of an engine (kvtool.runtime.assemble.Executor) ----------------------------
