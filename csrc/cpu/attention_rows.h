@@ -136,6 +136,70 @@ static void tile_rows(const AttentionArgs& a, const AttentionTask& t, int64_t k0
   }
 }
 
+// The online softmax of a score tile s [kKeyTile][padded] (scores scaled by score_scale first): masked
+// scores to weights in place, each row's running max and sum, and the output rows so far (ot
+// [head_dim][padded]) rescaled where a row's max grew.
+static void rows_softmax(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, int64_t padded,
+                         float score_scale, const float* positions, float* s, float* row_max, float* row_sum,
+                         float* ot) {
+  const int64_t last_position = t.first_position + t.num_queries - 1;
+  // A tile reaching past the first query, or (with a window) back past the last query's window, is masked.
+  const bool causal_edge = k0 + num_keys - 1 > t.first_position;
+  const bool window_edge = a.sliding_window > 0 && k0 <= last_position - a.sliding_window;
+  const Vec scale = Vec::set1(score_scale);
+  for (int64_t vec = 0; vec < padded / W; ++vec) {
+    float* sv = s + vec * W;
+    Vec query_positions = Vec::load(positions + vec * W);
+    Vec tile_max = Vec::set1(kNegInf);
+    for (int j = 0; j < num_keys; ++j) {
+      Vec score = Vec::load(sv + j * padded);
+      if (score_scale != 1.0f) score = score * scale;
+      if (causal_edge || window_edge) {
+        score = visible_or_neg_inf(score, static_cast<float>(k0 + j), query_positions, a.sliding_window);
+      }
+      if (score_scale != 1.0f || causal_edge || window_edge) score.store(sv + j * padded);
+      tile_max = Vec::max(tile_max, score);
+    }
+    const Vec old_max = Vec::load(row_max + vec * W);
+    Rescale r = rescale(old_max, tile_max);
+    Vec sum = Vec::zero();
+    for (int j = 0; j < num_keys; ++j) {
+      Vec p = Vec::exp(Vec::load(sv + j * padded) - r.shift);
+      p.store(sv + j * padded);
+      sum = sum + p;
+    }
+    (Vec::load(row_sum + vec * W) * r.alpha + sum).store(row_sum + vec * W);
+    r.max.store(row_max + vec * W);
+    // Once the running max settles (most tiles of a long prompt) no row's output needs rescaling.
+    if (Vec::any(Vec::gt(r.max, old_max))) {
+      for (int64_t e = 0; e < a.head_dim; ++e) {
+        (Vec::load(ot + e * padded + vec * W) * r.alpha).store(ot + e * padded + vec * W);
+      }
+    }
+  }
+}
+
+// The task's output: row m's ot[lane(e)][m] / sum into the step's output (element e of its head), or
+// its share into the partials.
+template <typename A, typename Lane>
+static void rows_output(const AttentionArgs& a, const AttentionTask& t, const float* ot, int64_t padded,
+                        const float* row_max, const float* row_sum, Lane lane) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries, rows = nq * group;
+  for (int64_t m = 0; m < rows; ++m) {
+    if (t.partial >= 0) {  // a shared prefix's share
+      const PartialRow partial = partial_row(a, t, rows, m);
+      for (int64_t e = 0; e < d; ++e) partial.out[e] = ot[lane(e) * padded + m];
+      partial.stats[0] = row_max[m];
+      partial.stats[1] = row_sum[m];
+      continue;
+    }
+    int64_t h = m / nq, i = m % nq;
+    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
+    float inv_sum = 1.0f / row_sum[m];
+    for (int64_t e = 0; e < d; ++e) store_scalar(out + e, ot[lane(e) * padded + m] * inv_sum);
+  }
+}
+
 template <typename A, typename C>
 static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
@@ -164,7 +228,6 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
 
   const float* key[kKeyTile];
   const float* value[kKeyTile];
-  const int64_t last_position = t.first_position + nq - 1;
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
     tile_rows<C>(a, t, k0, num_keys, kbuf, vbuf, key, value);
@@ -173,57 +236,14 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
       scores<kBlockRows>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
     for (; v + 2 <= num_vectors; v += 2) scores<2>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
     for (; v < num_vectors; ++v) scores<1>(key, num_keys, qt, padded, d, s, static_cast<int>(v));
-
-    // A tile reaching past the first query, or (with a window) back past the last query's window, is masked.
-    const bool causal_edge = k0 + num_keys - 1 > t.first_position;
-    const bool window_edge = a.sliding_window > 0 && k0 <= last_position - a.sliding_window;
-    for (int64_t vec = 0; vec < num_vectors; ++vec) {
-      float* sv = s + vec * W;
-      Vec query_positions = Vec::load(positions + vec * W);
-      Vec tile_max = Vec::set1(kNegInf);
-      for (int j = 0; j < num_keys; ++j) {
-        Vec score = Vec::load(sv + j * padded);
-        if (causal_edge || window_edge) {
-          score = visible_or_neg_inf(score, static_cast<float>(k0 + j), query_positions, a.sliding_window);
-          score.store(sv + j * padded);
-        }
-        tile_max = Vec::max(tile_max, score);
-      }
-      const Vec old_max = Vec::load(row_max + vec * W);
-      Rescale r = rescale(old_max, tile_max);
-      Vec sum = Vec::zero();
-      for (int j = 0; j < num_keys; ++j) {
-        Vec p = Vec::exp(Vec::load(sv + j * padded) - r.shift);
-        p.store(sv + j * padded);
-        sum = sum + p;
-      }
-      (Vec::load(row_sum + vec * W) * r.alpha + sum).store(row_sum + vec * W);
-      r.max.store(row_max + vec * W);
-      // Once the running max settles (most tiles of a long prompt) no row's output needs rescaling.
-      if (Vec::any(Vec::gt(r.max, old_max))) {
-        for (int64_t e = 0; e < d; ++e) (Vec::load(ot + e * padded + vec * W) * r.alpha).store(ot + e * padded + vec * W);
-      }
-    }
+    rows_softmax(a, t, k0, num_keys, padded, 1.0f, positions, s, row_max, row_sum, ot);
     v = 0;
     for (; v + kValueRows <= num_vectors; v += kValueRows)
       weighted_values<kValueRows>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
     for (; v + 2 <= num_vectors; v += 2) weighted_values<2>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
     for (; v < num_vectors; ++v) weighted_values<1>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
   }
-
-  for (int64_t m = 0; m < rows; ++m) {
-    if (t.partial >= 0) {  // a shared prefix's share
-      const PartialRow partial = partial_row(a, t, rows, m);
-      for (int64_t e = 0; e < d; ++e) partial.out[e] = ot[e * padded + m];
-      partial.stats[0] = row_max[m];
-      partial.stats[1] = row_sum[m];
-      continue;
-    }
-    int64_t h = m / nq, i = m % nq;
-    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
-    float inv_sum = 1.0f / row_sum[m];
-    for (int64_t e = 0; e < d; ++e) store_scalar(out + e, ot[e * padded + m] * inv_sum);
-  }
+  rows_output<A>(a, t, ot, padded, row_max, row_sum, [](int64_t e) { return e; });
 }
 
 }  // namespace kvtool::cpu::KVTOOL_CPU_ISA

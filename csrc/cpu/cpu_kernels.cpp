@@ -20,12 +20,14 @@ bool cpu_supports(const std::string& isa) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
   }
+  if (isa == "avx512_bf16") return cpu_supports("avx512") && __builtin_cpu_supports("avx512bf16");
 #endif
   return false;
 }
 
 const KernelTable* table_for(const std::string& isa) {
 #if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "avx512_bf16") return &avx512_bf16_kernels();
   if (isa == "avx512") return &avx512_kernels();
   if (isa == "avx2") return &avx2_kernels();
 #endif
@@ -61,7 +63,7 @@ struct AttentionJob {
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> isas;
-  for (const char* isa : {"avx512", "avx2"}) {
+  for (const char* isa : {"avx512_bf16", "avx512", "avx2"}) {
     if (cpu_supports(isa)) isas.emplace_back(isa);
   }
   isas.emplace_back("generic");

@@ -156,6 +156,7 @@ const KernelTable& generic_kernels();
 #if defined(__x86_64__) || defined(_M_X64)
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
+const KernelTable& avx512_bf16_kernels();
 #endif
 
 }  // namespace kvtool::cpu

@@ -1,4 +1,5 @@
-// The CPU kernels, written once against `Vec` (vec_generic.h, vec_avx2.h or vec_avx512.h) and
+// The CPU kernels, written once against `Vec` (vec_generic.h, vec_avx2.h or vec_avx512.h, the last
+// also with AVX512-BF16 in kernels_avx512_bf16.cpp) and
 // compiled once per instruction set: each kernels_<isa>.cpp defines KVTOOL_CPU_ISA, includes its
 // vector header and then this file, so every function here lives in that ISA's own namespace and
 // the linker never mixes the copies. Only what the ISA's vector header brings is used here (no
@@ -10,6 +11,7 @@
 
 #include "attention_dims.h"
 #include "attention_rows.h"
+#include "attention_rows_bf16.h"
 #include "kernels_common.h"
 
 namespace kvtool::cpu::KVTOOL_CPU_ISA {
@@ -170,6 +172,11 @@ template <typename A, typename C>
 static void attention_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);  // per KV head
   if (rows_in_lanes(rows, W)) {
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_pair_products<A, C>()) {
+      if (pairs_fit(a.head_dim)) return attention_rows_bf16<A>(a, t, scratch);
+    }
+#endif
     attention_rows_in_lanes<A, C>(a, t, scratch);
   } else {
     attention_dims_in_lanes<A, C>(a, t, scratch);

@@ -12,6 +12,7 @@ namespace kvtool::cpu::KVTOOL_CPU_ISA {
 
 struct Vec {
   static constexpr int width = 8;
+  static constexpr bool has_bf16_pairs = false;  // see vec_avx512.h
   using Mask = __m256;  // all bits set in a true lane
   __m256 v;
 

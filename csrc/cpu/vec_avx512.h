@@ -12,6 +12,38 @@ namespace kvtool::cpu::KVTOOL_CPU_ISA {
 
 struct Vec {
   static constexpr int width = 16;
+#if defined(__AVX512BF16__)
+  // AVX512-BF16's dot products of bfloat16 pairs (kernels_avx512_bf16.cpp): each 32-bit lane of a
+  // `Pairs` holds two bfloat16 values, the first in its low half.
+  static constexpr bool has_bf16_pairs = true;
+  using Pairs = __m512i;
+  static Pairs load_pairs_raw(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  static void store_pairs(Pairs v, uint32_t* p) { _mm512_storeu_si512(p, v); }
+  static Pairs broadcast_pair(const uint16_t* p) {
+    uint32_t pair;
+    __builtin_memcpy(&pair, p, sizeof(pair));
+    return _mm512_set1_epi32(static_cast<int>(pair));
+  }
+  // acc + a[lane].first * b[lane].first + a[lane].second * b[lane].second, in float32.
+  static Vec dot_pairs(Vec acc, Pairs a, Pairs b) {
+    return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b))};
+  }
+  // (first[lane], second[lane]) rounded to bfloat16 (to nearest even, as torch rounds).
+  static Pairs round_to_pairs(Vec first, Vec second) {
+    __m512i low = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(first.v)));
+    __m512i high = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(second.v)));
+    return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+  }
+  // The 32 bfloat16 values of a and of b (two cache rows) as pairs (a[i], b[i]), in two vectors:
+  // `low` holds i = 8L + 0..3 of each 128-bit lane L, `high` i = 8L + 4..7 (in-lane interleaves).
+  static void interleave_rows(const uint16_t* a, const uint16_t* b, Pairs& low, Pairs& high) {
+    __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+    low = _mm512_unpacklo_epi16(x, y);
+    high = _mm512_unpackhi_epi16(x, y);
+  }
+#else
+  static constexpr bool has_bf16_pairs = false;
+#endif
   using Mask = __mmask16;
   __m512 v;
 

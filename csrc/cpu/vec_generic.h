@@ -10,6 +10,7 @@ namespace kvtool::cpu::KVTOOL_CPU_ISA {
 
 struct Vec {
   static constexpr int width = 1;
+  static constexpr bool has_bf16_pairs = false;  // see vec_avx512.h
   using Mask = bool;
   float v;
 

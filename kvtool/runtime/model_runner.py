@@ -53,7 +53,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.mixed_graphs: MixedGraphs | None = None
         # On the CPU the model runs through kvtool's fused kernels where they apply (the ISA they
-        # use, e.g. 'avx512'; None: the torch path).
+        # use, e.g. 'avx512_bf16'; None: the torch path).
         self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
         if device.type == "cpu":
             keep_freed_memory()  # a prompt's activations are reused, not page-faulted in again each product
