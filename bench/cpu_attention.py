@@ -3,9 +3,9 @@ new token per sequence, per layer, with the KV cache read from memory as in a re
 
 A real decode step streams every layer's weights between two visits of a layer's cache, so the cache
 is never in the CPU's caches when attention reads it. Here --num_layers layers' caches (distinct
-tensors, together larger than the last-level cache by default) are visited in turn; the median time
-per layer over --rounds rounds, and the layer's cache bytes per second, beside the streaming read
-rate measured on the spot (bench/peers/floors.py). Several sequences run twice: each with blocks of
+tensors) are visited in turn with a read of --flush_mb MB before each (the weights streaming past);
+the median time per layer over --rounds rounds, and the layer's cache bytes per second, beside the
+streaming read rate measured on the spot (bench/peers/floors.py). Several sequences run twice: each with blocks of
 its own, and all beginning with the same --shared_tokens tokens' blocks (a cached prompt prefix,
 which the kernel reads once for them all).
 
@@ -54,12 +54,18 @@ def per_layer(kernels: CpuKernels, args, dtype: torch.dtype, num_seqs: int, shar
                               tokens_per_block=args.tokens_per_block, sliding_window=None)
     if shared != (plan.num_shared_prefixes > 0):
         raise SystemExit(f"the plan of {num_seqs} sequences has {plan.num_shared_prefixes} shared prefixes")
+    # Between two layers a step streams the layer's weights: here a read of more than the last-level
+    # cache, so that no layer's cache is still there when attention reads it.
+    weights = torch.empty(args.flush_mb * 2 ** 20 // 4)
     times = []
     for _ in range(args.rounds):
-        start = time.perf_counter()
+        seconds = 0.0
         for cache in caches:
+            kernels.sum(weights.data_ptr(), weights.numel())
+            start = time.perf_counter()
             ops.attention(kernels, plan, query, cache, out, args.head_dim ** -0.5)
-        times.append((time.perf_counter() - start) / len(caches))
+            seconds += time.perf_counter() - start
+        times.append(seconds / len(caches))
     return statistics.median(times), caches[0].numel() * caches[0].element_size()
 
 
@@ -75,6 +81,8 @@ def main() -> None:
     parser.add_argument("--tokens_per_block", type=int, default=32)
     parser.add_argument("--shared_tokens", type=int, default=1024,
                         help="tokens of the prefix the sequences share in the shared variant")
+    parser.add_argument("--flush_mb", type=int, default=64,
+                        help="MB read between two layers' attention (a step's weights streaming past)")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     for threads in args.threads:

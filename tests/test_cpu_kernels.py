@@ -128,85 +128,15 @@ def test_rope_store_kv_refuses_a_position_past_its_table(kernels):
 def step_metadata(seqs: list[tuple[int, int]], tokens_per_block: int, num_blocks: int,
                   seed: int) -> AttentionMetadata:
     """Metadata for sequences (num_cached, num_new): context chunks first, shuffled block ids."""
-    seqs = sorted(seqs, key=lambda s: s[1] == 1)
-    free = list(range(num_blocks))
-    random.Random(seed).shuffle(free)
-    max_blocks = max(-(-(c + n) // tokens_per_block) for c, n in seqs)
-    tables, positions, slots, starts, lens = [], [], [], [0], []
-    for cached, new in seqs:
-        row = [free.pop() for _ in range(-(-(cached + new) // tokens_per_block))]
-        for p in range(cached, cached + new):
-            positions.append(p)
-            slots.append(row[p // tokens_per_block] * tokens_per_block + p % tokens_per_block)
-        tables.append(row + [-1] * (max_blocks - len(row)))
-        starts.append(starts[-1] + new)
-        lens.append(cached + new)
-    query_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
-    return AttentionMetadata(
-        positions=torch.tensor(positions), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        query_lens=query_lens, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=torch.tensor(slots),
-        tokens_per_block=tokens_per_block, num_context_seqs=int((query_lens > 1).sum()),
-        max_query_len=int(query_lens.max()), max_seq_len=max(lens))
-
-
-@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens_per_block", [(9, 3, 64, 32), (4, 4, 32, 16),
-                                                                          (8, 2, 128, 8), (6, 2, 80, 32)])
-@pytest.mark.parametrize("window", [None, 20])
-def test_attention_matches_torch_paged_attention(kernels, dtype, cache_dtype, tolerance, heads, kv_heads, head_dim,
-                                                 tokens_per_block, window):
-    torch.manual_seed(heads * head_dim)
-    num_blocks = 64
-    # A whole prompt, a chunk after a cached prefix (longer than the kernels' tasks), chunks of 2
-    # and 33 tokens, decode tokens at various lengths.
-    meta = step_metadata([(0, 70), (40, 150), (64, 2), (3, 33), (100, 1), (5, 1), (17, 1)], tokens_per_block,
-                         num_blocks, seed=head_dim)
-    num_tokens = meta.num_tokens
-    query = torch.randn(num_tokens, heads, head_dim).to(dtype)
-    key, value = torch.randn(num_tokens, kv_heads, head_dim).to(dtype), torch.randn(num_tokens, kv_heads,
-                                                                                    head_dim).to(dtype)
-    cache = torch.randn(num_blocks, 3, 2, tokens_per_block, kv_heads, head_dim).to(cache_dtype)[:, 1]
-    reference_cache = cache.clone()
-    expected = TorchPagedAttention().forward(query, key, value, reference_cache, meta, scale=head_dim ** -0.5,
-                                             sliding_window=window)
-    write_kv_cache(key, value, cache, meta.slot_mapping, tokens_per_block)
-    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
-                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                              tokens_per_block=tokens_per_block, sliding_window=window)
-    out = ops.attention(kernels, plan, query, cache, torch.empty_like(query), head_dim ** -0.5)
-    assert relative_error(out, expected) <= tolerance
-
-
-@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("seqs, window", [([(700, 1)], None), ([(700, 1)], 300), ([(500, 2)], None),
-                                          ([(400, 1), (650, 1)], None)])
-def test_a_long_decode_split_by_keys_across_threads_matches_torch(kernels, dtype, cache_dtype, tolerance, seqs,
-                                                                    window):
-    """One or two decode rows have a task per KV head, fewer than two threads share evenly: the tasks
-    split by keys, each share's softmax merged with the others'."""
-    torch.manual_seed(7)
-    heads, kv_heads, head_dim, tokens_per_block, num_blocks = 6, 2, 64, 16, 96
-    meta = step_metadata(seqs, tokens_per_block, num_blocks, seed=1)
-    query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
-    key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
-    cache = torch.randn(num_blocks, 2, tokens_per_block, kv_heads, head_dim).to(cache_dtype)
-    expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=0.125, sliding_window=window)
-    write_kv_cache(key, value, cache, meta.slot_mapping, tokens_per_block)
-    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
-                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                              tokens_per_block=tokens_per_block, sliding_window=window)
-    if seqs == [(700, 1)]:  # 2 tasks for 2 threads: split, except in the one-lane build (never split)
-        assert (plan.num_merges > 0) == (kernels.width > 1)
-    out = ops.attention(kernels, plan, query, cache, torch.empty_like(query), 0.125)
-    assert relative_error(out, expected) <= tolerance
+    return shared_prefix_metadata([(None, 0, cached, new) for cached, new in sorted(seqs, key=lambda s: s[1] == 1)],
+                                  tokens_per_block, num_blocks, seed)
 
 
 def shared_prefix_metadata(seqs: list[tuple[int | None, int, int, int]], tokens_per_block: int, num_blocks: int,
                            seed: int) -> AttentionMetadata:
-    """Metadata for sequences (group, shared_blocks, num_cached, num_new): a sequence of a group begins
-    with the first shared_blocks block ids of its group's prefix (the same ids for every member), then
-    blocks of its own."""
+    """Metadata for sequences (group, shared_blocks, num_cached, num_new), shuffled block ids: a
+    sequence of a group (None: none) begins with the first shared_blocks block ids of its group's
+    prefix (the same ids for every member), then blocks of its own."""
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
     prefixes: dict[int, list[int]] = {}
@@ -218,7 +148,7 @@ def shared_prefix_metadata(seqs: list[tuple[int | None, int, int, int]], tokens_
     max_blocks = max(-(-(c + n) // tokens_per_block) for _, _, c, n in seqs)
     tables, positions, slots, starts, lens = [], [], [], [0], []
     for group, shared, cached, new in seqs:
-        row = (prefixes[group][:shared] if group is not None else [])
+        row = prefixes[group][:shared] if group is not None else []
         row = row + [free.pop() for _ in range(-(-(cached + new) // tokens_per_block) - len(row))]
         for p in range(cached, cached + new):
             positions.append(p)
@@ -235,12 +165,66 @@ def shared_prefix_metadata(seqs: list[tuple[int | None, int, int, int]], tokens_
         max_query_len=int(query_lens.max()), max_seq_len=max(lens))
 
 
+def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype, heads: int, kv_heads: int,
+                            num_blocks: int, window: int | None, head_dim: int = 64, strided: bool = False):
+    """(plan, kvtool's output, torch's paged attention's) for random queries, keys and values of the
+    step's new tokens over a random cache of num_blocks blocks (``strided``: a view of every third
+    block of a larger pool, as a block-major pool's layer is)."""
+    query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
+    key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
+    shape = (num_blocks, 3 if strided else 1, 2, meta.tokens_per_block, kv_heads, head_dim)
+    cache = torch.randn(shape).to(cache_dtype)[:, shape[1] // 2]
+    scale = head_dim ** -0.5
+    expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=scale, sliding_window=window)
+    write_kv_cache(key, value, cache, meta.slot_mapping, meta.tokens_per_block)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
+                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              tokens_per_block=meta.tokens_per_block, sliding_window=window)
+    return plan, ops.attention(kernels, plan, query, cache, torch.empty_like(query), scale), expected
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens_per_block", [(9, 3, 64, 32), (4, 4, 32, 16),
+                                                                          (8, 2, 128, 8), (6, 2, 80, 32)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_matches_torch_paged_attention(kernels, dtype, cache_dtype, tolerance, heads, kv_heads, head_dim,
+                                                 tokens_per_block, window):
+    torch.manual_seed(heads * head_dim)
+    num_blocks = 64
+    # A whole prompt, a chunk after a cached prefix (longer than the kernels' tasks), chunks of 2
+    # and 33 tokens, decode tokens at various lengths.
+    meta = step_metadata([(0, 70), (40, 150), (64, 2), (3, 33), (100, 1), (5, 1), (17, 1)], tokens_per_block,
+                         num_blocks, seed=head_dim)
+    _, out, expected = attention_and_reference(kernels, meta, dtype, cache_dtype, heads, kv_heads, num_blocks, window,
+                                               head_dim, strided=True)
+    assert relative_error(out, expected) <= tolerance
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("seqs, window", [([(700, 1)], None), ([(700, 1)], 300), ([(500, 2)], None),
+                                          ([(400, 1), (650, 1)], None)])
+def test_a_long_decode_split_by_keys_across_threads_matches_torch(kernels, dtype, cache_dtype, tolerance, seqs,
+                                                                    window):
+    """One or two decode rows have a task per KV head, fewer than two threads share evenly: the tasks
+    split by keys, each share's softmax merged with the others'."""
+    torch.manual_seed(7)
+    meta = step_metadata(seqs, tokens_per_block=16, num_blocks=96, seed=1)
+    plan, out, expected = attention_and_reference(kernels, meta, dtype, cache_dtype, heads=6, kv_heads=2,
+                                                  num_blocks=96, window=window)
+    if seqs == [(700, 1)]:  # 2 tasks for 2 threads: split, except in the one-lane build (never split)
+        assert (plan.num_merges > 0) == (kernels.width > 1)
+    assert relative_error(out, expected) <= tolerance
+
+
 # (group, shared blocks, cached tokens, new tokens); 16-token blocks, a prefix needs 128 shared keys.
 SHARED_STEPS = {
     # Six decode sequences of one prompt prefix (their own tails from 1 to 75 tokens), two of
     # another, one alone, and a prompt chunk that begins with the first prefix (not a decode row).
     "two prefixes": ([(0, 20, 321, 1), (0, 20, 330, 1), (0, 20, 395, 1), (0, 20, 400, 1), (0, 20, 336, 1),
                       (0, 20, 352, 1), (1, 12, 200, 1), (1, 12, 260, 1), (None, 0, 300, 1), (0, 20, 320, 30)], 2),
+    # Eight of one prefix: 24 query rows per KV head, the prefix's task in the prompt layout where a
+    # vector has 16 lanes (the six above: 18 rows, the head dimension in the lanes).
+    "eight sequences": ([(0, 10, 170 + 9 * i, 1) for i in range(8)], 1),
     # One member holds only 9 of the prefix's blocks: the prefix read once is those 9 (144 keys).
     "a shorter member": ([(0, 20, 330, 1), (0, 9, 300, 1), (0, 20, 340, 1)], 1),
     # Two sequences sharing 7 blocks (112 keys): too short to be worth a task of its own.
@@ -257,18 +241,10 @@ def test_decode_sequences_sharing_a_prefix_read_it_once_and_match_torch(kernels,
     output is torch's paged attention over each sequence's whole table."""
     seqs, num_prefixes = SHARED_STEPS[step]
     torch.manual_seed(3)
-    heads, kv_heads, head_dim, tokens_per_block, num_blocks = 6, 2, 64, 16, 160
-    meta = shared_prefix_metadata(seqs, tokens_per_block, num_blocks, seed=2)
-    query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
-    key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
-    cache = torch.randn(num_blocks, 2, tokens_per_block, kv_heads, head_dim).to(cache_dtype)
-    expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=0.125, sliding_window=None)
-    write_kv_cache(key, value, cache, meta.slot_mapping, tokens_per_block)
-    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
-                              num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                              tokens_per_block=tokens_per_block, sliding_window=None)
+    meta = shared_prefix_metadata(seqs, tokens_per_block=16, num_blocks=160, seed=2)
+    plan, out, expected = attention_and_reference(kernels, meta, dtype, cache_dtype, heads=6, kv_heads=2,
+                                                  num_blocks=160, window=None)
     assert plan.num_shared_prefixes == num_prefixes
-    out = ops.attention(kernels, plan, query, cache, torch.empty_like(query), 0.125)
     assert relative_error(out, expected) <= tolerance
 
 

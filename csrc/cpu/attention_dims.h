@@ -41,47 +41,12 @@ static inline void load_row(const C* p, int64_t d, Vec* out) {
   }
 }
 
-// One key tile's rows for a task: pointers to each key's row of the task's first KV head (its next
-// heads follow at head_stride) and to its value row.
-template <typename C>
-struct DecodeTile {
-  const C* key[kKeyTile];
-  const C* value[kKeyTile];
-  int num_keys;
-};
-
-// Finds a tile's rows and asks for their cache lines, a tile ahead of their use. A task's keys and
-// values are many short runs (a token's heads, keys and values apart, blocks wherever the block table
-// puts them). (The prefetches are here, where the pointers are stored, rather than in a function of
-// their own, which the compiler finds free of effects and drops.)
-template <typename C>
-static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, DecodeTile<C>& tile) {
-  const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
-  const int64_t bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
-  // Block and offset advance with the position (no division per key).
-  int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
-  const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
-  for (int j = 0; j < num_keys; ++j, ++offset) {
-    if (offset == a.tokens_per_block) {
-      ++block;
-      offset = 0;
-    }
-    tile.key[j] = base + table[block] * a.block_stride + offset * a.token_stride;
-    tile.value[j] = tile.key[j] + a.kv_stride;
-    for (int64_t line = 0; line < bytes; line += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(tile.key[j]) + line, 0, 3);
-      __builtin_prefetch(reinterpret_cast<const char*>(tile.value[j]) + line, 0, 3);
-    }
-  }
-  tile.num_keys = num_keys;
-}
-
 // s[r][j] (+)= q[r] . key[j] for R rows of one KV head and NV vectors of the head dimension (q and the
 // rows start at the same element; `offset` from each key pointer): W keys at a time, each key's
 // lane-wise products with the rows, then one transposing sum per row gives W scores. `add`: a later
 // chunk of a row longer than the registers hold adds to the scores of the earlier ones.
 template <typename C, bool Paired, int R, int NV>
-static void chunk_scores(const float* q, int64_t padded_d, const DecodeTile<C>& tile, int64_t offset, int64_t d,
+static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& tile, int64_t offset, int64_t d,
                          float* s, bool add) {
   Vec qv[R][NV];
   for (int r = 0; r < R; ++r)
@@ -110,7 +75,7 @@ static void chunk_scores(const float* q, int64_t padded_d, const DecodeTile<C>& 
 // o[r] = alpha[r] o[r] + sum_j p[r][j] value[j] for R rows of one KV head, NV vectors of the head
 // dimension: each value row is read once for all R rows.
 template <typename C, bool Paired, int R, int NV>
-static void chunk_values(const DecodeTile<C>& tile, int64_t offset, const float* p, const float* alpha, int64_t d,
+static void chunk_values(const KeyTile<C>& tile, int64_t offset, const float* p, const float* alpha, int64_t d,
                          float* o, int64_t padded_d) {
   Vec acc[R][NV];
   for (int r = 0; r < R; ++r)
@@ -148,7 +113,7 @@ constexpr int rows_per_call() {
 // A tile's scores (or weighted values) for every row, over the NV vectors of the head dimension from
 // vector v0.
 template <typename C, bool Paired, int NV>
-static void chunk_products(const DecodeRows& rows, const DecodeTile<C>& tile, int64_t v0, bool scores) {
+static void chunk_products(const DecodeRows& rows, const KeyTile<C>& tile, int64_t v0, bool scores) {
   constexpr int kMaxRows = rows_per_call<NV>();
   const int64_t d = rows.d - v0 * W, padded_d = rows.padded_d;
   for (int64_t first = 0; first < rows.rows; first += rows.rows_per_head) {  // one KV head's rows
@@ -181,7 +146,7 @@ static void chunk_products(const DecodeRows& rows, const DecodeTile<C>& tile, in
 // The head dimension in chunks of at most 8 vectors, each held in registers while the tile's keys
 // or values stream past.
 template <typename C, bool Paired>
-static void tile_products(const DecodeRows& rows, const DecodeTile<C>& tile, bool scores) {
+static void tile_products(const DecodeRows& rows, const KeyTile<C>& tile, bool scores) {
   const int64_t num_vectors = rows.padded_d / W;
   for (int64_t v0 = 0; v0 < num_vectors; v0 += 8) {
     switch (min64(8, num_vectors - v0)) {
@@ -269,11 +234,11 @@ static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* s
   }
 
   // The next tile's rows are found (and asked for) before this tile's products.
-  DecodeTile<C> tiles[2];
+  KeyTile<C> tiles[2];
   int current = 0;
   find_tile(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)), tiles[current]);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
-    const DecodeTile<C>& tile = tiles[current];
+    const KeyTile<C>& tile = tiles[current];
     if (k0 + kKeyTile < t.key_end) {
       find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), tiles[1 - current]);
     }

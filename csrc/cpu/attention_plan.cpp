@@ -126,7 +126,7 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
         tasks_.push_back({static_cast<int32_t>(seq), kv_head, heads_per_task,
                           static_cast<int32_t>(query_start_loc[seq] + begin), static_cast<int32_t>(count),
                           static_cast<int32_t>(position), static_cast<int32_t>(key_begin),
-                          static_cast<int32_t>(key_end), -1, -1});
+                          static_cast<int32_t>(key_end), -1, -1, per_head});
       }
       work_ += 2.0 * static_cast<double>(count * shape.num_heads) * static_cast<double>(key_end - key_begin) *
                static_cast<double>(shape.head_dim);
@@ -134,7 +134,7 @@ AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_
                                                                            shape.head_dim, heads_per_task, width));
     }
   }
-  split_for_threads(width, num_threads);
+  split_for_threads(num_threads);
   // Longest first, so that no thread is left with a long task at the end.
   std::stable_sort(tasks_.begin(), tasks_.end(), [](const AttentionTask& a, const AttentionTask& b) {
     return static_cast<int64_t>(a.num_queries) * (a.key_end - a.key_begin) >
@@ -152,7 +152,8 @@ void AttentionPlan::add_shared_prefix(const SharedPrefix& prefix, const int32_t*
   const int64_t shares = std::clamp<int64_t>(prefix.num_keys / kMinKeysPerShare, 1, num_threads);
   const auto first_query = static_cast<int32_t>(shared_queries_.size());
   // A sequence's own keys: one query's task (its rows as a decode step's, by layout), the last share.
-  const int32_t own_heads_per_task = rows_in_lanes(group, width) ? 1 : shape_.num_kv_heads;
+  const bool own_in_lanes = rows_in_lanes(group, width);
+  const int32_t own_heads_per_task = own_in_lanes ? 1 : shape_.num_kv_heads;
   for (int64_t seq : prefix.seqs) {
     const int32_t row = query_start_loc[seq], seq_len = seq_lens[seq];
     const auto first_partial = static_cast<int32_t>(num_partial_floats_);
@@ -161,15 +162,19 @@ void AttentionPlan::add_shared_prefix(const SharedPrefix& prefix, const int32_t*
     for (int32_t kv_head = 0; kv_head < shape_.num_kv_heads; kv_head += own_heads_per_task) {
       tasks_.push_back({static_cast<int32_t>(seq), kv_head, own_heads_per_task, row, 1, seq_len - 1,
                         static_cast<int32_t>(prefix.num_keys), seq_len, static_cast<int32_t>(shares * share_floats),
-                        static_cast<int32_t>(shared_queries_.size())});
+                        static_cast<int32_t>(shared_queries_.size()), own_in_lanes});
     }
     shared_queries_.push_back({row, first_partial});
     work_ += 2.0 * static_cast<double>(shape_.num_heads * (seq_len - prefix.num_keys) * d);
     scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(group * own_heads_per_task, d,
                                                                          own_heads_per_task, width));
   }
-  // The prefix's tasks: every member's query rows, a KV head each once they fill the lanes.
-  const int32_t heads_per_task = rows_in_lanes(members * group, width) ? 1 : shape_.num_kv_heads;
+  // The prefix's tasks: every member's query rows, a KV head each once they fill the lanes with at
+  // most a quarter of them padding (18 rows take two 16-lane vectors: the head dimension along the
+  // lanes then does 18 rows' products where the rows would do 32).
+  const int64_t rows = members * group;
+  const bool in_lanes = rows_in_lanes(rows, width) && round_up(rows, width) * 3 <= rows * 4;
+  const int32_t heads_per_task = in_lanes ? 1 : shape_.num_kv_heads;
   const int64_t tiles = (prefix.num_keys + kKeyTile - 1) / kKeyTile;
   for (int64_t share = 0; share < shares; ++share) {
     const auto key_begin = static_cast<int32_t>(tiles * share / shares * kKeyTile);
@@ -178,16 +183,16 @@ void AttentionPlan::add_shared_prefix(const SharedPrefix& prefix, const int32_t*
       // Every key of the prefix is visible to every member's new token: no mask.
       tasks_.push_back({static_cast<int32_t>(prefix.seqs[0]), kv_head, heads_per_task, -1,
                         static_cast<int32_t>(members), static_cast<int32_t>(prefix.num_keys - 1), key_begin, key_end,
-                        static_cast<int32_t>(share * share_floats), first_query});
+                        static_cast<int32_t>(share * share_floats), first_query, in_lanes});
     }
   }
   work_ += 2.0 * static_cast<double>(members * shape_.num_heads * prefix.num_keys * d);
-  scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(members * group * heads_per_task, d,
+  scratch_floats_ = std::max(scratch_floats_, attention_scratch_floats(rows * heads_per_task, d,
                                                                        heads_per_task, width));
   ++num_shared_prefixes_;
 }
 
-void AttentionPlan::split_for_threads(int32_t width, int32_t num_threads) {
+void AttentionPlan::split_for_threads(int32_t num_threads) {
   // A step of a few decode tokens has a task per sequence: fewer than the threads can share evenly.
   // Such tasks (few rows, the head dimension in the lanes) split by keys into shares.
   const auto num_tasks = static_cast<int64_t>(tasks_.size());
@@ -198,7 +203,7 @@ void AttentionPlan::split_for_threads(int32_t width, int32_t num_threads) {
   for (const AttentionTask& task : tasks_) {
     const int64_t keys = task.key_end - task.key_begin;
     const int64_t shares = std::min(wanted, keys / kMinKeysPerShare);
-    if (task.partial >= 0 || rows_in_lanes(task.num_queries * group, width) || shares < 2) {
+    if (task.partial >= 0 || task.rows_in_lanes || shares < 2) {
       tasks.push_back(task);
       continue;
     }

@@ -49,7 +49,7 @@ class AttentionPlan {
   AttentionShape shape_;
   int64_t max_blocks_;
   std::vector<int32_t> block_tables_;
-  void split_for_threads(int32_t width, int32_t num_threads);
+  void split_for_threads(int32_t num_threads);
   void add_shared_prefix(const SharedPrefix& prefix, const int32_t* query_start_loc, const int32_t* seq_lens,
                          int32_t width, int32_t num_threads);
 

@@ -103,35 +103,24 @@ static void weighted_values(const float* const* value, int num_keys, const float
   for (; e < d; ++e) value_block<1, NQ>(value, num_keys, p, padded, ot, e, v0);
 }
 
-// Pointers to the tile's key and value rows of the task's KV head (float32), widened into kbuf/vbuf
-// from a bfloat16 cache: each element is read once per row vector of the task, so widening once pays.
-template <typename C>
-static constexpr bool widened() { return sizeof(C) != sizeof(float); }
-
+// Pointers to the tile's key and value rows (float32) of the task's KV head (a prompt layout task
+// has one), widened into kbuf/vbuf [kKeyTile][head_dim] from a bfloat16 cache: each element serves
+// every row vector of the task, so widening it once pays.
 template <typename C>
 static void tile_rows(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, float* kbuf,
                       float* vbuf, const float** key, const float** value) {
-  const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
-  const int64_t d = a.head_dim, row = d * t.num_kv_heads;
-  // Block and offset advance with the position (no division per key).
-  int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
-  const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
-  for (int j = 0; j < num_keys; ++j, ++offset) {
-    if (offset == a.tokens_per_block) {
-      ++block;
-      offset = 0;
-    }
-    const C* keys = base + table[block] * a.block_stride + offset * a.token_stride;
-    if constexpr (!widened<C>()) {
-      key[j] = keys;
-      value[j] = keys + a.kv_stride;
+  KeyTile<C> tile;
+  find_tile(a, t, k0, num_keys, tile);
+  const int64_t d = a.head_dim;
+  for (int j = 0; j < num_keys; ++j) {
+    if constexpr (sizeof(C) == sizeof(float)) {
+      key[j] = tile.key[j];
+      value[j] = tile.value[j];
     } else {
-      for (int32_t g = 0; g < t.num_kv_heads; ++g) {
-        copy_converted(keys + g * a.head_stride, kbuf + j * row + g * d, d);
-        copy_converted(keys + a.kv_stride + g * a.head_stride, vbuf + j * row + g * d, d);
-      }
-      key[j] = kbuf + j * row;
-      value[j] = vbuf + j * row;
+      copy_converted(tile.key[j], kbuf + j * d, d);
+      copy_converted(tile.value[j], vbuf + j * d, d);
+      key[j] = kbuf + j * d;
+      value[j] = vbuf + j * d;
     }
   }
 }

@@ -13,7 +13,6 @@
 // ot follows that order and the output is put back in order once per task.
 #pragma once
 
-#include "attention_dims.h"
 #include "attention_rows.h"
 
 namespace kvtool::cpu::KVTOOL_CPU_ISA {
@@ -114,7 +113,7 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
   }
   for (int64_t e = 0; e < d * padded; ++e) ot[e] = 0.0f;
 
-  DecodeTile<uint16_t> tile;
+  KeyTile<uint16_t> tile;
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
     find_tile(a, t, k0, num_keys, tile);

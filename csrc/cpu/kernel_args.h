@@ -97,6 +97,9 @@ struct AttentionTask {
   // task's heads at partials + shared_queries[shared + i].partial + partial, laid out as a decode
   // task of all heads leaves its partial.
   int32_t shared;
+  // The layout the task runs in (kernels_impl.h): query rows along the vector lanes, a KV head per
+  // task; else the head dimension along them, every KV head in the task.
+  bool rows_in_lanes;
 };
 
 // The shares of one split task, merged into its output; share s is at partials + first_partial +
@@ -107,9 +110,9 @@ struct AttentionMerge {
 
 static inline int64_t partial_floats(int64_t rows, int64_t head_dim) { return rows * (head_dim + 2); }
 
-// Which layout a task of `rows` query rows runs in (kernels_impl.h): rows along the vector lanes
-// once they fill more than about half a vector (always in the one-lane build), else the head
-// dimension along them (a decode token's group of heads).
+// Which layout the planner gives a task of `rows` query rows (AttentionTask::rows_in_lanes): rows
+// along the vector lanes once they fill more than about half a vector (always in the one-lane build),
+// else the head dimension along them (a decode token's group of heads).
 static inline bool rows_in_lanes(int64_t rows, int64_t width) { return width == 1 || rows * 8 > width * 5; }
 
 // out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n]): a projection of a few rows (a decode step's),

@@ -72,6 +72,41 @@ static inline PartialRow partial_row(const AttentionArgs& a, const AttentionTask
   return {first + head * d, first + static_cast<int64_t>(a.num_heads) * d + 2 * head};
 }
 
+// One key tile's rows for a task: pointers to each key's row of the task's first KV head (its next
+// heads follow at head_stride) and to its value row.
+template <typename C>
+struct KeyTile {
+  const C* key[kKeyTile];
+  const C* value[kKeyTile];
+  int num_keys;
+};
+
+// Finds a tile's rows and asks for their cache lines, a tile ahead of their use. A task's keys and
+// values are many short runs (a token's heads, keys and values apart, blocks wherever the block table
+// puts them). (The prefetches are here, where the pointers are stored, rather than in a function of
+// their own, which the compiler finds free of effects and drops.)
+template <typename C>
+static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, KeyTile<C>& tile) {
+  const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
+  const int64_t bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
+  // Block and offset advance with the position (no division per key).
+  int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
+  const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
+  for (int j = 0; j < num_keys; ++j, ++offset) {
+    if (offset == a.tokens_per_block) {
+      ++block;
+      offset = 0;
+    }
+    tile.key[j] = base + table[block] * a.block_stride + offset * a.token_stride;
+    tile.value[j] = tile.key[j] + a.kv_stride;
+    for (int64_t line = 0; line < bytes; line += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(tile.key[j]) + line, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(tile.value[j]) + line, 0, 3);
+    }
+  }
+  tile.num_keys = num_keys;
+}
+
 // Calls f with a value of the element type a DType names (uint16_t holds bfloat16 bits).
 template <typename F>
 static inline void with_type(DType dtype, F&& f) {

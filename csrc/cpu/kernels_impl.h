@@ -170,8 +170,7 @@ static void merge_typed(const AttentionArgs& a, const AttentionMerge& merge) {
 
 template <typename A, typename C>
 static void attention_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
-  const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);  // per KV head
-  if (rows_in_lanes(rows, W)) {
+  if (t.rows_in_lanes) {
 #if defined(__AVX512BF16__)
     if constexpr (bf16_pair_products<A, C>()) {
       if (pairs_fit(a.head_dim)) return attention_rows_bf16<A>(a, t, scratch);
