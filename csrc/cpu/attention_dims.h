@@ -7,8 +7,6 @@
 // step reads every cached token once per layer, so the kernel is as fast as it streams the cache.
 #pragma once
 
-
-
 #include "kernels_common.h"
 
 namespace kvtool::cpu::KVTOOL_CPU_ISA {
@@ -248,21 +246,8 @@ static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* s
     current = 1 - current;
   }
 
-  if (t.partial >= 0) {
-    for (int64_t m = 0; m < num_rows; ++m) {
-      const PartialRow partial = partial_row(a, t, num_rows, m);
-      for (int64_t e = 0; e < d; ++e) partial.out[e] = rows.o[m * padded_d + lane(e)];
-      partial.stats[0] = row_max[m];
-      partial.stats[1] = row_sum[m];
-    }
-    return;
-  }
-  for (int64_t m = 0; m < num_rows; ++m) {
-    const int64_t h = m / nq, i = m % nq;
-    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
-    const float inv_sum = 1.0f / row_sum[m];
-    for (int64_t e = 0; e < d; ++e) store_scalar(out + e, rows.o[m * padded_d + lane(e)] * inv_sum);
-  }
+  write_task_output<A>(a, t, row_max, row_sum,
+                       [&](int64_t m, int64_t e) { return rows.o[m * padded_d + lane(e)]; });
 }
 
 template <typename A, typename C>

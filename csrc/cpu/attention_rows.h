@@ -168,27 +168,6 @@ static void rows_softmax(const AttentionArgs& a, const AttentionTask& t, int64_t
   }
 }
 
-// The task's output: row m's ot[lane(e)][m] / sum into the step's output (element e of its head), or
-// its share into the partials.
-template <typename A, typename Lane>
-static void rows_output(const AttentionArgs& a, const AttentionTask& t, const float* ot, int64_t padded,
-                        const float* row_max, const float* row_sum, Lane lane) {
-  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries, rows = nq * group;
-  for (int64_t m = 0; m < rows; ++m) {
-    if (t.partial >= 0) {  // a shared prefix's share
-      const PartialRow partial = partial_row(a, t, rows, m);
-      for (int64_t e = 0; e < d; ++e) partial.out[e] = ot[lane(e) * padded + m];
-      partial.stats[0] = row_max[m];
-      partial.stats[1] = row_sum[m];
-      continue;
-    }
-    int64_t h = m / nq, i = m % nq;
-    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
-    float inv_sum = 1.0f / row_sum[m];
-    for (int64_t e = 0; e < d; ++e) store_scalar(out + e, ot[lane(e) * padded + m] * inv_sum);
-  }
-}
-
 template <typename A, typename C>
 static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
@@ -232,7 +211,7 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
     for (; v + 2 <= num_vectors; v += 2) weighted_values<2>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
     for (; v < num_vectors; ++v) weighted_values<1>(value, num_keys, s, padded, d, ot, static_cast<int>(v));
   }
-  rows_output<A>(a, t, ot, padded, row_max, row_sum, [](int64_t e) { return e; });
+  write_task_output<A>(a, t, row_max, row_sum, [&](int64_t m, int64_t e) { return ot[e * padded + m]; });
 }
 
 }  // namespace kvtool::cpu::KVTOOL_CPU_ISA

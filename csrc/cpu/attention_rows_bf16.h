@@ -155,7 +155,8 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
       for (; e < d; ++e) pair_value_block<1, NQ>(vt2, num_pairs, p2, padded, d, ot, e, static_cast<int>(v));
     });
   }
-  rows_output<A>(a, t, ot, padded, row_max, row_sum, values_lane);
+  write_task_output<A>(a, t, row_max, row_sum,
+                       [&](int64_t m, int64_t e) { return ot[values_lane(e) * padded + m]; });
 }
 
 #endif  // __AVX512BF16__

@@ -72,6 +72,29 @@ static inline PartialRow partial_row(const AttentionArgs& a, const AttentionTask
   return {first + head * d, first + static_cast<int64_t>(a.num_heads) * d + 2 * head};
 }
 
+// Writes a task's rows (m = h * num_queries + i: head h of the task's heads, query i), each element e
+// of which output(m, e) gives unnormalised: divided by the row's sum into the step's output, or with
+// the row's max and sum into the partials for a task covering part of its queries' keys.
+template <typename A, typename Output>
+static void write_task_output(const AttentionArgs& a, const AttentionTask& t, const float* row_max,
+                              const float* row_sum, Output output) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
+  const int64_t rows = nq * group * t.num_kv_heads;
+  for (int64_t m = 0; m < rows; ++m) {
+    if (t.partial >= 0) {
+      const PartialRow partial = partial_row(a, t, rows, m);
+      for (int64_t e = 0; e < d; ++e) partial.out[e] = output(m, e);
+      partial.stats[0] = row_max[m];
+      partial.stats[1] = row_sum[m];
+      continue;
+    }
+    const int64_t h = m / nq, i = m % nq;
+    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
+    const float inv_sum = 1.0f / row_sum[m];
+    for (int64_t e = 0; e < d; ++e) store_scalar(out + e, output(m, e) * inv_sum);
+  }
+}
+
 // One key tile's rows for a task: pointers to each key's row of the task's first KV head (its next
 // heads follow at head_stride) and to its value row.
 template <typename C>
