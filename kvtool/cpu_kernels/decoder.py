@@ -6,8 +6,9 @@ post-attention norm fused with its residual add, the gate_up projection, SiLU-an
 kernel, the down projection. The projections are torch's oneDNN products on weights packed once
 (kvtool.layers.cpu_linear), except those of one or two rows (decode steps at batch 1 and 2, and
 their logits): kvtool's row product streams each weight row once and took 0.79-0.89 of oneDNN's time
-there, 1.03-1.09 at four rows (bench/cpu_linear_rows.py, results/cpu_decode_rows.md). The step's attention tasks are planned once and serve every layer;
-activations reuse one workspace, grown when a step has more tokens than any before.
+there, 1.03-1.09 at four rows (bench/cpu_linear_rows.py, results/cpu_decode_rows.md). The step's
+attention tasks are planned once and serve every layer; activations reuse one workspace, grown when
+a step has more tokens than any before.
 
 A decode step makes some 300 calls, so the hot loop calls the kernels with the weights' addresses
 read once (make a new decoder after changing the model's weights) and the workspace's known strides,
@@ -110,8 +111,8 @@ def _address(tensor: torch.Tensor | None) -> int:
 class CpuDecoder:
     """Runs ``model``'s decoder stack through the CPU kernels (``isa``: 'auto' or one of
     kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default;
-    ``row_products``: single-row projections through the kernels' row product, else oneDNN's, for
-    comparing the two)."""
+    ``row_products``: projections of up to MAX_ROW_PRODUCT_ROWS rows through the kernels' row product,
+    else oneDNN's, for comparing the two)."""
 
     def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None, row_products: bool = True) -> None:
         reason = unsupported_reason(model)
