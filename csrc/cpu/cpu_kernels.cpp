@@ -75,12 +75,12 @@ CpuKernels::CpuKernels(const std::string& isa, int num_threads)
 
 template <typename Args>
 void CpuKernels::run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows,
-                          int64_t row_size) {
+                          int64_t row_size, int tasks_per_thread) {
   if (num_rows * row_size < kMinParallelElements || pool_.num_threads() == 1) {
     kernel(args, 0, num_rows);
     return;
   }
-  const int64_t num_tasks = std::min<int64_t>(num_rows, 4 * pool_.num_threads());
+  const int64_t num_tasks = std::min<int64_t>(num_rows, tasks_per_thread * pool_.num_threads());
   RowsJob<Args> job{kernel, &args, num_rows, (num_rows + num_tasks - 1) / num_tasks};
   pool_.run(
       (num_rows + job.rows_per_task - 1) / job.rows_per_task,
@@ -141,8 +141,10 @@ void CpuKernels::linear(const LinearArgs& args) {
   if (args.num_rows < 1 || args.in_features < 1 || args.out_features < 1) {
     throw std::invalid_argument("linear: num_rows, in_features and out_features must be >= 1");
   }
-  // Each task streams a contiguous run of weight rows, one output feature per row.
-  run_rows(table_->linear, args, args.out_features, args.in_features);
+  // Each thread streams one contiguous run of weight rows, one output feature per row: a run is a
+  // stream the hardware prefetcher has to find anew: at four runs a thread, SmolLM2-135M's four
+  // bfloat16 projections of one row took 5.9 ms for 30 layers' weights read from memory, at one 5.3.
+  run_rows(table_->linear, args, args.out_features, args.in_features, 1);
 }
 
 double CpuKernels::sum(const float* data, int64_t num_floats) {

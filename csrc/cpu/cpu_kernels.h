@@ -35,7 +35,9 @@ class CpuKernels {
 
  private:
   template <typename Args>
-  void run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows, int64_t row_size);
+  // Rows in tasks_per_thread tasks a thread (more: threads that finish early take over the rest).
+  void run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows, int64_t row_size,
+                int tasks_per_thread = 4);
 
   const KernelTable* table_;
   Parallel pool_;
