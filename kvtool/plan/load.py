@@ -28,6 +28,7 @@ from kvtool.plan.cache import default_cache_dir
 from kvtool.plan.format import (FORMAT_VERSION, PLAN_FILE, file_checksum, has_verified_checksum, manifest_digest,
                                 record_verified_checksum)
 from kvtool.runtime.device import default_dtype
+from kvtool.runtime.host_allocator import in_huge_pages
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -77,9 +78,13 @@ class Plan:
         # Build on the meta device: no random init, no second copy of the weights.
         with torch.device("meta"):
             model = LlamaModel(self.model_config, backend, attention_window)
-        state = load_file(str(self.weights_path), device=str(device))
-        if dtype is not None:
-            state = {name: tensor.to(dtype) for name, tensor in state.items()}
+        if device.type == "cpu":
+            # Out of the file's mapping, into huge pages (why: kvtool.runtime.host_allocator).
+            state = in_huge_pages(load_file(str(self.weights_path)), dtype)
+        else:
+            state = load_file(str(self.weights_path), device=str(device))
+            if dtype is not None:
+                state = {name: tensor.to(dtype) for name, tensor in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         return model.to(device).eval().requires_grad_(False)
 

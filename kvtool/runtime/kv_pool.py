@@ -16,6 +16,7 @@ import torch
 
 from kvtool._core import PoolKind
 from kvtool.runtime.copy_batches import CopyBatch, copy_batches
+from kvtool.runtime.host_allocator import huge_page_zeros
 
 HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
 # Pinned host memory is allocated this far ahead of the chunks in use, on a background thread:
@@ -143,7 +144,9 @@ class KvCachePools:
         self.shape = shape
         self.device = device
         # [num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim]
-        self.primary = torch.zeros((num_primary_blocks, *shape.dims), dtype=shape.dtype, device=device)
+        # On the CPU in huge pages, whatever torch's allocator would do (kvtool.runtime.host_allocator).
+        self.primary = huge_page_zeros((num_primary_blocks, *shape.dims), shape.dtype) if device.type == "cpu" else \
+            torch.zeros((num_primary_blocks, *shape.dims), dtype=shape.dtype, device=device)
         self.host = HostBlockPool(shape, num_secondary_blocks, pin_memory=device.type == "cuda")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Onboards of a layered step run here, beside the offloads of the next layer (PCIe is full duplex).
