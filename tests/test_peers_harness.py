@@ -1,5 +1,5 @@
 """bench/peers' own logic: which CPU kind a run is filed under (from /proc/cpuinfo's flags), the
-floors' byte and FLOP counts, the load flag, the same Poisson schedule for every engine, and the
+floors' byte and FLOP counts, the memory floor of a replay's own process, the load flag, the same Poisson schedule for every engine, and the
 cross-engine token-id verdicts."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ sys.path.insert(0, str(PEERS))
 from common import load_requests  # noqa: E402
 from load import OTHER_CPU_LIMIT_PCT, is_loaded  # noqa: E402
 from machine import read_cpu_info  # noqa: E402
-from report import identity  # noqa: E402
+from report import _memory_floor_ms, _own_bandwidth, identity  # noqa: E402
 
 AVX2 = "fpu sse2 avx avx2 fma"
 AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
@@ -60,6 +60,16 @@ def test_floors_count_every_weight_once_and_causal_attention():
     # 3 tokens see 1 + 2 + 3 = 6 keys: 4 FLOPs per key and head dim (QK and PV).
     attention = c.num_layers * c.num_heads * c.head_dim * 4 * 6
     assert prompt_flops(c, 3) == 3 * projections + attention + 2 * head
+
+
+def test_a_replay_is_held_to_the_memory_floor_at_its_own_process_bandwidth(tmp_path):
+    floors = {"start": {"models": {"bfloat16": {"decode_bytes": 300_000_000}}}}
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"threads": 2, "before_gb_s": 50.0, "after_gb_s": 60.0}))
+    bandwidth = _own_bandwidth(tmp_path)
+    assert bandwidth == 60.0  # the better of before and after
+    assert _memory_floor_ms(floors, "bfloat16", bandwidth) == pytest.approx(5.0)  # 300 MB at 60 GB/s
+    assert _memory_floor_ms(floors, "float32", bandwidth) is None  # no probe counted that dtype's bytes
+    assert _own_bandwidth(tmp_path / "vllm-run") is None  # peers do not measure it
 
 
 def test_a_variant_is_flagged_when_others_took_over_a_quarter_of_the_cpu():

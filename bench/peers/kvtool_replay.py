@@ -3,6 +3,10 @@ run_bench), and also keep every request's output ids for the cross-engine check.
 `--mode sequential`; N > 1 is `--concurrency N`; 0 replays the dataset's arrival times (`--mode
 offline`, in flight unlimited).
 
+Also measures, in this process, the read bandwidth just before and after the replay
+(bandwidth.json): on the VM this was built on a process gets ~50 or ~83 GB/s, steady within the
+process, so a decode step is held to the floor of the memory its own process reads.
+
     .venv/bin/python bench/peers/kvtool_replay.py --plan PLAN --dataset D.jsonl --output DIR \
         --label kvtool-reuse-on --reuse on [--partial_reuse off] [--concurrency 8]
 """
@@ -10,9 +14,11 @@ offline`, in flight unlimited).
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 from common import replay_arguments, write_outputs
+from floors import read_bandwidth
 from machine import read_cpu_info
 
 from kvtool import LLM
@@ -42,8 +48,12 @@ def main() -> None:
         columns = {"model": args.model, "enable_partial_reuse": args.partial_reuse == "on",
                    "cpu_kernels_isa": llm.engine.executor.cpu_kernels_isa,
                    "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), **read_cpu_info().as_row()}
+        before = read_bandwidth(torch.get_num_threads())
         result = run_bench(llm, load_dataset(args.dataset), replay, label=args.label,
                            requests_csv=args.output / "requests.csv", config_columns=columns)
+        after = read_bandwidth(torch.get_num_threads())
+    (args.output / "bandwidth.json").write_text(json.dumps(
+        {"threads": torch.get_num_threads(), "before_gb_s": before / 1e9, "after_gb_s": after / 1e9}) + "\n")
     write_summary_csv(args.output / "summary.csv", [result.row])
     write_outputs(args.output / "outputs.jsonl", result.requests)
     row = result.row
