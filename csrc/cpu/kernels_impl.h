@@ -10,6 +10,7 @@
 #pragma once
 
 #include "attention_dims.h"
+#include "attention_dims_bf16.h"
 #include "attention_rows.h"
 #include "attention_rows_bf16.h"
 #include "kernels_common.h"
@@ -178,6 +179,11 @@ static void attention_task(const AttentionArgs& a, const AttentionTask& t, float
 #endif
     attention_rows_in_lanes<A, C>(a, t, scratch);
   } else {
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_pair_products<A, C>()) {
+      if (pairs_fit(a.head_dim)) return decode_task_pairs<A>(a, t, scratch);
+    }
+#endif
     attention_dims_in_lanes<A, C>(a, t, scratch);
   }
 }

@@ -1,0 +1,191 @@
+// The decode layout of attention (attention_dims.h) for bfloat16 queries over a bfloat16 cache, on
+// AVX512-BF16's dot products of pairs, as the prompt layout has them (attention_rows_bf16.h): a
+// decode step's attention computes more than it reads at one token, and the pairs halve its
+// instructions. Compiled where Vec::has_bf16_pairs (kernels_avx512_bf16.cpp); products accumulate in
+// float32.
+//
+// Scores: pairs along the head dimension. A query row is kept as the model gave it (its bfloat16
+// pairs, unscaled) and a key row is read as it lies, 32 elements a vector, no widening; the scale
+// multiplies the scores. Values: pairs along the keys. Each row's weights are rounded to bfloat16 (as
+// flash attention rounds P for its bfloat16 product; the softmax's sum keeps them in float32), and
+// two keys' value rows are interleaved in-lane into pairs (Vec::interleave_rows), which leaves the
+// head dimension of o permuted within each 32 elements (values_lane); the output is put back in order
+// once per task.
+#pragma once
+
+#include "attention_dims.h"
+#include "attention_rows_bf16.h"
+
+namespace kvtool::cpu::KVTOOL_CPU_ISA {
+
+#if defined(__AVX512BF16__)
+
+// The pair vectors (32 bfloat16 elements each) a call holds in registers per row: head_dim chunks of
+// at most 128 elements for the scores, 64 for the values (two accumulators a vector there).
+constexpr int kMaxScorePairVectors = 4;
+constexpr int kMaxValueChunks = 2;
+
+// The second value row of a tile's last pair when its number of keys is odd (its weight is 0, and a
+// zero row keeps 0 * whatever lies past the tile out of the sums).
+alignas(64) static const uint16_t kZeroValues[32 * kMaxValueChunks] = {};
+
+// s[r][j] (+)= q2[r] . key[j] (times scale on the last chunk) for R rows and NP pair vectors of the
+// head dimension from the key pointers plus `offset`.
+template <int R, int NP>
+static void pair_chunk_scores(const uint32_t* q2, int64_t q_stride, const KeyTile<uint16_t>& tile, int64_t offset,
+                              float* s, bool add, float scale) {
+  typename Vec::Pairs qv[R][NP];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NP; ++v) qv[r][v] = Vec::load_pairs_raw(q2 + r * q_stride + v * W);
+  for (int j0 = 0; j0 < tile.num_keys; j0 += W) {
+    Vec partial[R][W];
+    for (int jj = 0; jj < W; ++jj) {
+      Vec acc[R][2];  // two chains a row: half the additions' latency
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+      if (j0 + jj < tile.num_keys) {
+        const auto* key = reinterpret_cast<const uint32_t*>(tile.key[j0 + jj] + offset);
+        for (int v = 0; v < NP; ++v) {
+          const typename Vec::Pairs k = Vec::load_pairs_raw(key + v * W);
+          for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::dot_pairs(acc[r][v & 1], qv[r][v], k);
+        }
+      }
+      for (int r = 0; r < R; ++r) partial[r][jj] = acc[r][0] + acc[r][1];
+    }
+    for (int r = 0; r < R; ++r) {
+      Vec scores = Vec::transpose_sum(partial[r]);
+      if (add) scores = scores + Vec::load(s + r * kKeyTile + j0);
+      if (scale != 1.0f) scores = scores * Vec::set1(scale);
+      scores.store(s + r * kKeyTile + j0);
+    }
+  }
+}
+
+// o[r] = alpha[r] o[r] + sum_j p[r][j] value[j] for R rows over NC chunks of 32 elements (o in
+// values_lane order), p [rows][kKeyTile] the weights as bfloat16 (p[r][num_keys] is 0 when num_keys
+// is odd: the softmax zeroes the weights past the tile up to a whole vector).
+template <int R, int NC>
+static void pair_chunk_values(const KeyTile<uint16_t>& tile, int64_t offset, const uint16_t* p, int64_t p_stride,
+                              const float* alpha, float* o, int64_t padded_d) {
+  Vec acc[R][2 * NC];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2 * NC; ++v) acc[r][v] = Vec::load(o + r * padded_d + v * W) * Vec::set1(alpha[r]);
+  for (int j = 0; j < tile.num_keys; j += 2) {
+    const uint16_t* first = tile.value[j] + offset;
+    const uint16_t* second = j + 1 < tile.num_keys ? tile.value[j + 1] + offset : kZeroValues;
+    typename Vec::Pairs low[NC], high[NC];
+    for (int c = 0; c < NC; ++c) Vec::interleave_rows(first + 32 * c, second + 32 * c, low[c], high[c]);
+    for (int r = 0; r < R; ++r) {
+      const typename Vec::Pairs weights = Vec::broadcast_pair(p + r * p_stride + j);
+      for (int c = 0; c < NC; ++c) {
+        acc[r][2 * c] = Vec::dot_pairs(acc[r][2 * c], low[c], weights);
+        acc[r][2 * c + 1] = Vec::dot_pairs(acc[r][2 * c + 1], high[c], weights);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2 * NC; ++v) acc[r][v].store(o + r * padded_d + v * W);
+}
+
+// Calls f(std::integral_constant<int, n>) for n = count, 1 <= count <= Max <= 4.
+template <int Max, typename F>
+static inline void with_count(int64_t count, F&& f) {
+  switch (count) {
+    case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 3: if constexpr (Max >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (Max >= 2) f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// A tile's scores for every row (scores) or its weighted values (not), each KV head's rows against
+// that head's keys or values, up to 4 rows a call.
+static void pair_tile_products(const DecodeRows& rows, const KeyTile<uint16_t>& tile, float scale, bool scores) {
+  constexpr int kMaxRows = 4;
+  const int64_t d = rows.d;
+  const auto* q2 = reinterpret_cast<const uint32_t*>(rows.q);
+  const auto* p = reinterpret_cast<const uint16_t*>(rows.s);
+  for (int64_t first = 0; first < rows.rows; first += rows.rows_per_head) {  // one KV head's rows
+    const int64_t head_offset = first / rows.rows_per_head * rows.head_stride;
+    for (int64_t m = first; m < first + rows.rows_per_head; m += kMaxRows) {
+      const int64_t count = min64(kMaxRows, first + rows.rows_per_head - m);
+      with_count<kMaxRows>(count, [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        if (scores) {
+          for (int64_t e0 = 0; e0 < d; e0 += 32 * kMaxScorePairVectors) {
+            const bool last = e0 + 32 * kMaxScorePairVectors >= d;
+            with_count<kMaxScorePairVectors>(min64(kMaxScorePairVectors, (d - e0) / 32), [&](auto n) {
+              pair_chunk_scores<R, decltype(n)::value>(q2 + m * rows.padded_d + e0 / 2, rows.padded_d, tile,
+                                                       head_offset + e0, rows.s + m * kKeyTile, e0 > 0,
+                                                       last ? scale : 1.0f);
+            });
+          }
+        } else {
+          for (int64_t e0 = 0; e0 < d; e0 += 32 * kMaxValueChunks) {
+            with_count<kMaxValueChunks>(min64(kMaxValueChunks, (d - e0) / 32), [&](auto n) {
+              pair_chunk_values<R, decltype(n)::value>(tile, head_offset + e0, p + m * 2 * kKeyTile, 2 * kKeyTile,
+                                                       rows.alpha + m, rows.o + m * rows.padded_d + e0,
+                                                       rows.padded_d);
+            });
+          }
+        }
+      });
+    }
+  }
+}
+
+// Each row's weights rounded to bfloat16, into the first half of the row's own scores (a row's
+// element j moves from byte 4j to byte 2j: every vector is read before the one it overwrites).
+static void round_weights_in_place(const DecodeRows& rows, int num_keys) {
+  for (int64_t m = 0; m < rows.rows; ++m) {
+    float* s = rows.s + m * kKeyTile;
+    auto* p = reinterpret_cast<uint16_t*>(s);
+    for (int j = 0; j < round_up(num_keys, W); j += W) Vec::load(s + j).store(p + j);
+  }
+}
+
+template <typename A>
+static void decode_task_pairs(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  // Row m: query m % nq of head m / nq counted from the task's first KV head's group.
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
+  const int64_t num_rows = nq * group * t.num_kv_heads, padded_d = round_up(d, W);
+  DecodeRows rows{scratch, nullptr, nullptr, nullptr, num_rows, nq * group, a.head_stride, d, padded_d};
+  rows.o = rows.q + num_rows * padded_d;
+  rows.s = rows.o + num_rows * padded_d;
+  float* row_max = rows.s + num_rows * kKeyTile;
+  float* row_sum = row_max + num_rows;
+  float* positions = row_sum + num_rows;
+  rows.alpha = positions + num_rows;
+
+  for (int64_t m = 0; m < num_rows; ++m) {
+    const int64_t h = m / nq, i = m % nq;
+    const A* src = static_cast<const A*>(a.query) + query_row(a, t, i) * a.query_stride + (t.kv_head * group + h) * d;
+    // The row's bfloat16 elements as they are: d / 2 pairs in the row's first padded_d / 2 floats.
+    __builtin_memcpy(rows.q + m * padded_d, src, d * sizeof(uint16_t));
+    for (int64_t e = 0; e < padded_d; ++e) rows.o[m * padded_d + e] = 0.0f;
+    row_max[m] = kNegInf;
+    row_sum[m] = 0.0f;
+    positions[m] = static_cast<float>(t.first_position + i);
+  }
+
+  KeyTile<uint16_t> tiles[2];
+  int current = 0;
+  find_tile(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)), tiles[current]);
+  for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
+    const KeyTile<uint16_t>& tile = tiles[current];
+    if (k0 + kKeyTile < t.key_end) {
+      find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), tiles[1 - current]);
+    }
+    pair_tile_products(rows, tile, a.scale, true);
+    tile_softmax(a, t, rows, k0, tile.num_keys, positions, row_max, row_sum);
+    round_weights_in_place(rows, tile.num_keys);
+    pair_tile_products(rows, tile, a.scale, false);
+    current = 1 - current;
+  }
+
+  write_task_output<A>(a, t, row_max, row_sum,
+                       [&](int64_t m, int64_t e) { return rows.o[m * padded_d + values_lane(e)]; });
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace kvtool::cpu::KVTOOL_CPU_ISA
