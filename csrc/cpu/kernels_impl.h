@@ -208,11 +208,31 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
 // alternated in each process; 3 KB within 1% of 2, 16 KB slower).
 constexpr int64_t kPrefetchBytes = 2048;
 
-// w . x over d elements, four accumulators in flight (bfloat16: split into even and odd elements).
+// w . x over d elements, four accumulators in flight (bfloat16: split into even and odd elements,
+// or with AVX512-BF16 in dot products of the pairs as they lie).
 template <typename T>
 static inline float dot_row(const T* w, const T* x, int64_t d) {
   Vec acc[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
   int64_t k = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == sizeof(uint16_t)) {
+    // A 576-element row in 18 pair products where widening takes 36 multiply-adds and 72 shifts: one
+    // core's product of a 576 x 576 weight in its caches took 5.2 us instead of 8.0, and a decode
+    // step at 82 GB/s 1.01-1.025x less time (at 50 GB/s the same: the memory is the limit there).
+    const auto* w2 = reinterpret_cast<const uint32_t*>(w);
+    const auto* x2 = reinterpret_cast<const uint32_t*>(x);
+    for (; k + 8 * W <= d; k += 8 * W) {
+      __builtin_prefetch(w + k + kPrefetchBytes / static_cast<int64_t>(sizeof(T)));
+      __builtin_prefetch(w + k + 4 * W + kPrefetchBytes / static_cast<int64_t>(sizeof(T)));
+      for (int u = 0; u < 4; ++u) {
+        acc[u] = Vec::dot_pairs(acc[u], Vec::load_pairs_raw(w2 + k / 2 + u * W), Vec::load_pairs_raw(x2 + k / 2 + u * W));
+      }
+    }
+    for (; k + 2 * W <= d; k += 2 * W) {
+      acc[0] = Vec::dot_pairs(acc[0], Vec::load_pairs_raw(w2 + k / 2), Vec::load_pairs_raw(x2 + k / 2));
+    }
+  }
+#endif
   if constexpr (sizeof(T) == sizeof(uint16_t)) {
     for (; k + 4 * W <= d; k += 4 * W) {
       __builtin_prefetch(w + k + kPrefetchBytes / static_cast<int64_t>(sizeof(T)));
