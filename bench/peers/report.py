@@ -57,6 +57,8 @@ def write_results(work: Path, out: Path, variants, datasets: dict[str, Path], sa
         # Each cycle's TPOT against the memory floor of its own process's bandwidth.
         own_floors = [_memory_floor_ms(floors, variant.dtype, bandwidth) if bandwidth else None
                       for bandwidth in figures["read_bandwidth_gb_s"]]
+        medians["read_bandwidth_gb_s_by_cycle"] = " / ".join(
+            f"{b:.0f}" for b in figures["read_bandwidth_gb_s"] if b is not None) or None
         medians["tpot_vs_own_floor_median_of_cycles"] = _median(
             [tpot / floor for tpot, floor in zip(figures["tpot_ms_p50"], own_floors) if tpot and floor])
         rows.append({**config, "label": variant.name, "dtype_variant": variant.dtype, "load": variant.load,
@@ -137,21 +139,24 @@ def _ttft(by_name, requests) -> list[str]:
 
 def _decode(by_name) -> list[str]:
     lines = ["## Decode at batch 1 (sequential)", "",
-             "| variant | TPOT p50 (ms) | TPOT p90 (ms) | ITL p50 (ms) | TPOT vs vLLM |", "|---|---:|---:|---:|---:|"]
+             "Read GB/s: the read bandwidth of each cycle's own process (kvtool's replays measure it, see Targets).",
+             "", "| variant | TPOT p50 (ms) | TPOT p90 (ms) | ITL p50 (ms) | TPOT vs vLLM | read GB/s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, row in by_name.items():
         if row["load"] != "sequential":
             continue
         tpot = _figure(by_name, name, "tpot_ms_p50")
         lines.append(f"| {name} | {_fmt(tpot, 1)} | {_fmt(_figure(by_name, name, 'tpot_ms_p90'), 1)} | "
                      f"{_fmt(_figure(by_name, name, 'itl_ms_p50'), 1)} | "
-                     f"{_ratio(tpot, _figure(by_name, _vllm_twin(name), 'tpot_ms_p50'))} |")
+                     f"{_ratio(tpot, _figure(by_name, _vllm_twin(name), 'tpot_ms_p50'))} | "
+                     f"{row.get('read_bandwidth_gb_s_by_cycle') or '-'} |")
     return lines + [""]
 
 
 def _throughput(by_name) -> list[str]:
     lines = ["## Throughput by load (reuse on)", "",
              "| variant | load | output tokens/s | requests/s | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p50 (ms) | "
-             "tokens/s vs vLLM |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "tokens/s vs vLLM | read GB/s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in by_name.items():
         if not name.startswith(("kvtool", "vllm")) or "reuse-on" not in name or "no-partial" in name:
             continue
@@ -160,7 +165,8 @@ def _throughput(by_name) -> list[str]:
         lines.append(f"| {name} | {row['load']} | {_fmt(tokens, 1)} | {_fmt(figure['requests_per_s'], 3)} | "
                      f"{_fmt(figure['ttft_ms_p50'])} | {_fmt(figure['ttft_ms_p90'])} | "
                      f"{_fmt(figure['tpot_ms_p50'], 1)} | "
-                     f"{_ratio(tokens, _figure(by_name, _vllm_twin(name), 'output_tokens_per_s'))} |")
+                     f"{_ratio(tokens, _figure(by_name, _vllm_twin(name), 'output_tokens_per_s'))} | "
+                     f"{row.get('read_bandwidth_gb_s_by_cycle') or '-'} |")
     return lines + [""]
 
 
@@ -207,8 +213,9 @@ def _targets(by_name, requests, floors) -> list[str]:
                          f"{_fmt(model.get('compute_floor_ms'))} ms")
         lines.append(f"- {when}: " + "; ".join(parts))
     return lines + ["", "The separate probes' targets use the lower (better) floor of the two. A process's read "
-                    "bandwidth on this kind of VM is one of two rates (~50 or ~83 GB/s), steady within the process "
-                    "and drawn anew by each: the probes' processes may have drawn another than the replay's. So "
+                    "bandwidth on this kind of VM is one of two rates (~50 or ~83 GB/s), mostly steady within a process "
+                    "and drawn anew by each (now and then it changes during one): the probes' processes may have "
+                    "drawn another than the replay's. So "
                     "each kvtool replay also measures the bandwidth in its own process, before and after "
                     "(bandwidth.json, the better of the two), and its TPOT is held to the floor at that rate: the "
                     "memory floor of its own process (ratio: the median over cycles of each cycle's TPOT / floor).",
