@@ -4,9 +4,9 @@ run_bench), and also keep every request's output ids for the cross-engine check.
 offline`, in flight unlimited).
 
 Also measures, in this process, the read bandwidth just before and after the replay
-(bandwidth.json): on the VM this was built on a process gets ~50 or ~83 GB/s, mostly steady within
-the process (now and then it changes during one), so a decode step is held to the floor of the
-memory its own process reads (the better of the two measurements).
+(bandwidth.json): on the VM this was built on the rate flips between ~50 and ~83 GB/s, each held for
+seconds to minutes, so a decode step is held to the floor of the memory its own process reads
+around it (the better of the two measurements).
 
     .venv/bin/python bench/peers/kvtool_replay.py --plan PLAN --dataset D.jsonl --output DIR \
         --label kvtool-reuse-on --reuse on [--partial_reuse off] [--concurrency 8]

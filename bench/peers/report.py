@@ -213,10 +213,10 @@ def _targets(by_name, requests, floors) -> list[str]:
                          f"{_fmt(model.get('compute_floor_ms'))} ms")
         lines.append(f"- {when}: " + "; ".join(parts))
     return lines + ["", "The separate probes' targets use the lower (better) floor of the two. A process's read "
-                    "bandwidth on this kind of VM is one of two rates (~50 or ~83 GB/s), mostly steady within a process "
-                    "and drawn anew by each (now and then it changes during one): the probes' processes may have "
-                    "drawn another than the replay's. So "
-                    "each kvtool replay also measures the bandwidth in its own process, before and after "
+                    "bandwidth on this kind of VM flips between two rates (~50 and ~83 GB/s), each held for seconds to "
+                    "minutes: the probes at the start and the end of a run say little of the rate while a replay "
+                    "ran. So "
+                    "each kvtool replay also measures the bandwidth in its own process, just before and after "
                     "(bandwidth.json, the better of the two), and its TPOT is held to the floor at that rate: the "
                     "memory floor of its own process (ratio: the median over cycles of each cycle's TPOT / floor).",
                     ""]
