@@ -21,17 +21,27 @@ def huge_pages_possible() -> bool:
     return can_advise_huge_pages() and THP_SETTING.exists() and "[never]" not in THP_SETTING.read_text()
 
 
-def may_use_huge_pages(tensor: torch.Tensor) -> bool:
-    """Whether the kernel may back the mapping holding ``tensor`` with huge pages (smaps' THPeligible:
-    a region advised for them, whether or not the kernel found free 2 MB pages for it yet)."""
-    address, mapping = tensor.data_ptr(), None
+def mapping_fields(tensor: torch.Tensor) -> dict[str, str]:
+    """/proc/self/smaps' fields of the mapping holding ``tensor`` (Rss, THPeligible, ...)."""
+    address, fields, inside = tensor.data_ptr(), {}, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         match = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if match:
-            mapping = int(match[1], 16) <= address < int(match[2], 16)
-        elif mapping and line.startswith("THPeligible:"):
-            return line.split()[1] == "1"
-    raise AssertionError(f"no mapping with THPeligible holds address {address:#x}")
+            if inside:
+                return fields
+            inside = int(match[1], 16) <= address < int(match[2], 16)
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.split()[0] if value.split() else ""
+    if inside:
+        return fields
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+def may_use_huge_pages(tensor: torch.Tensor) -> bool:
+    """Whether the kernel may back the mapping holding ``tensor`` with huge pages (smaps' THPeligible:
+    a region advised for them, whether or not the kernel found free 2 MB pages for it yet)."""
+    return mapping_fields(tensor)["THPeligible"] == "1"
 
 
 needs_huge_pages = pytest.mark.skipif(not huge_pages_possible(), reason="no transparent huge pages on this system")
@@ -43,6 +53,8 @@ def test_huge_page_zeros_are_zeros_starting_on_a_huge_page_the_kernel_may_back()
     assert tensor.shape == (3, HUGE_PAGE_BYTES) and tensor.dtype == torch.bfloat16
     assert tensor.data_ptr() % HUGE_PAGE_BYTES == 0
     assert may_use_huge_pages(tensor)
+    # Every page is touched at once (no page fault later, in a measured step): all of it resident.
+    assert int(mapping_fields(tensor)["Rss"]) * 1024 >= tensor.numel() * tensor.element_size()
     assert not tensor.any()
     tensor[2, -1] = 1.0  # the whole extent is writable
     assert tensor.sum() == 1.0

@@ -64,12 +64,13 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if num_bytes == 0 or not can_advise_huge_pages():
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than asked for, to start on a huge page (mmap aligns to 4 KB pages only).
-    # The kernel hands anonymous memory out zeroed, page by page as it is first touched.
     buffer = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(buffer, dtype=torch.uint8)  # holds the mapping for as long as any view lives
     start = -whole.data_ptr() % HUGE_PAGE_BYTES
     buffer.madvise(mmap.MADV_HUGEPAGE, start, num_bytes)
-    return whole[start:start + num_bytes].view(dtype).view(shape)
+    # Zeroed by the kernel page by page as first touched: touched now, as torch.zeros does, so that
+    # no page fault lands in a measured step (a KV block's first write).
+    return whole[start:start + num_bytes].zero_().view(dtype).view(shape)
 
 
 def in_huge_pages(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
