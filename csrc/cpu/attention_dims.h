@@ -205,8 +205,13 @@ static void tile_softmax(const AttentionArgs& a, const AttentionTask& t, const D
   }
 }
 
-template <typename A, typename C, bool Paired>
-static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+// A decode task's frame, whichever products it runs: the rows' state laid out in scratch, each row's
+// query put in place by set_query(src, q) (q: the row's padded_d floats, zeroed), the key tiles
+// walked (products(rows, tile, scores): a tile's scores, or after the softmax its weighted values),
+// and the output written, element e of a row read from o at lane(e).
+template <typename A, typename C, typename SetQuery, typename Products, typename Lane>
+static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, float* scratch, SetQuery set_query,
+                            Products products, Lane lane) {
   // Row m: query m % nq of head m / nq counted from the task's first KV head's group (so of KV head
   // kv_head + m / (nq * group)).
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
@@ -218,14 +223,13 @@ static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* s
   float* row_sum = row_max + num_rows;
   float* positions = row_sum + num_rows;
   rows.alpha = positions + num_rows;
-  auto lane = [](int64_t e) { return Paired ? paired_lane(e) : e; };
 
   for (int64_t m = 0; m < num_rows; ++m) {
     const int64_t h = m / nq, i = m % nq;
     const A* src = static_cast<const A*>(a.query) + query_row(a, t, i) * a.query_stride + (t.kv_head * group + h) * d;
     float* q = rows.q + m * padded_d;
     for (int64_t e = 0; e < padded_d; ++e) q[e] = rows.o[m * padded_d + e] = 0.0f;
-    for (int64_t e = 0; e < d; ++e) q[lane(e)] = load_scalar(src + e) * a.scale;
+    set_query(src, q);
     row_max[m] = kNegInf;
     row_sum[m] = 0.0f;
     positions[m] = static_cast<float>(t.first_position + i);
@@ -240,14 +244,25 @@ static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* s
     if (k0 + kKeyTile < t.key_end) {
       find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), tiles[1 - current]);
     }
-    tile_products<C, Paired>(rows, tile, true);
+    products(rows, tile, true);
     tile_softmax(a, t, rows, k0, tile.num_keys, positions, row_max, row_sum);
-    tile_products<C, Paired>(rows, tile, false);
+    products(rows, tile, false);
     current = 1 - current;
   }
 
-  write_task_output<A>(a, t, row_max, row_sum,
-                       [&](int64_t m, int64_t e) { return rows.o[m * padded_d + lane(e)]; });
+  write_task_output<A>(a, t, row_max, row_sum, [&](int64_t m, int64_t e) { return rows.o[m * padded_d + lane(e)]; });
+}
+
+template <typename A, typename C, bool Paired>
+static void decode_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  auto lane = [](int64_t e) { return Paired ? paired_lane(e) : e; };
+  run_decode_task<A, C>(
+      a, t, scratch,
+      [&](const A* src, float* q) {
+        for (int64_t e = 0; e < a.head_dim; ++e) q[lane(e)] = load_scalar(src + e) * a.scale;
+      },
+      [](const DecodeRows& rows, const KeyTile<C>& tile, bool scores) { tile_products<C, Paired>(rows, tile, scores); },
+      lane);
 }
 
 template <typename A, typename C>

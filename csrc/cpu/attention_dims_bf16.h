@@ -145,45 +145,15 @@ static void round_weights_in_place(const DecodeRows& rows, int num_keys) {
 
 template <typename A>
 static void decode_task_pairs(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
-  // Row m: query m % nq of head m / nq counted from the task's first KV head's group.
-  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
-  const int64_t num_rows = nq * group * t.num_kv_heads, padded_d = round_up(d, W);
-  DecodeRows rows{scratch, nullptr, nullptr, nullptr, num_rows, nq * group, a.head_stride, d, padded_d};
-  rows.o = rows.q + num_rows * padded_d;
-  rows.s = rows.o + num_rows * padded_d;
-  float* row_max = rows.s + num_rows * kKeyTile;
-  float* row_sum = row_max + num_rows;
-  float* positions = row_sum + num_rows;
-  rows.alpha = positions + num_rows;
-
-  for (int64_t m = 0; m < num_rows; ++m) {
-    const int64_t h = m / nq, i = m % nq;
-    const A* src = static_cast<const A*>(a.query) + query_row(a, t, i) * a.query_stride + (t.kv_head * group + h) * d;
-    // The row's bfloat16 elements as they are: d / 2 pairs in the row's first padded_d / 2 floats.
-    __builtin_memcpy(rows.q + m * padded_d, src, d * sizeof(uint16_t));
-    for (int64_t e = 0; e < padded_d; ++e) rows.o[m * padded_d + e] = 0.0f;
-    row_max[m] = kNegInf;
-    row_sum[m] = 0.0f;
-    positions[m] = static_cast<float>(t.first_position + i);
-  }
-
-  KeyTile<uint16_t> tiles[2];
-  int current = 0;
-  find_tile(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)), tiles[current]);
-  for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
-    const KeyTile<uint16_t>& tile = tiles[current];
-    if (k0 + kKeyTile < t.key_end) {
-      find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), tiles[1 - current]);
-    }
-    pair_tile_products(rows, tile, a.scale, true);
-    tile_softmax(a, t, rows, k0, tile.num_keys, positions, row_max, row_sum);
-    round_weights_in_place(rows, tile.num_keys);
-    pair_tile_products(rows, tile, a.scale, false);
-    current = 1 - current;
-  }
-
-  write_task_output<A>(a, t, row_max, row_sum,
-                       [&](int64_t m, int64_t e) { return rows.o[m * padded_d + values_lane(e)]; });
+  run_decode_task<A, uint16_t>(
+      a, t, scratch,
+      // The row's bfloat16 elements as they are: head_dim / 2 pairs in the row's first floats.
+      [&](const A* src, float* q) { __builtin_memcpy(q, src, a.head_dim * sizeof(uint16_t)); },
+      [&](const DecodeRows& rows, const KeyTile<uint16_t>& tile, bool scores) {
+        if (!scores) round_weights_in_place(rows, tile.num_keys);
+        pair_tile_products(rows, tile, a.scale, scores);
+      },
+      values_lane);
 }
 
 #endif  // __AVX512BF16__
