@@ -39,35 +39,43 @@ static inline void load_row(const C* p, int64_t d, Vec* out) {
   }
 }
 
+// s[r][j] (+)= the scores of R rows against each key j of a tile, W keys at a time: key_products(j,
+// acc) adds key j's lane-wise products with each row r into acc[r][0] and acc[r][1] (two chains a
+// row: half the additions' latency), then one transposing sum per row gives W scores, times scale.
+// `add`: a later chunk of a row longer than the registers hold adds to the scores of the earlier ones.
+template <int R, typename KeyProducts>
+static inline void transposed_scores(int num_keys, float* s, bool add, float scale, KeyProducts key_products) {
+  for (int j0 = 0; j0 < num_keys; j0 += W) {
+    Vec partial[R][W];
+    for (int jj = 0; jj < W; ++jj) {
+      Vec acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+      if (j0 + jj < num_keys) key_products(j0 + jj, acc);
+      for (int r = 0; r < R; ++r) partial[r][jj] = acc[r][0] + acc[r][1];
+    }
+    for (int r = 0; r < R; ++r) {
+      Vec scores = Vec::transpose_sum(partial[r]);
+      if (add) scores = scores + Vec::load(s + r * kKeyTile + j0);
+      if (scale != 1.0f) scores = scores * Vec::set1(scale);
+      scores.store(s + r * kKeyTile + j0);
+    }
+  }
+}
+
 // s[r][j] (+)= q[r] . key[j] for R rows of one KV head and NV vectors of the head dimension (q and the
-// rows start at the same element; `offset` from each key pointer): W keys at a time, each key's
-// lane-wise products with the rows, then one transposing sum per row gives W scores. `add`: a later
-// chunk of a row longer than the registers hold adds to the scores of the earlier ones.
+// rows start at the same element; `offset` from each key pointer).
 template <typename C, bool Paired, int R, int NV>
 static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& tile, int64_t offset, int64_t d,
                          float* s, bool add) {
   Vec qv[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) qv[r][v] = Vec::load(q + r * padded_d + v * W);
-  for (int j0 = 0; j0 < tile.num_keys; j0 += W) {
-    Vec partial[R][W];
-    for (int jj = 0; jj < W; ++jj) {
-      Vec acc[R][2];  // two chains a row: half the additions' latency
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
-      if (j0 + jj < tile.num_keys) {
-        Vec k[NV];
-        load_row<C, Paired, NV>(tile.key[j0 + jj] + offset, d, k);
-        for (int v = 0; v < NV; ++v)
-          for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::fma(qv[r][v], k[v], acc[r][v & 1]);
-      }
-      for (int r = 0; r < R; ++r) partial[r][jj] = acc[r][0] + acc[r][1];
-    }
-    for (int r = 0; r < R; ++r) {
-      Vec scores = Vec::transpose_sum(partial[r]);
-      if (add) scores = scores + Vec::load(s + r * kKeyTile + j0);
-      scores.store(s + r * kKeyTile + j0);
-    }
-  }
+  transposed_scores<R>(tile.num_keys, s, add, 1.0f, [&](int j, Vec (&acc)[R][2]) {
+    Vec k[NV];
+    load_row<C, Paired, NV>(tile.key[j] + offset, d, k);
+    for (int v = 0; v < NV; ++v)
+      for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::fma(qv[r][v], k[v], acc[r][v & 1]);
+  });
 }
 
 // o[r] = alpha[r] o[r] + sum_j p[r][j] value[j] for R rows of one KV head, NV vectors of the head

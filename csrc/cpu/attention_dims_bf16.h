@@ -37,27 +37,13 @@ static void pair_chunk_scores(const uint32_t* q2, int64_t q_stride, const KeyTil
   typename Vec::Pairs qv[R][NP];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NP; ++v) qv[r][v] = Vec::load_pairs_raw(q2 + r * q_stride + v * W);
-  for (int j0 = 0; j0 < tile.num_keys; j0 += W) {
-    Vec partial[R][W];
-    for (int jj = 0; jj < W; ++jj) {
-      Vec acc[R][2];  // two chains a row: half the additions' latency
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
-      if (j0 + jj < tile.num_keys) {
-        const auto* key = reinterpret_cast<const uint32_t*>(tile.key[j0 + jj] + offset);
-        for (int v = 0; v < NP; ++v) {
-          const typename Vec::Pairs k = Vec::load_pairs_raw(key + v * W);
-          for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::dot_pairs(acc[r][v & 1], qv[r][v], k);
-        }
-      }
-      for (int r = 0; r < R; ++r) partial[r][jj] = acc[r][0] + acc[r][1];
+  transposed_scores<R>(tile.num_keys, s, add, scale, [&](int j, Vec (&acc)[R][2]) {
+    const auto* key = reinterpret_cast<const uint32_t*>(tile.key[j] + offset);
+    for (int v = 0; v < NP; ++v) {
+      const typename Vec::Pairs k = Vec::load_pairs_raw(key + v * W);
+      for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::dot_pairs(acc[r][v & 1], qv[r][v], k);
     }
-    for (int r = 0; r < R; ++r) {
-      Vec scores = Vec::transpose_sum(partial[r]);
-      if (add) scores = scores + Vec::load(s + r * kKeyTile + j0);
-      if (scale != 1.0f) scores = scores * Vec::set1(scale);
-      scores.store(s + r * kKeyTile + j0);
-    }
-  }
+  });
 }
 
 // o[r] = alpha[r] o[r] + sum_j p[r][j] value[j] for R rows over NC chunks of 32 elements (o in
