@@ -2,6 +2,7 @@
 huge pages, and a prompt's large activations come from memory the process keeps, not from mappings of
 their own that each free returns to the system."""
 
+import mmap
 import re
 import subprocess
 import sys
@@ -58,6 +59,16 @@ def test_huge_page_zeros_are_zeros_starting_on_a_huge_page_the_kernel_may_back()
     assert not tensor.any()
     tensor[2, -1] = 1.0  # the whole extent is writable
     assert tensor.sum() == 1.0
+
+
+@pytest.mark.skipif(not can_advise_huge_pages(), reason="no madvise on this system")
+def test_a_kernel_refusing_the_huge_page_advice_still_gives_zeroed_memory(monkeypatch):
+    # An advice the kernel does not know gets EINVAL, as MADV_HUGEPAGE does from a kernel without THP.
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 12345)
+    with pytest.raises(OSError):
+        mmap.mmap(-1, 4096).madvise(mmap.MADV_HUGEPAGE)
+    tensor = huge_page_zeros((4, 1024), torch.float32)
+    assert tensor.shape == (4, 1024) and not tensor.any()
 
 
 def test_in_huge_pages_copies_cast_each_on_a_cache_line_apart_from_the_source():

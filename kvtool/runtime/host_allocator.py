@@ -67,7 +67,10 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buffer = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(buffer, dtype=torch.uint8)  # holds the mapping for as long as any view lives
     start = -whole.data_ptr() % HUGE_PAGE_BYTES
-    buffer.madvise(mmap.MADV_HUGEPAGE, start, num_bytes)
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE, start, num_bytes)
+    except OSError:
+        pass  # a kernel built without transparent huge pages refuses the advice: 4 KB pages, as torch's
     # Zeroed by the kernel page by page as first touched: touched now, as torch.zeros does, so that
     # no page fault lands in a measured step (a KV block's first write).
     return whole[start:start + num_bytes].zero_().view(dtype).view(shape)
