@@ -116,37 +116,45 @@ constexpr int rows_per_call() {
   return rows < 1 ? 1 : (rows > 4 ? 4 : rows);
 }
 
+// Calls f(std::integral_constant<int, n>) for n = count, 1 <= count <= Max <= 4.
+template <int Max, typename F>
+static inline void with_count(int64_t count, F&& f) {
+  switch (count) {
+    case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 3: if constexpr (Max >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (Max >= 2) f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// Calls f(std::integral_constant<int, R>, m, head_offset) for the task's rows in runs of at most Max,
+// each run rows m..m+R-1 of one KV head, whose keys and values lie head_offset past a key pointer.
+template <int Max, typename F>
+static inline void over_head_rows(const DecodeRows& rows, F&& f) {
+  for (int64_t first = 0; first < rows.rows; first += rows.rows_per_head) {
+    const int64_t head_offset = first / rows.rows_per_head * rows.head_stride;
+    for (int64_t m = first; m < first + rows.rows_per_head; m += Max) {
+      with_count<Max>(min64(Max, first + rows.rows_per_head - m), [&](auto r) { f(r, m, head_offset); });
+    }
+  }
+}
+
 // A tile's scores (or weighted values) for every row, over the NV vectors of the head dimension from
 // vector v0.
 template <typename C, bool Paired, int NV>
 static void chunk_products(const DecodeRows& rows, const KeyTile<C>& tile, int64_t v0, bool scores) {
-  constexpr int kMaxRows = rows_per_call<NV>();
   const int64_t d = rows.d - v0 * W, padded_d = rows.padded_d;
-  for (int64_t first = 0; first < rows.rows; first += rows.rows_per_head) {  // one KV head's rows
-    const int64_t offset = first / rows.rows_per_head * rows.head_stride + v0 * W;
-    for (int64_t m = first; m < first + rows.rows_per_head;) {
-      const int64_t count = min64(kMaxRows, first + rows.rows_per_head - m);
-      auto run = [&](auto r) {
-        constexpr int R = decltype(r)::value;
-        if constexpr (R <= kMaxRows) {
-          if (scores) {
-            chunk_scores<C, Paired, R, NV>(rows.q + m * padded_d + v0 * W, padded_d, tile, offset, d,
-                                           rows.s + m * kKeyTile, v0 > 0);
-          } else {
-            chunk_values<C, Paired, R, NV>(tile, offset, rows.s + m * kKeyTile, rows.alpha + m, d,
-                                           rows.o + m * padded_d + v0 * W, padded_d);
-          }
-        }
-      };
-      switch (count) {
-        case 4: run(std::integral_constant<int, 4>{}); break;
-        case 3: run(std::integral_constant<int, 3>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        default: run(std::integral_constant<int, 1>{}); break;
-      }
-      m += count;
+  over_head_rows<rows_per_call<NV>()>(rows, [&](auto r, int64_t m, int64_t head_offset) {
+    constexpr int R = decltype(r)::value;
+    const int64_t offset = head_offset + v0 * W;
+    if (scores) {
+      chunk_scores<C, Paired, R, NV>(rows.q + m * padded_d + v0 * W, padded_d, tile, offset, d, rows.s + m * kKeyTile,
+                                     v0 > 0);
+    } else {
+      chunk_values<C, Paired, R, NV>(tile, offset, rows.s + m * kKeyTile, rows.alpha + m, d,
+                                     rows.o + m * padded_d + v0 * W, padded_d);
     }
-  }
+  });
 }
 
 // The head dimension in chunks of at most 8 vectors, each held in registers while the tile's keys

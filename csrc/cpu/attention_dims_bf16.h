@@ -72,51 +72,32 @@ static void pair_chunk_values(const KeyTile<uint16_t>& tile, int64_t offset, con
     for (int v = 0; v < 2 * NC; ++v) acc[r][v].store(o + r * padded_d + v * W);
 }
 
-// Calls f(std::integral_constant<int, n>) for n = count, 1 <= count <= Max <= 4.
-template <int Max, typename F>
-static inline void with_count(int64_t count, F&& f) {
-  switch (count) {
-    case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}); break;
-    case 3: if constexpr (Max >= 3) f(std::integral_constant<int, 3>{}); break;
-    case 2: if constexpr (Max >= 2) f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
 // A tile's scores for every row (scores) or its weighted values (not), each KV head's rows against
 // that head's keys or values, up to 4 rows a call.
 static void pair_tile_products(const DecodeRows& rows, const KeyTile<uint16_t>& tile, float scale, bool scores) {
-  constexpr int kMaxRows = 4;
   const int64_t d = rows.d;
   const auto* q2 = reinterpret_cast<const uint32_t*>(rows.q);
   const auto* p = reinterpret_cast<const uint16_t*>(rows.s);
-  for (int64_t first = 0; first < rows.rows; first += rows.rows_per_head) {  // one KV head's rows
-    const int64_t head_offset = first / rows.rows_per_head * rows.head_stride;
-    for (int64_t m = first; m < first + rows.rows_per_head; m += kMaxRows) {
-      const int64_t count = min64(kMaxRows, first + rows.rows_per_head - m);
-      with_count<kMaxRows>(count, [&](auto r) {
-        constexpr int R = decltype(r)::value;
-        if (scores) {
-          for (int64_t e0 = 0; e0 < d; e0 += 32 * kMaxScorePairVectors) {
-            const bool last = e0 + 32 * kMaxScorePairVectors >= d;
-            with_count<kMaxScorePairVectors>(min64(kMaxScorePairVectors, (d - e0) / 32), [&](auto n) {
-              pair_chunk_scores<R, decltype(n)::value>(q2 + m * rows.padded_d + e0 / 2, rows.padded_d, tile,
-                                                       head_offset + e0, rows.s + m * kKeyTile, e0 > 0,
-                                                       last ? scale : 1.0f);
-            });
-          }
-        } else {
-          for (int64_t e0 = 0; e0 < d; e0 += 32 * kMaxValueChunks) {
-            with_count<kMaxValueChunks>(min64(kMaxValueChunks, (d - e0) / 32), [&](auto n) {
-              pair_chunk_values<R, decltype(n)::value>(tile, head_offset + e0, p + m * 2 * kKeyTile, 2 * kKeyTile,
-                                                       rows.alpha + m, rows.o + m * rows.padded_d + e0,
-                                                       rows.padded_d);
-            });
-          }
-        }
-      });
+  over_head_rows<4>(rows, [&](auto r, int64_t m, int64_t head_offset) {
+    constexpr int R = decltype(r)::value;
+    if (scores) {
+      for (int64_t e0 = 0; e0 < d; e0 += 32 * kMaxScorePairVectors) {
+        const bool last = e0 + 32 * kMaxScorePairVectors >= d;
+        with_count<kMaxScorePairVectors>(min64(kMaxScorePairVectors, (d - e0) / 32), [&](auto n) {
+          pair_chunk_scores<R, decltype(n)::value>(q2 + m * rows.padded_d + e0 / 2, rows.padded_d, tile,
+                                                   head_offset + e0, rows.s + m * kKeyTile, e0 > 0,
+                                                   last ? scale : 1.0f);
+        });
+      }
+    } else {
+      for (int64_t e0 = 0; e0 < d; e0 += 32 * kMaxValueChunks) {
+        with_count<kMaxValueChunks>(min64(kMaxValueChunks, (d - e0) / 32), [&](auto n) {
+          pair_chunk_values<R, decltype(n)::value>(tile, head_offset + e0, p + m * 2 * kKeyTile, 2 * kKeyTile,
+                                                   rows.alpha + m, rows.o + m * rows.padded_d + e0, rows.padded_d);
+        });
+      }
     }
-  }
+  });
 }
 
 // Each row's weights rounded to bfloat16, into the first half of the row's own scores (a row's
