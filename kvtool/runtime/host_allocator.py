@@ -57,12 +57,12 @@ def can_advise_huge_pages() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed tensor in anonymous memory advised for transparent huge pages, its start on a huge
-    page. Where the system has no such advice, torch.zeros."""
-    num_bytes = math.prod(shape) * dtype.itemsize
+def _huge_page_buffer(num_bytes: int) -> torch.Tensor:
+    """uint8 [num_bytes] of anonymous memory advised for transparent huge pages, starting on a huge
+    page, its pages not yet touched (the kernel zeroes each as it is first written); where the system
+    has no such advice, torch.empty."""
     if num_bytes == 0 or not can_advise_huge_pages():
-        return torch.zeros(shape, dtype=dtype)
+        return torch.empty(num_bytes, dtype=torch.uint8)
     # One huge page more than asked for, to start on a huge page (mmap aligns to 4 KB pages only).
     buffer = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(buffer, dtype=torch.uint8)  # holds the mapping for as long as any view lives
@@ -71,21 +71,28 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buffer.madvise(mmap.MADV_HUGEPAGE, start, num_bytes)
     except OSError:
         pass  # a kernel built without transparent huge pages refuses the advice: 4 KB pages, as torch's
-    # Zeroed by the kernel page by page as first touched: touched now, as torch.zeros does, so that
-    # no page fault lands in a measured step (a KV block's first write).
-    return whole[start:start + num_bytes].zero_().view(dtype).view(shape)
+    return whole[start:start + num_bytes]
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor in anonymous memory advised for transparent huge pages, its start on a huge
+    page. Where the system has no such advice, torch.zeros."""
+    # Touched now, as torch.zeros does, so that no page fault lands in a measured step (a KV block's
+    # first write).
+    return _huge_page_buffer(math.prod(shape) * dtype.itemsize).zero_().view(dtype).view(shape)
 
 
 def in_huge_pages(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` (cast to ``dtype`` when given) side by side in one huge_page_zeros buffer,
-    each on a cache line."""
+    """Copies of ``tensors`` (cast to ``dtype`` when given) side by side in one buffer advised for huge
+    pages (plain memory where the system has no such advice), each on a cache line."""
     def nbytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * (dtype or tensor.dtype).itemsize
 
     def padded(tensor: torch.Tensor) -> int:
         return -(-nbytes(tensor) // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
 
-    arena = huge_page_zeros((sum(padded(tensor) for tensor in tensors.values()),), torch.uint8)
+    # The copies write every page: no zeroing first.
+    arena = _huge_page_buffer(sum(padded(tensor) for tensor in tensors.values()))
     copies, offset = {}, 0
     for name, tensor in tensors.items():
         copy = arena[offset:offset + nbytes(tensor)].view(dtype or tensor.dtype).view(tensor.shape)
