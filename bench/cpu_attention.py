@@ -5,9 +5,9 @@ A real decode step streams every layer's weights between two visits of a layer's
 is never in the CPU's caches when attention reads it. Here --num_layers layers' caches (distinct
 tensors) are visited in turn with a read of --flush_mb MB before each (the weights streaming past);
 the median time per layer over --rounds rounds, and the layer's cache bytes per second, beside the
-streaming read rate measured on the spot (bench/peers/floors.py). Several sequences run twice: each with blocks of
-its own, and all beginning with the same --shared_tokens tokens' blocks (a cached prompt prefix,
-which the kernel reads once for them all).
+streaming read rate measured on the spot (bench/peers/floors.py). Several sequences run twice: each
+with blocks of its own, and all beginning with the same --shared_tokens tokens' blocks (a cached
+prompt prefix, which the kernel reads once for them all).
 
     python bench/cpu_attention.py [--context 1056] [--seqs 1 8] [--threads 1 2]
 
@@ -95,6 +95,7 @@ def main() -> None:
                     tables = f"the first {args.shared_tokens} shared" if shared else "own blocks"
                     print(f"  {str(dtype)[6:]:9s} {num_seqs} seq x {args.context} tokens ({tables:>20s}): "
                           f"{seconds * 1e6:7.1f} us a layer ({cache_bytes / seconds / 1e9:5.1f} GB/s of cache)")
+
 
 if __name__ == "__main__":
     main()

@@ -215,8 +215,7 @@ def _targets(by_name, requests, floors) -> list[str]:
     return lines + ["", "The separate probes' targets use the lower (better) floor of the two. A process's read "
                     "bandwidth on this kind of VM flips between two rates (~50 and ~83 GB/s), each held for seconds to "
                     "minutes: the probes at the start and the end of a run say little of the rate while a replay "
-                    "ran. So "
-                    "each kvtool replay also measures the bandwidth in its own process, just before and after "
+                    "ran. So each kvtool replay also measures the bandwidth in its own process, just before and after "
                     "(bandwidth.json, the better of the two), and its TPOT is held to the floor at that rate: the "
                     "memory floor of its own process (ratio: the median over cycles of each cycle's TPOT / floor).",
                     ""]
