@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_kernels.h"
+#include "decoder_stack.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -16,6 +17,7 @@ namespace kvtool::cpu {
 namespace {
 
 using Int32Array = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
+using Int64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 template <typename T>
 T* ptr(uintptr_t address) {
@@ -47,6 +49,63 @@ NB_MODULE(_kernels, m) {
                    "sequences of a shared prefix.")
       .def_prop_ro("num_shared_prefixes", &AttentionPlan::num_shared_prefixes,
                    "Groups of decode sequences whose common leading blocks are read once for all of them.");
+
+  nb::class_<DecoderLayerWeights>(m, "DecoderLayerWeights",
+                                  "One decoder layer's weights by address (0: none): the norms' and the fused "
+                                  "projections' [out_features, in_features] with their biases.")
+      .def(
+          "__init__",
+          [](DecoderLayerWeights* self, uintptr_t input_norm, uintptr_t post_attention_norm, uintptr_t q_norm,
+             uintptr_t k_norm, uintptr_t qkv, uintptr_t qkv_bias, uintptr_t o, uintptr_t o_bias, uintptr_t gate_up,
+             uintptr_t gate_up_bias, uintptr_t down, uintptr_t down_bias) {
+            new (self) DecoderLayerWeights{ptr<const void>(input_norm), ptr<const void>(post_attention_norm),
+                                           ptr<const void>(q_norm), ptr<const void>(k_norm),
+                                           {ptr<const void>(qkv), ptr<const void>(qkv_bias)},
+                                           {ptr<const void>(o), ptr<const void>(o_bias)},
+                                           {ptr<const void>(gate_up), ptr<const void>(gate_up_bias)},
+                                           {ptr<const void>(down), ptr<const void>(down_bias)}};
+          },
+          "input_norm"_a, "post_attention_norm"_a, "q_norm"_a, "k_norm"_a, "qkv"_a, "qkv_bias"_a, "o"_a, "o_bias"_a,
+          "gate_up"_a, "gate_up_bias"_a, "down"_a, "down_bias"_a);
+
+  nb::class_<DecoderStack>(m, "DecoderStack",
+                           "A decoder stack's step of a few rows in one call, on weights registered once by address "
+                           "(they must outlive it).")
+      .def(
+          "__init__",
+          [](DecoderStack* self, std::vector<DecoderLayerWeights> layers, uintptr_t final_norm, int64_t hidden_size,
+             int64_t intermediate_size, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float rms_norm_eps,
+             float attention_scale, DType dtype, int64_t max_rows) {
+            new (self) DecoderStack({hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, rms_norm_eps,
+                                     attention_scale, dtype},
+                                    std::move(layers), ptr<const void>(final_norm), max_rows);
+          },
+          "layers"_a, "final_norm"_a, "hidden_size"_a, "intermediate_size"_a, "num_heads"_a, "num_kv_heads"_a,
+          "head_dim"_a, "rms_norm_eps"_a, "attention_scale"_a, "dtype"_a, "max_rows"_a)
+      .def_prop_ro("num_layers", &DecoderStack::num_layers)
+      .def_prop_ro("max_rows", &DecoderStack::max_rows)
+      .def(
+          "forward",
+          [](DecoderStack& stack, CpuKernels& kernels, const AttentionPlan& plan, uintptr_t residual, uintptr_t out,
+             int64_t num_rows, uintptr_t positions, uintptr_t slot_mapping, uintptr_t rope_cache,
+             int64_t max_positions, Int64Array kv_caches, int64_t block_stride, int64_t kv_stride,
+             int64_t token_stride, int64_t head_stride, int32_t tokens_per_block, DType cache_dtype) {
+            if (static_cast<int64_t>(kv_caches.shape(0)) != stack.num_layers()) {
+              throw std::invalid_argument("DecoderStack.forward: " + std::to_string(kv_caches.shape(0)) +
+                                          " KV caches for " + std::to_string(stack.num_layers()) + " layers");
+            }
+            stack.forward(kernels, plan,
+                          {ptr<void>(residual), ptr<void>(out), num_rows, ptr<const int64_t>(positions),
+                           ptr<const int64_t>(slot_mapping), ptr<const float>(rope_cache), max_positions,
+                           kv_caches.data(), block_stride, kv_stride, token_stride, head_stride, tokens_per_block,
+                           cache_dtype});
+          },
+          "kernels"_a, "plan"_a, "residual"_a, "out"_a, "num_rows"_a, "positions"_a, "slot_mapping"_a, "rope_cache"_a,
+          "max_positions"_a, "kv_caches"_a, "block_stride"_a, "kv_stride"_a, "token_stride"_a, "head_stride"_a,
+          "tokens_per_block"_a, "cache_dtype"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "Every layer and the final norm for num_rows rows: residual [num_rows, hidden_size] (the embedded tokens) "
+          "is the residual stream, out [num_rows, hidden_size] gets the final norm; writes each layer's KV "
+          "(kv_caches: int64 addresses, one per layer).");
 
   nb::class_<CpuKernels>(m, "CpuKernels", "The kernels of one instruction set and the threads that run them.")
       .def(nb::init<const std::string&, int>(), "isa"_a = "auto", "num_threads"_a = 1,

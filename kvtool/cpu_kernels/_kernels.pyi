@@ -2,6 +2,7 @@
 kvtool's CPU kernels (fused RMSNorm, SiLU-and-mul, RoPE + KV append, paged attention), one build per instruction set, chosen at run time.
 """
 
+from collections.abc import Sequence
 import enum
 from typing import Annotated
 
@@ -41,6 +42,31 @@ class AttentionPlan:
     def num_shared_prefixes(self) -> int:
         """
         Groups of decode sequences whose common leading blocks are read once for all of them.
+        """
+
+class DecoderLayerWeights:
+    """
+    One decoder layer's weights by address (0: none): the norms' and the fused projections' [out_features, in_features] with their biases.
+    """
+
+    def __init__(self, input_norm: int, post_attention_norm: int, q_norm: int, k_norm: int, qkv: int, qkv_bias: int, o: int, o_bias: int, gate_up: int, gate_up_bias: int, down: int, down_bias: int) -> None: ...
+
+class DecoderStack:
+    """
+    A decoder stack's step of a few rows in one call, on weights registered once by address (they must outlive it).
+    """
+
+    def __init__(self, layers: Sequence[DecoderLayerWeights], final_norm: int, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, attention_scale: float, dtype: DType, max_rows: int) -> None: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def max_rows(self) -> int: ...
+
+    def forward(self, kernels: CpuKernels, plan: AttentionPlan, residual: int, out: int, num_rows: int, positions: int, slot_mapping: int, rope_cache: int, max_positions: int, kv_caches: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_stride: int, kv_stride: int, token_stride: int, head_stride: int, tokens_per_block: int, cache_dtype: DType) -> None:
+        """
+        Every layer and the final norm for num_rows rows: residual [num_rows, hidden_size] (the embedded tokens) is the residual stream, out [num_rows, hidden_size] gets the final norm; writes each layer's KV (kv_caches: int64 addresses, one per layer).
         """
 
 class CpuKernels:

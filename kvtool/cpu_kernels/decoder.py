@@ -10,10 +10,13 @@ there, 1.03-1.09 at four rows (bench/cpu_linear_rows.py, results/cpu_decode_rows
 attention tasks are planned once and serve every layer; activations reuse one workspace, grown when
 a step has more tokens than any before.
 
-A decode step makes some 300 calls, so the hot loop calls the kernels with the weights' addresses
-read once (make a new decoder after changing the model's weights) and the workspace's known strides,
-and the projections' oneDNN op directly: the checking wrappers of kvtool.cpu_kernels.ops and
-nn.Module's call machinery cost about a millisecond a step.
+A step of up to MAX_ROW_PRODUCT_ROWS rows (a decode step at batch 1 or 2) runs every layer in one
+C++ call (the kernels' DecoderStack, on the weights' addresses registered once): called one by one
+from Python, its some 300 kernel calls left the interpreter running between them. Larger steps keep
+the Python loop, which calls the kernels with the weights' addresses read once and the workspace's
+known strides, and the projections' oneDNN op directly: the checking wrappers of
+kvtool.cpu_kernels.ops and nn.Module's call machinery cost about a millisecond a step. Make a new
+decoder after changing the model's weights.
 
 Computes what the torch path computes (the same float32 or bfloat16 roundings up to the order of
 a few sums), and tests/test_cpu_decoder.py holds it to transformers' logits.
@@ -24,11 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvtool.cpu_kernels import ops
-from kvtool.cpu_kernels._kernels import CpuKernels, supported_isas
+from kvtool.cpu_kernels._kernels import CpuKernels, DecoderLayerWeights, DecoderStack, supported_isas
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_limit
 
@@ -108,6 +112,33 @@ def _address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
+def _stack_projection(module: torch.nn.Module) -> tuple[int, int] | None:
+    """A projection's weight and bias addresses for the DecoderStack; None when it cannot take them
+    (rows not contiguous, a type the kernels lack)."""
+    weight, bias = module.weight, module.bias
+    if weight.dtype not in ops.DTYPES or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return None
+    return weight.data_ptr(), _address(bias)
+
+
+def decoder_stack(model, max_rows: int) -> DecoderStack | None:
+    """``model``'s layers registered with the kernels' DecoderStack (steps of up to max_rows rows in one
+    call); None when a projection's weight is not laid out as the row product reads it."""
+    config, layers = model.config, []
+    for layer in model.layers:
+        attention, mlp = layer.attention, layer.mlp
+        projections = [_stack_projection(m) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
+                                                      mlp.down_proj)]
+        if any(p is None for p in projections):
+            return None
+        norms = [_address(None if norm is None else norm.weight)
+                 for norm in (layer.input_norm, layer.post_attention_norm, attention.q_norm, attention.k_norm)]
+        layers.append(DecoderLayerWeights(*norms, *(address for p in projections for address in p)))
+    return DecoderStack(layers, model.norm.weight.data_ptr(), config.hidden_size, config.intermediate_size,
+                        config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                        config.head_dim ** -0.5, ops.DTYPES[model.embed_tokens.weight.dtype], max_rows)
+
+
 class CpuDecoder:
     """Runs ``model``'s decoder stack through the CPU kernels (``isa``: 'auto' or one of
     kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default;
@@ -141,6 +172,7 @@ class CpuDecoder:
                               projection(layer.mlp.down_proj, rows))
                        for layer in model.layers]
         self.final_norm = model.norm.weight.data_ptr()
+        self.stack = decoder_stack(model, MAX_ROW_PRODUCT_ROWS) if row_products else None
         # A RoPE scaling that scales cos and sin too (yarn's attention factor), where the model has one.
         self.rope_scale = float(getattr(model, "rope_attention_factor", 1.0))
         self._cos_sin = ops.rope_cache(model.rope_inv_freq, 0, self.rope_scale)
@@ -181,6 +213,12 @@ class CpuDecoder:
                                   sliding_window=self.model.sliding_window)
         residual = F.embedding(input_ids, self.model.embed_tokens.weight)  # the residual stream, updated in place
         residual_ptr = residual.data_ptr()
+        if self.stack is not None and n <= self.stack.max_rows:
+            kv_addresses = np.fromiter((cache.data_ptr() for cache in kv_caches), dtype=np.int64, count=len(kv_caches))
+            self.stack.forward(kernels, plan, residual_ptr, normed_ptr, n, positions.data_ptr(), slots.data_ptr(),
+                               cos_sin.data_ptr(), cos_sin.shape[0], kv_addresses, block_stride, kv_stride,
+                               token_stride, head_stride, tokens_per_block, cache_dtype)
+            return normed
         x_ptr = 0  # the last sublayer's output (contiguous [n, hidden]), not yet added to the residual
         for layer, kv_cache in zip(self.layers, kv_caches):
             cache_ptr = kv_cache.data_ptr()

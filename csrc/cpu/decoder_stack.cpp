@@ -1,0 +1,85 @@
+#include "decoder_stack.h"
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace kvtool::cpu {
+
+DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
+                           int64_t max_rows)
+    : shape_(shape),
+      layers_(std::move(layers)),
+      final_norm_(final_norm),
+      max_rows_(max_rows),
+      q_size_(static_cast<int64_t>(shape.num_heads) * shape.head_dim),
+      qkv_size_(static_cast<int64_t>(shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim) {
+  if (max_rows < 1 || shape.hidden_size < 1 || shape.intermediate_size < 1 || shape.num_heads < 1 ||
+      shape.num_kv_heads < 1 || shape.head_dim < 2 || shape.num_heads % shape.num_kv_heads != 0) {
+    throw std::invalid_argument("DecoderStack: max_rows, the sizes and the head counts must be >= 1, and num_heads "
+                                "a multiple of num_kv_heads");
+  }
+  normed_.resize(max_rows * shape.hidden_size);
+  qkv_.resize(max_rows * qkv_size_);
+  attended_.resize(max_rows * q_size_);
+  x_.resize(max_rows * shape.hidden_size);
+  gate_up_.resize(max_rows * 2 * shape.intermediate_size);
+  activation_.resize(max_rows * shape.intermediate_size);
+}
+
+void DecoderStack::project(CpuKernels& kernels, const LinearWeights& weights, const void* x, void* out,
+                           int64_t num_rows, int64_t in_features, int64_t out_features) const {
+  kernels.linear({x, weights.weight, weights.bias, out, num_rows, in_features, out_features, in_features, in_features,
+                  out_features, shape_.dtype});
+}
+
+void DecoderStack::layer(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args,
+                         const DecoderLayerWeights& weights, void* kv_cache, const void* x) {
+  const DecoderShape& s = shape_;
+  const int64_t n = args.num_rows, hidden = s.hidden_size, intermediate = s.intermediate_size;
+  // normed = norm(x + residual), residual += x (the first layer: norm(residual)).
+  kernels.rms_norm({x != nullptr ? x : args.residual, x != nullptr ? args.residual : nullptr, weights.input_norm,
+                    normed_.data(), n, hidden, hidden, hidden, hidden, s.rms_norm_eps, s.dtype});
+  project(kernels, weights.qkv, normed_.data(), qkv_.data(), n, hidden, qkv_size_);  // [n, qkv_size]
+  kernels.rope_store_kv({qkv_.data(), n, qkv_size_, s.num_heads, s.num_kv_heads, s.head_dim, args.positions,
+                         args.rope_cache, args.max_positions, weights.q_norm, weights.k_norm, s.rms_norm_eps,
+                         kv_cache, args.block_stride, args.kv_stride, args.token_stride, args.head_stride,
+                         args.slot_mapping, args.tokens_per_block, s.dtype, args.cache_dtype});
+  AttentionArgs attention{};
+  attention.query = qkv_.data();
+  attention.query_stride = qkv_size_;
+  attention.out = attended_.data();  // [n, q_size]
+  attention.out_stride = q_size_;
+  attention.kv_cache = kv_cache;
+  attention.block_stride = args.block_stride;
+  attention.kv_stride = args.kv_stride;
+  attention.token_stride = args.token_stride;
+  attention.head_stride = args.head_stride;
+  attention.scale = s.attention_scale;
+  attention.dtype = s.dtype;
+  attention.cache_dtype = args.cache_dtype;
+  kernels.attention(plan, attention);
+  project(kernels, weights.o, attended_.data(), x_.data(), n, q_size_, hidden);
+  kernels.rms_norm({x_.data(), args.residual, weights.post_attention_norm, normed_.data(), n, hidden, hidden, hidden,
+                    hidden, s.rms_norm_eps, s.dtype});
+  project(kernels, weights.gate_up, normed_.data(), gate_up_.data(), n, hidden, 2 * intermediate);
+  kernels.silu_mul({gate_up_.data(), activation_.data(), n, intermediate, 2 * intermediate, intermediate, s.dtype});
+  project(kernels, weights.down, activation_.data(), x_.data(), n, intermediate, hidden);
+}
+
+void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args) {
+  if (args.num_rows < 1 || args.num_rows > max_rows_) {
+    throw std::invalid_argument("DecoderStack.forward: a step of " + std::to_string(args.num_rows) +
+                                " rows; the stack takes 1 to " + std::to_string(max_rows_));
+  }
+  const void* x = nullptr;  // the last sublayer's output, not yet added to the residual
+  for (int64_t i = 0; i < num_layers(); ++i) {
+    layer(kernels, plan, args, layers_[i], reinterpret_cast<void*>(args.kv_caches[i]), x);
+    x = x_.data();
+  }
+  const int64_t hidden = shape_.hidden_size;
+  kernels.rms_norm({x != nullptr ? x : args.residual, x != nullptr ? args.residual : nullptr, final_norm_, args.out,
+                    args.num_rows, hidden, hidden, hidden, hidden, shape_.rms_norm_eps, shape_.dtype});
+}
+
+}  // namespace kvtool::cpu

@@ -1,0 +1,95 @@
+"""A decode step of one or two rows runs every layer in one C++ call (the kernels' DecoderStack) and
+computes exactly what the Python layer loop computes with the same kernels: the same logits and the
+same KV written, bit for bit, in float32 and bfloat16, with biases and Qwen3's q/k norms. (The stack
+is held to transformers' logits by tests/test_cpu_decoder.py, whose decode steps take it.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtool.cpu_kernels.decoder import MAX_ROW_PRODUCT_ROWS, CpuDecoder
+from hf_checkpoints import TEST_TOKENS_PER_BLOCK as T
+from paged_driver import PagedDriver
+from test_model_vs_transformers import random_prompt
+
+
+class CountingStack:
+    """Stands in for a decoder's stack and counts the steps given to it."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.num_calls = stack, 0
+        self.max_rows = stack.max_rows
+
+    def forward(self, *args) -> None:
+        self.num_calls += 1
+        self.stack.forward(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "qwen2_qkv_bias_tied"])
+def test_decode_steps_of_one_and_two_rows_run_in_one_call_and_match_the_layer_loop(models, name, dtype):
+    ours, _ = models(name)
+    model = ours.to(dtype)
+    try:
+        decoder = CpuDecoder(model, num_threads=2)
+        model.cpu_decoder = decoder
+        stack = CountingStack(decoder.stack)
+        driver = PagedDriver(model, tokens_per_block=T, num_blocks=32)
+        seqs = [driver.add_sequence(random_prompt(length, seed=length)) for length in (2 * T + 5, T + 9)]
+        for seq, logits in zip(seqs, driver.step(context=[(seq, len(seq.token_ids)) for seq in seqs])):
+            seq.append(int(logits[-1].argmax()))
+        for step in ([seqs[0]], seqs, [seqs[1]], seqs):
+            results, computed = [], [seq.num_computed for seq in step]
+            for use_stack in (True, False):
+                for seq, num_computed in zip(step, computed):  # the same step again, from the same state
+                    seq.num_computed = num_computed
+                decoder.stack = stack if use_stack else None
+                calls = stack.num_calls
+                logits = driver.step(decode=step)
+                assert stack.num_calls == calls + use_stack
+                results.append((torch.cat(logits), driver.pool.clone()))
+            (stacked, stacked_pool), (looped, looped_pool) = results
+            assert torch.equal(stacked, looped)
+            # (the pool's unwritten slots hold NaN)
+            torch.testing.assert_close(stacked_pool, looped_pool, rtol=0, atol=0, equal_nan=True)
+            for seq, logits in zip(step, stacked.split(1)):
+                seq.append(int(logits[-1].argmax()))
+    finally:
+        model.cpu_decoder = None
+        model.to(torch.float32)
+
+
+def test_the_python_loop_runs_steps_of_more_rows_than_the_stack_takes(models):
+    ours, _ = models("qwen3_qk_norm")
+    decoder = CpuDecoder(ours, num_threads=2)
+    ours.cpu_decoder = decoder
+    try:
+        stack = decoder.stack = CountingStack(decoder.stack)
+        driver = PagedDriver(ours, tokens_per_block=T, num_blocks=32)
+        seqs = [driver.add_sequence(random_prompt(T + i, seed=i)) for i in range(MAX_ROW_PRODUCT_ROWS + 1)]
+        for step in ({"context": [(seq, len(seq.token_ids)) for seq in seqs]}, {"decode": seqs},
+                     {"decode": seqs[:MAX_ROW_PRODUCT_ROWS]}):
+            stepped = [seq for seq, _ in step.get("context", [])] + step.get("decode", [])
+            for seq, logits in zip(stepped, driver.step(**step)):
+                seq.append(int(logits[-1].argmax()))
+            assert stack.num_calls == (1 if len(stepped) <= MAX_ROW_PRODUCT_ROWS else 0)
+    finally:
+        ours.cpu_decoder = None
+
+
+def test_the_stack_refuses_a_step_it_was_not_built_for(models):
+    ours, _ = models("qwen3_qk_norm")
+    decoder = CpuDecoder(ours, num_threads=1)
+    stack, config = decoder.stack, ours.config
+    assert (stack.num_layers, stack.max_rows) == (config.num_layers, MAX_ROW_PRODUCT_ROWS)
+    plan = decoder.kernels.plan_attention(np.arange(2, dtype=np.int32), np.ones(1, dtype=np.int32),
+                                          np.zeros((1, 1), dtype=np.int32), 1, config.num_heads,
+                                          config.num_kv_heads, config.head_dim, T, 0)
+    caches = np.zeros(config.num_layers, dtype=np.int64)
+    with pytest.raises(ValueError, match="3 rows; the stack takes 1 to 2"):
+        stack.forward(decoder.kernels, plan, 0, 0, 3, 0, 0, 0, 0, caches, 0, 0, 0, 0, T, decoder.kernel_dtype)
+    with pytest.raises(ValueError, match=f"1 KV caches for {config.num_layers} layers"):
+        stack.forward(decoder.kernels, plan, 0, 0, 1, 0, 0, 0, 0, caches[:1], 0, 0, 0, 0, T, decoder.kernel_dtype)
