@@ -93,3 +93,26 @@ def test_the_stack_refuses_a_step_it_was_not_built_for(models):
         stack.forward(decoder.kernels, plan, 0, 0, 3, 0, 0, 0, 0, caches, 0, 0, 0, 0, T, decoder.kernel_dtype)
     with pytest.raises(ValueError, match=f"1 KV caches for {config.num_layers} layers"):
         stack.forward(decoder.kernels, plan, 0, 0, 1, 0, 0, 0, 0, caches[:1], 0, 0, 0, 0, T, decoder.kernel_dtype)
+
+
+def test_a_model_whose_weights_the_stack_cannot_read_keeps_the_layer_loop(models):
+    ours, _ = models("qwen3_qk_norm")
+    o_proj = ours.layers[0].attention.o_proj
+    weight = o_proj.weight
+    prompt = random_prompt(T + 3, seed=7)
+    results = []
+    try:
+        for contiguous in (True, False):
+            # The same values, the rows of the second strided (a transposed copy seen transposed back).
+            o_proj.weight = torch.nn.Parameter(weight if contiguous else weight.t().contiguous().t(),
+                                               requires_grad=False)
+            decoder = ours.cpu_decoder = CpuDecoder(ours, num_threads=2)
+            assert (decoder.stack is not None) == contiguous
+            driver = PagedDriver(ours, tokens_per_block=T, num_blocks=8)
+            seq = driver.add_sequence(prompt)
+            seq.append(int(driver.step(context=[(seq, len(prompt))])[0][-1].argmax()))
+            results.append(driver.step(decode=[seq])[0])
+        torch.testing.assert_close(results[1], results[0])
+    finally:
+        o_proj.weight = weight
+        ours.cpu_decoder = None

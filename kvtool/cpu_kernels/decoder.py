@@ -112,11 +112,11 @@ def _address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _stack_projection(module: torch.nn.Module) -> tuple[int, int] | None:
+def _stack_projection(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
     """A projection's weight and bias addresses for the DecoderStack; None when it cannot take them
-    (rows not contiguous, a type the kernels lack)."""
+    (rows not contiguous, another type than the activations')."""
     weight, bias = module.weight, module.bias
-    if weight.dtype not in ops.DTYPES or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+    if weight.dtype != dtype or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return None
     return weight.data_ptr(), _address(bias)
 
@@ -124,11 +124,11 @@ def _stack_projection(module: torch.nn.Module) -> tuple[int, int] | None:
 def decoder_stack(model, max_rows: int) -> DecoderStack | None:
     """``model``'s layers registered with the kernels' DecoderStack (steps of up to max_rows rows in one
     call); None when a projection's weight is not laid out as the row product reads it."""
-    config, layers = model.config, []
+    config, dtype, layers = model.config, model.embed_tokens.weight.dtype, []
     for layer in model.layers:
         attention, mlp = layer.attention, layer.mlp
-        projections = [_stack_projection(m) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
-                                                      mlp.down_proj)]
+        projections = [_stack_projection(m, dtype) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
+                                                             mlp.down_proj)]
         if any(p is None for p in projections):
             return None
         norms = [_address(None if norm is None else norm.weight)
@@ -136,7 +136,7 @@ def decoder_stack(model, max_rows: int) -> DecoderStack | None:
         layers.append(DecoderLayerWeights(*norms, *(address for p in projections for address in p)))
     return DecoderStack(layers, model.norm.weight.data_ptr(), config.hidden_size, config.intermediate_size,
                         config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
-                        config.head_dim ** -0.5, ops.DTYPES[model.embed_tokens.weight.dtype], max_rows)
+                        config.head_dim ** -0.5, ops.DTYPES[dtype], max_rows)
 
 
 class CpuDecoder:
