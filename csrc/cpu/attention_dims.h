@@ -43,9 +43,12 @@ static inline void load_row(const C* p, int64_t d, Vec* out) {
 // acc) adds key j's lane-wise products with each row r into acc[r][0] and acc[r][1] (two chains a
 // row: half the additions' latency), then one transposing sum per row gives W scores, times scale.
 // `add`: a later chunk of a row longer than the registers hold adds to the scores of the earlier ones.
-template <int R, typename KeyProducts>
-static inline void transposed_scores(int num_keys, float* s, bool add, float scale, KeyProducts key_products) {
+// `ahead` (or nullptr) takes a step before each W keys, while no partial sums are held in registers.
+template <int R, typename Ahead, typename KeyProducts>
+static inline void transposed_scores(int num_keys, float* s, bool add, float scale, Ahead* ahead,
+                                     KeyProducts key_products) {
   for (int j0 = 0; j0 < num_keys; j0 += W) {
+    if (ahead != nullptr) ahead->step();
     Vec partial[R][W];
     for (int jj = 0; jj < W; ++jj) {
       Vec acc[R][2];
@@ -70,7 +73,7 @@ static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& til
   Vec qv[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) qv[r][v] = Vec::load(q + r * padded_d + v * W);
-  transposed_scores<R>(tile.num_keys, s, add, 1.0f, [&](int j, Vec (&acc)[R][2]) {
+  transposed_scores<R>(tile.num_keys, s, add, 1.0f, tile.ahead, [&](int j, Vec (&acc)[R][2]) {
     Vec k[NV];
     load_row<C, Paired, NV>(tile.key[j] + offset, d, k);
     for (int v = 0; v < NV; ++v)
@@ -83,6 +86,7 @@ static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& til
 template <typename C, bool Paired, int R, int NV>
 static void chunk_values(const KeyTile<C>& tile, int64_t offset, const float* p, const float* alpha, int64_t d,
                          float* o, int64_t padded_d) {
+  if (tile.ahead != nullptr) tile.ahead->step();
   Vec acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec::load(o + r * padded_d + v * W) * Vec::set1(alpha[r]);
@@ -251,18 +255,30 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
     positions[m] = static_cast<float>(t.first_position + i);
   }
 
-  // The next tile's rows are found (and asked for) before this tile's products.
+  // The first tile's lines are asked for when it is found; each next tile is found before this
+  // tile's products and its rows asked for a few at a time while they run (TileAhead: a step at each
+  // W keys of a scores call and at each values call; what is left after the values).
   KeyTile<C> tiles[2];
+  TileAhead<C> ahead;
+  ahead.bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
   int current = 0;
   find_tile(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)), tiles[current]);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
-    const KeyTile<C>& tile = tiles[current];
+    KeyTile<C>& tile = tiles[current];
+    tile.ahead = nullptr;
     if (k0 + kKeyTile < t.key_end) {
-      find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), tiles[1 - current]);
+      KeyTile<C>& next = tiles[1 - current];
+      find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), next, false);
+      const int64_t rows = 2 * next.num_keys, steps = ((tile.num_keys + W - 1) / W + 1) * t.num_kv_heads;
+      ahead.tile = &next;
+      ahead.rows_per_step = static_cast<int>((rows + steps - 1) / steps);
+      ahead.next_row = 0;
+      tile.ahead = &ahead;
     }
     products(rows, tile, true);
     tile_softmax(a, t, rows, k0, tile.num_keys, positions, row_max, row_sum);
     products(rows, tile, false);
+    if (tile.ahead != nullptr) ahead.ask(-1);
     current = 1 - current;
   }
 

@@ -2,6 +2,7 @@
 // instruction set as kernels_impl.h describes: everything here lives in the ISA's own namespace.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -95,22 +96,51 @@ static void write_task_output(const AttentionArgs& a, const AttentionTask& t, co
   }
 }
 
+template <typename C>
+struct KeyTile;
+
+// The cache lines of the next key tile (its keys' rows, then its values'), asked for a few rows at a
+// time while the products of the current tile run (decode layout). Asked for all at once when the tile
+// was found, they filled the load queue and the products waited behind them: a bfloat16 decode layer
+// took about the time of reading its cache plus that of computing on it; spread, 1.2-1.5x less from
+// memory (results/cpu_attention.md).
+template <typename C>
+struct TileAhead {
+  const KeyTile<C>* tile = nullptr;
+  int64_t bytes = 0;      // of a row: every KV head of the task
+  int rows_per_step = 0;  // asked for at each step()
+  int next_row = 0;       // rows 0 .. num_keys - 1: the keys', num_keys .. 2 num_keys - 1: the values'
+
+  inline void step() { ask(rows_per_step); }
+  // Asks for the lines of up to n more rows (every one left with n < 0).
+  inline void ask(int n) {
+    const int end = n < 0 ? 2 * tile->num_keys : std::min(2 * tile->num_keys, next_row + n);
+    for (; next_row < end; ++next_row) {
+      const C* row = next_row < tile->num_keys ? tile->key[next_row] : tile->value[next_row - tile->num_keys];
+      for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 3);
+    }
+  }
+};
+
 // One key tile's rows for a task: pointers to each key's row of the task's first KV head (its next
-// heads follow at head_stride) and to its value row.
+// heads follow at head_stride) and to its value row. `ahead`: the next tile's lines to ask for while
+// this tile's products run (decode layout; nullptr: none).
 template <typename C>
 struct KeyTile {
   const C* key[kKeyTile];
   const C* value[kKeyTile];
   int num_keys;
+  TileAhead<C>* ahead = nullptr;
 };
 
-// Finds a tile's rows and asks for their cache lines (the decode layout finds the next tile before it
-// works on this one). A task's keys and values are many short runs (a token's heads, keys and values
+// Finds a tile's rows and (with `prefetch`) asks for their cache lines at once (the decode layout
+// spreads the asking for its next tiles over the products instead: TileAhead). A task's keys and values are many short runs (a token's heads, keys and values
 // apart, blocks wherever the block table puts them) that the hardware prefetcher alone left a decode
 // layer's attention ~20% slower (bench/cpu_attention.py). The prefetches are here, where the pointers
 // are stored, rather than in a function of their own, which the compiler finds free of effects and drops.
 template <typename C>
-static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, KeyTile<C>& tile) {
+static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, KeyTile<C>& tile,
+                      bool prefetch = true) {
   const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
   const int64_t bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
   // Block and offset advance with the position (no division per key).
@@ -123,7 +153,7 @@ static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0
     }
     tile.key[j] = base + table[block] * a.block_stride + offset * a.token_stride;
     tile.value[j] = tile.key[j] + a.kv_stride;
-    for (int64_t line = 0; line < bytes; line += 64) {
+    for (int64_t line = 0; prefetch && line < bytes; line += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(tile.key[j]) + line, 0, 3);
       __builtin_prefetch(reinterpret_cast<const char*>(tile.value[j]) + line, 0, 3);
     }
