@@ -260,7 +260,7 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
   // W keys of a scores call and at each values call; what is left after the values).
   KeyTile<C> tiles[2];
   TileAhead<C> ahead;
-  ahead.bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
+  ahead.bytes = task_row_bytes<C>(a, t);
   int current = 0;
   find_tile(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)), tiles[current]);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {

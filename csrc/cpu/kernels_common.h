@@ -117,7 +117,9 @@ struct TileAhead {
     const int end = n < 0 ? 2 * tile->num_keys : std::min(2 * tile->num_keys, next_row + n);
     for (; next_row < end; ++next_row) {
       const C* row = next_row < tile->num_keys ? tile->key[next_row] : tile->value[next_row - tile->num_keys];
-      for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 3);
+      for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 3);
+      }
     }
   }
 };
@@ -133,16 +135,23 @@ struct KeyTile {
   TileAhead<C>* ahead = nullptr;
 };
 
+// The bytes of one key's (or value's) row for a task: every KV head of the task.
+template <typename C>
+static inline int64_t task_row_bytes(const AttentionArgs& a, const AttentionTask& t) {
+  return ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
+}
+
 // Finds a tile's rows and (with `prefetch`) asks for their cache lines at once (the decode layout
-// spreads the asking for its next tiles over the products instead: TileAhead). A task's keys and values are many short runs (a token's heads, keys and values
-// apart, blocks wherever the block table puts them) that the hardware prefetcher alone left a decode
-// layer's attention ~20% slower (bench/cpu_attention.py). The prefetches are here, where the pointers
-// are stored, rather than in a function of their own, which the compiler finds free of effects and drops.
+// spreads the asking for its next tiles over the products instead: TileAhead). A task's keys and
+// values are many short runs (a token's heads, keys and values apart, blocks wherever the block
+// table puts them) that the hardware prefetcher alone left a decode layer's attention ~20% slower
+// (bench/cpu_attention.py). The prefetches are here, where the pointers are stored, rather than in a
+// function of their own, which the compiler finds free of effects and drops.
 template <typename C>
 static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, KeyTile<C>& tile,
                       bool prefetch = true) {
   const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
-  const int64_t bytes = ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
+  const int64_t bytes = task_row_bytes<C>(a, t);
   // Block and offset advance with the position (no division per key).
   int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
   const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
