@@ -203,12 +203,18 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
 // How far ahead of its loads a dot product asks for its weight row, every cache line of it: a task's
 // run of rows is one sequential stream, and with the hardware prefetcher alone the products of a
 // decode step read their weights well below the rate a streaming read gets
-// (bench/cpu_linear_rows.py). With the weights in huge pages, 2 KB ahead beat 1 KB (a bfloat16
-// SmolLM2-135M decode step 6.35 vs 6.6 ms in processes reading memory at 81 GB/s, the same at 49;
-// 3 KB within 1%, 16 KB slower), and asking for every line rather than every other (bfloat16) or
-// fourth (float32) one took a step 1.02-1.05x (bfloat16) and 1.01x (float32) less time (AMD EPYC
-// VM, the variants alternated within each process).
-constexpr int64_t kPrefetchBytes = 2048;
+// (bench/cpu_linear_rows.py). Asking for every line rather than every other (bfloat16) or fourth
+// (float32) one took a step 1.02-1.05x (bfloat16) and 1.01x (float32) less time, and 16 KB ahead was
+// slower than 2 or 4 KB.
+//
+// The lines are asked for as non-temporal (prefetchnta): a decode step streams some 200 MB of weights
+// once, which otherwise pushed everything else out of L2 and L3 (the KV cache the next layers read,
+// the engine's own code and data, whose Python work between two steps then ran about ten times
+// slower than warm). A bfloat16 SmolLM2-135M decode step after 1,056 tokens took 0.92x the time of
+// temporal prefetches 2 KB ahead in processes reading memory at 80 GB/s and 0.94-0.96x at 33-50;
+// float32 0.96-0.99x (AMD EPYC VM, the variants alternated within each process, results/cpu_decode_rows.md).
+// 4 KB ahead beat 2 KB by 4% there for bfloat16 and tied for float32.
+constexpr int64_t kPrefetchBytes = 4096;
 
 // w . x over d elements, four accumulators in flight (bfloat16: split into even and odd elements,
 // or with AVX512-BF16 in dot products of the pairs as they lie).
@@ -219,7 +225,9 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
   // The lines kPrefetchBytes past the `elements` elements from w + k (a loop step's).
   auto prefetch_ahead = [&](int64_t elements) {
     const char* ahead = reinterpret_cast<const char*>(w + k) + kPrefetchBytes;
-    for (int64_t line = 0; line < elements * static_cast<int64_t>(sizeof(T)); line += 64) __builtin_prefetch(ahead + line);
+    for (int64_t line = 0; line < elements * static_cast<int64_t>(sizeof(T)); line += 64) {
+      __builtin_prefetch(ahead + line, 0, 0);  // locality 0: prefetchnta
+    }
   };
 #if defined(__AVX512BF16__)
   if constexpr (sizeof(T) == sizeof(uint16_t)) {
