@@ -126,3 +126,29 @@ def test_every_step_that_fits_a_bucket_attends_exactly_its_eager_rows(shapes, ma
     assert np.all(np.diff(packed.query_start_loc) >= 0)
     assert packed.query_start_loc[-1] == step.num_tokens
     assert packed.sample_rows[:len(step.sample_rows)].tolist() == step.sample_rows.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.booleans()), min_size=1, max_size=8), st.integers(2, 9))
+def test_a_decode_step_flattens_as_its_rows_do_after_a_context_chunk(shapes, context_len):
+    # A step of one-token rows only takes flatten_step's own path; the same rows behind a context
+    # chunk take the general one. Both must give each row the same token, position, slot, table.
+    first_block, rows = 1000, []
+    for num_cached, samples in shapes:
+        rows.append(request(1, num_cached, first_block, samples))
+        first_block += len(rows[-1].block_ids)
+    decode = flatten_step(rows, TPB)
+    mixed = flatten_step([request(context_len, 0, 0)] + rows, TPB)
+    n = len(rows)
+    assert decode.num_tokens == decode.num_seqs == n and decode.num_context_seqs == 0
+    assert decode.query_start_loc.tolist() == list(range(n + 1)) and decode.query_lens.tolist() == [1] * n
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert getattr(decode, name).tolist() == getattr(mixed, name)[context_len:].tolist(), name
+        assert getattr(decode, name).dtype == getattr(mixed, name).dtype, name
+    assert decode.seq_lens.tolist() == mixed.seq_lens[1:].tolist()
+    width = decode.block_tables.shape[1]
+    assert decode.block_tables.tolist() == mixed.block_tables[1:, :width].tolist()
+    assert (mixed.block_tables[1:, width:] == -1).all()
+    # Sampled rows in the caller's order: the chunk's last row, then each sampling row's own.
+    assert decode.sample_rows.tolist() == [i for i, (_, samples) in enumerate(shapes) if samples]
+    assert (mixed.sample_rows[1:] - context_len).tolist() == decode.sample_rows.tolist()

@@ -205,20 +205,12 @@ class ModelRunner:
         copy landing layer by layer, a batch and block tables within the graphs' sizes. Else None."""
         graphs = self.decode_graphs
         if (graphs is None or self.pools.copies_pending_per_layer or len(requests) > graphs.max_batch_size
-                or any(len(r.token_ids) != 1 for r in requests)):
+                or any(len(r.token_ids) != 1 for r in requests)
+                or max(len(r.block_ids) for r in requests) > graphs.max_blocks):
             return None
-        max_blocks = max(len(r.block_ids) for r in requests)
-        if max_blocks > graphs.max_blocks:
-            return None
-        tpb = self.tokens_per_block
-        positions = np.array([r.num_cached_tokens for r in requests], dtype=np.int64)
-        block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)
-        for i, r in enumerate(requests):
-            block_tables[i, : len(r.block_ids)] = r.block_ids
-        slot_blocks = block_tables[np.arange(len(requests)), positions // tpb].astype(np.int64)
-        return DecodeBatch(input_ids=np.array([r.token_ids[0] for r in requests], dtype=np.int64),
-                           positions=positions, seq_lens=(positions + 1).astype(np.int32),
-                           block_tables=block_tables, slot_mapping=slot_blocks * tpb + positions % tpb)
+        step = flatten_step(requests, self.tokens_per_block)  # one-token rows: the requests' own order
+        return DecodeBatch(input_ids=step.input_ids, positions=step.positions, seq_lens=step.seq_lens,
+                           block_tables=step.block_tables, slot_mapping=step.slot_mapping)
 
     @contextlib.contextmanager
     def _layers_wait_for_their_copies(self):
