@@ -116,3 +116,31 @@ def test_a_model_whose_weights_the_stack_cannot_read_keeps_the_layer_loop(models
     finally:
         o_proj.weight = weight
         ours.cpu_decoder = None
+
+
+def test_one_decoder_steps_two_pools_in_turn_each_in_its_own_cache(models):
+    # The stack keeps the layers' cache addresses between steps: a step on another pool must read and
+    # write that pool's caches, as the Python loop (which reads them every step) does.
+    ours, _ = models("qwen3_qk_norm")
+    ours.cpu_decoder = decoder = CpuDecoder(ours, num_threads=2)
+    stack = decoder.stack
+    try:
+        results = []
+        for use_stack in (True, False):
+            decoder.stack = stack if use_stack else None
+            drivers = [PagedDriver(ours, tokens_per_block=T, num_blocks=16) for _ in range(2)]
+            seqs = [driver.add_sequence(random_prompt(T + 3 + 4 * i, seed=i)) for i, driver in enumerate(drivers)]
+            logits = []
+            for step in range(4):
+                for driver, seq in zip(drivers, seqs):
+                    step_logits = driver.step(context=[(seq, len(seq.token_ids))]) if step == 0 else \
+                        driver.step(decode=[seq])
+                    logits.append(step_logits[-1][-1])
+                    seq.append(int(logits[-1].argmax()))
+            results.append((torch.stack(logits), [driver.pool.clone() for driver in drivers]))
+        (stacked, stacked_pools), (looped, looped_pools) = results
+        assert torch.equal(stacked, looped)
+        for stacked_pool, looped_pool in zip(stacked_pools, looped_pools):
+            torch.testing.assert_close(stacked_pool, looped_pool, rtol=0, atol=0, equal_nan=True)
+    finally:
+        ours.cpu_decoder = None
