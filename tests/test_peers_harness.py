@@ -16,7 +16,7 @@ sys.path.insert(0, str(PEERS))
 from common import load_requests  # noqa: E402
 from load import OTHER_CPU_LIMIT_PCT, is_loaded  # noqa: E402
 from machine import read_cpu_info  # noqa: E402
-from report import _memory_floor_ms, _own_bandwidth, identity  # noqa: E402
+from report import _memory_floor_ms, _own_bandwidth, _tpot_vs_floor_around_requests, identity  # noqa: E402
 
 AVX2 = "fpu sse2 avx avx2 fma"
 AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
@@ -70,6 +70,21 @@ def test_a_replay_is_held_to_the_memory_floor_at_its_own_process_bandwidth(tmp_p
     assert _memory_floor_ms(floors, "bfloat16", bandwidth) == pytest.approx(5.0)  # 300 MB at 60 GB/s
     assert _memory_floor_ms(floors, "float32", bandwidth) is None  # no probe counted that dtype's bytes
     assert _own_bandwidth(tmp_path / "vllm-run") is None  # peers do not measure it
+
+
+def test_each_request_is_held_to_the_floor_at_the_better_rate_read_around_it(tmp_path):
+    floors = {"start": {"models": {"bfloat16": {"decode_bytes": 300_000_000}}}}
+    # Reads: 50 before the replay, then 60, 30 and 100 GB/s after each of its three requests.
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"threads": 2, "before_gb_s": 50.0, "after_gb_s": 40.0,
+                                                         "after_each_request_gb_s": [60.0, 30.0, 100.0]}))
+    (tmp_path / "requests.csv").write_text("request_id,tpot_ms\na,6.0\nb,12.0\nc,4.5\n")
+    # Floors at 60 (50 | 60), 60 (60 | 30) and 100 (30 | 100) GB/s: 5, 5 and 3 ms.
+    assert _tpot_vs_floor_around_requests(tmp_path, floors, "bfloat16") == pytest.approx(1.5)  # of 1.2, 2.4, 1.5
+    (tmp_path / "requests.csv").write_text("request_id,tpot_ms\na,6.0\n")
+    with pytest.raises(ValueError, match="1 requests but 3 reads"):
+        _tpot_vs_floor_around_requests(tmp_path, floors, "bfloat16")
+    (tmp_path / "bandwidth.json").write_text(json.dumps({"threads": 2, "before_gb_s": 50.0, "after_gb_s": 40.0}))
+    assert _tpot_vs_floor_around_requests(tmp_path, floors, "bfloat16") is None  # a replay at concurrency 8
 
 
 def test_a_variant_is_flagged_when_others_took_over_a_quarter_of_the_cpu():

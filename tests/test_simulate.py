@@ -102,12 +102,30 @@ def test_published_estimate_of_an_8b_model_on_h100_is_memory_bound_and_labelled_
 
 # -- the simulated clock --------------------------------------------------------------------------
 
-def _simulate(plan_dir, lines, tmp_path, coefficients, **flags):
+def _simulate(plan_dir, lines, tmp_path, coefficients, on_request_done=None, **flags):
     dataset = load_dataset(write_jsonl(tmp_path / "data.jsonl", lines))
     engine, replay = configs(flags)
     llm = SimulatedLLM(load_plan(plan_dir), CostModel(device="cpu: test", coefficients=coefficients), engine)
-    result = run_bench(llm, dataset, replay, label="sim", requests_csv=tmp_path / "requests.csv")
+    result = run_bench(llm, dataset, replay, label="sim", requests_csv=tmp_path / "requests.csv",
+                       on_request_done=on_request_done and (lambda metrics: on_request_done(llm, metrics)))
     return result, {r.request_id: r for r in result.requests}
+
+
+def test_a_hook_after_each_request_runs_before_the_next_is_sent_and_outside_its_timings(tiny_llama_plan, tmp_path):
+    lines = [{"input_ids": list(range(1, 65)), "output_tokens": 3, "request_id": "a"},
+             {"input_ids": list(range(101, 201)), "output_tokens": 2, "request_id": "b"}]
+    done = []
+
+    def probe(llm, metrics):  # a second of the simulated clock after each request (a bandwidth probe)
+        done.append(metrics.request_id)
+        llm.clock.advance(1.0)
+
+    _, by_id = _simulate(tiny_llama_plan, lines, tmp_path, {"step": 0.010, "context_token": 1e-4},
+                         on_request_done=probe, mode="sequential", warmup=0)
+    assert done == ["a", "b"]
+    assert by_id["b"].arrival_s == pytest.approx(1.0364)  # sent after a and its hook
+    assert by_id["a"].ttft_ms == pytest.approx(16.4) and by_id["b"].ttft_ms == pytest.approx(20.0)
+    assert by_id["a"].e2e_ms == pytest.approx(36.4)
 
 
 def test_sequential_requests_take_one_predicted_step_per_token(tiny_llama_plan, tmp_path):

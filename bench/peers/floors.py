@@ -34,16 +34,27 @@ GEMM_SIZE = 2048
 TRIES = 5
 
 
+class BandwidthProbe:
+    """A streaming read of ``num_bytes`` by kvtool's CPU kernels on ``num_threads`` threads; the buffer is
+    made once, so a probe costs only its reads."""
+
+    def __init__(self, num_threads: int, num_bytes: int = BANDWIDTH_BYTES) -> None:
+        self.data = torch.ones(num_bytes // 4)
+        self.kernels = CpuKernels("auto", num_threads)
+
+    def read(self, tries: int = TRIES) -> float:
+        """Bytes per second, best of ``tries``."""
+        best = math.inf
+        for _ in range(tries):
+            start = time.perf_counter()
+            self.kernels.sum(self.data.data_ptr(), self.data.numel())
+            best = min(best, time.perf_counter() - start)
+        return self.data.numel() * 4 / best
+
+
 def read_bandwidth(num_threads: int) -> float:
     """Bytes per second of a streaming read of BANDWIDTH_BYTES, best of TRIES."""
-    data = torch.ones(BANDWIDTH_BYTES // 4)
-    kernels = CpuKernels("auto", num_threads)
-    best = math.inf
-    for _ in range(TRIES):
-        start = time.perf_counter()
-        kernels.sum(data.data_ptr(), data.numel())
-        best = min(best, time.perf_counter() - start)
-    return BANDWIDTH_BYTES / best
+    return BandwidthProbe(num_threads).read()
 
 
 def gemm_rate(dtype: torch.dtype) -> float | None:

@@ -4,9 +4,12 @@ run_bench), and also keep every request's output ids for the cross-engine check.
 offline`, in flight unlimited).
 
 Also measures, in this process, the read bandwidth just before and after the replay
-(bandwidth.json): on the VM this was built on the rate flips between ~50 and ~83 GB/s, each held for
-seconds to minutes, so a decode step is held to the floor of the memory its own process reads
-around it (the better of the two measurements).
+(bandwidth.json): on the VM this was built on the rate flips between ~35, ~50 and ~83 GB/s, each held
+for seconds to minutes, so a decode step is held to the floor of the memory its own process reads
+around it (the better of the two measurements). A sequential replay also reads PROBE_BYTES after each
+measured request, before the next is handed over (its timings exclude it; the run's duration, and so
+its tokens/s, grows by ~1 ms a request), so that each request's TPOT can be held to the rate read
+just before and after it (after_each_request_gb_s, in the order requests.csv lists them).
 
     .venv/bin/python bench/peers/kvtool_replay.py --plan PLAN --dataset D.jsonl --output DIR \
         --label kvtool-reuse-on --reuse on [--partial_reuse off] [--concurrency 8]
@@ -19,7 +22,7 @@ import json
 
 import torch
 from common import replay_arguments, write_outputs
-from floors import read_bandwidth
+from floors import BandwidthProbe, read_bandwidth
 from machine import read_cpu_info
 
 from kvtool import LLM
@@ -27,6 +30,8 @@ from kvtool.bench.runner import run_bench
 from kvtool.flags import configs
 from kvtool.reports.csv_report import write_summary_csv
 from kvtool.workloads.datasets import load_dataset
+
+PROBE_BYTES = 64 << 20  # more than the last-level cache; ~1 ms at this VM's rates
 
 
 def main() -> None:
@@ -49,12 +54,16 @@ def main() -> None:
         columns = {"model": args.model, "enable_partial_reuse": args.partial_reuse == "on",
                    "cpu_kernels_isa": llm.engine.executor.cpu_kernels_isa,
                    "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), **read_cpu_info().as_row()}
+        probe, after_each = BandwidthProbe(torch.get_num_threads(), PROBE_BYTES), []
         before = read_bandwidth(torch.get_num_threads())
         result = run_bench(llm, load_dataset(args.dataset), replay, label=args.label,
-                           requests_csv=args.output / "requests.csv", config_columns=columns)
+                           requests_csv=args.output / "requests.csv", config_columns=columns,
+                           on_request_done=(lambda _: after_each.append(probe.read(2) / 1e9))
+                           if args.concurrency == 1 else None)
         after = read_bandwidth(torch.get_num_threads())
     (args.output / "bandwidth.json").write_text(json.dumps(
-        {"threads": torch.get_num_threads(), "before_gb_s": before / 1e9, "after_gb_s": after / 1e9}) + "\n")
+        {"threads": torch.get_num_threads(), "before_gb_s": before / 1e9, "after_gb_s": after / 1e9,
+         "after_each_request_gb_s": after_each or None}) + "\n")
     write_summary_csv(args.output / "summary.csv", [result.row])
     write_outputs(args.output / "outputs.jsonl", result.requests)
     row = result.row

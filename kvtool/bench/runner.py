@@ -8,7 +8,7 @@ import dataclasses
 import datetime
 import gc
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +127,8 @@ def _old_objects_frozen():
 
 def run_bench(target: Target, dataset: Dataset, replay: ReplayOptions, *, label: str, requests_csv: Path,
               config_columns: Mapping[str, object] | None = None, console: Console | None = None,
-              summary: SummaryOptions = SummaryOptions()) -> BenchResult:
+              summary: SummaryOptions = SummaryOptions(),
+              on_request_done: Callable[[RequestMetrics], None] | None = None) -> BenchResult:
     """Replays the dataset through ``target`` (warm-up first, timed on the target's clock), appending a
     row to requests_csv as each request finishes.
 
@@ -140,7 +141,9 @@ def run_bench(target: Target, dataset: Dataset, replay: ReplayOptions, *, label:
 
     Every row says what the target reports about itself (its engine's name and endpoint, its plan,
     configuration and pools where it has them, its device). ``summary`` adds percentiles and
-    service-level objectives to the summary row (--percentiles, --slo).
+    service-level objectives to the summary row (--percentiles, --slo). ``on_request_done`` is called
+    with each measured request's metrics once its row is written, before the replay hands over the
+    next request (so a sequential replay's timings never include it).
     """
     console = console or Console(stderr=True)
     engine, engine_name, endpoint = target.engine, target.engine_name, target.endpoint
@@ -175,6 +178,8 @@ def run_bench(target: Target, dataset: Dataset, replay: ReplayOptions, *, label:
                 writer.write(metrics)
                 finished.append(metrics)
                 progress.advance(task)
+                if on_request_done is not None:
+                    on_request_done(metrics)
 
             replayer.run(measured, on_finish)
         except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM under kvtool.signals.stop_signals
