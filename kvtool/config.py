@@ -360,15 +360,23 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+# The instruction sets kvtool's CPU kernels are built for, best first (kvtool.cpu_kernels.supported_isas
+# lists those this CPU runs).
+CPU_KERNEL_ISAS = ("avx512_bf16", "avx512", "avx2", "generic")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine is configured with, wherever it runs (kvtool.LLM, `kvtool bench`, `serve`,
     `simulate`): the KV cache, the scheduler, the runtime limits (None: the plan's; more than the plan
-    was built for is refused), the block size asked for and CUDA graphs.
+    was built for is refused), the block size asked for, CUDA graphs, and the CPU kernels' instruction set.
 
     ``tokens_per_block`` is a build option: a model built on the fly is built with it, a built plan of
     another block size is refused (None: the plan's). A KvCacheConfig's tokens_per_block (TensorRT-LLM's
     spelling) is taken over here. ``enforce_eager``: no CUDA graphs (vLLM's --enforce-eager).
+    ``cpu_kernels_isa``: on a CPU, the instruction set of kvtool's CPU kernels: "auto" (the best this
+    CPU runs), one of CPU_KERNEL_ISAS (refused when the engine starts on a CPU that lacks it), or "off"
+    (torch's ops throughout); to compare instruction sets on one machine. Ignored on a GPU.
     """
 
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
@@ -378,8 +386,11 @@ class EngineConfig:
     max_seq_len: int | None = None
     tokens_per_block: int | None = None
     enforce_eager: bool = False
+    cpu_kernels_isa: str = "auto"
 
     def __post_init__(self) -> None:
+        check(self.cpu_kernels_isa in ("auto", "off", *CPU_KERNEL_ISAS), self, "cpu_kernels_isa",
+              f"{self.cpu_kernels_isa!r} is unknown: use auto, off or one of {list(CPU_KERNEL_ISAS)}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len"):
             value = getattr(self, name)
             check(value is None or value >= 1, self, name, f"must be a positive integer, got {value}")

@@ -91,6 +91,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("max_seq_len", "Longest prompt + output (default: the plan's).", SCHEDULER, int, ENGINE, "max_seq_len"),
     Flag("enforce_eager", "No CUDA graphs: every step launches its kernels one by one (on a GPU, decode steps replay "
          "graphs by default).", SCHEDULER, bool, ENGINE, "enforce_eager"),
+    Flag("cpu_kernels_isa", "On a CPU: the instruction set of kvtool's CPU kernels, auto (the best this CPU runs, "
+         "the default) | avx512_bf16 | avx512 | avx2 | generic | off (torch's ops throughout), to compare them on "
+         "one machine (torch's own ops follow ATEN_CPU_CAPABILITY, oneDNN's ONEDNN_MAX_CPU_ISA).", SCHEDULER, str,
+         ENGINE, "cpu_kernels_isa", parse=lambda value: "off" if value is False else str(value)),  # YAML reads off as false
     Flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD, Path),
     Flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.", WORKLOAD, Path),
     Flag("set", "Override a scenario value: --set bench.max_batch_size=4 (repeatable; needs --config).", WORKLOAD,
@@ -137,10 +141,12 @@ CONFIG_FLAGS: tuple[Flag, ...] = tuple(FLAG_BY_NAME[name] for name in (
     "kv_remote_cache_bytes", "max_tokens_in_paged_kv_cache", "kv_cache_free_gpu_mem_fraction",
     "max_attention_window_size", "scheduler_policy", "context_chunking_policy", "enable_chunked_context",
     "max_batch_size", "max_num_tokens", "max_seq_len", "enforce_eager", "tokens_per_block", "mode", "concurrency",
-    "request_rate", "seed", "warmup", "warmup_counts_in_stats", "time_scale", "num_requests"))
+    "request_rate", "seed", "warmup", "warmup_counts_in_stats", "time_scale", "num_requests", "cpu_kernels_isa"))
 FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS)
 # A simulated engine's only: a remote store's size is a simulation's (a real one's is its server's maxmemory).
 SIMULATION_ONLY_FLAGS = ("kv_remote_cache_bytes",)
+# A real engine's only: which instruction set a CPU's kernels run is not part of a cost model.
+REAL_ENGINE_ONLY_FLAGS = ("cpu_kernels_isa",)
 # The flags that configure a real engine (not how a dataset is replayed): what `kvtool serve` takes too.
 ENGINE_FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS
                                            if flag.section != REPLAY and flag.name not in SIMULATION_ONLY_FLAGS)
@@ -154,8 +160,8 @@ def names_in(*panels: str) -> tuple[str, ...]:
 
 # The flags of a command that runs an engine (what to run and how it is configured), and those of a
 # command that replays a dataset through it (what, how, and what is written).
-SIMULATED_ENGINE_FLAGS = names_in(MODEL, KV_CACHE, SCHEDULER)
-ENGINE_FLAGS = tuple(name for name in SIMULATED_ENGINE_FLAGS if name not in SIMULATION_ONLY_FLAGS)
+SIMULATED_ENGINE_FLAGS = tuple(name for name in names_in(MODEL, KV_CACHE, SCHEDULER) if name not in REAL_ENGINE_ONLY_FLAGS)
+ENGINE_FLAGS = tuple(name for name in names_in(MODEL, KV_CACHE, SCHEDULER) if name not in SIMULATION_ONLY_FLAGS)
 RUN_FLAGS = names_in(WORKLOAD, OUTPUT, REPORT)
 # A fleet's: simulate takes them all, bench --endpoint the router's (its replicas are the servers given).
 FLEET_FLAGS = names_in(FLEET)

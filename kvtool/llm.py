@@ -129,7 +129,9 @@ class LLM:
                                             attention_window=config.kv_cache_config.max_attention_window)
         pack_linears(model_module)  # CPU float32: decode and short chunks run ~1.5x faster (cpu_linear.py)
         self.tokenizer = self.plan.tokenizer
-        runner = ModelRunner(model_module, self.device, kernels=kernels)
+        runner = ModelRunner(model_module, self.device, kernels=kernels, cpu_kernels_isa=config.cpu_kernels_isa)
+        if self.device.type == "cpu":  # the instruction set the CPU kernels run ('auto' resolved), in every row
+            self.report_columns = MappingProxyType({"cpu_kernels": runner.cpu_kernels_isa or "off"})
         self.engine, limits, self.pool_sizes = assemble_engine(self.plan, config, runner, self.clock,
                                                                num_workload_blocks=num_workload_blocks)
         self.max_batch_size, self.max_num_tokens, self.max_seq_len = limits

@@ -59,7 +59,8 @@ def test_every_flag_sets_its_field():
               "enable_chunked_context": True, "max_batch_size": 3, "max_num_tokens": 100, "max_seq_len": 200,
               "enforce_eager": True, "tokens_per_block": 8, "mode": "offline", "concurrency": 2,
               "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5,
-              "time_scale": 1.0}  # (other scales contradict request_rate: tests/test_trace_replay.py)
+              "time_scale": 1.0, "cpu_kernels_isa": "avx2"}  # (other time scales contradict request_rate:
+    # tests/test_trace_replay.py)
     # The remote tier's flags exclude the disk tier's: test_the_remote_tier_flag_sets_its_url.
     assert set(values) | {"kv_remote_cache", "kv_remote_cache_bytes"} == {flag.name for flag in CONFIG_FLAGS}
     engine, replay = configs(values)
@@ -69,7 +70,8 @@ def test_every_flag_sets_its_field():
                                       disk_cache_dir="/var/kv", disk_cache_size=1 << 30),
         scheduler_config=SchedulerConfig(CapacitySchedulerPolicy.STATIC_BATCH, ContextChunkingPolicy.EQUAL_PROGRESS,
                                          enable_chunked_context=True),
-        max_batch_size=3, max_num_tokens=100, max_seq_len=200, tokens_per_block=8, enforce_eager=True)
+        max_batch_size=3, max_num_tokens=100, max_seq_len=200, tokens_per_block=8, enforce_eager=True,
+        cpu_kernels_isa="avx2")
     assert replay == ReplayOptions(concurrency=2, request_rate=4.0, seed=9, warmup=1, warmup_counts_in_stats=True,
                                    num_requests=5)
     # The summary columns keep the flags' names (and spellings), so older reports still compare.
@@ -77,6 +79,14 @@ def test_every_flag_sets_its_field():
     assert row == {**{name: value for name, value in values.items() if name not in (
         "kv_host_cache_bytes", "kv_disk_cache_bytes", "num_requests")}, "kv_host_cache_bytes": 2048,
         "kv_disk_cache_bytes": 1 << 30, "kv_remote_cache": None, "kv_remote_cache_bytes": 0, "num_requests_limit": 5}
+
+
+def test_the_cpu_kernels_isa_takes_the_known_names_and_yaml_off():
+    assert configs({"cpu_kernels_isa": False})[0].cpu_kernels_isa == "off"  # a scenario's `cpu_kernels_isa: off`
+    for isa in ("auto", "off", "avx512_bf16", "avx512", "avx2", "generic"):
+        assert EngineConfig(cpu_kernels_isa=isa).cpu_kernels_isa == isa
+    with pytest.raises(ValueError, match=r"--cpu_kernels_isa 'sse2' is unknown: use auto, off or one of"):
+        configs({"cpu_kernels_isa": "sse2"})
 
 
 def test_the_remote_tier_flag_sets_its_url():

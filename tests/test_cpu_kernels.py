@@ -269,3 +269,10 @@ def test_attention_reads_only_the_blocks_inside_the_window(kernels):
 def test_kernels_refuse_an_isa_the_cpu_lacks():
     with pytest.raises(ValueError, match="do not run on this CPU"):
         CpuKernels("sve", 1)
+
+
+def test_every_instruction_set_this_cpu_runs_is_one_the_engine_config_names():
+    from kvtool.config import CPU_KERNEL_ISAS
+
+    isas = supported_isas()
+    assert isas[-1] == "generic" and [isa for isa in CPU_KERNEL_ISAS if isa in isas] == isas  # best first

@@ -95,3 +95,28 @@ def test_each_decoder_layer_waits_for_its_own_copies_before_it_runs(runner, monk
             recorder.remove()
     assert events == [event for index in range(len(layers)) for event in (("wait", index), ("ran", index))]
     assert not any(layer._forward_pre_hooks for layer in layers)  # the waits leave with the step
+
+
+@pytest.mark.parametrize("isa", ["generic", "off", "auto"])
+def test_the_cpu_kernels_run_the_instruction_set_asked_for_and_every_row_names_it(tiny_llama_plan, isa):
+    from kvtool.config import EngineConfig, SamplingParams
+    from kvtool.cpu_kernels import supported_isas
+
+    with LLM(model=str(tiny_llama_plan), config=EngineConfig(cpu_kernels_isa=isa)) as llm:
+        expected = {"auto": supported_isas()[0], "off": "off"}.get(isa, isa)
+        assert llm.report_columns["cpu_kernels"] == expected
+        decoder = llm.engine.executor.model.cpu_decoder
+        assert (decoder is None) if isa == "off" else decoder.isa == expected
+        output = llm.generate(list(range(10, 40)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert output.error is None and len(output.outputs[0].token_ids) == 3
+
+
+def test_an_instruction_set_this_cpu_lacks_is_refused_with_the_ones_it_runs(tiny_llama_plan, monkeypatch):
+    from kvtool.config import EngineConfig
+    from kvtool.errors import KvtoolError
+    import kvtool.runtime.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "supported_isas", lambda: ["avx2", "generic"])  # an AVX2-only CPU
+    with pytest.raises(KvtoolError, match=r"--cpu_kernels_isa avx512: this CPU does not run kvtool's avx512 kernels; "
+                                          r"it runs avx2, generic"):
+        LLM(model=str(tiny_llama_plan), config=EngineConfig(cpu_kernels_isa="avx512"))

@@ -109,6 +109,7 @@ FLAG_FIELDS: tuple[ConfigField, ...] = (
     _flag("max_num_tokens", _count, lambda v: f"max_num_tokens {_count(v)}"),
     _flag("max_seq_len", _count, lambda v: f"max_seq_len {_count(v)}"),
     _flag("enforce_eager", _on_off, lambda v: "eager" if _on_off(v) == "on" else "graphs"),
+    _flag("cpu_kernels_isa", short=lambda v: f"cpu kernels {v}"),
     _flag("mode", short=str),
     _flag("concurrency", short=lambda v: f"concurrency {v}"),
     _flag("request_rate", short=lambda v: f"{v} req/s"),

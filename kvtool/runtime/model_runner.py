@@ -10,7 +10,9 @@ import numpy as np
 import torch
 
 from kvtool.cpu_kernels import decoder as cpu_decoder
+from kvtool.cpu_kernels import supported_isas
 from kvtool.config import EngineConfig, KvCacheConfig
+from kvtool.errors import KvtoolError
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.sampler import make_generator, sample
 from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
@@ -39,10 +41,12 @@ class ModelRunner:
     when the engine is assembled (``start``), sized from the memory left after the model's weights."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, kernels=None,
-                 fused_kernels: bool = True) -> None:
+                 fused_kernels: bool = True, cpu_kernels_isa: str = "auto") -> None:
         """``kernels``: kvtool's CUDA KernelLibrary (None: torch's paths), which the pools' copies use.
         ``fused_kernels``: on a GPU whose attention runs on kvtool's kernels, the model's forward uses
-        the fused ones too (``use_fused_kernels``, kvtool/models/llama.py)."""
+        the fused ones too (``use_fused_kernels``, kvtool/models/llama.py). ``cpu_kernels_isa``: on a
+        CPU, the instruction set of kvtool's CPU kernels (EngineConfig.cpu_kernels_isa; KvtoolError when
+        this CPU does not run it)."""
         self.model = model
         self.device = device
         self.kernels = kernels
@@ -54,7 +58,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         # On the CPU the model runs through kvtool's fused kernels where they apply (the ISA they
         # use, e.g. 'avx512_bf16'; None: the torch path).
-        self.cpu_kernels_isa = cpu_decoder.enable(model) if device.type == "cpu" else None
+        self.cpu_kernels_isa = enable_cpu_kernels(model, cpu_kernels_isa) if device.type == "cpu" else None
         if device.type == "cpu":
             keep_freed_memory()  # a prompt's activations are reused, not page-faulted in again each product
         self.tier3_store: Tier3Store | None = None  # the third tier's (use_tier3_store)
@@ -229,6 +233,21 @@ class ModelRunner:
             self.model.cpu_decoder = cpu_decoder
             for handle in handles:
                 handle.remove()
+
+
+def enable_cpu_kernels(model: torch.nn.Module, isa: str) -> str | None:
+    """Runs the model's forward through kvtool's CPU kernels in ``isa`` ('auto': the best this CPU runs;
+    'off': not at all); returns the instruction set in use, None for the torch path."""
+    if isa == "off":
+        return None
+    if isa != "auto" and isa not in supported_isas():
+        raise KvtoolError(f"--cpu_kernels_isa {isa}: this CPU does not run kvtool's {isa} kernels; it runs "
+                          f"{', '.join(supported_isas())} (or give auto, or off for torch's ops)")
+    reason = cpu_decoder.unsupported_reason(model)
+    if isa != "auto" and reason is not None:
+        raise KvtoolError(f"--cpu_kernels_isa {isa}: kvtool's CPU kernels cannot run this model ({reason}); give "
+                          "auto or off")
+    return cpu_decoder.enable(model, isa=isa)
 
 
 def graphs_can_capture(model: torch.nn.Module, kv_cache: torch.Tensor) -> bool:
