@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import torch
 from common import replay_arguments, write_outputs
@@ -39,9 +40,10 @@ def main() -> None:
     parser.add_argument("--reuse", choices=("on", "off"), required=True)
     parser.add_argument("--partial_reuse", choices=("on", "off"), default="on",
                         help="KvCacheConfig.enable_partial_reuse: copy a partially matching block (default on)")
+    parser.add_argument("--cpu_kernels_isa", default="auto", help="kvtool bench --cpu_kernels_isa (default auto)")
     args = parser.parse_args()
 
-    flags = {"enable_kv_cache_reuse": args.reuse == "on", "warmup": args.warmup}
+    flags = {"enable_kv_cache_reuse": args.reuse == "on", "warmup": args.warmup, "cpu_kernels_isa": args.cpu_kernels_isa}
     if args.concurrency == 1:
         flags["mode"] = "sequential"
     elif args.concurrency > 1:
@@ -52,8 +54,8 @@ def main() -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     with LLM(model=args.model, config=engine) as llm:
         columns = {"model": args.model, "enable_partial_reuse": args.partial_reuse == "on",
-                   "cpu_kernels_isa": llm.engine.executor.cpu_kernels_isa,
-                   "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), **read_cpu_info().as_row()}
+                   "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                   "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), **read_cpu_info().as_row()}
         probe, after_each = BandwidthProbe(torch.get_num_threads(), PROBE_BYTES), []
         before = read_bandwidth(torch.get_num_threads())
         result = run_bench(llm, load_dataset(args.dataset), replay, label=args.label,

@@ -85,7 +85,15 @@ def table(rows, requests, outputs, samples, floors, cpu, dataset: Path, args) ->
     by_name = {row["label"]: row for row in rows}
     measured = load_requests(dataset)[1:]
     loaded = [name for name in by_name if is_loaded(_samples_of(samples, name))]
-    lines = [f"# kvtool vs vLLM vs transformers on SmolLM2-135M-Instruct (CPU): {cpu.model}, {cpu.isa}", ""]
+    isa = getattr(args, "isa", None)
+    lines = [f"# kvtool vs vLLM vs transformers on SmolLM2-135M-Instruct (CPU): {cpu.model}, {cpu.isa}"
+             f"{f' run as {isa}' if isa else ''}", ""]
+    if isa:
+        lines += [f"**Run as {isa}** (bench/peers/run.py --isa {isa}): kvtool's CPU kernels in {isa}, and torch's "
+                  f"and oneDNN's code limited to it for every engine and the floors (ATEN_CPU_CAPABILITY="
+                  f"{os.environ.get('ATEN_CPU_CAPABILITY')}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}). "
+                  "vLLM's own compiled kernels keep the instruction set they were built for; the memory, caches and "
+                  "clock are this machine's. A stand-in for a CPU with only that set, not a measurement of one.", ""]
     if loaded:
         lines += [f"**LOADED RUN**: other processes used more than {OTHER_CPU_LIMIT_PCT:.0f}% of the CPU while "
                   f"{len(loaded)} variant(s) ran ({', '.join(loaded)}): their timings are not the machine's.", ""]
@@ -108,8 +116,12 @@ def _kernels(by_name) -> str:
     parts = []
     kvtool = next((r for r in by_name.values() if r.get("engine") == "kvtool"), None)
     if kvtool:
-        parts.append(f"kvtool: its CPU kernels in {kvtool.get('cpu_kernels_isa') or 'none (torch path)'}, "
-                     f"projections in torch's oneDNN (torch CPU capability {kvtool.get('torch_cpu_capability')})")
+        # cpu_kernels: the set in use (kvtool bench's column); older runs wrote it as cpu_kernels_isa.
+        isa = kvtool.get("cpu_kernels") or kvtool.get("cpu_kernels_isa")
+        onednn = kvtool.get("onednn_max_cpu_isa")
+        parts.append(f"kvtool: its CPU kernels in {isa if isa and isa != 'off' else 'none (torch path)'}, "
+                     f"projections in torch's oneDNN (torch CPU capability {kvtool.get('torch_cpu_capability')}"
+                     f"{f', ONEDNN_MAX_CPU_ISA={onednn}' if onednn else ''})")
     vllm = next((r for r in by_name.values() if r.get("engine") == "vllm"), None)
     if vllm:
         parts.append(f"vLLM {vllm.get('engine_version')}: kernels {vllm.get('vllm_kernels')}, attention "

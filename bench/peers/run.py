@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -87,6 +88,11 @@ def prepare(work: Path, args) -> tuple[dict[str, Path], Path, dict[str, Path]]:
     return plans, checkpoint, {"fixed": dataset, "poisson": poisson}
 
 
+# --isa: what torch (ATEN_CPU_CAPABILITY) and oneDNN (ONEDNN_MAX_CPU_ISA) are limited to beside kvtool's kernels.
+LIBRARY_ISA = {"avx2": ("avx2", "AVX2"), "avx512": ("avx512", "AVX512_CORE"),
+               "avx512_bf16": ("avx512", "AVX512_CORE_BF16"), "generic": ("default", "SSE41")}
+
+
 def probe_floors(plans: dict[str, Path], dataset: Path, output: Path) -> None:
     """bench/peers/floors.py for the dataset's median prompt (a miss) and its decode context."""
     from common import load_requests
@@ -125,6 +131,8 @@ def run_variants(variants, args, plans, checkpoint, datasets, head_dim: int, sam
             output.parent.mkdir(parents=True, exist_ok=True)
             cmd = command(variant, plans=plans, checkpoint=checkpoint, datasets=datasets, output=output,
                           peer_python=args.peer_python, tokens_per_block=args.tokens_per_block, head_dim=head_dim)
+            if args.isa and variant.engine == "kvtool":
+                cmd += ["--cpu_kernels_isa", args.isa]
             with log.open("w") as log_file:
                 done = subprocess.run(cmd, env=environment(variant, args.peer_python), stdout=log_file,
                                       stderr=subprocess.STDOUT, cwd=REPO)
@@ -158,10 +166,19 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in --work (and their load samples); run only the missing ones")
     parser.add_argument("--report_only", action="store_true", help="only rebuild the results from --work")
+    parser.add_argument("--isa", choices=tuple(LIBRARY_ISA), default=None,
+                        help="as on a CPU with only this instruction set: kvtool's CPU kernels in it "
+                             "(--cpu_kernels_isa), and torch's and oneDNN's own code limited to it for every engine "
+                             "and the floors (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA); vLLM's own compiled "
+                             "kernels keep what they were built for, and the memory and clock stay this machine's. "
+                             "Results in results/peers/<cpu kind>-as-<isa>")
     args = parser.parse_args()
 
     cpu = read_cpu_info()
-    args.output = args.output or REPO / "results" / "peers" / cpu.kind
+    if args.isa:
+        # Inherited by every variant's process and the floors' probes.
+        os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"] = LIBRARY_ISA[args.isa]
+    args.output = args.output or REPO / "results" / "peers" / (cpu.kind + (f"-as-{args.isa}" if args.isa else ""))
     engines, loads, dtypes = (set(args.engines.split(",")), set(args.loads.split(",")), set(args.dtypes.split(",")))
     if not args.peer_python:
         engines.discard("vllm")
