@@ -11,7 +11,7 @@ from types import MappingProxyType
 import torch
 
 from kvtool.config import EngineConfig, KvCacheConfig, SamplingParams, SchedulerConfig
-from kvtool.layers.cpu_linear import pack_linears
+from kvtool.layers.cpu_linear import pack_linears, unpacked_bfloat16_note
 from kvtool.plan import BuildOptions, Plan
 from kvtool.plan.kernels import plan_kernel_cache
 from kvtool.plan.load import engine_plan
@@ -128,6 +128,9 @@ class LLM:
         model_module = self.plan.load_model(self.device, self.attention_backend,
                                             attention_window=config.kv_cache_config.max_attention_window)
         pack_linears(model_module)  # CPU float32: decode and short chunks run ~1.5x faster (cpu_linear.py)
+        note = unpacked_bfloat16_note(model_module)
+        if note is not None:
+            logger.warning(note)
         self.tokenizer = self.plan.tokenizer
         runner = ModelRunner(model_module, self.device, kernels=kernels, cpu_kernels_isa=config.cpu_kernels_isa)
         if self.device.type == "cpu":  # the instruction set the CPU kernels run ('auto' resolved), in every row

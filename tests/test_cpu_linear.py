@@ -63,3 +63,15 @@ def test_half_precision_models_are_left_alone():
     assert not can_pack(model)
     assert pack_linears(model) == 0
     assert type(model.layers[0].proj) is nn.Linear
+
+
+def test_a_bfloat16_model_is_told_when_this_cpu_has_no_native_bfloat16_products(monkeypatch):
+    import kvtool.layers.cpu_linear as cpu_linear
+    from kvtool.layers.cpu_linear import unpacked_bfloat16_note
+
+    model = nn.Linear(8, 8).to(torch.bfloat16)
+    monkeypatch.setattr(cpu_linear, "can_pack_dtype", lambda dtype: dtype == torch.float32)  # an AVX2-only CPU
+    assert "rebuild the plan with --dtype float32" in unpacked_bfloat16_note(model)
+    assert unpacked_bfloat16_note(nn.Linear(8, 8)) is None  # float32 packs everywhere
+    monkeypatch.setattr(cpu_linear, "can_pack_dtype", lambda dtype: True)  # AVX512-BF16 or AMX
+    assert unpacked_bfloat16_note(model) is None
