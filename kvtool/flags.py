@@ -94,7 +94,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("cpu_kernels_isa", "On a CPU: the instruction set of kvtool's CPU kernels, auto (the best this CPU runs, "
          "the default) | avx512_bf16 | avx512 | avx2 | generic | off (torch's ops throughout), to compare them on "
          "one machine (torch's own ops follow ATEN_CPU_CAPABILITY, oneDNN's ONEDNN_MAX_CPU_ISA).", SCHEDULER, str,
-         ENGINE, "cpu_kernels_isa", parse=lambda value: "off" if value is False else str(value)),  # YAML reads off as false
+         ENGINE, "cpu_kernels_isa", parse=lambda value: "off" if value is False else str(value)),  # YAML: off is false
     Flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD, Path),
     Flag("config", "A scenario file (bench_configs/NAME.yaml), sweeps included.", WORKLOAD, Path),
     Flag("set", "Override a scenario value: --set bench.max_batch_size=4 (repeatable; needs --config).", WORKLOAD,
@@ -160,7 +160,8 @@ def names_in(*panels: str) -> tuple[str, ...]:
 
 # The flags of a command that runs an engine (what to run and how it is configured), and those of a
 # command that replays a dataset through it (what, how, and what is written).
-SIMULATED_ENGINE_FLAGS = tuple(name for name in names_in(MODEL, KV_CACHE, SCHEDULER) if name not in REAL_ENGINE_ONLY_FLAGS)
+SIMULATED_ENGINE_FLAGS = tuple(name for name in names_in(MODEL, KV_CACHE, SCHEDULER)
+                               if name not in REAL_ENGINE_ONLY_FLAGS)
 ENGINE_FLAGS = tuple(name for name in names_in(MODEL, KV_CACHE, SCHEDULER) if name not in SIMULATION_ONLY_FLAGS)
 RUN_FLAGS = names_in(WORKLOAD, OUTPUT, REPORT)
 # A fleet's: simulate takes them all, bench --endpoint the router's (its replicas are the servers given).

@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--cpu_kernels_isa", default="auto", help="kvtool bench --cpu_kernels_isa (default auto)")
     args = parser.parse_args()
 
-    flags = {"enable_kv_cache_reuse": args.reuse == "on", "warmup": args.warmup, "cpu_kernels_isa": args.cpu_kernels_isa}
+    flags = {"enable_kv_cache_reuse": args.reuse == "on", "warmup": args.warmup,
+             "cpu_kernels_isa": args.cpu_kernels_isa}
     if args.concurrency == 1:
         flags["mode"] = "sequential"
     elif args.concurrency > 1:

@@ -91,7 +91,8 @@ def table(rows, requests, outputs, samples, floors, cpu, dataset: Path, args) ->
     if isa:
         lines += [f"**Run as {isa}** (bench/peers/run.py --isa {isa}): kvtool's CPU kernels in {isa}, and torch's "
                   f"and oneDNN's code limited to it for every engine and the floors (ATEN_CPU_CAPABILITY="
-                  f"{os.environ.get('ATEN_CPU_CAPABILITY')}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}). "
+                  f"{os.environ.get('ATEN_CPU_CAPABILITY')}, "
+                  f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}). "
                   "vLLM's own compiled kernels keep the instruction set they were built for; the memory, caches and "
                   "clock are this machine's. A stand-in for a CPU with only that set, not a measurement of one.", ""]
     if loaded:

@@ -72,9 +72,9 @@ def unpacked_bfloat16_note(model: nn.Module) -> str | None:
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or can_pack_dtype(torch.bfloat16):
         return None
-    return ("oneDNN has no native bfloat16 products on this CPU (they need AVX512-BF16 or AMX): a bfloat16 plan's prompts run about 5x "
-            "slower than float32's here; rebuild the plan with --dtype float32 for faster prompts (decode steps run "
-            "kvtool's own bfloat16 kernels either way)")
+    return ("oneDNN has no native bfloat16 products on this CPU (they need AVX512-BF16 or AMX): a bfloat16 plan's "
+            "prompts run about 5x slower than float32's here; rebuild the plan with --dtype float32 for faster "
+            "prompts (decode steps run kvtool's own bfloat16 kernels either way)")
 
 
 def pack_linears(model: nn.Module) -> int:
