@@ -98,7 +98,8 @@ class LLM:
 
     engine_name = "kvtool"  # what served the requests, in every report row (kvtool.reports.metrics.ENGINE)
     endpoint = None
-    report_columns: Mapping[str, object] = MappingProxyType({})  # none beyond the plan's, pools' and device's
+    # Beyond the plan's, pools' and device's: on a CPU, the instruction set its kernels run (cpu_kernels).
+    report_columns: Mapping[str, object] = MappingProxyType({})
     clock = WALL_CLOCK
 
     def __init__(self, model: str | Plan, *, max_batch_size: int | None = None, max_seq_len: int | None = None,
