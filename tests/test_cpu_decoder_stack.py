@@ -6,6 +6,8 @@ is held to transformers' logits by tests/test_cpu_decoder.py, whose decode steps
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +146,46 @@ def test_one_decoder_steps_two_pools_in_turn_each_in_its_own_cache(models):
             torch.testing.assert_close(stacked_pool, looped_pool, rtol=0, atol=0, equal_nan=True)
     finally:
         ours.cpu_decoder = None
+
+
+def test_without_native_bfloat16_products_the_row_product_takes_every_product(models, monkeypatch):
+    # An AVX2-only CPU: oneDNN has no bfloat16 product and torch emulates it, 2-2.5x the row product's time.
+    import kvtool.cpu_kernels.decoder as decoder_module
+    from kvtool.cpu_kernels import ops
+    from kvtool.cpu_kernels.decoder import MAX_UNPACKED_STACK_ROWS, projection
+
+    kernels = CpuDecoder(models("qwen3_qk_norm")[0], num_threads=2).kernels
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+
+    def emulated(x):
+        raise AssertionError("a product left to torch")
+
+    product = projection(SimpleNamespace(weight=weight, bias=None, forward=emulated), kernels, max_rows=None)
+    for rows in (1, 3, 100):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        expected = ops.linear(kernels, x, weight, None, torch.empty(rows, 48, dtype=torch.bfloat16))
+        assert torch.equal(product(x), expected)
+
+    ours, _ = models("qwen3_qk_norm")
+    model = ours.to(torch.bfloat16)
+    try:
+        reference = CpuDecoder(model, num_threads=2, row_products=False)  # oneDNN's native product here
+        monkeypatch.setattr(decoder_module, "can_pack_dtype", lambda dtype: dtype == torch.float32)
+        decoder = CpuDecoder(model, num_threads=2)
+        assert decoder.max_row_product_rows is None and decoder.stack.max_rows == MAX_UNPACKED_STACK_ROWS
+        stack = decoder.stack = CountingStack(decoder.stack)
+        results = []
+        for active in (decoder, reference):
+            model.cpu_decoder = active
+            driver = PagedDriver(model, tokens_per_block=T, num_blocks=64)
+            seqs = [driver.add_sequence(random_prompt(T + 3 * i, seed=i)) for i in range(6)]
+            logits = driver.step(context=[(seq, len(seq.token_ids)) for seq in seqs])  # a prompt step of 141 rows
+            for seq, row in zip(seqs, logits):
+                seq.append(int(row[-1].argmax()))
+            logits += driver.step(decode=seqs)  # 6 decode rows: the stack
+            results.append(torch.cat([row[-1:] for row in logits]).float())
+        assert stack.num_calls == 1
+        torch.testing.assert_close(results[0], results[1], rtol=0.05, atol=0.05)
+    finally:
+        model.cpu_decoder = None
+        model.to(torch.float32)

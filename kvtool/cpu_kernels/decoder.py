@@ -10,7 +10,14 @@ there, 1.03-1.09 at four rows (bench/cpu_linear_rows.py, results/cpu_decode_rows
 attention tasks are planned once and serve every layer; activations reuse one workspace, grown when
 a step has more tokens than any before.
 
-A step of up to MAX_ROW_PRODUCT_ROWS rows (a decode step at batch 1 or 2) runs every layer in one
+Where oneDNN has no native product for the weights' dtype (bfloat16 on a CPU without AVX512-BF16 or
+AMX, an AVX2-only one), torch emulates bfloat16 products, and the row product, which reads bfloat16
+weights as they are, takes every product instead: a SmolLM2-135M layer's four at 2 to 128 rows in
+0.39-0.51 of the emulated products' time (AVX2 code on the AMD EPYC VM, ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2).
+
+A step of up to MAX_ROW_PRODUCT_ROWS rows (a decode step at batch 1 or 2; MAX_UNPACKED_STACK_ROWS
+where the row product takes every product) runs every layer in one
 C++ call (the kernels' DecoderStack, on the weights' addresses registered once): called one by one
 from Python, its some 300 kernel calls left the interpreter running between them. Larger steps keep
 the Python loop, which calls the kernels with the weights' addresses read once and the workspace's
@@ -25,6 +32,7 @@ a few sums), and tests/test_cpu_decoder.py holds it to transformers' logits.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +46,13 @@ from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_li
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 MAX_ROW_PRODUCT_ROWS = 2  # products of more rows run oneDNN's (see the module docstring)
+MAX_UNPACKED_STACK_ROWS = 32  # the stack's rows where the row product takes every product (decode batches)
+
+
+def row_product_rows(dtype: torch.dtype) -> int | None:
+    """The most rows a product of ``dtype`` weights takes kvtool's row product for (more: oneDNN's);
+    None: every product (oneDNN has no native one for the dtype here)."""
+    return MAX_ROW_PRODUCT_ROWS if can_pack_dtype(dtype) else None
 
 
 def unsupported_reason(model) -> str | None:
@@ -52,10 +67,12 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def projection(module: torch.nn.Module, kernels: CpuKernels | None, *, own_output: bool = True) -> Projection:
-    """The module's product without nn.Module's call machinery: up to MAX_ROW_PRODUCT_ROWS rows through
-    ``kernels``' row product (into a buffer of the projection's own, valid until its next call; a new
-    tensor each call with ``own_output=False``, for results a caller keeps, as logits), more
+def projection(module: torch.nn.Module, kernels: CpuKernels | None, *, own_output: bool = True,
+               max_rows: int | None = MAX_ROW_PRODUCT_ROWS) -> Projection:
+    """The module's product without nn.Module's call machinery: up to ``max_rows`` rows (None: any) through
+    ``kernels``' row product (up to MAX_ROW_PRODUCT_ROWS rows into a buffer of the projection's own, valid
+    until its next call; a new tensor each call with ``own_output=False``, for results a caller keeps,
+    as logits, and for more rows), more
     (every row count when ``kernels`` is None) through the packed oneDNN op itself where every row count
     takes it."""
     if isinstance(module, PackedLinear) and module.max_packed_rows is None:
@@ -68,16 +85,18 @@ def projection(module: torch.nn.Module, kernels: CpuKernels | None, *, own_outpu
             or (bias is not None and not bias.is_contiguous())):
         return many
     out_features, in_features = weight.shape
-    out = torch.empty(MAX_ROW_PRODUCT_ROWS, out_features, dtype=weight.dtype)  # [rows, out_features]
-    outputs = [out[:rows] for rows in range(MAX_ROW_PRODUCT_ROWS + 1)]
+    buffered = MAX_ROW_PRODUCT_ROWS if max_rows is None else min(max_rows, MAX_ROW_PRODUCT_ROWS)
+    out = torch.empty(buffered, out_features, dtype=weight.dtype)  # [rows, out_features]
+    outputs = [out[:rows] for rows in range(buffered + 1)]
     weight_ptr, weight_stride, bias_ptr = weight.data_ptr(), weight.stride(0), _address(bias)
     dtype = ops.DTYPES[weight.dtype]
 
     def product(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > MAX_ROW_PRODUCT_ROWS or rows == 0 or x.stride(-1) != 1:
+        if (max_rows is not None and rows > max_rows) or rows == 0 or x.stride(-1) != 1:
             return many(x)
-        result = outputs[rows] if own_output else torch.empty(rows, out_features, dtype=weight.dtype)
+        result = outputs[rows] if own_output and rows <= buffered else \
+            torch.empty(rows, out_features, dtype=weight.dtype)
         kernels.linear(x.data_ptr(), weight_ptr, bias_ptr, result.data_ptr(), rows, in_features, out_features,
                        x.stride(0), weight_stride, out_features, dtype)
         return result
@@ -142,7 +161,7 @@ def decoder_stack(model, max_rows: int) -> DecoderStack | None:
 class CpuDecoder:
     """Runs ``model``'s decoder stack through the CPU kernels (``isa``: 'auto' or one of
     kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default;
-    ``row_products``: projections of up to MAX_ROW_PRODUCT_ROWS rows through the kernels' row product,
+    ``row_products``: projections of up to ``row_product_rows`` rows through the kernels' row product,
     else oneDNN's, for comparing the two)."""
 
     def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None, row_products: bool = True) -> None:
@@ -163,16 +182,18 @@ class CpuDecoder:
         self.scale = self.head_dim ** -0.5
         self.dtype = model.embed_tokens.weight.dtype
         self.kernel_dtype = ops.DTYPES[self.dtype]
+        self.max_row_product_rows = row_product_rows(self.dtype)  # each projection's (None: every row count)
         self.layers = [_Layer(layer.input_norm.weight.data_ptr(), layer.post_attention_norm.weight.data_ptr(),
                               _address(None if layer.attention.q_norm is None else layer.attention.q_norm.weight),
                               _address(None if layer.attention.k_norm is None else layer.attention.k_norm.weight),
-                              projection(layer.attention.qkv_proj, rows),
-                              projection(layer.attention.o_proj, rows),
-                              projection(layer.mlp.gate_up_proj, rows),
-                              projection(layer.mlp.down_proj, rows))
+                              projection(layer.attention.qkv_proj, rows, max_rows=self.max_row_product_rows),
+                              projection(layer.attention.o_proj, rows, max_rows=self.max_row_product_rows),
+                              projection(layer.mlp.gate_up_proj, rows, max_rows=self.max_row_product_rows),
+                              projection(layer.mlp.down_proj, rows, max_rows=self.max_row_product_rows))
                        for layer in model.layers]
         self.final_norm = model.norm.weight.data_ptr()
-        self.stack = decoder_stack(model, MAX_ROW_PRODUCT_ROWS) if row_products else None
+        stack_rows = MAX_ROW_PRODUCT_ROWS if self.max_row_product_rows is not None else MAX_UNPACKED_STACK_ROWS
+        self.stack = decoder_stack(model, stack_rows) if row_products else None
         # A RoPE scaling that scales cos and sin too (yarn's attention factor), where the model has one.
         self.rope_scale = float(getattr(model, "rope_attention_factor", 1.0))
         self._cos_sin = ops.rope_cache(model.rope_inv_freq, 0, self.rope_scale)
@@ -181,9 +202,9 @@ class CpuDecoder:
         # The logits' weight (the embedding table when tied), packed as the projections are: one
         # decode row through MKL took 7 ms on SmolLM2's 113 MB head, through oneDNN 3 (one core).
         head = self.lm_head_weight()
-        self.lm_head = projection(PackedLinear(head, None, packed_row_limit(head.dtype)), rows,
-                                  own_output=False) \
-            if can_pack_dtype(head.dtype) else None
+        head_module = PackedLinear(head, None, packed_row_limit(head.dtype)) if can_pack_dtype(head.dtype) \
+            else SimpleNamespace(weight=head, bias=None, forward=lambda x: F.linear(x, head))
+        self.lm_head = projection(head_module, rows, own_output=False, max_rows=self.max_row_product_rows)
 
     @property
     def isa(self) -> str:
@@ -247,8 +268,6 @@ class CpuDecoder:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.lm_head_weight()).float()
         return self.lm_head(hidden).float()
 
     def lm_head_weight(self) -> torch.Tensor:

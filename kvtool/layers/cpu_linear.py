@@ -66,15 +66,16 @@ def can_pack(model: nn.Module) -> bool:
 
 def unpacked_bfloat16_note(model: nn.Module) -> str | None:
     """What a user should know when ``model`` holds bfloat16 weights on a CPU whose oneDNN has no native
-    bfloat16 product (no AVX512-BF16 or AMX: an AVX2-only CPU): its prompts run torch's emulated
-    bfloat16 products, on a 1,056-token prompt 5.3x the time of float32 on a packed weight
-    (SmolLM2-135M's layer, AVX2 code on the AMD EPYC VM). None when that does not apply."""
+    bfloat16 product (no AVX512-BF16 or AMX: an AVX2-only CPU): its prompts run on kvtool's row
+    product (torch's emulated bfloat16 products take 2-2.5x its time; kvtool.cpu_kernels.decoder), and
+    a 1,053-token miss of SmolLM2-135M took 3.1 s where float32 on a packed weight took 1.6 (AVX2 code
+    on the AMD EPYC VM). None when that does not apply."""
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or can_pack_dtype(torch.bfloat16):
         return None
     return ("oneDNN has no native bfloat16 products on this CPU (they need AVX512-BF16 or AMX): a bfloat16 plan's "
-            "prompts run about 5x slower than float32's here; rebuild the plan with --dtype float32 for faster "
-            "prompts (decode steps run kvtool's own bfloat16 kernels either way)")
+            "prompts take about twice float32's time here; rebuild the plan with --dtype float32 for faster "
+            "prompts (decode steps, which read the weights once, gain from bfloat16's half the bytes)")
 
 
 def pack_linears(model: nn.Module) -> int:
