@@ -23,7 +23,7 @@ import os
 
 import torch
 from common import replay_arguments, write_outputs
-from floors import BandwidthProbe, read_bandwidth
+from floors import BandwidthProbe
 from machine import read_cpu_info
 
 from kvtool import LLM
@@ -57,13 +57,15 @@ def main() -> None:
         columns = {"model": args.model, "enable_partial_reuse": args.partial_reuse == "on",
                    "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                    "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), **read_cpu_info().as_row()}
-        probe, after_each = BandwidthProbe(torch.get_num_threads(), PROBE_BYTES), []
-        before = read_bandwidth(torch.get_num_threads())
+        # One buffer each for the reads around the replay and those between its requests, made once.
+        around, probe, after_each = BandwidthProbe(torch.get_num_threads()), \
+            BandwidthProbe(torch.get_num_threads(), PROBE_BYTES), []
+        before = around.read()
         result = run_bench(llm, load_dataset(args.dataset), replay, label=args.label,
                            requests_csv=args.output / "requests.csv", config_columns=columns,
                            on_request_done=(lambda _: after_each.append(probe.read(2) / 1e9))
                            if args.concurrency == 1 else None)
-        after = read_bandwidth(torch.get_num_threads())
+        after = around.read()
     (args.output / "bandwidth.json").write_text(json.dumps(
         {"threads": torch.get_num_threads(), "before_gb_s": before / 1e9, "after_gb_s": after / 1e9,
          "after_each_request_gb_s": after_each or None}) + "\n")
