@@ -34,7 +34,14 @@ from gpu_e2e import (add_workload_arguments, bench_command, e2e_prompts, max_req
 from gpu_reports import write_rows_csv
 
 ENGINE = "transformers"
-ATTENTION = "sdpa_paged"
+
+
+def paged_sdpa() -> str:
+    """transformers' name for SDPA over its paged cache: ``paged|sdpa`` up to 5.2x (5.17 on the GPU image
+    refuses any other), ``sdpa_paged`` where that registry entry is gone (5.24 on the CPU)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return "paged|sdpa" if "paged|sdpa" in ALL_ATTENTION_FUNCTIONS.valid_keys() else "sdpa_paged"
 
 
 class PeerRow(NamedTuple):
@@ -78,13 +85,14 @@ def hf_tensors(name: str, tensor: torch.Tensor, config) -> list[tuple[str, torch
     return [(prefix + renamed, tensor)]
 
 
-def load_hf_model(plan, device: str = "cuda", attn_implementation: str = ATTENTION):
+def load_hf_model(plan, device: str = "cuda", attn_implementation: str | None = None):
     """transformers' CausalLM for the plan's family, holding the plan's weights on ``device``: built there
     (its random init is a fraction of a second on a GPU), then every tensor copied in from the plan."""
     import transformers
     from safetensors import safe_open
 
     config = plan.model_config
+    attn_implementation = attn_implementation or paged_sdpa()
     hf_config = transformers.AutoConfig.for_model(config.family, **hf_config_dict(config))
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(plan.dtype)
@@ -195,7 +203,7 @@ def main() -> int:
     print(f"plan {plan.path} (`{bench_command(args.model, options)}`)", flush=True)
     rows = measure(plan, prefix_len=args.prefix_len, question_len=args.question_len, long_len=args.long_len,
                    repeats=args.repeats)
-    header = {"model": args.model, "dtype": plan.build_options.dtype, "attn_implementation": ATTENTION,
+    header = {"model": args.model, "dtype": plan.build_options.dtype, "attn_implementation": paged_sdpa(),
               "transformers": transformers.__version__,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     write_rows_csv(args.output / "gpu_peer.csv", rows, header)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -216,6 +217,9 @@ class LLM:
             self.engine.close()
         self.engine = None
         if self.device.type == "cuda":
+            # The engine's reference cycles hold its pools and graphs: free them now, so that the memory
+            # returns here and no later collection destroys the graphs inside another LLM's capture.
+            gc.collect()
             torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:

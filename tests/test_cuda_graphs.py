@@ -153,3 +153,43 @@ def test_static_inputs_are_views_of_one_buffer_filled_by_one_upload():
     assert inputs.tensors["table"].tolist() == [[1, -1], [2, 3], [4, 5]]
     with pytest.raises(ValueError, match="exactly the fields"):
         inputs.upload({"ids": np.arange(5)})
+
+
+def test_graphs_are_captured_with_the_garbage_collector_off(monkeypatch):
+    # A collection inside a capture would run finalizers (an earlier LLM's graphs, streams) on the
+    # capturing thread, whose CUDA calls invalidate the capture: the H100 run lost two LLMs to it.
+    import gc
+
+    from kvtool.runtime import cuda_graphs
+
+    class FakeCapture:  # torch.cuda.graph's context, without a GPU
+        def __init__(self, graph, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    collector_on = []
+
+    def step():
+        collector_on.append(gc.isenabled())
+        return torch.zeros(1)
+
+    assert gc.isenabled()
+    graph, _ = cuda_graphs._capture(step, pool=None, device=torch.device("cpu"))
+    assert graph == "graph"
+    assert collector_on == [True, False]  # the eager warm-up as usual, the capture without collections
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cuda_graphs.gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own choice is kept
+    finally:
+        gc.enable()

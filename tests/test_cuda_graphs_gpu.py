@@ -95,3 +95,39 @@ def test_graphs_own_their_metadata_whatever_the_allocator_hands_out_later(target
     after = generate(llm, prompts)
     llm.shutdown()
     assert after == before
+
+
+def test_an_llm_captures_its_graphs_while_an_earlier_llm_is_cyclic_garbage(target, monkeypatch):
+    # The H100 run: two LLMs of the GPU suite failed their captures (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+    # when a collection fell due inside one and destroyed an earlier LLM's graphs on the capturing thread.
+    import gc
+
+    from kvtool.runtime import cuda_graphs
+
+    prompts = shared_prefix_prompts(num_prompts=1)
+    eager_llm = target.llm(cuda_graphs=False)
+    eager = generate(eager_llm, prompts)
+    eager_llm.shutdown()
+    first = target.llm()
+    first.itself = first  # only the cyclic collector frees it, and its graphs with it
+    del first
+    capture = cuda_graphs._capture
+
+    def capture_with_a_collection_due(step, pool, device):
+        calls = []
+
+        def step_where_a_collection_falls_due():
+            calls.append(None)
+            if len(calls) == 2 and gc.isenabled():  # the capture (after the eager warm-up), as the collector
+                gc.collect()                         # would on allocating there: only while it is enabled
+            return step()
+
+        return capture(step_where_a_collection_falls_due, pool, device)
+
+    monkeypatch.setattr(cuda_graphs, "_capture", capture_with_a_collection_due)
+    llm = target.llm()
+    monkeypatch.undo()
+    gc.collect()  # the first LLM, if a capture has not freed it yet
+    graphs = generate(llm, prompts)
+    llm.shutdown()
+    assert graphs == eager

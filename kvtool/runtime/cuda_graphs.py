@@ -28,8 +28,10 @@ pool: they replay one at a time, and a step's logits (a graph output) are read b
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -130,13 +132,31 @@ class _Graph(NamedTuple):
     logits: torch.Tensor  # [rows, vocab] float32, written by each replay
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was before, after it).
+
+    A collection inside a capture runs the finalizers of whatever it frees on the capturing thread: an
+    earlier LLM's graphs (cudaGraphExecDestroy), streams or events. Those calls are refused while the
+    thread captures, and the refusal invalidates the capture (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
+    two of the H100 run's GPU tests, each building a second LLM in one process). vLLM freezes the
+    collector during its captures for the same reason."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _capture(step: Callable[[], torch.Tensor], pool, device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Runs ``step`` eagerly once (loads the kernels, sizes cuBLAS's workspace outside the capture),
     then captures it; returns the graph and the output tensor its replays write."""
     step()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = step()
     return graph, output
 
