@@ -16,11 +16,13 @@
 #   trace.log, trace/{onboard,decode_graphs_on,decode_graphs_off}.{json,txt}  (trace: torch profiler)
 #   steps.log (each step's start, end and seconds), summary.md      (summary: one screen)
 #
-# GPU_CHECK_STEPS picks steps; three presets (estimated from results/gpu/: one call runs at most 10 minutes):
-#   first  (default) install info plan test bench e2e summary      ~5-6 min on an H100
-#   second           peer card simcheck startup summary             ~6-7 min (the same warm machine: it
+# GPU_CHECK_STEPS picks steps; three presets (measured on an H100, results/gpu/steps.log):
+#   first  (default) install info plan test bench e2e summary      ~3.5 min (install 33 s, test 57-75,
+#                    bench 40, e2e 30-51; the plan, 85-120 s, builds behind the tests)
+#   second           peer card simcheck startup summary             ~4.5 min (the same warm machine: it
 #                    reuses the install, the plan and its kernels; on a fresh one add "install plan")
-#   all              both, ~12 min: for a call without a 10-minute limit
+#   all              both, ~7-8 min: fits one 10-minute call (the machine goes back 30 s after a call,
+#                    so two calls often land on two machines)
 # or any list of step names, e.g. GPU_CHECK_STEPS="bench summary". Use the same OUT for both calls:
 # the summary covers every file there.
 # The plan step builds $GPU_MODEL (default preset:qwen3-8b, bfloat16, 32-token blocks, its kernels

@@ -155,6 +155,23 @@ def test_summary_states_each_target_met_or_missed_from_the_files_of_a_run(tmp_pa
     assert lines["GPU tests (pytest -m gpu)"].endswith("not measured (step test) |")
 
 
+def test_the_peer_is_held_to_kvtools_row_of_the_very_same_case():
+    # The H100 run's e2e wrote "4000-token prompt, decode without CUDA graphs" before the replayed
+    # decode's row; the summary held transformers' TPOT to the eager one.
+    E = gpu_e2e.E2ERow
+    e2e = [{"case": r.case, "metric": r.metric, "value": str(r.value)} for r in (
+        E("2048-token shared prompt + 128-token question, reuse on, without CUDA graphs", "median TTFT", 14.2, "ms"),
+        E("2048-token shared prompt + 128-token question, reuse on", "median TTFT", 13.4, "ms"),
+        E("4000-token prompt, decode without CUDA graphs", "median TPOT", 7.24, "ms"),
+        E("4000-token prompt, decode", "median TPOT", 7.0, "ms"))]
+    peer = [{"case": "2048-token shared prompt + 128-token question, reuse on", "metric": "median TTFT",
+             "value": "132.4"}, {"case": "4000-token prompt, decode", "metric": "median TPOT", "value": "74.4"}]
+    lines = {line.target: line for line in gpu_summary.peer_lines(e2e, peer)}
+    assert lines["6. TTFT reuse on: kvtool / transformers"].measured == "13.40 / 132.40 ms"
+    assert lines["6. TPOT: kvtool / transformers"].measured == "7.00 / 74.40 ms"
+    assert lines["6. TTFT reuse off: kvtool / transformers"].verdict.startswith("not measured")
+
+
 def test_a_figure_the_summary_cannot_read_costs_one_line_not_the_summary(tmp_path):
     # A variant the simulation check could not measure leaves an empty error: the other targets still show.
     (tmp_path / "simulate").mkdir()
