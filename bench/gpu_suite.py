@@ -178,7 +178,8 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
 
         def run():
             paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
-                                    max_query_len=seq_len, scale=scale, sliding_window=None, out=out)
+                                    max_query_len=seq_len, max_seq_len=seq_len, scale=scale, sliding_window=None,
+                                    out=out)
 
         ms = suite.time_ms(run)
         ours = flops / (ms * 1e-3) / 1e12
@@ -225,13 +226,47 @@ def section_context(suite: Suite, library, dtype: torch.dtype) -> None:
 
     def run_chunk():
         paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=batch,
-                                max_query_len=query_len, scale=scale, sliding_window=None, out=out)
+                                max_query_len=query_len, max_seq_len=seq_len, scale=scale, sliding_window=None,
+                                out=out)
 
     ms = suite.time_ms(run_chunk)
     chunk_flops = 4 * batch * num_heads * head_dim * query_len * (seq_len - query_len + (query_len + 1) / 2)
     case = f"{batch} x {query_len} new tokens over a cached {seq_len - query_len}-token prefix, tpb 32"
     suite.add(Row("context", case, "time", ms, "ms"))
     suite.add(Row("context", case, "throughput", chunk_flops / (ms * 1e-3) / 1e12, "TFLOP/s"))
+    section_context_hit(suite, library, dtype)
+
+
+def section_context_hit(suite: Suite, library, dtype: torch.dtype) -> None:
+    """gpu_e2e's reuse hit, one layer: a 128-token question over a cached 2,048-token prefix is one
+    query tile per head (32 CTAs), timed with the keys split (the launcher's choice) and unsplit."""
+    from kvtool.kernels.loader import device_sm_count
+    from kvtool.kernels.paged_context_attention import key_splits, paged_context_attention
+
+    num_heads, num_kv_heads, head_dim, query_len, seq_len = 32, 8, 128, 128, 2176
+    scale = head_dim ** -0.5
+    pool, tables, seq_lens, qsl, query = paged_inputs(1, seq_len, query_len, num_heads, num_kv_heads, head_dim, 32,
+                                                      dtype, seed=3)
+    chosen = key_splits(num_heads, seq_len, head_dim, device_sm_count()).num_splits
+    flops = 4 * num_heads * head_dim * query_len * (seq_len - query_len + (query_len + 1) / 2)
+    times, outputs = {}, {}
+    for splits in dict.fromkeys((1, chosen)):
+        out = torch.empty_like(query)
+
+        def run(splits=splits, out=out):
+            paged_context_attention(library, query, pool, tables, qsl, seq_lens, num_seqs=1, max_query_len=query_len,
+                                    max_seq_len=seq_len, scale=scale, sliding_window=None, out=out,
+                                    num_splits=splits)
+
+        times[splits] = suite.time_ms(run)
+        outputs[splits] = out.float()
+        case = f"1 x {query_len} new tokens over a cached {seq_len - query_len}-token prefix, {splits} key split(s)"
+        suite.add(Row("context", case, "time", times[splits] * 1e3, "us"))
+        suite.add(Row("context", case, "throughput", flops / (times[splits] * 1e-3) / 1e12, "TFLOP/s"))
+    suite.add(Row("context", f"1 x {query_len} over {seq_len - query_len}: unsplit / {chosen} key splits", "speed-up",
+                  times[1] / times[chosen], "x"))
+    suite.add(Row("context", f"1 x {query_len} over {seq_len - query_len}: split vs unsplit output",
+                  "max abs difference", (outputs[chosen] - outputs[1]).abs().max().item(), ""))
 
 
 def section_blocks(suite: Suite, library, dtype: torch.dtype) -> None:

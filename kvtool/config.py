@@ -80,8 +80,9 @@ class KvCacheConfig:
     free after the weights; the smaller of the two when both are set. ``host_cache_size`` bytes of
     host memory form the secondary pool that evicted blocks are offloaded to.
     ``layered_copy_min_bytes`` (kvtool's): a step moving at least this many bytes between the
-    pools copies layer by layer so the forward overlaps it (None: 128 MiB where the GPU copy kernel
-    runs, whole blocks elsewhere; 0: always layer by layer).
+    pools copies layer by layer so the forward overlaps it (None: where the GPU copy kernel runs,
+    128 MiB, or 1 GiB when the steps replay CUDA graphs, which a layered step gives up; whole blocks
+    elsewhere; 0: always layer by layer).
 
     The third tier (kvtool's; docs/architecture.md#kv-cache-rules), below the host tier, which it
     needs: ``disk_cache_dir`` with ``disk_cache_size`` bytes of files private to this engine (emptied

@@ -49,6 +49,7 @@ def launches(monkeypatch):
     calls: list[tuple[str, list[type]]] = []
     monkeypatch.setattr(tensors, "_check_vector_aligned", lambda tensor, name, strides: None)
     monkeypatch.setattr(paged_decode_attention, "device_sm_count", lambda device: 132)
+    monkeypatch.setattr(paged_context_attention, "device_sm_count", lambda device: 132)
     for module in (block_copy, kv_append, paged_context_attention, paged_decode_attention, add_rms_norm, rope_append,
                    silu_mul):
         monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
@@ -66,13 +67,15 @@ def step_tensors(num_tokens=4, num_heads=4, num_kv_heads=2, head_dim=64, tpb=16)
     return query, kv_cache, metadata
 
 
-def test_context_attention_launch_matches_the_kernel_signature(launches):
+@pytest.mark.parametrize("num_splits", [1, None])  # None: 4 CTAs over 1,200 keys split them
+def test_context_attention_and_reduce_launches_match_the_kernel_signatures(launches, num_splits):
     query, kv_cache, meta = step_tensors()
     paged_context_attention.paged_context_attention(FakeLibrary(), query, kv_cache, **meta, num_seqs=1,
-                                                    max_query_len=3, scale=0.125, sliding_window=None,
-                                                    out=torch.empty_like(query))
-    assert launches == [("kvt_paged_context_attention",
-                         kernel_parameter_types("paged_context_attention.cu", "kvt_paged_context_attention"))]
+                                                    max_query_len=3, max_seq_len=1200, scale=0.125,
+                                                    sliding_window=None, out=torch.empty_like(query),
+                                                    num_splits=num_splits)
+    kernels = ["kvt_paged_context_attention"] + (["kvt_paged_context_reduce"] if num_splits is None else [])
+    assert launches == [(name, kernel_parameter_types("paged_context_attention.cu", name)) for name in kernels]
 
 
 def test_decode_attention_and_reduce_launches_match_the_kernel_signatures(launches):
@@ -147,6 +150,7 @@ def test_every_launch_uses_the_block_size_its_kernel_is_compiled_for(monkeypatch
 
     monkeypatch.setattr(tensors, "_check_vector_aligned", lambda tensor, name, strides: None)
     monkeypatch.setattr(paged_decode_attention, "device_sm_count", lambda device: 132)
+    monkeypatch.setattr(paged_context_attention, "device_sm_count", lambda device: 132)
     for module in (block_copy, kv_append, paged_context_attention, paged_decode_attention, add_rms_norm, rope_append,
                    silu_mul):
         monkeypatch.setattr(module, "device_arch", lambda device: "sm_90")
@@ -155,7 +159,7 @@ def test_every_launch_uses_the_block_size_its_kernel_is_compiled_for(monkeypatch
     query, kv_cache, meta = step_tensors()
     out = torch.empty_like(query)
     paged_context_attention.paged_context_attention(library, query, kv_cache, **meta, num_seqs=1, max_query_len=3,
-                                                    scale=0.125, sliding_window=None, out=out)
+                                                    max_seq_len=1200, scale=0.125, sliding_window=None, out=out)
     paged_decode_attention.paged_decode_attention(library, query, kv_cache, **meta, seq_offset=1, num_seqs=1,
                                                   max_seq_len=1200, scale=0.125, sliding_window=None, out=out)
     key = torch.zeros(4, 2, 64, dtype=torch.float16)
@@ -169,6 +173,6 @@ def test_every_launch_uses_the_block_size_its_kernel_is_compiled_for(monkeypatch
     prepared = block_copy.PreparedBlockCopy(library.kernel(block_copy.block_copy_spec("sm_90"), block_copy.KERNEL, 0),
                                             torch.zeros(2, 3, dtype=torch.int64), 4096, torch.device("cpu"))
     prepared.launch()
-    assert len(launched) == 8  # the decode kernel and its reduce
+    assert len(launched) == 9  # the context and decode kernels, each with its reduce
     for (source, name, defines), block in launched:
         assert math.prod(block) == kernel_block_size(source, name, defines), f"{name} launched with {block}"

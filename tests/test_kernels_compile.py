@@ -44,7 +44,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def _specializations() -> dict[str, tuple[KernelSpec, tuple[str, ...]]]:
     """label -> (spec, kernel symbols it must export)."""
     specs: list[tuple[KernelSpec, tuple[str, ...]]] = []
-    context = ("kvt_paged_context_attention",)
+    context = ("kvt_paged_context_attention", "kvt_paged_context_reduce")
     decode = ("kvt_paged_decode_attention", "kvt_paged_decode_reduce")
     for dtype in (torch.float16, torch.bfloat16):
         for head_dim in (64, 128):
@@ -243,10 +243,11 @@ def test_decode_splits_sequences_longer_than_a_partition():
     assert num_partitions(4096, 512) == 8
 
 
-def test_small_decode_batches_split_into_smaller_partitions_until_every_sm_has_two_ctas():
-    # qwen3-8b (8 KV heads, one chunk each) on 132 SMs: batch 1 gets 64-key partitions (8 x 64 = 512
-    # CTAs for a 4k sequence), batch 2 128, batch 4 256, batch 8 and more the full 512.
-    assert [partition_size_for(8 * batch, 132) for batch in (1, 2, 4, 8, 64)] == [64, 128, 256, 512, 512]
+def test_small_decode_batches_split_into_smaller_partitions_until_every_sm_has_a_cta():
+    # qwen3-8b (8 KV heads, one chunk each) on 132 SMs: batch 1 gets 128-key partitions (8 x 32 = 256
+    # CTAs for a 4k sequence: the H100's best batch-1 size, results/gpu/gpu_suite.md), batch 2 256,
+    # batch 4 and more the full 512.
+    assert [partition_size_for(8 * batch, 132) for batch in (1, 2, 4, 8, 64)] == [128, 256, 512, 512, 512]
     assert partition_size_for(1, 1000) == 64  # nothing fills a huge GPU: the smallest partitions
     with pytest.raises(ValueError, match="num_row_ctas"):
         partition_size_for(0, 132)

@@ -71,7 +71,7 @@ def _run_context(library, sc: Scenario, num_context: int) -> torch.Tensor:
     out = poisoned_like(sc.query)
     paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
                             sc.meta.seq_lens, num_seqs=num_context, max_query_len=sc.meta.max_query_len,
-                            scale=sc.scale, sliding_window=sc.window, out=out)
+                            max_seq_len=sc.meta.max_seq_len, scale=sc.scale, sliding_window=sc.window, out=out)
     torch.cuda.synchronize()
     return out
 
@@ -121,8 +121,8 @@ def test_context_attention_reads_strided_query_and_writes_strided_output(library
     wide = torch.full((sc.query.shape[0], 2, 8, 64), float("nan"), dtype=dtype, device=DEVICE)
     out = wide[:, 1]  # [num_tokens, 8, 64] with a token stride of 2 * 8 * 64
     paged_context_attention(library, sc.query, sc.kv_cache, sc.meta.block_tables, sc.meta.query_start_loc,
-                            sc.meta.seq_lens, num_seqs=2, max_query_len=sc.meta.max_query_len, scale=sc.scale,
-                            sliding_window=None, out=out)
+                            sc.meta.seq_lens, num_seqs=2, max_query_len=sc.meta.max_query_len,
+                            max_seq_len=sc.meta.max_seq_len, scale=sc.scale, sliding_window=None, out=out)
     torch.cuda.synchronize()
     assert_rows_match(out, reference_attention(sc), sc.rows(0, 2), dtype)
     assert torch.isnan(wide[:, 0]).all()

@@ -167,3 +167,26 @@ def test_a_large_step_with_few_runs_moves_on_the_copy_engines_and_a_scattered_on
     assert pools.step_copy_method(scattered, layered=False) == "memcpy"  # whole blocks: 64 transfers once
     pools._kernels = None  # the CPU: torch copies, as before
     assert pools.step_copy_method(scattered, layered=True) == "memcpy"
+
+
+def test_with_cuda_graphs_a_step_copies_layer_by_layer_only_from_a_gigabyte():
+    # A layered step runs eagerly: with graphs it pays only when its copies outlast an eager step's
+    # host time. qwen3-8b blocks (4.7 MB): the card's 1k-token onboard + offload (60 blocks) moves
+    # whole; a 4k-token A,B,A,B swap (250 blocks, 1.2 GB) still layer by layer.
+    from kvtool.runtime.kv_pool import LAYERED_COPY_MIN_BYTES, LAYERED_COPY_MIN_BYTES_WITH_GRAPHS
+
+    big = BlockShape(num_layers=36, tokens_per_block=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+    def swap(num_blocks):
+        return copy_batches(np.full(num_blocks, PRIMARY), np.arange(num_blocks), np.full(num_blocks, SECONDARY),
+                            np.arange(num_blocks), np.full(num_blocks, 32))
+
+    for graphs, expected in ((True, LAYERED_COPY_MIN_BYTES_WITH_GRAPHS), (False, LAYERED_COPY_MIN_BYTES)):
+        pools = KvCachePools(big, num_primary_blocks=1, num_secondary_blocks=0, device=torch.device("cpu"),
+                             kernels=FakeKernels(), cuda_graphs=graphs)
+        assert pools.layered_copy_min_bytes == expected
+        assert pools.copies_layer_by_layer(swap(250))
+        assert pools.copies_layer_by_layer(swap(60)) is not graphs
+    explicit = KvCachePools(big, 1, 0, torch.device("cpu"), kernels=FakeKernels(), cuda_graphs=True,
+                            layered_copy_min_bytes=0)
+    assert explicit.copies_layer_by_layer(swap(1))  # the user's setting wins

@@ -20,6 +20,13 @@
 // query_len); CTAs are remapped so the longest (last) query tiles of every (request, head) start
 // first.
 //
+// Key splits (flash-decoding's split-K, for prefills over a long cached prefix): a launch of few
+// CTAs (a 128-token question over a 2,048-token prefix is 32 CTAs, a quarter of an H100's SMs, each
+// walking 68 key tiles in turn) splits every request's key range into num_splits runs of
+// tiles_per_split tiles; each CTA writes its rows' unnormalized fp32 output and (max, sum) for its
+// run, and kvt_paged_context_reduce combines the runs a row's query tile can see. num_splits 1
+// writes the output directly.
+//
 // Specialization: KVT_HEAD_DIM, KVT_TOKENS_PER_BLOCK, KVT_DTYPE_BF16 (common.cuh), KVT_CTX_BLOCK_N
 // (keys per tile: 32 at head_dim 128, where a 64-key S tile would spill past 255 registers; 64 at
 // head_dim 64) and KVT_CTX_SMEM_BYTES (the launcher's dynamic shared memory, checked below).
@@ -58,6 +65,24 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head_dim must be 64 or 128");
 static_assert((TOKENS_PER_BLOCK & (TOKENS_PER_BLOCK - 1)) == 0, "tokens_per_block must be a power of two");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16, "BLOCK_N must be a multiple of 16");
 
+// Key tiles [begin, end) the query tile starting at row m0 (rows rows) of a request with ctx_len
+// cached tokens can see: causal up to its last row, from its first row's window start. The reduce
+// recomputes it to know which splits wrote a row's partials.
+struct KeyTiles {
+  int begin;
+  int end;
+};
+__device__ __forceinline__ KeyTiles visible_key_tiles(int ctx_len, int m0, int rows, int sliding_window) {
+  const int key_end = ctx_len + m0 + rows;
+  const int key_begin = sliding_window > 0 ? max(0, ctx_len + m0 - sliding_window + 1) : 0;
+  return {key_begin / BLOCK_N, (key_end + BLOCK_N - 1) / BLOCK_N};
+}
+
+// The split holding key tile n (the last split takes any tiles past num_splits * tiles_per_split).
+__device__ __forceinline__ int split_of_tile(int n, int tiles_per_split, int num_splits) {
+  return min(n / tiles_per_split, num_splits - 1);
+}
+
 struct SharedStorage {
   half_bits q[BLOCK_M * SMEM_ROW];
   half_bits k[2][BLOCK_N * SMEM_ROW];
@@ -73,11 +98,14 @@ static_assert(sizeof(SharedStorage) == KVT_CTX_SMEM_BYTES, "launcher and kernel 
 
 }  // namespace
 
-// grid: (ceil(max_query_len / BLOCK_M), num_heads, num_context_seqs), but the CTA's (query tile,
-// head, request) comes from its linear launch index: heads vary fastest (the query heads of one GQA
-// group run side by side and share K/V in L2), query tiles slowest and reversed, so the tiles with
-// the most keys (the last ones under the causal mask) launch first and the short ones fill in the
-// tail. block: 128 threads; dynamic shared memory: sizeof(SharedStorage).
+// grid: (ceil(max_query_len / BLOCK_M), num_heads, num_context_seqs * num_splits), but the CTA's
+// (query tile, head, split, request) comes from its linear launch index: heads vary fastest (the
+// query heads of one GQA group run side by side and share K/V in L2), then splits, query tiles
+// slowest and reversed, so the tiles with the most keys (the last ones under the causal mask)
+// launch first and the short ones fill in the tail. block: 128 threads; dynamic shared memory:
+// sizeof(SharedStorage). With num_splits > 1 the output goes to partial_acc
+// [num_tokens, num_heads, num_splits, HEAD_DIM] and partial_ml [num_tokens, num_heads, num_splits, 2]
+// (max in the log2 domain, sum), fp32, for kvt_paged_context_reduce.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_attention(
     const half_bits* __restrict__ query, i64 q_token_stride, i64 q_head_stride,  // [num_tokens, num_heads, hd]
     const half_bits* __restrict__ kv_cache, i64 block_stride, i64 kv_stride, i64 token_stride,
@@ -86,6 +114,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_a
     const int* __restrict__ query_start_loc,                       // [num_seqs + 1]
     const int* __restrict__ seq_lens,                              // [num_seqs]
     half_bits* __restrict__ out, i64 out_token_stride, i64 out_head_stride,  // [num_tokens, num_heads, hd]
+    float* __restrict__ partial_acc, float* __restrict__ partial_ml, int tiles_per_split, int num_splits,
     int num_heads, int num_kv_heads, float scale_log2, int sliding_window) {
   extern __shared__ uint4 smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
@@ -96,7 +125,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_a
   const int m_tile = static_cast<int>(gridDim.x - 1 - linear / per_tile);
   const unsigned rest = linear % per_tile;
   const int head = static_cast<int>(rest % gridDim.y);
-  const int seq = static_cast<int>(rest / gridDim.y);
+  const int seq = static_cast<int>(rest / gridDim.y) / num_splits;
+  const int split = static_cast<int>(rest / gridDim.y) % num_splits;
 
   const int q_begin = query_start_loc[seq];
   const int q_len = query_start_loc[seq + 1] - q_begin;
@@ -108,11 +138,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_a
   const int kv_head = head / (num_heads / num_kv_heads);
   const int rows = min(BLOCK_M, q_len - m0);
 
-  // Keys any query of this tile can see: [key_begin, key_end).
-  const int key_end = ctx_len + m0 + rows;
-  const int key_begin = sliding_window > 0 ? max(0, ctx_len + m0 - sliding_window + 1) : 0;
-  const int tile_begin = key_begin / BLOCK_N;
-  const int tile_end = (key_end + BLOCK_N - 1) / BLOCK_N;
+  // Key tiles any query of this tile can see, cut to this CTA's split.
+  const KeyTiles visible = visible_key_tiles(ctx_len, m0, rows, sliding_window);
+  int tile_begin = visible.begin;
+  int tile_end = visible.end;
+  if (num_splits > 1) {
+    tile_begin = max(tile_begin, split * tiles_per_split);
+    if (split < num_splits - 1) tile_end = min(tile_end, (split + 1) * tiles_per_split);
+    if (tile_begin >= tile_end) return;  // the reduce reads no partials of this split for these rows
+  }
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -342,6 +376,26 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_a
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
   }
+  if (num_splits > 1) {
+    // Unnormalized rows and their (max, sum): a row that saw no key of this split writes (-inf, 0).
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp * ROWS_PER_WARP + g * 16 + h * 8 + group;
+        if (r < rows) {
+          const i64 slot = (static_cast<i64>(q_begin + m0 + r) * num_heads + head) * num_splits + split;
+          float* dst = partial_acc + slot * HEAD_DIM + quad * 2;
+#pragma unroll
+          for (int i = 0; i < O_TILES; ++i)
+            *reinterpret_cast<float2*>(dst + i * 8) = make_float2(acc[g][i][2 * h], acc[g][i][2 * h + 1]);
+          if (quad == 0)
+            *reinterpret_cast<float2*>(partial_ml + slot * 2) = make_float2(row_max[2 * g + h], row_sum[2 * g + h]);
+        }
+      }
+    }
+    return;
+  }
   half_bits* out_head = out + static_cast<i64>(head) * out_head_stride + quad * 2;
 #pragma unroll
   for (int g = 0; g < GROUPS; ++g) {
@@ -356,5 +410,56 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 2) kvt_paged_context_a
           *reinterpret_cast<unsigned*>(dst + i * 8) = pack2(acc[g][i][2 * h] * inv, acc[g][i][2 * h + 1] * inv);
       }
     }
+  }
+}
+
+// Combines the key splits of kvt_paged_context_attention: for each row, the splits its query tile
+// saw, each weighted by 2^(its max - the rows' max) (flash-decoding's reduce), normalized once.
+// grid: (max_query_len, num_context_seqs); block: 128 threads, warp w combining heads w, w + 4, ...
+// (32 lanes x HEAD_DIM / 32 dims). Rows past a request's query_len (a graph's padding) return.
+constexpr int REDUCE_THREADS = 128;
+constexpr int DIMS_PER_LANE = HEAD_DIM / 32;
+
+extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) kvt_paged_context_reduce(
+    const float* __restrict__ partial_acc, const float* __restrict__ partial_ml,  // as the kernel above
+    const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+    half_bits* __restrict__ out, i64 out_token_stride, i64 out_head_stride,  // [num_tokens, num_heads, hd]
+    int tiles_per_split, int num_splits, int num_heads, int sliding_window) {
+  const int seq = blockIdx.y;
+  const int row = blockIdx.x;  // query row within the request
+  const int q_begin = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_begin;
+  if (row >= q_len) return;
+  const int ctx_len = seq_lens[seq] - q_len;
+  if (ctx_len < 0) return;  // as the kernel above: inconsistent metadata leaves the output untouched
+  const int m0 = row / BLOCK_M * BLOCK_M;
+  const KeyTiles visible = visible_key_tiles(ctx_len, m0, min(BLOCK_M, q_len - m0), sliding_window);
+  const int split_begin = split_of_tile(visible.begin, tiles_per_split, num_splits);
+  const int split_last = split_of_tile(visible.end - 1, tiles_per_split, num_splits);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const i64 token = q_begin + row;
+  for (int head = warp; head < num_heads; head += REDUCE_THREADS / 32) {
+    const i64 slots = (token * num_heads + head) * num_splits;
+    float row_max = neg_inf(), row_sum = 0.f, o[DIMS_PER_LANE];
+#pragma unroll
+    for (int d = 0; d < DIMS_PER_LANE; ++d) o[d] = 0.f;
+    for (int s = split_begin; s <= split_last; ++s) {
+      const float2 ml = *reinterpret_cast<const float2*>(partial_ml + (slots + s) * 2);
+      if (ml.y == 0.f) continue;  // the row saw no key of this split
+      const float new_max = fmaxf(row_max, ml.x);
+      const float old_weight = fast_exp2(row_max - new_max);  // 0 while nothing is summed yet
+      const float weight = fast_exp2(ml.x - new_max);
+      row_sum = row_sum * old_weight + ml.y * weight;
+      const float* acc = partial_acc + (slots + s) * HEAD_DIM + lane * DIMS_PER_LANE;
+#pragma unroll
+      for (int d = 0; d < DIMS_PER_LANE; ++d) o[d] = o[d] * old_weight + acc[d] * weight;
+      row_max = new_max;
+    }
+    const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
+    half_bits* dst = out + token * out_token_stride + static_cast<i64>(head) * out_head_stride + lane * DIMS_PER_LANE;
+#pragma unroll
+    for (int d = 0; d < DIMS_PER_LANE; d += 2)
+      *reinterpret_cast<unsigned*>(dst + d) = pack2(o[d] * inv, o[d + 1] * inv);
   }
 }

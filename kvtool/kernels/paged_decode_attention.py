@@ -19,10 +19,11 @@ PARTITION_SIZE = 512          # keys per split-K partition when the batch fills 
 PARTITION_SIZES = (64, 128, 256, 512)  # what partition_size_for chooses from (each compiled on first use)
 # A small batch gets smaller partitions, so that a 4,096-token sequence still spreads over at least
 # this many CTAs per SM: at batch 1, 8 KV heads x 8 partitions of 512 keys fill 64 of an H200's 132
-# SMs (455 GB/s measured, results/gpu/README.md). Tune on a GPU: bench/gpu_suite.py's decode section
-# measures batch 1 at every size in PARTITION_SIZES.
+# SMs (455 GB/s measured, results/gpu/h200-2026-11-26/). bench/gpu_suite.py's decode section measures
+# batch 1 at every size in PARTITION_SIZES; on the H100 (results/gpu/gpu_suite.md) 128 keys (256 CTAs,
+# one wave of one CTA per SM) gave 857 GB/s, 64 keys (two per SM) 747, 256 keys 771, 512 keys 514.
 REFERENCE_SEQ_LEN = 4096
-TARGET_CTAS_PER_SM = 2
+TARGET_CTAS_PER_SM = 1
 MAX_HEADS_PER_CTA = 8         # query heads sharing one K/V read; bounded by registers
 UNROLL = 4                    # 16-byte K or V loads per thread in flight (a compile-time constant)
 LOG2_E = 1.4426950408889634

@@ -84,7 +84,8 @@ class CudaPagedAttention:
         if num_context:
             paged_context_attention(self.library, query, kv_cache, meta.block_tables, meta.query_start_loc,
                                     meta.seq_lens, num_seqs=num_context, max_query_len=meta.max_query_len,
-                                    scale=scale, sliding_window=sliding_window, out=out)
+                                    max_seq_len=meta.max_seq_len, scale=scale, sliding_window=sliding_window,
+                                    out=out)
         if num_decode:
             # Split-K partitions for the longest decode row, not a long prefill beside it.
             max_decode_seq_len = meta.max_seq_len if meta.max_decode_seq_len is None else meta.max_decode_seq_len

@@ -21,7 +21,7 @@ from kvtool.runtime.host_allocator import huge_page_zeros
 HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
 # Pinned host memory is allocated this far ahead of the chunks in use, on a background thread:
 # pinning costs milliseconds per chunk (the first offloads of an H200 run took 66-194 ms while the
-# step pinned its chunks, results/gpu/README.md); ahead of need, no step waits for it. 1 GiB holds
+# step pinned its chunks, results/gpu/h200-2026-11-26/README.md); ahead of need, no step waits for it. 1 GiB holds
 # the offloads of a 4k-token qwen3-8b request (590 MB) with room to spare.
 HOST_AHEAD_BYTES = 1 << 30
 # With the copy engines a layered step issues one transfer per run of consecutive blocks per layer:
@@ -31,6 +31,13 @@ MAX_LAYERED_DMA_RUNS = 32
 # Copy layer by layer from this many bytes a step: about 2.4 ms over PCIe 5, well above the host
 # time of issuing two launches per layer (about 1.5 ms for 36 layers). A guess to tune on a GPU.
 LAYERED_COPY_MIN_BYTES = 128 << 20
+# With CUDA graphs a layered step gives up its graph (it runs eagerly, waiting per layer) to overlap
+# its copies: worth it only when they take longer than an eager step's host time (14-17 ms on
+# qwen3-8b, results/gpu/gpu_steps.md), about 0.75 GB at the measured 52 GB/s a direction. On the
+# H100 the layered onboards of the card's 1k-token prompts (0.3 GB a step) took 36-48 ms TTFT where
+# recomputing took 25.8 (results/gpu/card/offload_abab_host45GB); whole, they are ~6 ms of copies
+# before a replayed step. Still to measure on a GPU: the same card with this threshold.
+LAYERED_COPY_MIN_BYTES_WITH_GRAPHS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -134,11 +141,12 @@ class KvCachePools:
 
     def __init__(self, shape: BlockShape, num_primary_blocks: int, num_secondary_blocks: int,
                  device: torch.device, kernels=None, *, layered_copy_min_bytes: int | None = None,
-                 copy_method: str = "memcpy") -> None:
+                 copy_method: str = "memcpy", cuda_graphs: bool = False) -> None:
         """``kernels``: a kvtool.kernels KernelLibrary on a GPU with kvtool's kernels (CuPy), or None:
         whole-block copies between tiers are then batched, by ``copy_method`` "memcpy" (the copy
         engines, kvtool.kernels.block_copy) or "kernel" (the SM copy kernel).
-        ``layered_copy_min_bytes``: see KvCacheConfig (None: LAYERED_COPY_MIN_BYTES with kernels)."""
+        ``layered_copy_min_bytes``: see KvCacheConfig (None with kernels: LAYERED_COPY_MIN_BYTES, or
+        LAYERED_COPY_MIN_BYTES_WITH_GRAPHS when the steps replay ``cuda_graphs``)."""
         if copy_method not in ("memcpy", "kernel"):
             raise ValueError(f"copy_method must be 'memcpy' or 'kernel', got {copy_method!r}")
         self.shape = shape
@@ -158,7 +166,7 @@ class KvCachePools:
         # while the later ones still move. Below it, one launch per batch costs less than the
         # per-layer launches save. None: always whole blocks (no copy kernel to launch per layer).
         if layered_copy_min_bytes is None and kernels is not None:
-            layered_copy_min_bytes = LAYERED_COPY_MIN_BYTES
+            layered_copy_min_bytes = LAYERED_COPY_MIN_BYTES_WITH_GRAPHS if cuda_graphs else LAYERED_COPY_MIN_BYTES
         self.layered_copy_min_bytes = layered_copy_min_bytes
         self._layer_events: list | None = None  # this step's per-layer copy events, until the forward
 

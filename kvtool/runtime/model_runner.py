@@ -73,7 +73,8 @@ class ModelRunner:
         """Creates the pools, warms up, and on a GPU captures the CUDA graphs (unless config.enforce_eager)."""
         self.tokens_per_block = shape.tokens_per_block
         self.pools = KvCachePools(shape, pool_sizes.num_primary_blocks, pool_sizes.num_secondary_blocks, self.device,
-                                  self.kernels, layered_copy_min_bytes=config.kv_cache_config.layered_copy_min_bytes)
+                                  self.kernels, layered_copy_min_bytes=config.kv_cache_config.layered_copy_min_bytes,
+                                  cuda_graphs=config.cuda_graphs)
         self.kv_caches = self.pools.layer_caches()
         library = fused_kernel_library(self.model, self.kv_caches[0]) if self.fused_kernels else None
         if library is not None:
