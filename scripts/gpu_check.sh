@@ -21,8 +21,8 @@
 #                    bench 40, e2e 30-51; the plan, 85-120 s, builds behind the tests)
 #   second           peer card simcheck startup summary             ~4.5 min (the same warm machine: it
 #                    reuses the install, the plan and its kernels; on a fresh one add "install plan")
-#   all              both, ~7-8 min: fits one 10-minute call (the machine goes back 30 s after a call,
-#                    so two calls often land on two machines)
+#   all              both and trace, ~8 min: fits one 10-minute call (the machine goes back 30 s after
+#                    a call, so two calls often land on two machines); the deadline skips what is late
 # or any list of step names, e.g. GPU_CHECK_STEPS="bench summary". Use the same OUT for both calls:
 # the summary covers every file there.
 # The plan step builds $GPU_MODEL (default preset:qwen3-8b, bfloat16, 32-token blocks, its kernels
@@ -44,7 +44,7 @@ STEPS="${GPU_CHECK_STEPS:-first}"
 case "$STEPS" in
   first) STEPS="install info plan test bench e2e summary" ;;
   second) STEPS="peer card simcheck startup summary" ;;
-  all) STEPS="install info plan test bench e2e peer card simcheck startup summary" ;;
+  all) STEPS="install info plan test bench e2e peer card simcheck startup trace summary" ;;
 esac
 MODEL="${GPU_MODEL:-preset:qwen3-8b}"
 OUT="$(mkdir -p "$OUT" && cd "$OUT" && pwd)"  # absolute: the script moves to the repository root
@@ -73,9 +73,10 @@ has_step() {  # has_step NAME: asked for, and (but for summary) not past the dea
     return 1
   fi
 }
-pack() {  # OUT as one archive (written aside, then renamed: a call cut off mid-pack keeps the last one)
+pack() {  # OUT as one archive (written aside, then renamed: a call cut off mid-pack keeps the last one);
+  # without the profiler's JSON traces: a file over 16 MiB does not come back from a lent machine at all
   [[ -n "$ARCHIVE" ]] || return 0
-  tar -czf "$ARCHIVE.part" --exclude="./$(basename "$ARCHIVE")*" -C "$OUT" . 2>/dev/null \
+  tar -czf "$ARCHIVE.part" --exclude="./$(basename "$ARCHIVE")*" --exclude="*.json" -C "$OUT" . 2>/dev/null \
     && mv -f "$ARCHIVE.part" "$ARCHIVE"
 }
 step_started=$SECONDS
