@@ -441,20 +441,26 @@ extern "C" __global__ void __launch_bounds__(REDUCE_THREADS) kvt_paged_context_r
   const i64 token = q_begin + row;
   for (int head = warp; head < num_heads; head += REDUCE_THREADS / 32) {
     const i64 slots = (token * num_heads + head) * num_splits;
-    float row_max = neg_inf(), row_sum = 0.f, o[DIMS_PER_LANE];
-#pragma unroll
-    for (int d = 0; d < DIMS_PER_LANE; ++d) o[d] = 0.f;
+    // Two passes of independent loads (no split's read waits for another's): the max over the
+    // splits in which the row saw a key, then the weighted sums. Every split of the range wrote
+    // every row of the tile (a row that saw no key of it: max -inf, sum 0, output 0).
+    float row_max = neg_inf();
+#pragma unroll 4
     for (int s = split_begin; s <= split_last; ++s) {
       const float2 ml = *reinterpret_cast<const float2*>(partial_ml + (slots + s) * 2);
-      if (ml.y == 0.f) continue;  // the row saw no key of this split
-      const float new_max = fmaxf(row_max, ml.x);
-      const float old_weight = fast_exp2(row_max - new_max);  // 0 while nothing is summed yet
-      const float weight = fast_exp2(ml.x - new_max);
-      row_sum = row_sum * old_weight + ml.y * weight;
+      row_max = ml.y > 0.f ? fmaxf(row_max, ml.x) : row_max;
+    }
+    float row_sum = 0.f, o[DIMS_PER_LANE];
+#pragma unroll
+    for (int d = 0; d < DIMS_PER_LANE; ++d) o[d] = 0.f;
+#pragma unroll 4
+    for (int s = split_begin; s <= split_last; ++s) {
+      const float2 ml = *reinterpret_cast<const float2*>(partial_ml + (slots + s) * 2);
+      const float weight = ml.y > 0.f ? fast_exp2(ml.x - row_max) : 0.f;
+      row_sum += ml.y * weight;
       const float* acc = partial_acc + (slots + s) * HEAD_DIM + lane * DIMS_PER_LANE;
 #pragma unroll
-      for (int d = 0; d < DIMS_PER_LANE; ++d) o[d] = o[d] * old_weight + acc[d] * weight;
-      row_max = new_max;
+      for (int d = 0; d < DIMS_PER_LANE; ++d) o[d] += acc[d] * weight;
     }
     const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
     half_bits* dst = out + token * out_token_stride + static_cast<i64>(head) * out_head_stride + lane * DIMS_PER_LANE;
