@@ -17,7 +17,7 @@ from test_model_runner import TOKENS_PER_BLOCK, runner  # noqa: F401 - the fixtu
 
 from kvtool.runtime.cuda_graphs import DecodeBatch, StaticInputs, batch_buckets, pad_decode_batch
 from kvtool.runtime.model_runner import StepRequest
-from kvtool.runtime.step_batch import GraphLayout, layout_for, token_buckets
+from kvtool.runtime.step_batch import graph_layouts, layout_for
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ class RecordingMixedGraphs:
 
     def __init__(self, max_batch_size: int, max_seq_len: int, max_num_tokens: int) -> None:
         max_blocks = -(-max_seq_len // TOKENS_PER_BLOCK)
-        self.layouts = [GraphLayout.for_tokens(t, max_batch_size, max_blocks) for t in token_buckets(max_num_tokens)]
+        self.layouts = graph_layouts(max_num_tokens, max_batch_size, max_blocks)
         self.replayed: list[tuple[int, int]] = []  # (step tokens, bucket tokens)
 
     def layout(self, step):
@@ -132,7 +132,7 @@ def test_a_mixed_step_of_context_chunks_and_decode_rows_replays_one_graph(runner
 def test_steps_no_mixed_graph_holds_run_eagerly(runner, mixed_graphs, monkeypatch):  # noqa: F811
     runner.execute([prompt(60, 0, 0)])  # 60 tokens: within the 64-token limit, bucket 64
     assert mixed_graphs.replayed == [(60, 64)]
-    mixed_graphs.layouts = mixed_graphs.layouts[:-1]  # as if the largest bucket were 48 tokens
+    mixed_graphs.layouts = [layout for layout in mixed_graphs.layouts if layout.num_tokens < 64]  # largest: 48
     eager = runner.execute([prompt(60, 0, 0)])
     assert mixed_graphs.replayed == [(60, 64)] and eager.shape[0] == 1
     monkeypatch.setattr(runner.pools, "_layer_events", [object()])  # copies landing layer by layer

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.runtime.model_runner import StepRequest
-from kvtool.runtime.step_batch import GraphLayout, flatten_step, layout_for, token_buckets
+from kvtool.runtime.step_batch import GraphLayout, flatten_step, graph_layouts, layout_for, token_buckets
 
 TPB = 4
 MAX_BLOCKS = 64
@@ -94,6 +94,22 @@ def test_mixed_step_keeps_context_rows_in_their_slots_and_one_token_rows_after_t
     assert packed.sample_rows[:4].tolist() == step.sample_rows.tolist()
 
 
+def test_a_lone_prompt_over_a_cached_prefix_gets_a_layout_of_one_context_slot():
+    # The context kernel splits the keys of a launch with few CTAs; in the full layout of a 64-row
+    # batch the question's one query tile would count 64 context slots and never split.
+    layouts = graph_layouts(512, 64, 1024)
+    alone = flatten_step([request(128, 2048, 0)], TPB)
+    beside_decodes = flatten_step([request(128, 2048, 0), request(1, 40, 600), request(1, 90, 700)], TPB)
+    two_prompts = flatten_step([request(60, 2048, 0), request(60, 100, 600)], TPB)
+    for step in (alone, beside_decodes):
+        layout = layout_for(layouts, step)
+        assert (layout.num_tokens, layout.num_context_slots) == (192 if step is beside_decodes else 128, 1)
+        assert padded_view(layout, layout.pack(step)) == eager_view(step)
+    layout = layout_for(layouts, two_prompts)
+    assert (layout.num_tokens, layout.num_context_slots) == (128, 64)
+    assert graph_layouts(512, 1, 1024) == [GraphLayout.for_tokens(t, 1, 1024) for t in token_buckets(512)]
+
+
 def test_a_step_larger_than_a_layout_does_not_fit_and_is_refused():
     layout = GraphLayout.for_tokens(16, max_batch_size=4, max_blocks=8)
     too_many_tokens = flatten_step([request(17, 0, 0)], TPB)
@@ -116,7 +132,7 @@ def test_every_step_that_fits_a_bucket_attends_exactly_its_eager_rows(shapes, ma
         requests.append(request(num_new, num_cached, first_block, samples))
         first_block += len(requests[-1].block_ids)
     step = flatten_step(requests, TPB)
-    layouts = [GraphLayout.for_tokens(t, max_batch_size, MAX_BLOCKS) for t in token_buckets(512)]
+    layouts = graph_layouts(512, max_batch_size, MAX_BLOCKS)
     layout = layout_for(layouts, step)
     assert layout is not None and layout.num_tokens >= step.num_tokens  # every step of <= 512 tokens fits
     smaller = [candidate for candidate in layouts if candidate.num_tokens < layout.num_tokens]

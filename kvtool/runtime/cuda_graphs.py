@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from kvtool.layers.attention_metadata import AttentionMetadata
-from kvtool.runtime.step_batch import GraphLayout, GraphStep, HostStep, layout_for, token_buckets
+from kvtool.runtime.step_batch import GraphLayout, GraphStep, HostStep, graph_layouts, layout_for
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -234,7 +234,8 @@ class DecodeGraphs:
 
 class MixedGraphs:
     """Captures and replays prefill / mixed steps (forward and the sampled rows' logits) per
-    token-count bucket up to MAX_GRAPH_TOKENS (kvtool.runtime.step_batch)."""
+    token-count bucket up to MAX_GRAPH_TOKENS, in two layouts each: one context slot, and as many as
+    the bucket and batch allow (kvtool.runtime.step_batch.graph_layouts)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], tokens_per_block: int,
                  max_batch_size: int, max_seq_len: int, max_num_tokens: int, device: torch.device,
@@ -244,7 +245,7 @@ class MixedGraphs:
         self.tokens_per_block = tokens_per_block
         self.max_seq_len = max_seq_len
         max_blocks = math.ceil(max_seq_len / tokens_per_block)
-        self.layouts = [GraphLayout.for_tokens(t, max_batch_size, max_blocks) for t in token_buckets(max_num_tokens)]
+        self.layouts = graph_layouts(max_num_tokens, max_batch_size, max_blocks)
         self.device = device
         self._graphs: dict[GraphLayout, _Graph] = {}
         self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()

@@ -206,6 +206,22 @@ class GraphLayout(NamedTuple):
                          sample_rows)
 
 
+def graph_layouts(max_num_tokens: int, max_batch_size: int, max_blocks: int) -> list[GraphLayout]:
+    """The prefill / mixed graphs' layouts, smallest first: per token bucket, one of a single context
+    slot (a prompt over a cached prefix, alone or beside decode rows: the common step at low load)
+    before the full one. The context kernel sizes its grid, and so its key splits, by the layout's
+    context slots (kvtool/kernels/paged_context_attention.py): in the full layout a lone question's
+    few CTAs would hide among the padding slots' and never split."""
+    layouts = []
+    for num_tokens in token_buckets(max_num_tokens):
+        full = GraphLayout.for_tokens(num_tokens, max_batch_size, max_blocks)
+        if full.num_context_slots > 1:
+            layouts.append(full._replace(num_context_slots=1,
+                                         num_sample_slots=min(max_batch_size, 1 + full.num_decode_slots)))
+        layouts.append(full)
+    return layouts
+
+
 def layout_for(layouts: Sequence[GraphLayout], step: HostStep) -> GraphLayout | None:
     """The smallest of ``layouts`` (ordered by num_tokens) that fits the step; None when none does."""
     return next((layout for layout in layouts if layout.fits(step)), None)
