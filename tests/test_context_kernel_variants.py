@@ -24,8 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.kernels.compiler import KernelCompileError, KernelCompiler, KernelSpec, NvccBackend, default_source_dir
-from kvtool.kernels.paged_context_attention import (BLOCK_M, MIN_KEYS_PER_SPLIT, TARGET_CTAS_PER_SM,
-                                                    context_attention_spec, key_splits, keys_per_tile, smem_bytes)
+from kvtool.kernels.paged_context_attention import (BLOCK_M, MAX_KEY_SPLITS, MIN_KEYS_PER_SPLIT, REFERENCE_KEYS,
+                                                    TARGET_CTAS_PER_SM, context_attention_spec, key_splits,
+                                                    keys_per_tile, smem_bytes)
 
 ARCH = "sm_90"
 
@@ -60,8 +61,11 @@ def test_launcher_parameters():
 
 
 def test_a_question_over_a_long_prefix_splits_its_keys_and_a_full_launch_does_not():
-    # The e2e hit: 1 query tile x 32 heads over 2,176 keys on 132 SMs: 8 splits of 9 tiles (288 keys).
-    assert key_splits(32, 2176, 128, 132) == (8, 9)
+    # The e2e hit: 1 query tile x 32 heads over 2,176 keys on 132 SMs: 9 splits of 8 tiles (256 keys).
+    assert key_splits(32, 2176, 128, 132) == (9, 8)
+    # In a graph sized for a 4,096-token max_seq_len the splits keep their size: the hit uses 9 of 16.
+    assert key_splits(32, 4096, 128, 132) == (16, 8)
+    assert key_splits(32, 40960, 128, 132) == (MAX_KEY_SPLITS, 40)  # 1,280 tiles: at most 32 splits
     assert key_splits(4 * 32 * 32, 4096, 128, 132).num_splits == 1  # 4 x 4k prompts: 4,096 CTAs
     assert key_splits(32, 300, 128, 132).num_splits == 1            # too few keys to be worth a reduce
     with pytest.raises(ValueError):
@@ -79,7 +83,9 @@ def test_key_splits_cover_every_key_tile_in_runs_no_shorter_than_the_minimum(num
         return
     assert splits.num_splits * splits.tiles_per_split >= num_tiles > (splits.num_splits - 1) * splits.tiles_per_split
     assert splits.tiles_per_split * keys_per_tile(head_dim) >= MIN_KEYS_PER_SPLIT
-    assert num_ctas * (splits.num_splits - 1) < TARGET_CTAS_PER_SM * num_sms  # no more than a full wave needs
+    assert splits.num_splits <= MAX_KEY_SPLITS
+    if max_seq_len <= REFERENCE_KEYS:  # no more splits than a full wave needs
+        assert num_ctas * (splits.num_splits - 1) < TARGET_CTAS_PER_SM * num_sms
 
 
 def _split_attention(q, k, v, ctx_len, window, tiles_per_split, num_splits, block_n):

@@ -26,6 +26,12 @@ LOG2_E = 1.4426950408889634
 # run's 128-token hit step took 13.0 ms of GPU time where its weights and GEMMs need 7.6.
 TARGET_CTAS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
+# A CUDA graph's launch is sized for the runtime's max_seq_len, not the request it replays: splits are
+# sized so that a request of REFERENCE_KEYS keys (a typical cached prefix) fills the GPU, the longest
+# request taking as many splits as it needs, at most MAX_KEY_SPLITS (splits past a request's keys
+# return at once; the reduce reads only the ones it saw).
+REFERENCE_KEYS = 2048
+MAX_KEY_SPLITS = 32
 
 
 class KeySplits(NamedTuple):
@@ -35,15 +41,19 @@ class KeySplits(NamedTuple):
 
 def key_splits(num_ctas: int, max_seq_len: int, head_dim: int, num_sms: int) -> KeySplits:
     """How to split the keys of a launch of ``num_ctas`` CTAs (query tiles x heads x requests) whose
-    longest request has ``max_seq_len`` tokens: enough splits to give TARGET_CTAS_PER_SM CTAs per SM,
-    none shorter than MIN_KEYS_PER_SPLIT keys."""
+    requests have at most ``max_seq_len`` tokens: enough splits for a request of min(max_seq_len,
+    REFERENCE_KEYS) keys to give TARGET_CTAS_PER_SM CTAs per SM, none shorter than MIN_KEYS_PER_SPLIT
+    keys, at most MAX_KEY_SPLITS."""
     if num_ctas < 1 or num_sms < 1:
         raise ValueError(f"num_ctas ({num_ctas}) and num_sms ({num_sms}) must be >= 1")
-    num_tiles = math.ceil(max_seq_len / keys_per_tile(head_dim))
-    wanted = min(math.ceil(TARGET_CTAS_PER_SM * num_sms / num_ctas), max_seq_len // MIN_KEYS_PER_SPLIT)
-    if wanted <= 1:
+    keys = keys_per_tile(head_dim)
+    num_tiles = math.ceil(max_seq_len / keys)
+    min_tiles = math.ceil(MIN_KEYS_PER_SPLIT / keys)
+    wanted = math.ceil(TARGET_CTAS_PER_SM * num_sms / num_ctas)
+    if wanted <= 1 or num_tiles < 2 * min_tiles:
         return KeySplits(1, max(num_tiles, 1))
-    tiles_per_split = math.ceil(num_tiles / wanted)
+    tiles_per_split = max(min_tiles, math.ceil(min(num_tiles, math.ceil(REFERENCE_KEYS / keys)) / wanted),
+                          math.ceil(num_tiles / MAX_KEY_SPLITS))
     return KeySplits(math.ceil(num_tiles / tiles_per_split), tiles_per_split)
 
 
