@@ -66,6 +66,8 @@ def test_a_question_over_a_long_prefix_splits_its_keys_and_a_full_launch_does_no
     # In a graph sized for a 4,096-token max_seq_len the splits keep their size: the hit uses 9 of 16.
     assert key_splits(32, 4096, 128, 132) == (16, 8)
     assert key_splits(32, 40960, 128, 132) == (MAX_KEY_SPLITS, 40)  # 1,280 tiles: at most 32 splits
+    assert key_splits(32, 40960, 128, 132, max_splits=7) == (7, 183)  # the launcher bounds the partials' bytes
+    assert key_splits(32, 4096, 128, 132, max_splits=1).num_splits == 1
     assert key_splits(4 * 32 * 32, 4096, 128, 132).num_splits == 1  # 4 x 4k prompts: 4,096 CTAs
     assert key_splits(32, 300, 128, 132).num_splits == 1            # too few keys to be worth a reduce
     with pytest.raises(ValueError):
@@ -74,16 +76,16 @@ def test_a_question_over_a_long_prefix_splits_its_keys_and_a_full_launch_does_no
 
 @settings(max_examples=200, deadline=None)
 @given(num_ctas=st.integers(1, 5000), max_seq_len=st.integers(1, 200_000), head_dim=st.sampled_from([64, 128]),
-       num_sms=st.integers(1, 200))
+       num_sms=st.integers(1, 200), max_splits=st.integers(1, MAX_KEY_SPLITS))
 def test_key_splits_cover_every_key_tile_in_runs_no_shorter_than_the_minimum(num_ctas, max_seq_len, head_dim,
-                                                                             num_sms):
-    splits = key_splits(num_ctas, max_seq_len, head_dim, num_sms)
+                                                                             num_sms, max_splits):
+    splits = key_splits(num_ctas, max_seq_len, head_dim, num_sms, max_splits)
     num_tiles = math.ceil(max_seq_len / keys_per_tile(head_dim))
     if splits.num_splits == 1:
         return
     assert splits.num_splits * splits.tiles_per_split >= num_tiles > (splits.num_splits - 1) * splits.tiles_per_split
     assert splits.tiles_per_split * keys_per_tile(head_dim) >= MIN_KEYS_PER_SPLIT
-    assert splits.num_splits <= MAX_KEY_SPLITS
+    assert splits.num_splits <= max_splits
     if max_seq_len <= REFERENCE_KEYS:  # no more splits than a full wave needs
         assert num_ctas * (splits.num_splits - 1) < TARGET_CTAS_PER_SM * num_sms
 

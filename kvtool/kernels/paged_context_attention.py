@@ -32,6 +32,9 @@ MIN_KEYS_PER_SPLIT = 256
 # return at once; the reduce reads only the ones it saw).
 REFERENCE_KEYS = 2048
 MAX_KEY_SPLITS = 32
+# The splits' fp32 partials take rows x heads x head_dim x 4 bytes each (8.4 MB for 512 rows of
+# qwen3-8b); a graph keeps them in its memory pool, so their total is bounded.
+MAX_PARTIAL_BYTES = 64 << 20
 
 
 class KeySplits(NamedTuple):
@@ -39,21 +42,22 @@ class KeySplits(NamedTuple):
     tiles_per_split: int  # key tiles per split (the last split also takes any tiles past the others)
 
 
-def key_splits(num_ctas: int, max_seq_len: int, head_dim: int, num_sms: int) -> KeySplits:
+def key_splits(num_ctas: int, max_seq_len: int, head_dim: int, num_sms: int,
+               max_splits: int = MAX_KEY_SPLITS) -> KeySplits:
     """How to split the keys of a launch of ``num_ctas`` CTAs (query tiles x heads x requests) whose
     requests have at most ``max_seq_len`` tokens: enough splits for a request of min(max_seq_len,
     REFERENCE_KEYS) keys to give TARGET_CTAS_PER_SM CTAs per SM, none shorter than MIN_KEYS_PER_SPLIT
-    keys, at most MAX_KEY_SPLITS."""
+    keys, at most ``max_splits``."""
     if num_ctas < 1 or num_sms < 1:
         raise ValueError(f"num_ctas ({num_ctas}) and num_sms ({num_sms}) must be >= 1")
     keys = keys_per_tile(head_dim)
     num_tiles = math.ceil(max_seq_len / keys)
     min_tiles = math.ceil(MIN_KEYS_PER_SPLIT / keys)
     wanted = math.ceil(TARGET_CTAS_PER_SM * num_sms / num_ctas)
-    if wanted <= 1 or num_tiles < 2 * min_tiles:
+    if wanted <= 1 or max_splits <= 1 or num_tiles < 2 * min_tiles:
         return KeySplits(1, max(num_tiles, 1))
     tiles_per_split = max(min_tiles, math.ceil(min(num_tiles, math.ceil(REFERENCE_KEYS / keys)) / wanted),
-                          math.ceil(num_tiles / MAX_KEY_SPLITS))
+                          math.ceil(num_tiles / max_splits))
     return KeySplits(math.ceil(num_tiles / tiles_per_split), tiles_per_split)
 
 
@@ -106,7 +110,9 @@ def paged_context_attention(library: KernelLibrary, query: torch.Tensor, kv_cach
     num_tiles = math.ceil(max_query_len / BLOCK_M)
     num_ctas = num_tiles * a.num_heads * num_seqs
     if num_splits is None:
-        splits = key_splits(num_ctas, max_seq_len, a.head_dim, device_sm_count(device))
+        split_bytes = query.shape[0] * a.num_heads * a.head_dim * 4  # one split's fp32 partials
+        splits = key_splits(num_ctas, max_seq_len, a.head_dim, device_sm_count(device),
+                            min(MAX_KEY_SPLITS, MAX_PARTIAL_BYTES // split_bytes))
     else:
         splits = KeySplits(num_splits, math.ceil(math.ceil(max_seq_len / keys_per_tile(a.head_dim)) / num_splits))
     partial_acc = partial_ml = None
