@@ -38,6 +38,11 @@ LAYERED_COPY_MIN_BYTES = 128 << 20
 # recomputing took 25.8 (results/gpu/card/offload_abab_host45GB); whole, they are ~6 ms of copies
 # before a replayed step. Still to measure on a GPU: the same card with this threshold.
 LAYERED_COPY_MIN_BYTES_WITH_GRAPHS = 1 << 30
+# A step copied whole, whose offloads free the blocks its onboards fill, moves in this many slices of
+# layers on two streams: slice i's onboards wait for slice i's offloads only, so the two directions
+# overlap (PCIe is full duplex; the H100's suite moved 91 GB/s on two streams, 55 on one) and the
+# forward waits for the last slice. Only with at most MAX_LAYERED_DMA_RUNS transfers a slice.
+WHOLE_COPY_SLICES = 4
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,9 @@ class KvCachePools:
         try:
             with torch.cuda.stream(self._copy_stream):
                 if layered:
-                    self._layer_events = self._copy_layer_by_layer(batches, method)
+                    self._layer_events = self._copy_in_slices(batches, method, self.shape.num_layers)
+                elif self.copies_overlap_in_slices(batches):
+                    self._copy_in_slices(batches, method, WHOLE_COPY_SLICES)  # waited for below
                 else:
                     for batch in batches:
                         self._copy_batch(batch, None)
@@ -217,6 +224,13 @@ class KvCachePools:
         of a block is whole 16-byte vectors."""
         num_bytes = sum(len(b.src_block_ids) for b in batches) * self.shape.num_bytes
         return (self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
+                and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)
+
+    def copies_overlap_in_slices(self, batches: list[CopyBatch]) -> bool:
+        """Whether a step copied whole moves its offload and onboard waves side by side, in
+        WHOLE_COPY_SLICES slices of layers (each slice's transfers issued once per run of blocks)."""
+        return (offloads_then_onboards(batches) and all(self._uses_batched_copy(b) for b in batches)
+                and self._num_transfers(batches) <= MAX_LAYERED_DMA_RUNS
                 and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)
 
     def step_copy_method(self, batches: list[CopyBatch], layered: bool) -> str:
@@ -254,44 +268,46 @@ class KvCachePools:
     def copies_pending_per_layer(self) -> bool:
         return self._layer_events is not None
 
-    def _copy_layer_by_layer(self, batches: list[CopyBatch], method: str) -> list:
-        """Issues the copies one layer at a time (whole-block batches between tiers by ``method``);
-        returns an event per layer that follows all of that layer's copies. Called with the copy
-        stream current."""
+    def _copy_in_slices(self, batches: list[CopyBatch], method: str, num_slices: int) -> list:
+        """Issues the copies one slice of layers at a time (layer_slices; whole-block batches between
+        tiers by ``method``); returns an event per layer that follows all of its slice's copies.
+        Called with the copy stream current."""
         layer_bytes = self.shape.num_bytes // self.shape.num_layers
+        slices = layer_slices(self.shape.num_layers, num_slices)
+        events = []
         if offloads_then_onboards(batches) and all(self._uses_batched_copy(b) for b in batches):
-            # The usual large step: offload wave, then onboards into the blocks it freed. Layer i's
-            # onboards wait for layer i's offloads only, so they overlap layer i + 1's offloads.
+            # The usual large step: offload wave, then onboards into the blocks it freed. Slice i's
+            # onboards wait for slice i's offloads only, so they overlap slice i + 1's offloads.
             offloads = [self._prepare_batched_copy(b, method) for b in batches if b.wave == 0]
             with torch.cuda.stream(self._onboard_stream):  # a kernel's tables live on the stream that reads them
                 onboards = [self._prepare_batched_copy(b, method) for b in batches if b.wave == 1]
-            events = []
-            for layer in range(self.shape.num_layers):
+            for first, end in slices:
+                offset, num_bytes = first * layer_bytes, (end - first) * layer_bytes
                 for copy in offloads:
-                    copy.launch(layer * layer_bytes, layer_bytes)
+                    copy.launch(offset, num_bytes)
                 offloaded = torch.cuda.Event()
                 offloaded.record(self._copy_stream)
                 self._onboard_stream.wait_event(offloaded)
                 with torch.cuda.stream(self._onboard_stream):
                     for copy in onboards:
-                        copy.launch(layer * layer_bytes, layer_bytes)
+                        copy.launch(offset, num_bytes)
                 onboarded = torch.cuda.Event()
                 onboarded.record(self._onboard_stream)
-                events.append(onboarded)
+                events += [onboarded] * (end - first)
             return events
         # Anything else, one stream: whole-block batches between tiers are resolved once and issued
-        # per layer; the rest (partial or primary -> primary) are torch copies of the layer's slice.
+        # per slice; the rest (partial or primary -> primary) are torch copies of each layer's slice.
         prepared = [self._prepare_batched_copy(batch, method) for batch in batches]
-        events = []
-        for layer in range(self.shape.num_layers):
+        for first, end in slices:
             for batch, batched in zip(batches, prepared):
                 if batched is not None:
-                    batched.launch(layer * layer_bytes, layer_bytes)
+                    batched.launch(first * layer_bytes, (end - first) * layer_bytes)
                 else:
-                    self._copy_batch(batch, layer)
+                    for layer in range(first, end):
+                        self._copy_batch(batch, layer)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-            events.append(event)
+            events += [event] * (end - first)
         return events
 
     def _uses_batched_copy(self, batch: CopyBatch) -> bool:
@@ -345,6 +361,13 @@ class KvCachePools:
         if pool is PoolKind.PRIMARY:
             return self.primary[block_id]
         return self.host.block(block_id)
+
+
+def layer_slices(num_layers: int, num_slices: int) -> list[tuple[int, int]]:
+    """[first, end) layers of ``num_slices`` slices as even as the layers allow, in order."""
+    num_slices = max(1, min(num_slices, num_layers))
+    bounds = [i * num_layers // num_slices for i in range(num_slices + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def offloads_then_onboards(batches: list[CopyBatch]) -> bool:
