@@ -155,6 +155,14 @@ def test_summary_states_each_target_met_or_missed_from_the_files_of_a_run(tmp_pa
     assert lines["GPU tests (pytest -m gpu)"].endswith("not measured (step test) |")
 
 
+def test_the_summary_shows_the_hits_key_split_speed_up_when_the_suite_timed_it():
+    suite = [{"section": "context", "case": "1 x 128 over 2048: unsplit / 9 key splits", "metric": "speed-up",
+              "value": "4.2"}]
+    (line,) = [line for line in gpu_summary.kernel_lines(suite) if "key splits" in line.target]
+    assert line.target == "   context attention, 1 x 128 over 2048: unsplit / 9 key splits" and line.measured == "4.20x"
+    assert not [line for line in gpu_summary.kernel_lines([]) if "key splits" in line.target]
+
+
 def test_the_peer_is_held_to_kvtools_row_of_the_very_same_case():
     # The H100 run's e2e wrote "4000-token prompt, decode without CUDA graphs" before the replayed
     # decode's row; the summary held transformers' TPOT to the eager one.
