@@ -21,8 +21,8 @@ from kvtool.runtime.host_allocator import huge_page_zeros
 HOST_CHUNK_BYTES = 64 << 20  # the host pool grows in chunks of about this size
 # Pinned host memory is allocated this far ahead of the chunks in use, on a background thread:
 # pinning costs milliseconds per chunk (the first offloads of an H200 run took 66-194 ms while the
-# step pinned its chunks, results/gpu/h200-2026-11-26/README.md); ahead of need, no step waits for it. 1 GiB holds
-# the offloads of a 4k-token qwen3-8b request (590 MB) with room to spare.
+# step pinned its chunks, results/gpu/h200-2026-11-26/README.md); ahead of need, no step waits for
+# it. 1 GiB holds the offloads of a 4k-token qwen3-8b request (590 MB) with room to spare.
 HOST_AHEAD_BYTES = 1 << 30
 # With the copy engines a layered step issues one transfer per run of consecutive blocks per layer:
 # beyond this many runs (scattered ids) the host time of issuing them outweighs what the copy engines
@@ -35,8 +35,9 @@ LAYERED_COPY_MIN_BYTES = 128 << 20
 # its copies: worth it only when they take longer than an eager step's host time (14-17 ms on
 # qwen3-8b, results/gpu/gpu_steps.md), about 0.75 GB at the measured 52 GB/s a direction. On the
 # H100 the layered onboards of the card's 1k-token prompts (0.3 GB a step) took 36-48 ms TTFT where
-# recomputing took 25.8 (results/gpu/card/offload_abab_host45GB); whole, they are ~6 ms of copies
-# before a replayed step. Still to measure on a GPU: the same card with this threshold.
+# recomputing took 25.8 (results/gpu/card/offload_abab_host45GB); whole, they are a few ms of copies
+# (both directions side by side, WHOLE_COPY_SLICES) before a replayed step. Still to measure on a
+# GPU: the same card with this threshold.
 LAYERED_COPY_MIN_BYTES_WITH_GRAPHS = 1 << 30
 # A step copied whole, whose offloads free the blocks its onboards fill, moves in this many slices of
 # layers on two streams: slice i's onboards wait for slice i's offloads only, so the two directions
@@ -224,14 +225,22 @@ class KvCachePools:
         of a block is whole 16-byte vectors."""
         num_bytes = sum(len(b.src_block_ids) for b in batches) * self.shape.num_bytes
         return (self.layered_copy_min_bytes is not None and num_bytes >= self.layered_copy_min_bytes
-                and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)
+                and self._layer_slices_are_vectors)
 
     def copies_overlap_in_slices(self, batches: list[CopyBatch]) -> bool:
         """Whether a step copied whole moves its offload and onboard waves side by side, in
         WHOLE_COPY_SLICES slices of layers (each slice's transfers issued once per run of blocks)."""
-        return (offloads_then_onboards(batches) and all(self._uses_batched_copy(b) for b in batches)
-                and self._num_transfers(batches) <= MAX_LAYERED_DMA_RUNS
-                and (self.shape.num_bytes // self.shape.num_layers) % 16 == 0)
+        return (self._is_batched_swap(batches) and self._num_transfers(batches) <= MAX_LAYERED_DMA_RUNS
+                and self._layer_slices_are_vectors)
+
+    @property
+    def _layer_slices_are_vectors(self) -> bool:
+        """A layer's slice of a block is whole 16-byte vectors (what the copy kernel moves)."""
+        return (self.shape.num_bytes // self.shape.num_layers) % 16 == 0
+
+    def _is_batched_swap(self, batches: list[CopyBatch]) -> bool:
+        """One wave of offloads, then one of onboards into the blocks it freed, all batched copies."""
+        return offloads_then_onboards(batches) and all(self._uses_batched_copy(b) for b in batches)
 
     def step_copy_method(self, batches: list[CopyBatch], layered: bool) -> str:
         """How the step's whole-block copies between tiers move: ``copy_method``, except that a layered
@@ -275,7 +284,7 @@ class KvCachePools:
         layer_bytes = self.shape.num_bytes // self.shape.num_layers
         slices = layer_slices(self.shape.num_layers, num_slices)
         events = []
-        if offloads_then_onboards(batches) and all(self._uses_batched_copy(b) for b in batches):
+        if self._is_batched_swap(batches):
             # The usual large step: offload wave, then onboards into the blocks it freed. Slice i's
             # onboards wait for slice i's offloads only, so they overlap slice i + 1's offloads.
             offloads = [self._prepare_batched_copy(b, method) for b in batches if b.wave == 0]
