@@ -168,3 +168,11 @@ def test_a_decode_step_flattens_as_its_rows_do_after_a_context_chunk(shapes, con
     # Sampled rows in the caller's order: the chunk's last row, then each sampling row's own.
     assert decode.sample_rows.tolist() == [i for i, (_, samples) in enumerate(shapes) if samples]
     assert (mixed.sample_rows[1:] - context_len).tolist() == decode.sample_rows.tolist()
+
+
+def test_a_step_samples_every_row_only_when_its_sampled_rows_are_all_rows_in_order():
+    decode = flatten_step([request(1, 11, 0), request(1, 6, 7)], TPB)
+    assert decode.samples_every_row
+    assert not flatten_step([request(1, 11, 0), request(1, 6, 7, samples=False)], TPB).samples_every_row
+    assert not flatten_step([request(5, 0, 0)], TPB).samples_every_row  # a prompt samples its last row only
+    assert not decode._replace(sample_rows=decode.sample_rows[::-1].copy()).samples_every_row

@@ -50,6 +50,13 @@ class HostStep(NamedTuple):
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    @property
+    def samples_every_row(self) -> bool:
+        """Whether sample_rows is every row in order (a decode step whose requests all sample): the
+        sampled rows' logits are then the whole step's."""
+        rows = self.sample_rows
+        return len(rows) == self.num_tokens and bool((rows[1:] > rows[:-1]).all())
+
 
 def flatten_step(requests: Sequence, tokens_per_block: int) -> HostStep:
     """Flattens the step's requests (anything with token_ids, block_ids, num_cached_tokens, samples):
