@@ -133,8 +133,7 @@ def kernel_lines(suite: list[dict]) -> list[Line]:
                           ">= 0.8", verdict(ratio >= 0.8)))
     split = find(suite, section="context", case="key splits", metric="speed-up")
     if split is not None:  # the reuse hit's attention alone: a few query rows over a long prefix
-        lines.append(Line(f"   context attention, {split['case'].split(':')[0]}: {split['case'].split(': ')[1]}",
-                          f"{number(split['value']):.2f}x", "", ""))
+        lines.append(Line(f"   context attention, {split['case']}", f"{number(split['value']):.2f}x", "", ""))
     return lines
 
 
