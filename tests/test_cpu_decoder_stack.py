@@ -64,6 +64,64 @@ def test_decode_steps_of_one_and_two_rows_run_in_one_call_and_match_the_layer_lo
         model.to(torch.float32)
 
 
+def decode_arrays(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decode step of ``seqs`` (each its next token) as the engine flattens it: input_ids, positions,
+    block_tables (-1 padded)."""
+    max_blocks = max(len(seq.block_ids) for seq in seqs)
+    return (np.array([seq.token_ids[seq.num_computed] for seq in seqs], dtype=np.int64),
+            np.array([seq.num_computed for seq in seqs], dtype=np.int64),
+            np.array([seq.block_ids + [-1] * (max_blocks - len(seq.block_ids)) for seq in seqs], dtype=np.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "qwen2_qkv_bias_tied", "mistral_sliding_window"])
+def test_a_decode_step_in_one_call_gives_the_logits_and_kv_of_forward_and_the_lm_head(models, name, dtype):
+    # decode() embeds the tokens, finds the slots and the attention plan from the block tables, and runs
+    # the stack and the LM head (tied or not) in C++: the same logits and KV, bit for bit.
+    ours, _ = models(name)
+    model = ours.to(dtype)
+    try:
+        decoder = model.cpu_decoder = CpuDecoder(model, num_threads=2)
+        driver = PagedDriver(model, tokens_per_block=T, num_blocks=32)
+        seqs = [driver.add_sequence(random_prompt(length, seed=length)) for length in (2 * T - 1, T + 9)]
+        for seq, logits in zip(seqs, driver.step(context=[(seq, len(seq.token_ids)) for seq in seqs])):
+            seq.append(int(logits[-1].argmax()))
+        for step in ([seqs[0]], seqs, seqs, [seqs[1]]):  # the first crosses into a new block
+            computed, pool = [seq.num_computed for seq in step], driver.pool.clone()
+            expected = torch.cat(driver.step(decode=step))  # allocates the blocks the step needs
+            expected_pool = driver.pool.clone()
+            driver.pool.copy_(pool)
+            for seq, num_computed in zip(step, computed):
+                seq.num_computed = num_computed
+            logits = decoder.decode(*decode_arrays(step), driver.kv_caches)
+            assert logits.dtype == torch.float32 and torch.equal(logits, expected)
+            torch.testing.assert_close(driver.pool, expected_pool, rtol=0, atol=0, equal_nan=True)
+            for seq, row in zip(step, logits):
+                seq.num_computed += 1
+                seq.append(int(row.argmax()))
+    finally:
+        model.cpu_decoder = None
+        model.to(torch.float32)
+
+
+def test_a_decode_step_refuses_tokens_and_positions_it_cannot_serve(models):
+    ours, _ = models("qwen3_qk_norm")
+    decoder = CpuDecoder(ours, num_threads=1)
+    driver = PagedDriver(ours, tokens_per_block=T, num_blocks=4)
+    input_ids, positions, block_tables = np.array([5]), np.array([T + 1]), np.array([[0, 1]], dtype=np.int32)
+    vocab = ours.config.vocab_size
+    with pytest.raises(ValueError, match=f"token {vocab} of row 0 is outside the vocabulary of {vocab}"):
+        decoder.decode(np.array([vocab]), positions, block_tables, driver.kv_caches)
+    with pytest.raises(ValueError, match=f"row 0's position {2 * T} has no block in its table of 2 blocks"):
+        decoder.decode(input_ids, np.array([2 * T]), block_tables, driver.kv_caches)
+    with pytest.raises(ValueError, match=f"row 0's position {T} has no block"):
+        decoder.decode(input_ids, np.array([T]), np.array([[0, -1]], dtype=np.int32), driver.kv_caches)
+    with pytest.raises(ValueError, match="has block id 7 at index 0"):
+        decoder.decode(input_ids, positions, np.array([[7, 1]], dtype=np.int32), driver.kv_caches)
+    with pytest.raises(ValueError, match="3 rows; the stack takes 1 to 2"):
+        decoder.decode(np.full(3, 5), np.full(3, T), np.zeros((3, 2), dtype=np.int32), driver.kv_caches)
+
+
 def test_the_python_loop_runs_steps_of_more_rows_than_the_stack_takes(models):
     ours, _ = models("qwen3_qk_norm")
     decoder = CpuDecoder(ours, num_threads=2)

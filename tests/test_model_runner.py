@@ -67,6 +67,23 @@ def test_the_decode_grid_is_sized_by_decode_rows_only(runner):
     assert meta.max_decode_seq_len == 0
 
 
+def test_a_cpu_decode_step_of_few_rows_runs_in_one_call_and_gives_the_sampled_rows_logits(runner, monkeypatch):
+    decoder = runner.model.cpu_decoder
+    runner.execute([scheduled(9, 0, 0, is_context=True), scheduled(6, 0, 4, is_context=True)])
+    steps = [[scheduled(1, 9, 0, is_context=False)],
+             [scheduled(1, 9, 0, is_context=False), scheduled(1, 6, 4, is_context=False)],
+             [scheduled(1, 9, 0, is_context=False, samples=False), scheduled(1, 6, 4, is_context=False)]]
+    calls = []
+    decode = decoder.decode
+    monkeypatch.setattr(decoder, "decode", lambda *args: calls.append(len(args[0])) or decode(*args))
+    one_call = [runner.execute(step) for step in steps]
+    assert calls == [1, 2, 2]
+    monkeypatch.setattr(decoder, "decodes", lambda num_rows: False)  # the forward and the LM head apart
+    for step, logits in zip(steps, one_call):
+        assert torch.equal(logits, runner.execute(step))
+    assert one_call[2].shape[0] == 1  # only the sampled row's logits
+
+
 class LayeredCopies:
     """Pools whose step copies land layer by layer (as a large step's do on a GPU): records each wait."""
 

@@ -18,6 +18,8 @@ namespace {
 
 using Int32Array = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
 using Int64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using BlockTables = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Logits = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 template <typename T>
 T* ptr(uintptr_t address) {
@@ -73,17 +75,22 @@ NB_MODULE(_kernels, m) {
                            "(they must outlive it).")
       .def(
           "__init__",
-          [](DecoderStack* self, std::vector<DecoderLayerWeights> layers, uintptr_t final_norm, int64_t hidden_size,
-             int64_t intermediate_size, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float rms_norm_eps,
-             float attention_scale, DType dtype, int64_t max_rows) {
+          [](DecoderStack* self, std::vector<DecoderLayerWeights> layers, uintptr_t final_norm, uintptr_t embedding,
+             uintptr_t lm_head, int64_t vocab_size, int64_t hidden_size, int64_t intermediate_size, int32_t num_heads,
+             int32_t num_kv_heads, int32_t head_dim, float rms_norm_eps, float attention_scale, DType dtype,
+             int64_t max_rows) {
             new (self) DecoderStack({hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, rms_norm_eps,
                                      attention_scale, dtype},
-                                    std::move(layers), ptr<const void>(final_norm), max_rows);
+                                    std::move(layers), ptr<const void>(final_norm),
+                                    {ptr<const void>(embedding), ptr<const void>(lm_head), vocab_size}, max_rows);
           },
-          "layers"_a, "final_norm"_a, "hidden_size"_a, "intermediate_size"_a, "num_heads"_a, "num_kv_heads"_a,
-          "head_dim"_a, "rms_norm_eps"_a, "attention_scale"_a, "dtype"_a, "max_rows"_a)
+          "layers"_a, "final_norm"_a, "embedding"_a, "lm_head"_a, "vocab_size"_a, "hidden_size"_a,
+          "intermediate_size"_a, "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "rms_norm_eps"_a, "attention_scale"_a,
+          "dtype"_a, "max_rows"_a,
+          "embedding and lm_head: the [vocab_size, hidden_size] tables decode reads (the same one when tied).")
       .def_prop_ro("num_layers", &DecoderStack::num_layers)
       .def_prop_ro("max_rows", &DecoderStack::max_rows)
+      .def_prop_ro("vocab_size", &DecoderStack::vocab_size)
       .def(
           "forward",
           [](DecoderStack& stack, CpuKernels& kernels, const AttentionPlan& plan, uintptr_t residual, uintptr_t out,
@@ -105,7 +112,39 @@ NB_MODULE(_kernels, m) {
           "tokens_per_block"_a, "cache_dtype"_a, nb::call_guard<nb::gil_scoped_release>(),
           "Every layer and the final norm for num_rows rows: residual [num_rows, hidden_size] (the embedded tokens) "
           "is the residual stream, out [num_rows, hidden_size] gets the final norm; writes each layer's KV "
-          "(kv_caches: int64 addresses, one per layer).");
+          "(kv_caches: int64 addresses, one per layer).")
+      .def(
+          "decode",
+          [](DecoderStack& stack, CpuKernels& kernels, Int64Array token_ids, Int64Array positions,
+             BlockTables block_tables, int64_t num_blocks, uintptr_t rope_cache, int64_t max_positions,
+             Int64Array kv_caches, int64_t block_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,
+             int32_t tokens_per_block, DType cache_dtype, int64_t sliding_window, Logits logits) {
+            const size_t n = token_ids.shape(0);
+            if (positions.shape(0) != n || block_tables.shape(0) != n || logits.shape(0) != n) {
+              throw std::invalid_argument("DecoderStack.decode: token_ids [n], positions [n], block_tables [n, "
+                                          "max_blocks] and logits [n, vocab_size] disagree");
+            }
+            if (static_cast<int64_t>(kv_caches.shape(0)) != stack.num_layers()) {
+              throw std::invalid_argument("DecoderStack.decode: " + std::to_string(kv_caches.shape(0)) +
+                                          " KV caches for " + std::to_string(stack.num_layers()) + " layers");
+            }
+            if (static_cast<int64_t>(logits.shape(1)) != stack.vocab_size()) {
+              throw std::invalid_argument("DecoderStack.decode: logits of " + std::to_string(logits.shape(1)) +
+                                          " columns for a vocabulary of " + std::to_string(stack.vocab_size()));
+            }
+            stack.decode(kernels, {token_ids.data(), positions.data(), block_tables.data(), static_cast<int64_t>(n),
+                                   static_cast<int64_t>(block_tables.shape(1)), num_blocks,
+                                   ptr<const float>(rope_cache), max_positions, kv_caches.data(), block_stride,
+                                   kv_stride, token_stride, head_stride, tokens_per_block, cache_dtype,
+                                   sliding_window, logits.data()});
+          },
+          "kernels"_a, "token_ids"_a, "positions"_a, "block_tables"_a, "num_blocks"_a, "rope_cache"_a,
+          "max_positions"_a, "kv_caches"_a, "block_stride"_a, "kv_stride"_a, "token_stride"_a, "head_stride"_a,
+          "tokens_per_block"_a, "cache_dtype"_a, "sliding_window"_a, "logits"_a,
+          nb::call_guard<nb::gil_scoped_release>(),
+          "A decode step of one new token per row (token_ids and positions int64 [n], block_tables int32 [n, "
+          "max_blocks], -1 where no block) in one call: the tokens' embeddings, every layer (writing each layer's "
+          "KV), the final norm and the LM head into logits float32 [n, vocab_size]; sliding_window 0: none.");
 
   nb::class_<CpuKernels>(m, "CpuKernels", "The kernels of one instruction set and the threads that run them.")
       .def(nb::init<const std::string&, int>(), "isa"_a = "auto", "num_threads"_a = 1,

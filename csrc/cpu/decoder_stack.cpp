@@ -1,24 +1,36 @@
 #include "decoder_stack.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
+#include "bf16.h"
+
 namespace kvtool::cpu {
 
 DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
-                           int64_t max_rows)
+                           const VocabWeights& vocab, int64_t max_rows)
     : shape_(shape),
       layers_(std::move(layers)),
       final_norm_(final_norm),
+      vocab_(vocab),
       max_rows_(max_rows),
       q_size_(static_cast<int64_t>(shape.num_heads) * shape.head_dim),
       qkv_size_(static_cast<int64_t>(shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim) {
   if (max_rows < 1 || shape.hidden_size < 1 || shape.intermediate_size < 1 || shape.num_heads < 1 ||
-      shape.num_kv_heads < 1 || shape.head_dim < 2 || shape.num_heads % shape.num_kv_heads != 0) {
-    throw std::invalid_argument("DecoderStack: max_rows, the sizes and the head counts must be >= 1, and num_heads "
-                                "a multiple of num_kv_heads");
+      shape.num_kv_heads < 1 || shape.head_dim < 2 || shape.num_heads % shape.num_kv_heads != 0 ||
+      vocab.vocab_size < 1) {
+    throw std::invalid_argument("DecoderStack: max_rows, the sizes, the head counts and vocab_size must be >= 1, "
+                                "and num_heads a multiple of num_kv_heads");
   }
+  residual_.resize(max_rows * shape.hidden_size);
+  hidden_out_.resize(max_rows * shape.hidden_size);
+  // A bfloat16 LM head writes bfloat16 logits here first (half of the room), widened into the caller's.
+  if (shape.dtype == DType::kBFloat16) head_out_.resize((max_rows * vocab.vocab_size + 1) / 2);
+  query_start_loc_.resize(max_rows + 1);
+  seq_lens_.resize(max_rows);
+  slot_mapping_.resize(max_rows);
   normed_.resize(max_rows * shape.hidden_size);
   qkv_.resize(max_rows * qkv_size_);
   attended_.resize(max_rows * q_size_);
@@ -80,6 +92,54 @@ void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const
   const int64_t hidden = shape_.hidden_size;
   kernels.rms_norm({x != nullptr ? x : args.residual, x != nullptr ? args.residual : nullptr, final_norm_, args.out,
                     args.num_rows, hidden, hidden, hidden, hidden, shape_.rms_norm_eps, shape_.dtype});
+}
+
+void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
+  const int64_t n = args.num_rows, hidden = shape_.hidden_size, vocab = vocab_.vocab_size;
+  if (n < 1 || n > max_rows_) {
+    throw std::invalid_argument("DecoderStack.decode: a step of " + std::to_string(n) + " rows; the stack takes 1 to " +
+                                std::to_string(max_rows_));
+  }
+  const int64_t row_bytes = hidden * element_bytes(shape_.dtype), tokens_per_block = args.tokens_per_block;
+  query_start_loc_[0] = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t token = args.token_ids[r], position = args.positions[r];
+    if (token < 0 || token >= vocab) {
+      throw std::invalid_argument("DecoderStack.decode: token " + std::to_string(token) + " of row " +
+                                  std::to_string(r) + " is outside the vocabulary of " + std::to_string(vocab));
+    }
+    const int64_t block_index = position / tokens_per_block;
+    const int32_t block = position >= 0 && block_index < args.max_blocks
+                              ? args.block_tables[r * args.max_blocks + block_index]
+                              : -1;
+    if (block < 0) {
+      throw std::invalid_argument("DecoderStack.decode: row " + std::to_string(r) + "'s position " +
+                                  std::to_string(position) + " has no block in its table of " +
+                                  std::to_string(args.max_blocks) + " blocks");
+    }
+    std::memcpy(reinterpret_cast<char*>(residual_.data()) + r * row_bytes,
+                static_cast<const char*>(vocab_.embedding) + token * row_bytes, row_bytes);
+    slot_mapping_[r] = static_cast<int64_t>(block) * tokens_per_block + position % tokens_per_block;
+    seq_lens_[r] = static_cast<int32_t>(position + 1);
+    query_start_loc_[r + 1] = static_cast<int32_t>(r + 1);
+  }
+  // Every block a row's query sees must be the pool's: the plan checks them.
+  const AttentionPlan plan(query_start_loc_.data(), seq_lens_.data(), n, args.block_tables, args.max_blocks,
+                           args.num_blocks,
+                           {shape_.num_heads, shape_.num_kv_heads, shape_.head_dim, args.tokens_per_block,
+                            args.sliding_window},
+                           kernels.width(), kernels.num_threads());
+  forward(kernels, plan,
+          {residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(), args.rope_cache,
+           args.max_positions, args.kv_caches, args.block_stride, args.kv_stride, args.token_stride, args.head_stride,
+           args.tokens_per_block, args.cache_dtype});
+  if (shape_.dtype == DType::kFloat32) {
+    project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), args.logits, n, hidden, vocab);
+    return;
+  }
+  project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), head_out_.data(), n, hidden, vocab);
+  const auto* narrow = reinterpret_cast<const uint16_t*>(head_out_.data());
+  for (int64_t i = 0; i < n * vocab; ++i) args.logits[i] = bf16_to_float(narrow[i]);
 }
 
 }  // namespace kvtool::cpu

@@ -33,6 +33,13 @@ struct DecoderLayerWeights {
   LinearWeights qkv, o, gate_up, down;
 };
 
+// The embedding table and the LM head's weight, both [vocab_size, hidden_size] (one table when tied).
+struct VocabWeights {
+  const void* embedding;
+  const void* lm_head;
+  int64_t vocab_size;
+};
+
 struct DecoderShape {
   int64_t hidden_size, intermediate_size;
   int32_t num_heads, num_kv_heads, head_dim;
@@ -55,18 +62,45 @@ struct DecoderStepArgs {
   DType cache_dtype;
 };
 
+// A decode step as the engine schedules it: num_rows sequences with one new token each, at the given
+// positions (the tokens each sequence has cached), and where the caches lie (DecoderStepArgs' fields of
+// the same names).
+struct DecodeArgs {
+  const int64_t* token_ids;     // [num_rows]
+  const int64_t* positions;     // [num_rows]
+  const int32_t* block_tables;  // [num_rows, max_blocks] row-major, -1 where no block
+  int64_t num_rows, max_blocks, num_blocks;
+  const float* rope_cache;  // [max_positions, head_dim]
+  int64_t max_positions;
+  const int64_t* kv_caches;  // [num_layers]
+  int64_t block_stride, kv_stride, token_stride, head_stride;
+  int32_t tokens_per_block;
+  DType cache_dtype;
+  int64_t sliding_window;  // 0: none
+  float* logits;           // [num_rows, vocab_size]
+};
+
 class DecoderStack {
  public:
   // max_rows: the most rows a step may have (the activations' buffers are sized for them).
   DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
-               int64_t max_rows);
+               const VocabWeights& vocab, int64_t max_rows);
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   int64_t max_rows() const { return max_rows_; }
+  int64_t vocab_size() const { return vocab_.vocab_size; }
 
   // Runs every layer and the final norm for the step's rows (std::invalid_argument: more rows than
   // max_rows, or a position outside the RoPE table).
   void forward(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args);
+
+  // A whole decode step: each row's token embedded, its KV slot and the step's attention plan found from
+  // the block tables, forward, and the LM head's float32 logits. A step crosses the Python boundary once
+  // (the Python around forward took ~0.15 ms of a ~7 ms bfloat16 SmolLM2-135M step: metadata tensors,
+  // checks, the plan's and the embedding's calls, the logits' widening). std::invalid_argument: more
+  // rows than max_rows, a token outside the vocabulary, a position without a block in its table, or a
+  // block outside the pool.
+  void decode(CpuKernels& kernels, const DecodeArgs& args);
 
  private:
   void layer(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args,
@@ -77,9 +111,13 @@ class DecoderStack {
   DecoderShape shape_;
   std::vector<DecoderLayerWeights> layers_;
   const void* final_norm_;
+  VocabWeights vocab_;
   int64_t max_rows_, q_size_, qkv_size_;
   // Activations of max_rows rows, as float32 room (a bfloat16 step uses the first half of each).
-  std::vector<float> normed_, qkv_, attended_, x_, gate_up_, activation_;
+  std::vector<float> normed_, qkv_, attended_, x_, gate_up_, activation_, residual_, hidden_out_, head_out_;
+  // A decode step's metadata: query_start_loc [max_rows + 1], seq_lens [max_rows], slot_mapping [max_rows].
+  std::vector<int32_t> query_start_loc_, seq_lens_;
+  std::vector<int64_t> slot_mapping_;
 };
 
 }  // namespace kvtool::cpu

@@ -11,6 +11,8 @@ namespace kvtool::cpu {
 
 enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
 
+inline constexpr int64_t element_bytes(DType dtype) { return dtype == DType::kBFloat16 ? 2 : 4; }
+
 // out[r] = rms_norm(x[r] (+ residual[r])) * weight; with a residual, residual[r] becomes the sum first
 // (rounded to the dtype), as `x = x + y; h = norm(x)` computes it.
 struct RmsNormArgs {

@@ -56,7 +56,10 @@ class DecoderStack:
     A decoder stack's step of a few rows in one call, on weights registered once by address (they must outlive it).
     """
 
-    def __init__(self, layers: Sequence[DecoderLayerWeights], final_norm: int, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, attention_scale: float, dtype: DType, max_rows: int) -> None: ...
+    def __init__(self, layers: Sequence[DecoderLayerWeights], final_norm: int, embedding: int, lm_head: int, vocab_size: int, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, attention_scale: float, dtype: DType, max_rows: int) -> None:
+        """
+        embedding and lm_head: the [vocab_size, hidden_size] tables decode reads (the same one when tied).
+        """
 
     @property
     def num_layers(self) -> int: ...
@@ -64,9 +67,17 @@ class DecoderStack:
     @property
     def max_rows(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int: ...
+
     def forward(self, kernels: CpuKernels, plan: AttentionPlan, residual: int, out: int, num_rows: int, positions: int, slot_mapping: int, rope_cache: int, max_positions: int, kv_caches: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_stride: int, kv_stride: int, token_stride: int, head_stride: int, tokens_per_block: int, cache_dtype: DType) -> None:
         """
         Every layer and the final norm for num_rows rows: residual [num_rows, hidden_size] (the embedded tokens) is the residual stream, out [num_rows, hidden_size] gets the final norm; writes each layer's KV (kv_caches: int64 addresses, one per layer).
+        """
+
+    def decode(self, kernels: CpuKernels, token_ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], positions: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_tables: Annotated[NDArray[numpy.int32], dict(shape=(None, None), order='C', device='cpu', writable=False)], num_blocks: int, rope_cache: int, max_positions: int, kv_caches: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_stride: int, kv_stride: int, token_stride: int, head_stride: int, tokens_per_block: int, cache_dtype: DType, sliding_window: int, logits: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')]) -> None:
+        """
+        A decode step of one new token per row (token_ids and positions int64 [n], block_tables int32 [n, max_blocks], -1 where no block) in one call: the tokens' embeddings, every layer (writing each layer's KV), the final norm and the LM head into logits float32 [n, vocab_size]; sliding_window 0: none.
         """
 
 class CpuKernels:

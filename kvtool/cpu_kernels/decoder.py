@@ -19,7 +19,9 @@ ONEDNN_MAX_CPU_ISA=AVX2).
 A step of up to MAX_ROW_PRODUCT_ROWS rows (a decode step at batch 1 or 2; MAX_UNPACKED_STACK_ROWS
 where the row product takes every product) runs every layer in one
 C++ call (the kernels' DecoderStack, on the weights' addresses registered once): called one by one
-from Python, its some 300 kernel calls left the interpreter running between them. Larger steps keep
+from Python, its some 300 kernel calls left the interpreter running between them. The engine's decode
+steps go further (``decode``): from the tokens, positions and block tables to the logits, the
+embedding, the slots, the attention plan and the LM head included, in that one call. Larger steps keep
 the Python loop, which calls the kernels with the weights' addresses read once and the workspace's
 known strides, and the projections' oneDNN op directly: the checking wrappers of
 kvtool.cpu_kernels.ops and nn.Module's call machinery cost about a millisecond a step. Make a new
@@ -117,6 +119,18 @@ class _Layer(NamedTuple):
     down: Projection
 
 
+class _CacheLayout(NamedTuple):
+    """The layers' KV caches as the kernels read them: each layer's address, the strides (elements) of a
+    block, of keys to values, of a token and of a head, and the pool's blocks, tokens a block and dtype."""
+
+    key: tuple
+    addresses: np.ndarray  # int64 [num_layers]
+    strides: tuple[int, int, int, int]
+    num_blocks: int
+    tokens_per_block: int
+    dtype: object  # kvtool.cpu_kernels DType
+
+
 class _Workspace:
     """Activation buffers for steps of up to ``capacity`` tokens; a step takes views of their first rows."""
 
@@ -141,9 +155,13 @@ def _stack_projection(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int,
 
 
 def decoder_stack(model, max_rows: int) -> DecoderStack | None:
-    """``model``'s layers registered with the kernels' DecoderStack (steps of up to max_rows rows in one
-    call); None when a projection's weight is not laid out as the row product reads it."""
+    """``model``'s layers, embedding and LM head registered with the kernels' DecoderStack (steps of up to
+    max_rows rows in one call); None when a projection's weight is not laid out as the row product reads it."""
     config, dtype, layers = model.config, model.embed_tokens.weight.dtype, []
+    embedding = model.embed_tokens.weight
+    head = embedding if model.lm_head is None else model.lm_head.weight
+    if any(w.dtype != dtype or not w.is_contiguous() for w in (embedding, head)):
+        return None
     for layer in model.layers:
         attention, mlp = layer.attention, layer.mlp
         projections = [_stack_projection(m, dtype) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
@@ -153,9 +171,9 @@ def decoder_stack(model, max_rows: int) -> DecoderStack | None:
         norms = [_address(None if norm is None else norm.weight)
                  for norm in (layer.input_norm, layer.post_attention_norm, attention.q_norm, attention.k_norm)]
         layers.append(DecoderLayerWeights(*norms, *(address for p in projections for address in p)))
-    return DecoderStack(layers, model.norm.weight.data_ptr(), config.hidden_size, config.intermediate_size,
-                        config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps,
-                        config.head_dim ** -0.5, ops.DTYPES[dtype], max_rows)
+    return DecoderStack(layers, model.norm.weight.data_ptr(), embedding.data_ptr(), head.data_ptr(), head.shape[0],
+                        config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+                        config.head_dim, config.rms_norm_eps, config.head_dim ** -0.5, ops.DTYPES[dtype], max_rows)
 
 
 class CpuDecoder:
@@ -198,7 +216,7 @@ class CpuDecoder:
         self.rope_scale = float(getattr(model, "rope_attention_factor", 1.0))
         self._cos_sin = ops.rope_cache(model.rope_inv_freq, 0, self.rope_scale)
         self._workspace: _Workspace | None = None
-        self._kv_addresses: tuple[tuple, np.ndarray] | None = None  # _cache_addresses's last list and its addresses
+        self._cache_layout_of: _CacheLayout | None = None  # _cache_layout's last
         # The logits' weight (the embedding table when tied), packed as the projections are: one
         # decode row through MKL took 7 ms on SmolLM2's 113 MB head, through oneDNN 3 (one core).
         head = self.lm_head_weight()
@@ -221,24 +239,22 @@ class CpuDecoder:
             if tensor.dtype != torch.int64 or not tensor.is_contiguous() or tensor.shape[0] != n:
                 raise ValueError(f"AttentionMetadata.{name} must be int64 [{n}], got {tensor.dtype} "
                                  f"{tuple(tensor.shape)}")
-        ops.check_cache(kv_caches[0], kv_heads, head_dim)
-        cache_dtype = ops.kernel_dtype(kv_caches[0])
-        block_stride, kv_stride, token_stride, head_stride = kv_caches[0].stride()[:4]
-        tokens_per_block = kv_caches[0].shape[2]
+        caches = self._cache_layout(kv_caches)
+        cache_dtype, tokens_per_block = caches.dtype, caches.tokens_per_block
+        block_stride, kv_stride, token_stride, head_stride = caches.strides
         work = self._workspace_for(n)
         normed, attended, activation = work.normed[:n], work.attention[:n], work.activation[:n]
         normed_ptr, attended_ptr, activation_ptr = normed.data_ptr(), attended.data_ptr(), activation.data_ptr()
         cos_sin = self._rope_table(meta.max_seq_len)
         plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                  num_blocks=kv_caches[0].shape[0], num_heads=heads, num_kv_heads=kv_heads,
+                                  num_blocks=caches.num_blocks, num_heads=heads, num_kv_heads=kv_heads,
                                   head_dim=head_dim, tokens_per_block=tokens_per_block,
                                   sliding_window=self.model.sliding_window)
         residual = F.embedding(input_ids, self.model.embed_tokens.weight)  # the residual stream, updated in place
         residual_ptr = residual.data_ptr()
         if self.stack is not None and n <= self.stack.max_rows:
-            kv_addresses = self._cache_addresses(kv_caches)
             self.stack.forward(kernels, plan, residual_ptr, normed_ptr, n, positions.data_ptr(), slots.data_ptr(),
-                               cos_sin.data_ptr(), cos_sin.shape[0], kv_addresses, block_stride, kv_stride,
+                               cos_sin.data_ptr(), cos_sin.shape[0], caches.addresses, block_stride, kv_stride,
                                token_stride, head_stride, tokens_per_block, cache_dtype)
             return normed
         x_ptr = 0  # the last sublayer's output (contiguous [n, hidden]), not yet added to the residual
@@ -266,6 +282,24 @@ class CpuDecoder:
                          hidden, hidden, hidden, eps, dtype)
         return normed
 
+    def decodes(self, num_rows: int) -> bool:
+        """Whether ``decode`` takes a step of ``num_rows`` one-token rows."""
+        return self.stack is not None and num_rows <= self.stack.max_rows
+
+    def decode(self, input_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+               kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """A step of one new token per row (``decodes`` it) in one call of the stack, from the host arrays
+        the engine flattens: input_ids and positions int64 [n], block_tables int32 [n, max_blocks] (-1
+        where no block). Returns logits [n, vocab_size] float32; writes each layer's KV. What forward and
+        compute_logits compute for the step, bit for bit (tests/test_cpu_decoder_stack.py)."""
+        caches = self._cache_layout(kv_caches)
+        cos_sin = self._rope_table(int(positions.max()) + 1)
+        logits = torch.empty(len(input_ids), self.stack.vocab_size)  # [n, vocab_size]
+        self.stack.decode(self.kernels, input_ids, positions, block_tables, caches.num_blocks, cos_sin.data_ptr(),
+                          cos_sin.shape[0], caches.addresses, *caches.strides, caches.tokens_per_block, caches.dtype,
+                          self.model.sliding_window or 0, logits.numpy())
+        return logits
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
         return self.lm_head(hidden).float()
@@ -274,15 +308,18 @@ class CpuDecoder:
         model = self.model
         return model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
 
-    def _cache_addresses(self, kv_caches: list[torch.Tensor]) -> np.ndarray:
-        """int64 [num_layers]: each layer's cache address for the stack, read again only for another list
-        of caches (or one whose ends moved): reading 30 addresses took ~20 us of a decode step."""
-        key = (kv_caches, len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
-        cached = self._kv_addresses
-        if cached is None or cached[0][0] is not kv_caches or cached[0][1:] != key[1:]:
-            addresses = np.fromiter((cache.data_ptr() for cache in kv_caches), dtype=np.int64, count=len(kv_caches))
-            cached = self._kv_addresses = (key, addresses)
-        return cached[1]
+    def _cache_layout(self, kv_caches: list[torch.Tensor]) -> _CacheLayout:
+        """The caches as the kernels read them, checked and read again only for another list of caches (or
+        one whose ends moved): reading 30 addresses took ~20 us of a decode step."""
+        key = (len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        layout = self._cache_layout_of
+        if layout is None or layout.key[0] is not kv_caches or layout.key[1:] != key:
+            cache = kv_caches[0]
+            ops.check_cache(cache, self.num_kv_heads, self.head_dim)
+            addresses = np.fromiter((c.data_ptr() for c in kv_caches), dtype=np.int64, count=len(kv_caches))
+            layout = self._cache_layout_of = _CacheLayout((kv_caches, *key), addresses, tuple(cache.stride()[:4]),
+                                                          cache.shape[0], cache.shape[2], ops.kernel_dtype(cache))
+        return layout
 
     def _workspace_for(self, num_tokens: int) -> _Workspace:
         work = self._workspace

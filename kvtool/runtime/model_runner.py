@@ -197,6 +197,12 @@ class ModelRunner:
                 layout = self.mixed_graphs.layout(step)
                 if layout is not None:
                     return self.mixed_graphs.run(step, layout)
+            decoder = getattr(self.model, "cpu_decoder", None)
+            if (decoder is not None and step.num_tokens == step.num_seqs and decoder.decodes(step.num_tokens)
+                    and not self.pools.copies_pending_per_layer):
+                # A decode step on the CPU: one C++ call from the host arrays to the logits.
+                logits = decoder.decode(step.input_ids, step.positions, step.block_tables, self.kv_caches)
+                return logits if step.samples_every_row else logits[torch.from_numpy(step.sample_rows)]
             input_ids, meta, sample_rows = self._upload(step)
             with self._layers_wait_for_their_copies():
                 hidden = self.model(input_ids, meta, self.kv_caches)  # [num_tokens, hidden_size]
