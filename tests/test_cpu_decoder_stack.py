@@ -29,6 +29,9 @@ class CountingStack:
         self.num_calls += 1
         self.stack.forward(*args)
 
+    def __getattr__(self, name: str):
+        return getattr(self.stack, name)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["qwen3_qk_norm", "qwen2_qkv_bias_tied"])
@@ -240,8 +243,16 @@ def test_without_native_bfloat16_products_the_row_product_takes_every_product(mo
             logits = driver.step(context=[(seq, len(seq.token_ids)) for seq in seqs])  # a prompt step of 141 rows
             for seq, row in zip(seqs, logits):
                 seq.append(int(row[-1].argmax()))
+            pool = driver.pool.clone()
             logits += driver.step(decode=seqs)  # 6 decode rows: the stack
             results.append(torch.cat([row[-1:] for row in logits]).float())
+            if active is decoder:  # the engine's call for the same step: the same logits and KV
+                expected_pool = driver.pool.clone()
+                driver.pool.copy_(pool)
+                for seq in seqs:
+                    seq.num_computed -= 1
+                assert torch.equal(decoder.decode(*decode_arrays(seqs), driver.kv_caches), results[0][len(seqs):])
+                torch.testing.assert_close(driver.pool, expected_pool, rtol=0, atol=0, equal_nan=True)
         assert stack.num_calls == 1
         torch.testing.assert_close(results[0], results[1], rtol=0.05, atol=0.05)
     finally:
