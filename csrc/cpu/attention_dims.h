@@ -40,11 +40,11 @@ static inline void load_row(const C* p, int64_t d, Vec* out) {
 }
 
 // s[r][j] (+)= the scores of R rows against each key j of a tile, W keys at a time: key_products(j,
-// acc) adds key j's lane-wise products with each row r into acc[r][0] and acc[r][1] (two chains a
-// row: half the additions' latency), then one transposing sum per row gives W scores, times scale.
+// acc) adds key j's lane-wise products with each row r into acc[r][0] and acc[r][1] (Chains 2: half
+// the additions' latency; 1: acc[r][0] alone), then one transposing sum per row gives W scores, times scale.
 // `add`: a later chunk of a row longer than the registers hold adds to the scores of the earlier ones.
 // `ahead` (or nullptr) takes a step before each W keys, while no partial sums are held in registers.
-template <int R, typename Ahead, typename KeyProducts>
+template <int R, int Chains = 2, typename Ahead, typename KeyProducts>
 static inline void transposed_scores(int num_keys, float* s, bool add, float scale, Ahead* ahead,
                                      KeyProducts key_products) {
   for (int j0 = 0; j0 < num_keys; j0 += W) {
@@ -54,7 +54,7 @@ static inline void transposed_scores(int num_keys, float* s, bool add, float sca
       Vec acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
       if (j0 + jj < num_keys) key_products(j0 + jj, acc);
-      for (int r = 0; r < R; ++r) partial[r][jj] = acc[r][0] + acc[r][1];
+      for (int r = 0; r < R; ++r) partial[r][jj] = Chains == 1 ? acc[r][0] : acc[r][0] + acc[r][1];
     }
     for (int r = 0; r < R; ++r) {
       Vec scores = Vec::transpose_sum(partial[r]);
