@@ -43,14 +43,14 @@ static inline void load_row(const C* p, int64_t d, Vec* out) {
 // acc) adds key j's lane-wise products with each row r into acc[r][0] and acc[r][1] (Chains 2: half
 // the additions' latency; 1: acc[r][0] alone), then one transposing sum per row gives W scores, times scale.
 // `add`: a later chunk of a row longer than the registers hold adds to the scores of the earlier ones.
-// `ahead` (or nullptr) takes a step before each W keys, while no partial sums are held in registers.
+// `ahead` (or nullptr) takes a step before each key.
 template <int R, int Chains = 2, typename Ahead, typename KeyProducts>
 static inline void transposed_scores(int num_keys, float* s, bool add, float scale, Ahead* ahead,
                                      KeyProducts key_products) {
   for (int j0 = 0; j0 < num_keys; j0 += W) {
-    if (ahead != nullptr) ahead->step();
     Vec partial[R][W];
     for (int jj = 0; jj < W; ++jj) {
+      if (ahead != nullptr) ahead->step();
       Vec acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
       if (j0 + jj < num_keys) key_products(j0 + jj, acc);
@@ -86,7 +86,6 @@ static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& til
 template <typename C, bool Paired, int R, int NV>
 static void chunk_values(const KeyTile<C>& tile, int64_t offset, const float* p, const float* alpha, int64_t d,
                          float* o, int64_t padded_d) {
-  if (tile.ahead != nullptr) tile.ahead->step();
   Vec acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec::load(o + r * padded_d + v * W) * Vec::set1(alpha[r]);
@@ -256,8 +255,8 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
   }
 
   // The first tile's lines are asked for when it is found; each next tile is found before this
-  // tile's products and its rows asked for a few at a time while they run (TileAhead: a step at each
-  // W keys of a scores call and at each values call; what is left after the values).
+  // tile's products and its lines asked for a few at a time while the scores run (TileAhead: a step at
+  // each key of a scores call, one call a KV head at least; what is left after the values).
   KeyTile<C> tiles[2];
   TileAhead<C> ahead;
   ahead.bytes = task_row_bytes<C>(a, t);
@@ -269,16 +268,13 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
     if (k0 + kKeyTile < t.key_end) {
       KeyTile<C>& next = tiles[1 - current];
       find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), next, false);
-      const int64_t rows = 2 * next.num_keys, steps = ((tile.num_keys + W - 1) / W + 1) * t.num_kv_heads;
-      ahead.tile = &next;
-      ahead.rows_per_step = static_cast<int>((rows + steps - 1) / steps);
-      ahead.next_row = 0;
+      ahead.begin(&next, static_cast<int64_t>(tile.num_keys) * t.num_kv_heads);
       tile.ahead = &ahead;
     }
     products(rows, tile, true);
     tile_softmax(a, t, rows, k0, tile.num_keys, positions, row_max, row_sum);
     products(rows, tile, false);
-    if (tile.ahead != nullptr) ahead.ask(-1);
+    if (tile.ahead != nullptr) ahead.ask_rest();
     current = 1 - current;
   }
 

@@ -56,7 +56,6 @@ static void pair_chunk_scores(const uint32_t* q2, int64_t q_stride, const KeyTil
 template <int R, int NC>
 static void pair_chunk_values(const KeyTile<uint16_t>& tile, int64_t offset, const uint16_t* p, int64_t p_stride,
                               const float* alpha, float* o, int64_t padded_d) {
-  if (tile.ahead != nullptr) tile.ahead->step();
   Vec acc[R][2 * NC];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2 * NC; ++v) acc[r][v] = Vec::load(o + r * padded_d + v * W) * Vec::set1(alpha[r]);

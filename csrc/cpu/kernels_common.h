@@ -99,27 +99,46 @@ static void write_task_output(const AttentionArgs& a, const AttentionTask& t, co
 template <typename C>
 struct KeyTile;
 
-// The cache lines of the next key tile (its keys' rows, then its values'), asked for a few rows at a
-// time while the products of the current tile run (decode layout). Asked for all at once when the tile
-// was found, they filled the load queue and the products waited behind them: a bfloat16 decode layer
-// took about the time of reading its cache plus that of computing on it; spread, 1.2-1.5x less from
-// memory (results/cpu_attention.md).
+// The cache lines of the next key tile (its keys' rows, then its values'), asked for a few lines at a
+// time while the current tile's scores run: a step at each key of each scores call (decode layout).
+// Asked for all at once when the tile was found, they filled the load queue and the products waited
+// behind them: a bfloat16 decode layer took about the time of reading its cache plus that of
+// computing on it; a few rows (~48 lines) every 16 keys, 1.2-1.5x less from memory; a line or three
+// every key, the whole decode step 0.968-0.98x less again (results/cpu_attention.md): the bursts had
+// the products wait for the core's few outstanding-miss slots.
 template <typename C>
 struct TileAhead {
   const KeyTile<C>* tile = nullptr;
-  int64_t bytes = 0;      // of a row: every KV head of the task
-  int rows_per_step = 0;  // asked for at each step()
-  int next_row = 0;       // rows 0 .. num_keys - 1: the keys', num_keys .. 2 num_keys - 1: the values'
+  int64_t bytes = 0;       // of a row: every KV head of the task
+  int lines_per_step = 0;  // asked for at each step()
+  int next_row = 0;        // rows 0 .. num_keys - 1: the keys', num_keys .. 2 num_keys - 1: the values'
+  int64_t next_line = 0;   // the byte offset in next_row of the next line to ask for
 
-  inline void step() { ask(rows_per_step); }
-  // Asks for the lines of up to n more rows (every one left with n < 0).
-  inline void ask(int n) {
-    const int end = n < 0 ? 2 * tile->num_keys : std::min(2 * tile->num_keys, next_row + n);
-    for (; next_row < end; ++next_row) {
-      const C* row = next_row < tile->num_keys ? tile->key[next_row] : tile->value[next_row - tile->num_keys];
-      for (int64_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(row) + line, 0, 3);
-      }
+  // Starts on `next` with every line asked for within `num_steps` steps.
+  inline void begin(const KeyTile<C>* next, int64_t num_steps) {
+    tile = next;
+    next_row = 0;
+    next_line = 0;
+    const int64_t lines = 2 * next->num_keys * ((bytes + 63) / 64);
+    lines_per_step = static_cast<int>((lines + num_steps - 1) / num_steps);
+  }
+  // Asks for the next lines_per_step lines.
+  inline void step() {
+    for (int n = 0; n < lines_per_step && next_row < 2 * tile->num_keys; ++n) ask_line();
+  }
+  // Asks for every line left.
+  inline void ask_rest() {
+    while (next_row < 2 * tile->num_keys) ask_line();
+  }
+
+ private:
+  inline void ask_line() {
+    const C* row = next_row < tile->num_keys ? tile->key[next_row] : tile->value[next_row - tile->num_keys];
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + next_line, 0, 3);
+    next_line += 64;
+    if (next_line >= bytes) {
+      next_line = 0;
+      ++next_row;
     }
   }
 };
