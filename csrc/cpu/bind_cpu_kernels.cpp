@@ -26,6 +26,18 @@ T* ptr(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
+// The caches' arguments DecoderStack.forward and .decode share, checked against the stack's layers.
+StackCaches stack_caches(const DecoderStack& stack, const char* method, uintptr_t rope_cache, int64_t max_positions,
+                         const Int64Array& kv_caches, int64_t block_stride, int64_t kv_stride, int64_t token_stride,
+                         int64_t head_stride, int32_t tokens_per_block, DType cache_dtype) {
+  if (static_cast<int64_t>(kv_caches.shape(0)) != stack.num_layers()) {
+    throw std::invalid_argument(std::string("DecoderStack.") + method + ": " + std::to_string(kv_caches.shape(0)) +
+                                " KV caches for " + std::to_string(stack.num_layers()) + " layers");
+  }
+  return {ptr<const float>(rope_cache), max_positions, kv_caches.data(), block_stride, kv_stride, token_stride,
+          head_stride, tokens_per_block, cache_dtype};
+}
+
 }  // namespace
 
 }  // namespace kvtool::cpu
@@ -97,15 +109,11 @@ NB_MODULE(_kernels, m) {
              int64_t num_rows, uintptr_t positions, uintptr_t slot_mapping, uintptr_t rope_cache,
              int64_t max_positions, Int64Array kv_caches, int64_t block_stride, int64_t kv_stride,
              int64_t token_stride, int64_t head_stride, int32_t tokens_per_block, DType cache_dtype) {
-            if (static_cast<int64_t>(kv_caches.shape(0)) != stack.num_layers()) {
-              throw std::invalid_argument("DecoderStack.forward: " + std::to_string(kv_caches.shape(0)) +
-                                          " KV caches for " + std::to_string(stack.num_layers()) + " layers");
-            }
             stack.forward(kernels, plan,
                           {ptr<void>(residual), ptr<void>(out), num_rows, ptr<const int64_t>(positions),
-                           ptr<const int64_t>(slot_mapping), ptr<const float>(rope_cache), max_positions,
-                           kv_caches.data(), block_stride, kv_stride, token_stride, head_stride, tokens_per_block,
-                           cache_dtype});
+                           ptr<const int64_t>(slot_mapping),
+                           stack_caches(stack, "forward", rope_cache, max_positions, kv_caches, block_stride,
+                                        kv_stride, token_stride, head_stride, tokens_per_block, cache_dtype)});
           },
           "kernels"_a, "plan"_a, "residual"_a, "out"_a, "num_rows"_a, "positions"_a, "slot_mapping"_a, "rope_cache"_a,
           "max_positions"_a, "kv_caches"_a, "block_stride"_a, "kv_stride"_a, "token_stride"_a, "head_stride"_a,
@@ -124,19 +132,16 @@ NB_MODULE(_kernels, m) {
               throw std::invalid_argument("DecoderStack.decode: token_ids [n], positions [n], block_tables [n, "
                                           "max_blocks] and logits [n, vocab_size] disagree");
             }
-            if (static_cast<int64_t>(kv_caches.shape(0)) != stack.num_layers()) {
-              throw std::invalid_argument("DecoderStack.decode: " + std::to_string(kv_caches.shape(0)) +
-                                          " KV caches for " + std::to_string(stack.num_layers()) + " layers");
-            }
             if (static_cast<int64_t>(logits.shape(1)) != stack.vocab_size()) {
               throw std::invalid_argument("DecoderStack.decode: logits of " + std::to_string(logits.shape(1)) +
                                           " columns for a vocabulary of " + std::to_string(stack.vocab_size()));
             }
             stack.decode(kernels, {token_ids.data(), positions.data(), block_tables.data(), static_cast<int64_t>(n),
-                                   static_cast<int64_t>(block_tables.shape(1)), num_blocks,
-                                   ptr<const float>(rope_cache), max_positions, kv_caches.data(), block_stride,
-                                   kv_stride, token_stride, head_stride, tokens_per_block, cache_dtype,
-                                   sliding_window, logits.data()});
+                                   static_cast<int64_t>(block_tables.shape(1)), num_blocks, sliding_window,
+                                   logits.data(),
+                                   stack_caches(stack, "decode", rope_cache, max_positions, kv_caches, block_stride,
+                                                kv_stride, token_stride, head_stride, tokens_per_block,
+                                                cache_dtype)});
           },
           "kernels"_a, "token_ids"_a, "positions"_a, "block_tables"_a, "num_blocks"_a, "rope_cache"_a,
           "max_positions"_a, "kv_caches"_a, "block_stride"_a, "kv_stride"_a, "token_stride"_a, "head_stride"_a,

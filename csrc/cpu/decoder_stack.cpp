@@ -53,23 +53,24 @@ void DecoderStack::layer(CpuKernels& kernels, const AttentionPlan& plan, const D
   kernels.rms_norm({x != nullptr ? x : args.residual, x != nullptr ? args.residual : nullptr, weights.input_norm,
                     normed_.data(), n, hidden, hidden, hidden, hidden, s.rms_norm_eps, s.dtype});
   project(kernels, weights.qkv, normed_.data(), qkv_.data(), n, hidden, qkv_size_);  // [n, qkv_size]
+  const StackCaches& c = args.caches;
   kernels.rope_store_kv({qkv_.data(), n, qkv_size_, s.num_heads, s.num_kv_heads, s.head_dim, args.positions,
-                         args.rope_cache, args.max_positions, weights.q_norm, weights.k_norm, s.rms_norm_eps,
-                         kv_cache, args.block_stride, args.kv_stride, args.token_stride, args.head_stride,
-                         args.slot_mapping, args.tokens_per_block, s.dtype, args.cache_dtype});
+                         c.rope_cache, c.max_positions, weights.q_norm, weights.k_norm, s.rms_norm_eps, kv_cache,
+                         c.block_stride, c.kv_stride, c.token_stride, c.head_stride, args.slot_mapping,
+                         c.tokens_per_block, s.dtype, c.cache_dtype});
   AttentionArgs attention{};
   attention.query = qkv_.data();
   attention.query_stride = qkv_size_;
   attention.out = attended_.data();  // [n, q_size]
   attention.out_stride = q_size_;
   attention.kv_cache = kv_cache;
-  attention.block_stride = args.block_stride;
-  attention.kv_stride = args.kv_stride;
-  attention.token_stride = args.token_stride;
-  attention.head_stride = args.head_stride;
+  attention.block_stride = c.block_stride;
+  attention.kv_stride = c.kv_stride;
+  attention.token_stride = c.token_stride;
+  attention.head_stride = c.head_stride;
   attention.scale = s.attention_scale;
   attention.dtype = s.dtype;
-  attention.cache_dtype = args.cache_dtype;
+  attention.cache_dtype = c.cache_dtype;
   kernels.attention(plan, attention);
   project(kernels, weights.o, attended_.data(), x_.data(), n, q_size_, hidden);
   kernels.rms_norm({x_.data(), args.residual, weights.post_attention_norm, normed_.data(), n, hidden, hidden, hidden,
@@ -86,7 +87,7 @@ void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const
   }
   const void* x = nullptr;  // the last sublayer's output, not yet added to the residual
   for (int64_t i = 0; i < num_layers(); ++i) {
-    layer(kernels, plan, args, layers_[i], reinterpret_cast<void*>(args.kv_caches[i]), x);
+    layer(kernels, plan, args, layers_[i], reinterpret_cast<void*>(args.caches.kv_caches[i]), x);
     x = x_.data();
   }
   const int64_t hidden = shape_.hidden_size;
@@ -100,7 +101,7 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
     throw std::invalid_argument("DecoderStack.decode: a step of " + std::to_string(n) + " rows; the stack takes 1 to " +
                                 std::to_string(max_rows_));
   }
-  const int64_t row_bytes = hidden * element_bytes(shape_.dtype), tokens_per_block = args.tokens_per_block;
+  const int64_t row_bytes = hidden * element_bytes(shape_.dtype), tokens_per_block = args.caches.tokens_per_block;
   query_start_loc_[0] = 0;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t token = args.token_ids[r], position = args.positions[r];
@@ -126,13 +127,10 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
   // Every block a row's query sees must be the pool's: the plan checks them.
   const AttentionPlan plan(query_start_loc_.data(), seq_lens_.data(), n, args.block_tables, args.max_blocks,
                            args.num_blocks,
-                           {shape_.num_heads, shape_.num_kv_heads, shape_.head_dim, args.tokens_per_block,
+                           {shape_.num_heads, shape_.num_kv_heads, shape_.head_dim, args.caches.tokens_per_block,
                             args.sliding_window},
                            kernels.width(), kernels.num_threads());
-  forward(kernels, plan,
-          {residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(), args.rope_cache,
-           args.max_positions, args.kv_caches, args.block_stride, args.kv_stride, args.token_stride, args.head_stride,
-           args.tokens_per_block, args.cache_dtype});
+  forward(kernels, plan, {residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(), args.caches});
   if (shape_.dtype == DType::kFloat32) {
     project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), args.logits, n, hidden, vocab);
     return;

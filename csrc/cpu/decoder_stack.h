@@ -47,37 +47,36 @@ struct DecoderShape {
   DType dtype;  // of the weights and activations
 };
 
-// What one step gives the stack: its rows, where they sit, and the layers' KV caches (all of one layout).
+// The RoPE table and the layers' KV caches (all of one layout), as every step reads them.
+struct StackCaches {
+  const float* rope_cache;   // [max_positions, head_dim]
+  int64_t max_positions;
+  const int64_t* kv_caches;  // [num_layers] the addresses of each layer's cache
+  int64_t block_stride, kv_stride, token_stride, head_stride;
+  int32_t tokens_per_block;
+  DType cache_dtype;
+};
+
+// What one step gives the stack: its rows and where they sit.
 struct DecoderStepArgs {
   void* residual;  // [num_rows, hidden_size]: the embedded tokens in, the residual stream after the last layer out
   void* out;       // [num_rows, hidden_size]: the final norm of the stream
   int64_t num_rows;
   const int64_t* positions;     // [num_rows]
   const int64_t* slot_mapping;  // [num_rows]
-  const float* rope_cache;      // [max_positions, head_dim]
-  int64_t max_positions;
-  const int64_t* kv_caches;     // [num_layers] the addresses of each layer's cache
-  int64_t block_stride, kv_stride, token_stride, head_stride;
-  int32_t tokens_per_block;
-  DType cache_dtype;
+  StackCaches caches;
 };
 
 // A decode step as the engine schedules it: num_rows sequences with one new token each, at the given
-// positions (the tokens each sequence has cached), and where the caches lie (DecoderStepArgs' fields of
-// the same names).
+// positions (the tokens each sequence has cached).
 struct DecodeArgs {
   const int64_t* token_ids;     // [num_rows]
   const int64_t* positions;     // [num_rows]
   const int32_t* block_tables;  // [num_rows, max_blocks] row-major, -1 where no block
   int64_t num_rows, max_blocks, num_blocks;
-  const float* rope_cache;  // [max_positions, head_dim]
-  int64_t max_positions;
-  const int64_t* kv_caches;  // [num_layers]
-  int64_t block_stride, kv_stride, token_stride, head_stride;
-  int32_t tokens_per_block;
-  DType cache_dtype;
   int64_t sliding_window;  // 0: none
   float* logits;           // [num_rows, vocab_size]
+  StackCaches caches;
 };
 
 class DecoderStack {
