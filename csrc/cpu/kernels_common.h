@@ -100,45 +100,70 @@ template <typename C>
 struct KeyTile;
 
 // The cache lines of the next key tile (its keys' rows, then its values'), asked for a few lines at a
-// time while the current tile's scores run: a step at each key of each scores call (decode layout).
-// Asked for all at once when the tile was found, they filled the load queue and the products waited
-// behind them: a bfloat16 decode layer took about the time of reading its cache plus that of
-// computing on it; a few rows (~48 lines) every 16 keys, 1.2-1.5x less from memory; a line or three
-// every key, the whole decode step 0.968-0.98x less again (results/cpu_attention.md): the bursts had
-// the products wait for the core's few outstanding-miss slots.
+// time while the current tile's scores run: a step at each key of each scores call (decode layout),
+// in the order they lie (runs of rows that follow each other in the cache: a tile of one block's
+// tokens is two runs, its keys' and its values'). Asked for all at once when the tile was found,
+// they filled the load queue and the products waited behind them: a bfloat16 decode layer took
+// about the time of reading its cache plus that of computing on it; a few rows (~48 lines) every 16
+// keys, 1.2-1.5x less from memory; a line or three every key, the whole decode step 0.968-0.98x
+// less again (results/cpu_attention.md): the bursts had the products wait for the core's few
+// outstanding-miss slots. (Each scores call asking for its own head's part of every row instead, a
+// strided walk, took a decode layer 1.5x the time from memory.)
 template <typename C>
 struct TileAhead {
-  const KeyTile<C>* tile = nullptr;
+  // Where the asking has got to: the next line to ask for, the end of its run, the run.
+  struct Cursor {
+    const char* at = nullptr;
+    const char* end = nullptr;
+    int run = 0;
+  };
+
+  const char* run_begin[2 * kKeyTile];
+  const char* run_end[2 * kKeyTile];
+  int num_runs = 0;
   int64_t bytes = 0;       // of a row: every KV head of the task
   int lines_per_step = 0;  // asked for at each step()
-  int next_row = 0;        // rows 0 .. num_keys - 1: the keys', num_keys .. 2 num_keys - 1: the values'
-  int64_t next_line = 0;   // the byte offset in next_row of the next line to ask for
+  Cursor cursor;           // between scores calls (a call steps a copy of it, in registers)
 
   // Starts on `next` with every line asked for within `num_steps` steps.
   inline void begin(const KeyTile<C>* next, int64_t num_steps) {
-    tile = next;
-    next_row = 0;
-    next_line = 0;
+    num_runs = 0;
+    auto add_row = [&](const C* row) {
+      const char* first = reinterpret_cast<const char*>(row);
+      if (num_runs > 0 && run_end[num_runs - 1] == first) {
+        run_end[num_runs - 1] = first + bytes;
+      } else {
+        run_begin[num_runs] = first;
+        run_end[num_runs++] = first + bytes;
+      }
+    };
+    for (int j = 0; j < next->num_keys; ++j) add_row(next->key[j]);
+    for (int j = 0; j < next->num_keys; ++j) add_row(next->value[j]);
     const int64_t lines = 2 * next->num_keys * ((bytes + 63) / 64);
     lines_per_step = static_cast<int>((lines + num_steps - 1) / num_steps);
+    cursor = {run_begin[0], run_end[0], 0};
   }
-  // Asks for the next lines_per_step lines.
-  inline void step() {
-    for (int n = 0; n < lines_per_step && next_row < 2 * tile->num_keys; ++n) ask_line();
+  // Asks for the next lines_per_step lines from c.
+  inline void step(Cursor& c) const {
+    for (int n = 0; n < lines_per_step; ++n) {
+      if (c.at >= c.end) {
+        if (c.run + 1 >= num_runs) return;
+        ++c.run;
+        c.at = run_begin[c.run];
+        c.end = run_end[c.run];
+      }
+      __builtin_prefetch(c.at, 0, 3);
+      c.at += 64;
+    }
   }
   // Asks for every line left.
   inline void ask_rest() {
-    while (next_row < 2 * tile->num_keys) ask_line();
-  }
-
- private:
-  inline void ask_line() {
-    const C* row = next_row < tile->num_keys ? tile->key[next_row] : tile->value[next_row - tile->num_keys];
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + next_line, 0, 3);
-    next_line += 64;
-    if (next_line >= bytes) {
-      next_line = 0;
-      ++next_row;
+    for (;;) {
+      for (; cursor.at < cursor.end; cursor.at += 64) __builtin_prefetch(cursor.at, 0, 3);
+      if (cursor.run + 1 >= num_runs) return;
+      ++cursor.run;
+      cursor.at = run_begin[cursor.run];
+      cursor.end = run_end[cursor.run];
     }
   }
 };

@@ -74,17 +74,19 @@ struct Vec {
     return _mm_cvtss_f32(s);
   }
 
-  // The horizontal sums of 8 vectors, as one vector (lane i: the sum of v[i]).
-  static Vec transpose_sum(const Vec* v) {
-    __m256 pairs[4], quads[2];
-    for (int k = 0; k < 4; ++k) {
-      pairs[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k].v, v[2 * k + 1].v), _mm256_unpackhi_ps(v[2 * k].v, v[2 * k + 1].v));
+  // Horizontal sums of many vectors, folded two at a time (vec_avx512.h): pairs of lanes, quads,
+  // then the two 128-bit lanes.
+  static constexpr int fold_levels = 3;
+  template <int L>
+  static Vec fold(Vec a, Vec b) {
+    if constexpr (L == 0) {
+      return {_mm256_add_ps(_mm256_unpacklo_ps(a.v, b.v), _mm256_unpackhi_ps(a.v, b.v))};
+    } else if constexpr (L == 1) {
+      __m256d x = _mm256_castps_pd(a.v), y = _mm256_castps_pd(b.v);
+      return {_mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)))};
+    } else {
+      return {_mm256_add_ps(_mm256_permute2f128_ps(a.v, b.v, 0x20), _mm256_permute2f128_ps(a.v, b.v, 0x31))};
     }
-    for (int k = 0; k < 2; ++k) {
-      __m256d a = _mm256_castps_pd(pairs[2 * k]), b = _mm256_castps_pd(pairs[2 * k + 1]);
-      quads[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-    }
-    return {_mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31))};
   }
 
   static Mask le(Vec a, Vec b) { return _mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ); }

@@ -84,20 +84,21 @@ struct Vec {
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
 
-  // The horizontal sums of 16 vectors, as one vector (lane i: the sum of v[i]): pairs, then quads,
-  // then the 128-bit lanes are transposed and added.
-  static Vec transpose_sum(const Vec* v) {
-    __m512 pairs[8], quads[4];
-    for (int k = 0; k < 8; ++k) {
-      pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k].v, v[2 * k + 1].v), _mm512_unpackhi_ps(v[2 * k].v, v[2 * k + 1].v));
+  // Horizontal sums of many vectors, folded two at a time: fold<L>(a, b) adds the lanes of a and b
+  // that level L of a transposing sum pairs, so that folding 16 vectors v[0..15] as a binary tree
+  // (v[2k] with v[2k+1] at level 0, those results in pairs at level 1, ...) leaves lane i the sum of
+  // v[i]. Levels: pairs of lanes, quads, then 128-bit lanes (levels 2 and 3 the same operation).
+  static constexpr int fold_levels = 4;
+  template <int L>
+  static Vec fold(Vec a, Vec b) {
+    if constexpr (L == 0) {
+      return {_mm512_add_ps(_mm512_unpacklo_ps(a.v, b.v), _mm512_unpackhi_ps(a.v, b.v))};
+    } else if constexpr (L == 1) {
+      __m512d x = _mm512_castps_pd(a.v), y = _mm512_castps_pd(b.v);
+      return {_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)))};
+    } else {
+      return {_mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x88), _mm512_shuffle_f32x4(a.v, b.v, 0xdd))};
     }
-    for (int k = 0; k < 4; ++k) {
-      __m512d a = _mm512_castps_pd(pairs[2 * k]), b = _mm512_castps_pd(pairs[2 * k + 1]);
-      quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
-    __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
-    return {_mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd))};
   }
 
   static Mask le(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }

@@ -38,7 +38,10 @@ struct Vec {
   float reduce_add() const { return v; }
   float reduce_max() const { return v; }
 
-  static Vec transpose_sum(const Vec* v) { return v[0]; }  // lane i: the sum of v[i]
+  // One lane: nothing to fold (vec_avx512.h).
+  static constexpr int fold_levels = 0;
+  template <int L>
+  static Vec fold(Vec a, Vec) { return a; }
 
   static Mask le(Vec a, Vec b) { return a.v <= b.v; }
   static Mask gt(Vec a, Vec b) { return a.v > b.v; }
