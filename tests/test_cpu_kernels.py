@@ -218,6 +218,21 @@ def test_a_long_decode_split_by_keys_across_threads_matches_torch(kernels, dtype
     assert relative_error(out, expected) <= tolerance
 
 
+@pytest.mark.parametrize("num_seqs, num_tasks", [(1, 2), (2, 2), (3, 6)])
+def test_decode_rows_split_into_as_few_shares_as_spread_evenly_over_the_threads(num_seqs, num_tasks):
+    """Each share of a split decode task starts by waiting for its first keys from memory: for two
+    threads one sequence splits in two, two stay whole, three split in two each (six tasks, three a
+    thread)."""
+    kernels = CpuKernels("auto", 2)
+    if kernels.num_threads < 2 or kernels.width == 1:
+        pytest.skip("needs two threads and vector kernels (the one-lane build never splits)")
+    meta = step_metadata([(700 + 50 * i, 1) for i in range(num_seqs)], tokens_per_block=16, num_blocks=160, seed=1)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=160,
+                              num_heads=6, num_kv_heads=2, head_dim=64, tokens_per_block=16, sliding_window=None)
+    assert plan.num_tasks == num_tasks
+    assert plan.num_merges == (num_seqs if num_tasks > num_seqs else 0)
+
+
 # (group, shared blocks, cached tokens, new tokens); 16-token blocks, a prefix needs 128 shared keys.
 SHARED_STEPS = {
     # Six decode sequences of one prompt prefix (their own tails from 1 to 75 tokens), two of
