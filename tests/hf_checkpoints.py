@@ -35,6 +35,11 @@ HF_CASES: dict[str, tuple[str, dict]] = {
         bos_token_id=1, eos_token_id=2,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32})),
+    # Wide enough that the CPU kernels share a step's projections among their threads (and, past ~1,000
+    # cached tokens, its attention): the other cases run each kernel on one thread.
+    "llama_threads_medium": ("LlamaConfig", dict(
+        _COMMON, hidden_size=256, intermediate_size=1024, max_position_embeddings=2048, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False)),
     # head_dim 64: the smallest shape kvtool's CUDA kernels serve (tests/test_llm_generation.py).
     "qwen3_head_dim_64": ("Qwen3Config", dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,

@@ -39,32 +39,58 @@ def test_decode_steps_of_one_and_two_rows_run_in_one_call_and_match_the_layer_lo
     ours, _ = models(name)
     model = ours.to(dtype)
     try:
-        decoder = CpuDecoder(model, num_threads=2)
-        model.cpu_decoder = decoder
-        stack = CountingStack(decoder.stack)
+        model.cpu_decoder = CpuDecoder(model, num_threads=2)
         driver = PagedDriver(model, tokens_per_block=T, num_blocks=32)
-        seqs = [driver.add_sequence(random_prompt(length, seed=length)) for length in (2 * T + 5, T + 9)]
-        for seq, logits in zip(seqs, driver.step(context=[(seq, len(seq.token_ids)) for seq in seqs])):
-            seq.append(int(logits[-1].argmax()))
-        for step in ([seqs[0]], seqs, [seqs[1]], seqs):
-            results, computed = [], [seq.num_computed for seq in step]
-            for use_stack in (True, False):
-                for seq, num_computed in zip(step, computed):  # the same step again, from the same state
-                    seq.num_computed = num_computed
-                decoder.stack = stack if use_stack else None
-                calls = stack.num_calls
-                logits = driver.step(decode=step)
-                assert stack.num_calls == calls + use_stack
-                results.append((torch.cat(logits), driver.pool.clone()))
-            (stacked, stacked_pool), (looped, looped_pool) = results
-            assert torch.equal(stacked, looped)
-            # (the pool's unwritten slots hold NaN)
-            torch.testing.assert_close(stacked_pool, looped_pool, rtol=0, atol=0, equal_nan=True)
-            for seq, logits in zip(step, stacked.split(1)):
-                seq.append(int(logits[-1].argmax()))
+        assert_stack_steps_match_the_layer_loop(driver, [2 * T + 5, T + 9])
     finally:
         model.cpu_decoder = None
         model.to(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_shared_by_a_team_of_threads_matches_the_layer_loop(models, dtype):
+    """Projections this wide, and attention over ~1,000 cached tokens, are shared among the threads: in
+    the stack by one team of them for the whole step (one row's attention split by keys in two and
+    merged, two rows' a sequence a thread), in the layer loop by each kernel call's own. The same
+    logits and KV, bit for bit."""
+    ours, _ = models("llama_threads_medium")
+    model = ours.to(dtype)
+    try:
+        model.cpu_decoder = CpuDecoder(model, num_threads=2)
+        if model.cpu_decoder.kernels.num_threads < 2:
+            pytest.skip("needs two threads")
+        driver = PagedDriver(model, tokens_per_block=T, num_blocks=260)
+        assert_stack_steps_match_the_layer_loop(driver, [1000, 990])
+    finally:
+        model.cpu_decoder = None
+        model.to(torch.float32)
+
+
+def assert_stack_steps_match_the_layer_loop(driver: PagedDriver, prompt_lengths: list[int]) -> None:
+    """Two sequences of these prompt lengths prefilled, then decode steps of the first, both, the
+    second and both, each run by the stack and again (from the same state) by the layer loop."""
+    decoder = driver.model.cpu_decoder
+    stack = CountingStack(decoder.stack)
+    seqs = [driver.add_sequence(random_prompt(length, seed=length)) for length in prompt_lengths]
+    for seq, logits in zip(seqs, driver.step(context=[(seq, len(seq.token_ids)) for seq in seqs])):
+        seq.append(int(logits[-1].argmax()))
+    for step in ([seqs[0]], seqs, [seqs[1]], seqs):
+        results, computed = [], [seq.num_computed for seq in step]
+        for use_stack in (True, False):
+            for seq, num_computed in zip(step, computed):  # the same step again, from the same state
+                seq.num_computed = num_computed
+            decoder.stack = stack if use_stack else None
+            calls = stack.num_calls
+            logits = driver.step(decode=step)
+            assert stack.num_calls == calls + use_stack
+            results.append((torch.cat(logits), driver.pool.clone()))
+        decoder.stack = stack.stack
+        (stacked, stacked_pool), (looped, looped_pool) = results
+        assert torch.equal(stacked, looped)
+        # (the pool's unwritten slots hold NaN)
+        torch.testing.assert_close(stacked_pool, looped_pool, rtol=0, atol=0, equal_nan=True)
+        for seq, logits in zip(step, stacked.split(1)):
+            seq.append(int(logits[-1].argmax()))
 
 
 def decode_arrays(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -77,7 +77,13 @@ template <typename Args>
 void CpuKernels::run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows,
                           int64_t row_size, int tasks_per_thread) {
   if (num_rows * row_size < kMinParallelElements || pool_.num_threads() == 1) {
-    kernel(args, 0, num_rows);
+    RowsJob<Args> job{kernel, &args, num_rows, num_rows};
+    pool_.run_one(
+        [](const void* context, int64_t, int) {
+          const auto* j = static_cast<const RowsJob<Args>*>(context);
+          j->kernel(*j->args, 0, j->num_rows);
+        },
+        &job);
     return;
   }
   const int64_t num_tasks = std::min<int64_t>(num_rows, tasks_per_thread * pool_.num_threads());
@@ -116,25 +122,39 @@ void CpuKernels::attention(const AttentionPlan& plan, AttentionArgs args) {
   args.head_dim = shape.head_dim;
   args.tokens_per_block = shape.tokens_per_block;
   args.sliding_window = shape.sliding_window;
-  if (static_cast<int64_t>(partials_.size()) < plan.num_partial_floats()) partials_.resize(plan.num_partial_floats());
+  reserve_attention(plan);
   args.partials = partials_.data();
   args.shared_queries = plan.shared_queries().data();
-  const int threads = plan.work() < kMinParallelAttentionWork ? 1 : pool_.num_threads();
-  for (int t = 0; t < threads; ++t) {
-    if (static_cast<int64_t>(scratch_[t].size()) < plan.scratch_floats()) scratch_[t].resize(plan.scratch_floats());
-  }
   AttentionJob job{table_, &plan, &args, &scratch_};
   auto task_fn = [](const void* context, int64_t task, int thread) {
     const auto* j = static_cast<const AttentionJob*>(context);
     j->table->attention(*j->args, j->plan->tasks()[task], (*j->scratch)[thread].data());
   };
   const auto num_tasks = static_cast<int64_t>(plan.tasks().size());
-  if (threads == 1) {
-    for (int64_t task = 0; task < num_tasks; ++task) task_fn(&job, task, 0);
+  if (plan.work() < kMinParallelAttentionWork) {
+    pool_.run_one(
+        [](const void* context, int64_t, int) {
+          const auto* j = static_cast<const AttentionJob*>(context);
+          for (const AttentionTask& task : j->plan->tasks()) j->table->attention(*j->args, task, (*j->scratch)[0].data());
+        },
+        &job);
   } else {
     pool_.run(num_tasks, task_fn, &job);
   }
-  for (const AttentionMerge& merge : plan.merges()) table_->merge_attention(args, merge);
+  if (plan.merges().empty()) return;
+  pool_.run_one(
+      [](const void* context, int64_t, int) {
+        const auto* j = static_cast<const AttentionJob*>(context);
+        for (const AttentionMerge& merge : j->plan->merges()) j->table->merge_attention(*j->args, merge);
+      },
+      &job);
+}
+
+void CpuKernels::reserve_attention(const AttentionPlan& plan) {
+  if (static_cast<int64_t>(partials_.size()) < plan.num_partial_floats()) partials_.resize(plan.num_partial_floats());
+  for (std::vector<float>& scratch : scratch_) {
+    if (static_cast<int64_t>(scratch.size()) < plan.scratch_floats()) scratch.resize(plan.scratch_floats());
+  }
 }
 
 void CpuKernels::linear(const LinearArgs& args) {

@@ -28,10 +28,16 @@ class CpuKernels {
   void silu_mul(const SiluMulArgs& args);
   void rope_store_kv(const RopeKvArgs& args);  // positions must be < args.max_positions (checked)
   void attention(const AttentionPlan& plan, AttentionArgs args);
+  // Sizes the room attention() needs for the plan's steps (attention() does it too, but a team's
+  // threads must find it sized: Parallel::run_team).
+  void reserve_attention(const AttentionPlan& plan);
   // A projection of a few rows (LinearArgs), its output features shared by the threads.
   void linear(const LinearArgs& args);
   // The sum of num_floats floats read by every thread (a share each): times a streaming read.
   double sum(const float* data, int64_t num_floats);
+
+  // The threads: a team of them runs the kernels' calls of a whole decoder stack step (DecoderStack).
+  Parallel& parallel() { return pool_; }
 
  private:
   template <typename Args>

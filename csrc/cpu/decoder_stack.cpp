@@ -1,5 +1,6 @@
 #include "decoder_stack.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -80,11 +81,23 @@ void DecoderStack::layer(CpuKernels& kernels, const AttentionPlan& plan, const D
   project(kernels, weights.down, activation_.data(), x_.data(), n, intermediate, hidden);
 }
 
-void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args) {
+void DecoderStack::check_step(const DecoderStepArgs& args, const char* caller) const {
   if (args.num_rows < 1 || args.num_rows > max_rows_) {
-    throw std::invalid_argument("DecoderStack.forward: a step of " + std::to_string(args.num_rows) +
-                                " rows; the stack takes 1 to " + std::to_string(max_rows_));
+    throw std::invalid_argument(std::string("DecoderStack.") + caller + ": a step of " +
+                                std::to_string(args.num_rows) + " rows; the stack takes 1 to " +
+                                std::to_string(max_rows_));
   }
+  for (int64_t r = 0; r < args.num_rows; ++r) {
+    if (args.positions[r] < 0 || args.positions[r] >= args.caches.max_positions) {
+      throw std::invalid_argument(std::string("DecoderStack.") + caller + ": position " +
+                                  std::to_string(args.positions[r]) + " of row " + std::to_string(r) +
+                                  " is outside the RoPE table of " + std::to_string(args.caches.max_positions) +
+                                  " positions");
+    }
+  }
+}
+
+void DecoderStack::run_layers(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args) {
   const void* x = nullptr;  // the last sublayer's output, not yet added to the residual
   for (int64_t i = 0; i < num_layers(); ++i) {
     layer(kernels, plan, args, layers_[i], reinterpret_cast<void*>(args.caches.kv_caches[i]), x);
@@ -93,6 +106,13 @@ void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const
   const int64_t hidden = shape_.hidden_size;
   kernels.rms_norm({x != nullptr ? x : args.residual, x != nullptr ? args.residual : nullptr, final_norm_, args.out,
                     args.num_rows, hidden, hidden, hidden, hidden, shape_.rms_norm_eps, shape_.dtype});
+}
+
+void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args) {
+  check_step(args, "forward");
+  kernels.reserve_attention(plan);
+  auto body = [&] { run_layers(kernels, plan, args); };
+  kernels.parallel().run_team(body);
 }
 
 void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
@@ -130,14 +150,35 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
                            {shape_.num_heads, shape_.num_kv_heads, shape_.head_dim, args.caches.tokens_per_block,
                             args.sliding_window},
                            kernels.width(), kernels.num_threads());
-  forward(kernels, plan, {residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(), args.caches});
-  if (shape_.dtype == DType::kFloat32) {
-    project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), args.logits, n, hidden, vocab);
-    return;
-  }
-  project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), head_out_.data(), n, hidden, vocab);
-  const auto* narrow = reinterpret_cast<const uint16_t*>(head_out_.data());
-  for (int64_t i = 0; i < n * vocab; ++i) args.logits[i] = bf16_to_float(narrow[i]);
+  const DecoderStepArgs step{residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(),
+                             args.caches};
+  check_step(step, "decode");
+  kernels.reserve_attention(plan);
+  // The layers, the LM head and the widening of its logits on one team of threads.
+  struct Widening {
+    const uint16_t* narrow;
+    float* logits;
+    int64_t size, per_task;
+  };
+  const Widening widening{reinterpret_cast<const uint16_t*>(head_out_.data()), args.logits, n * vocab,
+                          (n * vocab + kernels.num_threads() - 1) / kernels.num_threads()};
+  auto body = [&] {
+    run_layers(kernels, plan, step);
+    if (shape_.dtype == DType::kFloat32) {
+      project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), args.logits, n, hidden, vocab);
+      return;
+    }
+    project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), head_out_.data(), n, hidden, vocab);
+    kernels.parallel().run(
+        kernels.num_threads(),
+        [](const void* context, int64_t task, int) {
+          const auto* w = static_cast<const Widening*>(context);
+          const int64_t end = std::min(w->size, (task + 1) * w->per_task);
+          for (int64_t i = task * w->per_task; i < end; ++i) w->logits[i] = bf16_to_float(w->narrow[i]);
+        },
+        &widening);
+  };
+  kernels.parallel().run_team(body);
 }
 
 }  // namespace kvtool::cpu

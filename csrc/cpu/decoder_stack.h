@@ -89,19 +89,23 @@ class DecoderStack {
   int64_t max_rows() const { return max_rows_; }
   int64_t vocab_size() const { return vocab_.vocab_size; }
 
-  // Runs every layer and the final norm for the step's rows (std::invalid_argument: more rows than
-  // max_rows, or a position outside the RoPE table).
+  // Runs every layer and the final norm for the step's rows, on one team of the kernels' threads
+  // (std::invalid_argument: more rows than max_rows, or a position outside the RoPE table).
   void forward(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args);
 
   // A whole decode step: each row's token embedded, its KV slot and the step's attention plan found from
   // the block tables, forward, and the LM head's float32 logits. A step crosses the Python boundary once
   // (the Python around forward took ~0.15 ms of a ~7 ms bfloat16 SmolLM2-135M step: metadata tensors,
   // checks, the plan's and the embedding's calls, the logits' widening). std::invalid_argument: more
-  // rows than max_rows, a token outside the vocabulary, a position without a block in its table, or a
-  // block outside the pool.
+  // rows than max_rows, a token outside the vocabulary, a position without a block in its table or
+  // outside the RoPE table, or a block outside the pool.
   void decode(CpuKernels& kernels, const DecodeArgs& args);
 
  private:
+  // Everything a team's threads could throw for, checked before they start (caller: the method named).
+  void check_step(const DecoderStepArgs& args, const char* caller) const;
+  // Every layer and the final norm: each thread of a team calls it (Parallel::run_team).
+  void run_layers(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args);
   void layer(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args,
              const DecoderLayerWeights& weights, void* kv_cache, const void* x);
   void project(CpuKernels& kernels, const LinearWeights& weights, const void* x, void* out, int64_t num_rows,
