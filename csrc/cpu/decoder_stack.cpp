@@ -117,10 +117,9 @@ void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const
 
 void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
   const int64_t n = args.num_rows, hidden = shape_.hidden_size, vocab = vocab_.vocab_size;
-  if (n < 1 || n > max_rows_) {
-    throw std::invalid_argument("DecoderStack.decode: a step of " + std::to_string(n) + " rows; the stack takes 1 to " +
-                                std::to_string(max_rows_));
-  }
+  const DecoderStepArgs step{residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(),
+                             args.caches};
+  check_step(step, "decode");
   const int64_t row_bytes = hidden * element_bytes(shape_.dtype), tokens_per_block = args.caches.tokens_per_block;
   query_start_loc_[0] = 0;
   for (int64_t r = 0; r < n; ++r) {
@@ -150,9 +149,6 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
                            {shape_.num_heads, shape_.num_kv_heads, shape_.head_dim, args.caches.tokens_per_block,
                             args.sliding_window},
                            kernels.width(), kernels.num_threads());
-  const DecoderStepArgs step{residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(),
-                             args.caches};
-  check_step(step, "decode");
   kernels.reserve_attention(plan);
   // The layers, the LM head and the widening of its logits on one team of threads.
   struct Widening {
