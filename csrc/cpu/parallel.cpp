@@ -12,10 +12,12 @@ namespace kvtool::cpu {
 
 namespace {
 
-// A waiting thread spins this many times (a few hundred microseconds) before it yields its core: a
-// step's phases are microseconds apart, but a process with more threads than free cores must not
-// spin away the core the awaited thread needs.
-constexpr int kSpinsBeforeYield = 1 << 14;
+// A waiting thread spins this many times (~10 us) before it yields its core at each look: a step's
+// phases are microseconds apart, but a thread the scheduler has taken off its core must get it
+// back. Two kvtool processes of two threads each on the 2-core VM generated 64 tokens in 8.4-8.8 s
+// each at 16k spins, 0.8-1.1 s at 512 (1.1-1.35 s with a region per kernel, 0.4-0.5 s alone); as
+// an OpenMP barrier a step took about the regions' time again.
+constexpr int kSpinsBeforeYield = 1 << 9;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

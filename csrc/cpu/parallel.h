@@ -5,8 +5,8 @@
 // Without OpenMP (a compiler lacking it) the tasks run on the calling thread.
 //
 // A team (run_team) keeps the threads for a whole decoder stack step: its kernels' run() calls share
-// their tasks among the team's threads and end at a spin barrier, where a parallel region of their
-// own each cost the fork and the join. Streaming SmolLM2-135M's 121 bfloat16 matrices, each split
+// their tasks among the team's threads and end at a spin barrier (parallel.cpp: it yields soon, for
+// processes sharing the cores), where a parallel region of their own each cost the fork and the join. Streaming SmolLM2-135M's 121 bfloat16 matrices, each split
 // between two threads, took 1.03-1.09x the time in a region each than in one team with a barrier
 // after each matrix (a C++ test on the AMD EPYC VM at ~80 GB/s).
 #pragma once
