@@ -50,6 +50,12 @@ struct RowsJob {
   void (*kernel)(const Args&, int64_t, int64_t);
   const Args* args;
   int64_t num_rows, rows_per_task;
+
+  // Rows [task * rows_per_task, ...) of the kernel.
+  static void run(const void* context, int64_t task, int) {
+    const auto* j = static_cast<const RowsJob*>(context);
+    j->kernel(*j->args, task * j->rows_per_task, std::min(j->num_rows, (task + 1) * j->rows_per_task));
+  }
 };
 
 struct AttentionJob {
@@ -57,6 +63,12 @@ struct AttentionJob {
   const AttentionPlan* plan;
   const AttentionArgs* args;
   std::vector<std::vector<float>>* scratch;
+
+  // The plan's task on the given thread's scratch.
+  static void run(const void* context, int64_t task, int thread) {
+    const auto* j = static_cast<const AttentionJob*>(context);
+    j->table->attention(*j->args, j->plan->tasks()[task], (*j->scratch)[thread].data());
+  }
 };
 
 }  // namespace
@@ -77,24 +89,13 @@ template <typename Args>
 void CpuKernels::run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows,
                           int64_t row_size, int tasks_per_thread) {
   if (num_rows * row_size < kMinParallelElements || pool_.num_threads() == 1) {
-    RowsJob<Args> job{kernel, &args, num_rows, num_rows};
-    pool_.run_one(
-        [](const void* context, int64_t, int) {
-          const auto* j = static_cast<const RowsJob<Args>*>(context);
-          j->kernel(*j->args, 0, j->num_rows);
-        },
-        &job);
+    const RowsJob<Args> job{kernel, &args, num_rows, num_rows};  // one task of every row
+    pool_.run_one(RowsJob<Args>::run, &job);
     return;
   }
   const int64_t num_tasks = std::min<int64_t>(num_rows, tasks_per_thread * pool_.num_threads());
-  RowsJob<Args> job{kernel, &args, num_rows, (num_rows + num_tasks - 1) / num_tasks};
-  pool_.run(
-      (num_rows + job.rows_per_task - 1) / job.rows_per_task,
-      [](const void* context, int64_t task, int) {
-        const auto* j = static_cast<const RowsJob<Args>*>(context);
-        j->kernel(*j->args, task * j->rows_per_task, std::min(j->num_rows, (task + 1) * j->rows_per_task));
-      },
-      &job);
+  const RowsJob<Args> job{kernel, &args, num_rows, (num_rows + num_tasks - 1) / num_tasks};
+  pool_.run((num_rows + job.rows_per_task - 1) / job.rows_per_task, RowsJob<Args>::run, &job);
 }
 
 void CpuKernels::rms_norm(const RmsNormArgs& args) { run_rows(table_->rms_norm, args, args.num_rows, args.dim); }
@@ -125,21 +126,18 @@ void CpuKernels::attention(const AttentionPlan& plan, AttentionArgs args) {
   reserve_attention(plan);
   args.partials = partials_.data();
   args.shared_queries = plan.shared_queries().data();
-  AttentionJob job{table_, &plan, &args, &scratch_};
-  auto task_fn = [](const void* context, int64_t task, int thread) {
-    const auto* j = static_cast<const AttentionJob*>(context);
-    j->table->attention(*j->args, j->plan->tasks()[task], (*j->scratch)[thread].data());
-  };
+  const AttentionJob job{table_, &plan, &args, &scratch_};
   const auto num_tasks = static_cast<int64_t>(plan.tasks().size());
   if (plan.work() < kMinParallelAttentionWork) {
     pool_.run_one(
         [](const void* context, int64_t, int) {
           const auto* j = static_cast<const AttentionJob*>(context);
-          for (const AttentionTask& task : j->plan->tasks()) j->table->attention(*j->args, task, (*j->scratch)[0].data());
+          const auto num_tasks = static_cast<int64_t>(j->plan->tasks().size());
+          for (int64_t task = 0; task < num_tasks; ++task) AttentionJob::run(j, task, 0);
         },
         &job);
   } else {
-    pool_.run(num_tasks, task_fn, &job);
+    pool_.run(num_tasks, AttentionJob::run, &job);
   }
   if (plan.merges().empty()) return;
   pool_.run_one(

@@ -6,9 +6,10 @@
 //
 // A team (run_team) keeps the threads for a whole decoder stack step: its kernels' run() calls share
 // their tasks among the team's threads and end at a spin barrier (parallel.cpp: it yields soon, for
-// processes sharing the cores), where a parallel region of their own each cost the fork and the join. Streaming SmolLM2-135M's 121 bfloat16 matrices, each split
-// between two threads, took 1.03-1.09x the time in a region each than in one team with a barrier
-// after each matrix (a C++ test on the AMD EPYC VM at ~80 GB/s).
+// processes sharing the cores), where a parallel region of their own each cost the fork and the
+// join. Streaming SmolLM2-135M's 121 bfloat16 matrices, each split between two threads, took
+// 1.03-1.09x the time in a region each than in one team with a barrier after each matrix (a C++ test
+// on the AMD EPYC VM at ~80 GB/s).
 #pragma once
 
 #include <atomic>
@@ -53,7 +54,7 @@ class Parallel {
   void wait_for_team() const;
 
   int num_threads_;
-  std::unique_ptr<Team> team_;  // its state while run_team runs (in_team false otherwise)
+  std::unique_ptr<Team> team_;  // its state while run_team runs (team_->active false otherwise)
 };
 
 }  // namespace kvtool::cpu
