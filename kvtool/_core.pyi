@@ -834,6 +834,21 @@ class ScheduledRequest:
 
     def __repr__(self) -> str: ...
 
+class DecodeRows:
+    """A decode step's rows as the arrays a decode kernel reads."""
+
+    @property
+    def token_ids(self) -> Annotated[NDArray[numpy.int64], dict(shape=(None,))]:
+        """int64 [num_rows]: each row's new token."""
+
+    @property
+    def positions(self) -> Annotated[NDArray[numpy.int64], dict(shape=(None,))]:
+        """int64 [num_rows]: the tokens each row has cached."""
+
+    @property
+    def block_tables(self) -> Annotated[NDArray[numpy.int32], dict(shape=(None, None))]:
+        """int32 [num_rows, max_blocks]: each row's block table, -1 padded."""
+
 class ScheduledBatch:
     """What the runtime executes in one step."""
 
@@ -859,6 +874,11 @@ class ScheduledBatch:
         """Tokens computed in the step."""
 
     def __len__(self) -> int: ...
+
+    def decode_rows(self) -> DecodeRows | None:
+        """
+        DecodeRows of a step whose every request has one new token and samples (a decode step), in the order of requests; None for any other step.
+        """
 
     def __repr__(self) -> str: ...
 

@@ -9,6 +9,8 @@ import torch
 from kvtool import LLM
 from kvtool.plan import BuildOptions, build_plan
 from kvtool.runtime.model_runner import StepRequest
+from kvtool.runtime.step_batch import flatten_step
+from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, run_steps
 
 TOKENS_PER_BLOCK = 4
 
@@ -82,6 +84,52 @@ def test_a_cpu_decode_step_of_few_rows_runs_in_one_call_and_gives_the_sampled_ro
     for step, logits in zip(steps, one_call):
         assert torch.equal(logits, runner.execute(step))
     assert one_call[2].shape[0] == 1  # only the sampled row's logits
+
+
+@pytest.mark.parametrize("tokens_per_block, max_num_tokens", [(4, 64), (4, 6), (1, 2)])
+def test_a_decode_steps_rows_come_from_the_scheduler_as_flatten_step_gives_them(tokens_per_block, max_num_tokens):
+    # Prompts of 1-12 tokens and outputs of 1-6, in steps of whole prompts or chunks (one-token middle
+    # chunks, which do not sample, with one token a block): the steps whose every request has one new
+    # token and samples give decode_rows, equal to what flatten_step makes of their requests; every other
+    # step gives None.
+    scheduler, model = make_scheduler(tokens_per_block=tokens_per_block, num_primary_blocks=256,
+                                      max_num_tokens=max_num_tokens, enable_chunked_context=max_num_tokens < 64)
+    for request_id, (length, max_new_tokens) in enumerate([(5, 6), (9, 2), (12, 4), (3, 1), (1, 5)]):
+        add(scheduler, request_id, distinct_prompt(request_id, length), max_new_tokens)
+    num_steps = {"decode": 0, "other": 0, "padded": 0}
+    for batch in run_steps(scheduler, model).batches:
+        rows = batch.decode_rows()
+        if not all(len(r.token_ids) == 1 and r.samples for r in batch.requests):
+            assert rows is None
+            num_steps["other"] += 1
+            continue
+        step = flatten_step(batch.requests, tokens_per_block)
+        assert rows.token_ids.tolist() == step.input_ids.tolist() and rows.token_ids.dtype == np.int64
+        assert rows.positions.tolist() == step.positions.tolist() and rows.positions.dtype == np.int64
+        assert rows.block_tables.tolist() == step.block_tables.tolist() and rows.block_tables.dtype == np.int32
+        num_steps["decode"] += 1
+        num_steps["padded"] += bool((rows.block_tables == -1).any())
+    assert min(num_steps.values()) >= 1, num_steps
+
+
+def test_an_engine_decode_step_on_the_cpu_is_one_call_from_the_schedulers_arrays(tiny_llama_plan, monkeypatch):
+    from kvtool.config import SamplingParams
+
+    def generate(one_call: bool) -> tuple[list[list[int]], list[list[int]]]:
+        """The greedy outputs of two prompts, and the positions of each decoder.decode call."""
+        with LLM(model=str(tiny_llama_plan)) as llm:
+            decoder = llm.engine.executor.model.cpu_decoder
+            calls, decode = [], decoder.decode
+            monkeypatch.setattr(decoder, "decode", lambda *args: calls.append(args[1].tolist()) or decode(*args))
+            if not one_call:  # flatten_step, the forward and the LM head apart
+                monkeypatch.setattr(decoder, "decodes", lambda num_rows: False)
+            outputs = llm.generate([list(range(10, 19)), list(range(30, 36))],
+                                   SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            return [output.outputs[0].token_ids for output in outputs], calls
+
+    outputs, calls = generate(one_call=True)
+    assert calls == [[9 + i, 6 + i] for i in range(5)]  # both rows' positions, a step each after the prompts
+    assert generate(one_call=False) == (outputs, [])
 
 
 class LayeredCopies:

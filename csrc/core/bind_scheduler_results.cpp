@@ -3,9 +3,11 @@
 #include "bind_scheduler_results.h"
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +26,29 @@ PyScheduledBatch to_python(ScheduledBatch&& batch) {
   out.paused_request_ids = std::move(batch.paused_request_ids);
   out.num_tokens = batch.num_tokens;
   return out;
+}
+
+std::optional<DecodeRows> decode_rows(const PyScheduledBatch& batch) {
+  std::vector<const ScheduledRequest*> rows;
+  size_t max_blocks = 0;
+  for (nb::handle item : batch.requests) {
+    const auto& request = nb::cast<const ScheduledRequest&>(item);
+    if (request.token_ids.size() != 1 || !request.samples) return std::nullopt;
+    rows.push_back(&request);
+    max_blocks = std::max(max_blocks, request.block_ids.size());
+  }
+  if (rows.empty()) return std::nullopt;
+  const size_t num_rows = rows.size();
+  std::vector<int64_t> token_ids(num_rows), positions(num_rows);
+  auto* block_tables = new std::vector<int32_t>(num_rows * max_blocks, -1);
+  nb::capsule owner(block_tables, [](void* p) noexcept { delete static_cast<std::vector<int32_t>*>(p); });
+  for (size_t i = 0; i < num_rows; ++i) {
+    token_ids[i] = rows[i]->token_ids[0];
+    positions[i] = rows[i]->num_cached_tokens;
+    std::copy(rows[i]->block_ids.begin(), rows[i]->block_ids.end(), block_tables->begin() + i * max_blocks);
+  }
+  return DecodeRows{to_numpy(std::move(token_ids)), to_numpy(std::move(positions)),
+                    {block_tables->data(), {num_rows, max_blocks}, owner}};
 }
 
 namespace {
@@ -73,12 +98,26 @@ void bind_scheduled_batch(nb::module_& m) {
               "list[int]: requests paused this step (MAX_UTILIZATION).")
       .def_ro("num_tokens", &PyScheduledBatch::num_tokens, "Tokens computed in the step.")
       .def("__len__", [](const PyScheduledBatch& p) { return nb::len(p.requests); })
+      .def("decode_rows", &decode_rows,
+           "DecodeRows of a step whose every request has one new token and samples (a decode step), in the "
+           "order of requests; None for any other step.")
       .def("__repr__", [](const PyScheduledBatch& p) {
         return "ScheduledBatch(step_id=" + std::to_string(p.step_id) + ", num_requests=" +
                std::to_string(nb::len(p.requests)) + ", num_tokens=" + std::to_string(p.num_tokens) +
                ", num_copy_ops=" + std::to_string(p.copy_ops.size()) +
                ", num_paused=" + std::to_string(p.paused_request_ids.size()) + ")";
       });
+}
+
+void bind_decode_rows(nb::module_& m) {
+  nb::class_<DecodeRows>(m, "DecodeRows", "A decode step's rows as the arrays a decode kernel reads.")
+      // Properties, not def_ro: an array that owns its data cannot take reference_internal.
+      .def_prop_ro("token_ids", [](const DecodeRows& r) { return r.token_ids; }, nb::rv_policy::automatic,
+                   "int64 [num_rows]: each row's new token.")
+      .def_prop_ro("positions", [](const DecodeRows& r) { return r.positions; }, nb::rv_policy::automatic,
+                   "int64 [num_rows]: the tokens each row has cached.")
+      .def_prop_ro("block_tables", [](const DecodeRows& r) { return r.block_tables; }, nb::rv_policy::automatic,
+                   "int32 [num_rows, max_blocks]: each row's block table, -1 padded.");
 }
 
 void bind_request_stats(nb::module_& m) {
@@ -111,6 +150,7 @@ void bind_request_stats(nb::module_& m) {
 
 void bind_scheduler_results(nb::module_& m) {
   bind_scheduled_request(m);
+  bind_decode_rows(m);
   bind_scheduled_batch(m);
   bind_request_stats(m);
 }
