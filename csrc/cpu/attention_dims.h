@@ -216,8 +216,27 @@ static void tile_products(const DecodeRows& rows, const KeyTile<C>& tile, bool s
   }
 }
 
+// Lane i of the result: row_vec(i)'s lanes reduced by `combine` (a lane-wise max or sum), for the W
+// vectors row_vec(first .. first + W - 1): a transposing reduction (Vec::pair_lanes), depth first.
+template <int L, typename RowVec, typename Combine>
+[[gnu::always_inline]] static inline Vec across_rows(int first, RowVec& row_vec, Combine combine) {
+  if constexpr (L == 0) {
+    return row_vec(first);
+  } else {
+    const Vec a = across_rows<L - 1>(first, row_vec, combine);
+    const Vec b = across_rows<L - 1>(first + (1 << (L - 1)), row_vec, combine);
+    Vec x, y;
+    Vec::template pair_lanes<L - 1>(a, b, x, y);
+    return combine(x, y);
+  }
+}
+
 // The online softmax of a tile for every row: masked scores to weights (in place), the running max
-// and sum, and alpha, the rescaling of each row's output so far.
+// and sum, and alpha, the rescaling of each row's output so far. The rows' bookkeeping runs W rows a
+// vector: each row's tile max and sum reduced across lanes together, the rows' rescalings in one
+// exponential. Row by row (a horizontal max, a scalar exp and a horizontal sum each, one waiting on
+// the other) it took ~10% of a bfloat16 decode layer's attention of SmolLM2-135M, one thread, cache in
+// L2; this way the layer takes 0.95x the time (27.9 us -> 26.5).
 static void tile_softmax(const AttentionArgs& a, const AttentionTask& t, const DecodeRows& rows, int64_t k0,
                          int num_keys, const float* positions, float* row_max, float* row_sum) {
   const int64_t last_position = t.first_position + t.num_queries - 1;
@@ -237,21 +256,37 @@ static void tile_softmax(const AttentionArgs& a, const AttentionTask& t, const D
     }
     // Whole vectors: the scores past num_keys are -inf, their weights 0.
     for (int j = num_keys; j < round_up(num_keys, W); ++j) sm[j] = kNegInf;
-    Vec tile_max_vec = Vec::set1(kNegInf);
-    for (int j = 0; j < num_keys; j += W) tile_max_vec = Vec::max(tile_max_vec, Vec::load(sm + j));
-    const float tile_max = tile_max_vec.reduce_max();
+  }
+  const Vec neg_inf = Vec::set1(kNegInf);
+  for (int64_t m0 = 0; m0 < rows.rows; m0 += W) {
+    const int count = static_cast<int>(min64(W, rows.rows - m0));
+    auto tile_max_of = [&](int i) {
+      Vec v = neg_inf;
+      for (int j = 0; i < count && j < num_keys; j += W) v = Vec::max(v, Vec::load(rows.s + (m0 + i) * kKeyTile + j));
+      return v;
+    };
+    const Vec tile_max = across_rows<Vec::fold_levels>(0, tile_max_of, [](Vec x, Vec y) { return Vec::max(x, y); });
     // A row that has seen no visible key yet keeps max -inf, and its weights come out 0 rather than NaN.
-    const float new_max = tile_max > row_max[m] ? tile_max : row_max[m];
-    const float shift = new_max > kNegInf ? new_max : 0.0f;
-    rows.alpha[m] = __builtin_expf(row_max[m] - shift);
-    Vec sum = Vec::zero();
-    for (int j = 0; j < num_keys; j += W) {
-      Vec p = Vec::exp(Vec::load(sm + j) - Vec::set1(shift));
-      p.store(sm + j);
-      sum = sum + p;
-    }
-    row_sum[m] = row_sum[m] * rows.alpha[m] + sum.reduce_add();
-    row_max[m] = new_max;
+    const Vec old_max = Vec::load_n(row_max + m0, count);
+    const Vec new_max = Vec::select(Vec::gt(tile_max, old_max), tile_max, old_max);
+    const Vec shift = Vec::select(Vec::gt(new_max, neg_inf), new_max, Vec::zero());
+    const Vec alpha = Vec::exp(old_max - shift);
+    alignas(64) float shifts[W];
+    shift.store(shifts);
+    auto weights_of = [&](int i) {
+      Vec sum = Vec::zero();
+      for (int j = 0; i < count && j < num_keys; j += W) {
+        float* sm = rows.s + (m0 + i) * kKeyTile + j;
+        const Vec p = Vec::exp(Vec::load(sm) - Vec::set1(shifts[i]));
+        p.store(sm);
+        sum = sum + p;
+      }
+      return sum;
+    };
+    const Vec sums = across_rows<Vec::fold_levels>(0, weights_of, [](Vec x, Vec y) { return x + y; });
+    Vec::fma(Vec::load_n(row_sum + m0, count), alpha, sums).store_n(row_sum + m0, count);
+    new_max.store_n(row_max + m0, count);
+    alpha.store_n(rows.alpha + m0, count);
   }
 }
 

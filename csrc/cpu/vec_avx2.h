@@ -74,19 +74,28 @@ struct Vec {
     return _mm_cvtss_f32(s);
   }
 
-  // Horizontal sums of many vectors, folded two at a time (vec_avx512.h): pairs of lanes, quads,
+  // Horizontal reductions of many vectors, two at a time (vec_avx512.h): pairs of lanes, quads,
   // then the two 128-bit lanes.
   static constexpr int fold_levels = 3;
   template <int L>
-  static Vec fold(Vec a, Vec b) {
+  static void pair_lanes(Vec a, Vec b, Vec& x, Vec& y) {
     if constexpr (L == 0) {
-      return {_mm256_add_ps(_mm256_unpacklo_ps(a.v, b.v), _mm256_unpackhi_ps(a.v, b.v))};
+      x.v = _mm256_unpacklo_ps(a.v, b.v);
+      y.v = _mm256_unpackhi_ps(a.v, b.v);
     } else if constexpr (L == 1) {
-      __m256d x = _mm256_castps_pd(a.v), y = _mm256_castps_pd(b.v);
-      return {_mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)))};
+      __m256d p = _mm256_castps_pd(a.v), q = _mm256_castps_pd(b.v);
+      x.v = _mm256_castpd_ps(_mm256_unpacklo_pd(p, q));
+      y.v = _mm256_castpd_ps(_mm256_unpackhi_pd(p, q));
     } else {
-      return {_mm256_add_ps(_mm256_permute2f128_ps(a.v, b.v, 0x20), _mm256_permute2f128_ps(a.v, b.v, 0x31))};
+      x.v = _mm256_permute2f128_ps(a.v, b.v, 0x20);
+      y.v = _mm256_permute2f128_ps(a.v, b.v, 0x31);
     }
+  }
+  template <int L>
+  static Vec fold(Vec a, Vec b) {
+    Vec x, y;
+    pair_lanes<L>(a, b, x, y);
+    return x + y;
   }
 
   static Mask le(Vec a, Vec b) { return _mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ); }

@@ -84,21 +84,31 @@ struct Vec {
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
 
-  // Horizontal sums of many vectors, folded two at a time: fold<L>(a, b) adds the lanes of a and b
-  // that level L of a transposing sum pairs, so that folding 16 vectors v[0..15] as a binary tree
-  // (v[2k] with v[2k+1] at level 0, those results in pairs at level 1, ...) leaves lane i the sum of
-  // v[i]. Levels: pairs of lanes, quads, then 128-bit lanes (levels 2 and 3 the same operation).
+  // Horizontal reductions of many vectors, two at a time: pair_lanes<L>(a, b, x, y) puts in x and y
+  // the lanes of a and b that level L of a transposing reduction pairs, so that combining x and y
+  // lane-wise (fold<L>: adding them) for 16 vectors v[0..15] as a binary tree (v[2k] with v[2k+1] at
+  // level 0, those results in pairs at level 1, ...) leaves lane i the reduction of v[i]. Levels:
+  // pairs of lanes, quads, then 128-bit lanes (levels 2 and 3 the same operation).
   static constexpr int fold_levels = 4;
   template <int L>
-  static Vec fold(Vec a, Vec b) {
+  static void pair_lanes(Vec a, Vec b, Vec& x, Vec& y) {
     if constexpr (L == 0) {
-      return {_mm512_add_ps(_mm512_unpacklo_ps(a.v, b.v), _mm512_unpackhi_ps(a.v, b.v))};
+      x.v = _mm512_unpacklo_ps(a.v, b.v);
+      y.v = _mm512_unpackhi_ps(a.v, b.v);
     } else if constexpr (L == 1) {
-      __m512d x = _mm512_castps_pd(a.v), y = _mm512_castps_pd(b.v);
-      return {_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)))};
+      __m512d p = _mm512_castps_pd(a.v), q = _mm512_castps_pd(b.v);
+      x.v = _mm512_castpd_ps(_mm512_unpacklo_pd(p, q));
+      y.v = _mm512_castpd_ps(_mm512_unpackhi_pd(p, q));
     } else {
-      return {_mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x88), _mm512_shuffle_f32x4(a.v, b.v, 0xdd))};
+      x.v = _mm512_shuffle_f32x4(a.v, b.v, 0x88);
+      y.v = _mm512_shuffle_f32x4(a.v, b.v, 0xdd);
     }
+  }
+  template <int L>
+  static Vec fold(Vec a, Vec b) {
+    Vec x, y;
+    pair_lanes<L>(a, b, x, y);
+    return x + y;
   }
 
   static Mask le(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }

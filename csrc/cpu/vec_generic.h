@@ -40,6 +40,12 @@ struct Vec {
 
   // One lane: nothing to fold (vec_avx512.h).
   static constexpr int fold_levels = 0;
+  // (Named by the reductions' templates; with no levels never called.)
+  template <int L>
+  static void pair_lanes(Vec a, Vec b, Vec& x, Vec& y) {
+    x = a;
+    y = b;
+  }
   template <int L>
   static Vec fold(Vec a, Vec) { return a; }
 
