@@ -13,7 +13,7 @@ divided by how many processes share the cores (N processes of T threads each on 
 when the cores are the limit). Near 1, sharing costs nothing beyond the shared cores; far above it,
 threads wait on each other's cores.
 
-    .venv/bin/python bench/cpu_contention.py --plan PLAN [--processes 2] [--threads 2] \
+    .venv/bin/python bench/cpu_contention.py --plan PLAN [--processes 2 3] [--threads 2] \
         [--output results/cpu_contention.md]
 """
 
@@ -83,7 +83,7 @@ class Workers:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", type=Path, required=True, help="a plan directory (kvtool build)")
-    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--processes", type=int, nargs="+", default=[2], help="process counts, a table row each")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="kvtool's threads in each process")
     parser.add_argument("--prompt_len", type=int, default=1024)
     parser.add_argument("--output_len", type=int, default=64)
@@ -94,38 +94,46 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if args.processes < 2 or args.threads < 1 or args.rounds < 1:
+    if min(args.processes) < 2 or args.threads < 1 or args.rounds < 1:
         parser.error("--processes must be >= 2, --threads and --rounds >= 1")
 
-    workers = Workers(args, args.processes)
+    cores = os.cpu_count() or 1
+    lines = [
+        "# Decoding with more threads than cores: kvtool processes generating at once",
+        "",
+        f"`python bench/cpu_contention.py --plan {args.plan.name} --processes "
+        f"{' '.join(map(str, args.processes))} --threads {args.threads}` on {cores} cores: each process "
+        f"generates {args.output_len} tokens (greedy) after a {args.prompt_len}-token prompt, alone and with the "
+        f"others at once, {args.rounds} rounds; medians. Slowdown per share: together / alone over the share "
+        "of the cores each process gets (processes x threads / cores, at least 1).",
+        "",
+        "| processes x threads | alone (s) | together (s) | together / alone | cores' share | slowdown per share |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for count in args.processes:
+        alone, together = measure(args, count)
+        share = max(1.0, count * args.threads / cores)
+        slowdown = statistics.median(together) / statistics.median(alone)
+        lines.append(f"| {count} x {args.threads} | {statistics.median(alone):.2f} | {statistics.median(together):.2f} "
+                     f"| {slowdown:.2f} | {share:.2f} | {slowdown / share:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output is not None:
+        args.output.write_text(text)
+
+
+def measure(args: argparse.Namespace, count: int) -> tuple[list[float], list[float]]:
+    """Each of ``count`` processes' generation times alone and all at once, over the rounds."""
+    workers = Workers(args, count)
     alone: list[float] = []
     together: list[float] = []
     try:
         for _ in range(args.rounds):
-            alone += [workers.generate([i])[0] for i in range(args.processes)]
-            together += workers.generate(list(range(args.processes)))
+            alone += [workers.generate([i])[0] for i in range(count)]
+            together += workers.generate(list(range(count)))
     finally:
         workers.close()
-    cores = os.cpu_count() or 1
-    share = max(1.0, args.processes * args.threads / cores)  # the slowdown the cores alone explain
-    slowdown = statistics.median(together) / statistics.median(alone)
-    lines = [
-        f"# Decoding with more threads than cores: {args.processes} kvtool processes at once",
-        "",
-        f"`python bench/cpu_contention.py --plan {args.plan.name} --processes {args.processes} --threads "
-        f"{args.threads}` on {cores} cores: each process generates {args.output_len} tokens (greedy) after a "
-        f"{args.prompt_len}-token prompt, alone and with the others at once, {args.rounds} rounds; medians.",
-        "",
-        "| processes x threads | alone (s) | together (s) | together / alone | cores' share | slowdown per share |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| {args.processes} x {args.threads} | {statistics.median(alone):.2f} | {statistics.median(together):.2f} "
-        f"| {slowdown:.2f} | {share:.2f} | {slowdown / share:.2f} |",
-        "",
-    ]
-    text = "\n".join(lines)
-    print(text)
-    if args.output is not None:
-        args.output.write_text(text)
+    return alone, together
 
 
 if __name__ == "__main__":
