@@ -45,7 +45,7 @@ struct RowVecs {
   Vec v[R];
 };
 
-// The lane-wise sums of keys j .. j + 2^L - 1 folded L levels (Vec::fold): leaf(j) gives each row's
+// The lane-wise sums of keys j .. j + 2^L - 1 folded L levels (Vec::pair_lanes): leaf(j) gives each row's
 // products with key j. Depth first, so that a few vectors a row are live at a time: holding a whole
 // tile's W products for one transposing sum spilled them (R rows x W vectors), and a bfloat16 decode
 // layer of SmolLM2-135M (one thread, cache in L2) took 26.1 us where it now takes 22.7.
@@ -57,7 +57,9 @@ template <int L, typename Leaf>
     auto first = fold_keys<L - 1>(j, leaf);
     const auto second = fold_keys<L - 1>(j + (1 << (L - 1)), leaf);
     for (int r = 0; r < static_cast<int>(sizeof(first.v) / sizeof(Vec)); ++r) {
-      first.v[r] = Vec::template fold<L - 1>(first.v[r], second.v[r]);
+      Vec x, y;
+      Vec::template pair_lanes<L - 1>(first.v[r], second.v[r], x, y);
+      first.v[r] = x + y;
     }
     return first;
   }

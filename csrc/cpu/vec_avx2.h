@@ -91,12 +91,6 @@ struct Vec {
       y.v = _mm256_permute2f128_ps(a.v, b.v, 0x31);
     }
   }
-  template <int L>
-  static Vec fold(Vec a, Vec b) {
-    Vec x, y;
-    pair_lanes<L>(a, b, x, y);
-    return x + y;
-  }
 
   static Mask le(Vec a, Vec b) { return _mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ); }
   static Mask gt(Vec a, Vec b) { return _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ); }

@@ -86,7 +86,7 @@ struct Vec {
 
   // Horizontal reductions of many vectors, two at a time: pair_lanes<L>(a, b, x, y) puts in x and y
   // the lanes of a and b that level L of a transposing reduction pairs, so that combining x and y
-  // lane-wise (fold<L>: adding them) for 16 vectors v[0..15] as a binary tree (v[2k] with v[2k+1] at
+  // lane-wise (adding them, or taking their max) for 16 vectors v[0..15] as a binary tree (v[2k] with v[2k+1] at
   // level 0, those results in pairs at level 1, ...) leaves lane i the reduction of v[i]. Levels:
   // pairs of lanes, quads, then 128-bit lanes (levels 2 and 3 the same operation).
   static constexpr int fold_levels = 4;
@@ -103,12 +103,6 @@ struct Vec {
       x.v = _mm512_shuffle_f32x4(a.v, b.v, 0x88);
       y.v = _mm512_shuffle_f32x4(a.v, b.v, 0xdd);
     }
-  }
-  template <int L>
-  static Vec fold(Vec a, Vec b) {
-    Vec x, y;
-    pair_lanes<L>(a, b, x, y);
-    return x + y;
   }
 
   static Mask le(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }

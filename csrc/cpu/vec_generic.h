@@ -38,7 +38,7 @@ struct Vec {
   float reduce_add() const { return v; }
   float reduce_max() const { return v; }
 
-  // One lane: nothing to fold (vec_avx512.h).
+  // One lane: nothing to reduce across lanes (vec_avx512.h).
   static constexpr int fold_levels = 0;
   // (Named by the reductions' templates; with no levels never called.)
   template <int L>
@@ -46,8 +46,6 @@ struct Vec {
     x = a;
     y = b;
   }
-  template <int L>
-  static Vec fold(Vec a, Vec) { return a; }
 
   static Mask le(Vec a, Vec b) { return a.v <= b.v; }
   static Mask gt(Vec a, Vec b) { return a.v > b.v; }
