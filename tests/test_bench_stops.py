@@ -29,7 +29,9 @@ from kvtool.reports.csv_report import RequestCsvWriter
 
 KVTOOL = str(Path(sys.executable).parent / "kvtool")
 profile = test_explain.profile  # a fixture: a cost model file
-NUM_REQUESTS = 3000  # far more than run before the signal: sequential, a few ms each
+# Far more than run before the signal: sequential, the tiny model runs ~2,000 a second on 2 cores, so the
+# signal has ~6 s to land even when the test process gets little CPU beside the bench's threads.
+NUM_REQUESTS = 12000
 
 
 @pytest.fixture
