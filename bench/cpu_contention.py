@@ -20,7 +20,6 @@ threads wait on each other's cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -49,9 +48,8 @@ def worker(args: argparse.Namespace) -> None:
             if line.strip() != "go":
                 break
             start = time.perf_counter()
-            output = llm.generate([prompt], params)
-            seconds = time.perf_counter() - start
-            print(json.dumps({"seconds": seconds, "tokens": len(output[0].outputs[0].token_ids)}), flush=True)
+            llm.generate([prompt], params)
+            print(time.perf_counter() - start, flush=True)
 
 
 class Workers:
@@ -71,8 +69,7 @@ class Workers:
         for i in indices:
             self.procs[i].stdin.write("go\n")
             self.procs[i].stdin.flush()
-        results = [json.loads(self.procs[i].stdout.readline()) for i in indices]
-        return [r["seconds"] for r in results]
+        return [float(self.procs[i].stdout.readline()) for i in indices]
 
     def close(self) -> None:
         for proc in self.procs:
@@ -101,11 +98,11 @@ def main() -> None:
     lines = [
         "# Decoding with more threads than cores: kvtool processes generating at once",
         "",
-        f"`python bench/cpu_contention.py --plan {args.plan.name} --processes "
-        f"{' '.join(map(str, args.processes))} --threads {args.threads}` on {cores} cores: each process "
-        f"generates {args.output_len} tokens (greedy) after a {args.prompt_len}-token prompt, alone and with the "
-        f"others at once, {args.rounds} rounds; medians. Slowdown per share: together / alone over the share "
-        "of the cores each process gets (processes x threads / cores, at least 1).",
+        (f"`python bench/cpu_contention.py --plan {args.plan.name} --processes "
+         f"{' '.join(map(str, args.processes))} --threads {args.threads}` on {cores} cores: each process "
+         f"generates {args.output_len} tokens (greedy) after a {args.prompt_len}-token prompt, alone and with "
+         f"the others at once, {args.rounds} rounds; medians. Slowdown per share: together / alone over the "
+         "share of the cores each process gets (processes x threads / cores, at least 1)."),
         "",
         "| processes x threads | alone (s) | together (s) | together / alone | cores' share | slowdown per share |",
         "|---|---:|---:|---:|---:|---:|",

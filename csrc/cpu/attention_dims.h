@@ -45,23 +45,25 @@ struct RowVecs {
   Vec v[R];
 };
 
-// The lane-wise sums of keys j .. j + 2^L - 1 folded L levels (Vec::pair_lanes): leaf(j) gives each row's
-// products with key j. Depth first, so that a few vectors a row are live at a time: holding a whole
-// tile's W products for one transposing sum spilled them (R rows x W vectors), and a bfloat16 decode
-// layer of SmolLM2-135M (one thread, cache in L2) took 26.1 us where it now takes 22.7.
-template <int L, typename Leaf>
-[[gnu::always_inline]] static inline auto fold_keys(int j, Leaf& leaf) {
+// For each row r, lane i of the result: the lanes of leaf(first + i).v[r] reduced by `combine` (a
+// lane-wise sum or max), over the 2^L leaves first .. first + 2^L - 1 (with L = Vec::fold_levels, W
+// of them): a transposing reduction on Vec::pair_lanes. Depth first, so that a few vectors a row are
+// live at a time: holding a whole tile's W products for one transposing sum spilled them (R rows x W
+// vectors), and a bfloat16 decode layer of SmolLM2-135M (one thread, cache in L2) took 26.1 us where
+// it now takes 22.7.
+template <int L, typename Leaf, typename Combine>
+[[gnu::always_inline]] static inline auto across_lanes(int first, Leaf& leaf, Combine combine) {
   if constexpr (L == 0) {
-    return leaf(j);
+    return leaf(first);
   } else {
-    auto first = fold_keys<L - 1>(j, leaf);
-    const auto second = fold_keys<L - 1>(j + (1 << (L - 1)), leaf);
-    for (int r = 0; r < static_cast<int>(sizeof(first.v) / sizeof(Vec)); ++r) {
+    auto a = across_lanes<L - 1>(first, leaf, combine);
+    const auto b = across_lanes<L - 1>(first + (1 << (L - 1)), leaf, combine);
+    for (int r = 0; r < static_cast<int>(sizeof(a.v) / sizeof(Vec)); ++r) {
       Vec x, y;
-      Vec::template pair_lanes<L - 1>(first.v[r], second.v[r], x, y);
-      first.v[r] = x + y;
+      Vec::template pair_lanes<L - 1>(a.v[r], b.v[r], x, y);
+      a.v[r] = combine(x, y);
     }
-    return first;
+    return a;
   }
 }
 
@@ -87,7 +89,7 @@ static inline void transposed_scores(int num_keys, float* s, bool add, float sca
     return out;
   };
   for (int j0 = 0; j0 < num_keys; j0 += W) {
-    const RowVecs<R> sums = fold_keys<Vec::fold_levels>(j0, leaf);
+    const RowVecs<R> sums = across_lanes<Vec::fold_levels>(j0, leaf, [](Vec x, Vec y) { return x + y; });
     for (int r = 0; r < R; ++r) {
       Vec scores = sums.v[r];
       if (add) scores = scores + Vec::load(s + r * kKeyTile + j0);
@@ -218,21 +220,6 @@ static void tile_products(const DecodeRows& rows, const KeyTile<C>& tile, bool s
   }
 }
 
-// Lane i of the result: row_vec(i)'s lanes reduced by `combine` (a lane-wise max or sum), for the W
-// vectors row_vec(first .. first + W - 1): a transposing reduction (Vec::pair_lanes), depth first.
-template <int L, typename RowVec, typename Combine>
-[[gnu::always_inline]] static inline Vec across_rows(int first, RowVec& row_vec, Combine combine) {
-  if constexpr (L == 0) {
-    return row_vec(first);
-  } else {
-    const Vec a = across_rows<L - 1>(first, row_vec, combine);
-    const Vec b = across_rows<L - 1>(first + (1 << (L - 1)), row_vec, combine);
-    Vec x, y;
-    Vec::template pair_lanes<L - 1>(a, b, x, y);
-    return combine(x, y);
-  }
-}
-
 // The online softmax of a tile for every row: masked scores to weights (in place), the running max
 // and sum, and alpha, the rescaling of each row's output so far. The rows' bookkeeping runs W rows a
 // vector: each row's tile max and sum reduced across lanes together, the rows' rescalings in one
@@ -263,11 +250,12 @@ static void tile_softmax(const AttentionArgs& a, const AttentionTask& t, const D
   for (int64_t m0 = 0; m0 < rows.rows; m0 += W) {
     const int count = static_cast<int>(min64(W, rows.rows - m0));
     auto tile_max_of = [&](int i) {
-      Vec v = neg_inf;
-      for (int j = 0; i < count && j < num_keys; j += W) v = Vec::max(v, Vec::load(rows.s + (m0 + i) * kKeyTile + j));
-      return v;
+      RowVecs<1> max{{neg_inf}};
+      for (int j = 0; i < count && j < num_keys; j += W) max.v[0] = Vec::max(max.v[0], Vec::load(rows.s + (m0 + i) * kKeyTile + j));
+      return max;
     };
-    const Vec tile_max = across_rows<Vec::fold_levels>(0, tile_max_of, [](Vec x, Vec y) { return Vec::max(x, y); });
+    const Vec tile_max =
+        across_lanes<Vec::fold_levels>(0, tile_max_of, [](Vec x, Vec y) { return Vec::max(x, y); }).v[0];
     // A row that has seen no visible key yet keeps max -inf, and its weights come out 0 rather than NaN.
     const Vec old_max = Vec::load_n(row_max + m0, count);
     const Vec new_max = Vec::select(Vec::gt(tile_max, old_max), tile_max, old_max);
@@ -276,16 +264,16 @@ static void tile_softmax(const AttentionArgs& a, const AttentionTask& t, const D
     alignas(64) float shifts[W];
     shift.store(shifts);
     auto weights_of = [&](int i) {
-      Vec sum = Vec::zero();
+      RowVecs<1> sum{{Vec::zero()}};
       for (int j = 0; i < count && j < num_keys; j += W) {
         float* sm = rows.s + (m0 + i) * kKeyTile + j;
         const Vec p = Vec::exp(Vec::load(sm) - Vec::set1(shifts[i]));
         p.store(sm);
-        sum = sum + p;
+        sum.v[0] = sum.v[0] + p;
       }
       return sum;
     };
-    const Vec sums = across_rows<Vec::fold_levels>(0, weights_of, [](Vec x, Vec y) { return x + y; });
+    const Vec sums = across_lanes<Vec::fold_levels>(0, weights_of, [](Vec x, Vec y) { return x + y; }).v[0];
     Vec::fma(Vec::load_n(row_sum + m0, count), alpha, sums).store_n(row_sum + m0, count);
     new_max.store_n(row_max + m0, count);
     alpha.store_n(rows.alpha + m0, count);

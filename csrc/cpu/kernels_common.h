@@ -146,25 +146,24 @@ struct TileAhead {
   // Asks for the next lines_per_step lines from c.
   inline void step(Cursor& c) const {
     for (int n = 0; n < lines_per_step; ++n) {
-      if (c.at >= c.end) {
-        if (c.run + 1 >= num_runs) return;
-        ++c.run;
-        c.at = run_begin[c.run];
-        c.end = run_end[c.run];
-      }
+      if (c.at >= c.end && !next_run(c)) return;
       __builtin_prefetch(c.at, 0, 3);
       c.at += 64;
     }
   }
   // Asks for every line left.
   inline void ask_rest() {
-    for (;;) {
+    do {
       for (; cursor.at < cursor.end; cursor.at += 64) __builtin_prefetch(cursor.at, 0, 3);
-      if (cursor.run + 1 >= num_runs) return;
-      ++cursor.run;
-      cursor.at = run_begin[cursor.run];
-      cursor.end = run_end[cursor.run];
-    }
+    } while (next_run(cursor));
+  }
+  // Moves c to the start of the next run; false when c is in the last.
+  inline bool next_run(Cursor& c) const {
+    if (c.run + 1 >= num_runs) return false;
+    ++c.run;
+    c.at = run_begin[c.run];
+    c.end = run_end[c.run];
+    return true;
   }
 };
 

@@ -36,7 +36,6 @@ struct Vec {
   static Vec fma(Vec a, Vec b, Vec c) { return {__builtin_fmaf(a.v, b.v, c.v)}; }
   static Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
   float reduce_add() const { return v; }
-  float reduce_max() const { return v; }
 
   // One lane: nothing to reduce across lanes (vec_avx512.h).
   static constexpr int fold_levels = 0;

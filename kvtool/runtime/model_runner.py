@@ -179,8 +179,8 @@ class ModelRunner:
         if len(batch.requests) == 0:
             self.pools.wait_for_all_copies()  # no forward will wait for them layer by layer
             return None
-        decoder = getattr(self.model, "cpu_decoder", None)
-        if decoder is not None and not self.pools.copies_pending_per_layer:
+        decoder = self._one_call_decoder()
+        if decoder is not None:
             rows = batch.decode_rows()
             if rows is not None and decoder.decodes(len(rows.token_ids)):
                 # A decode step on the CPU: the scheduler's arrays straight into one C++ call. The general
@@ -206,9 +206,8 @@ class ModelRunner:
                 layout = self.mixed_graphs.layout(step)
                 if layout is not None:
                     return self.mixed_graphs.run(step, layout)
-            decoder = getattr(self.model, "cpu_decoder", None)
-            if (decoder is not None and step.num_tokens == step.num_seqs and decoder.decodes(step.num_tokens)
-                    and not self.pools.copies_pending_per_layer):
+            decoder = self._one_call_decoder()
+            if decoder is not None and step.num_tokens == step.num_seqs and decoder.decodes(step.num_tokens):
                 # A decode step on the CPU: one C++ call from the host arrays to the logits.
                 logits = decoder.decode(step.input_ids, step.positions, step.block_tables, self.kv_caches)
                 return logits if step.samples_every_row else logits[torch.from_numpy(step.sample_rows)]
@@ -220,6 +219,12 @@ class ModelRunner:
             raise
         # A decode step samples every row, in order: no gather (39 us of a CPU decode step).
         return self.model.compute_logits(hidden if step.samples_every_row else hidden[sample_rows])
+
+    def _one_call_decoder(self):
+        """The CPU decoder, whose ``decode`` takes a decode step in one call, or None: no CPU decoder, or a
+        step whose copies land layer by layer (the layers must wait for them one at a time)."""
+        decoder = getattr(self.model, "cpu_decoder", None)
+        return None if decoder is None or self.pools.copies_pending_per_layer else decoder
 
     def _graph_batch(self, requests) -> DecodeBatch | None:
         """The step as a DecodeBatch when a captured graph can run it: one new token per request, no
