@@ -37,6 +37,21 @@ def test_the_cpu_kind_names_the_model_and_the_best_vector_isa(tmp_path, model, f
     assert read_cpu_info(cpuinfo).kind == kind
 
 
+def test_two_generations_behind_one_model_name_are_two_kinds(tmp_path):
+    # A VM names a Zen 4 and a Zen 5 both "AMD EPYC"; their family and model numbers tell them apart.
+    kinds = []
+    for family, model in ((25, 17), (26, 2)):
+        cpuinfo = tmp_path / f"cpuinfo-{family}"
+        cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+                           f"model name\t: AMD EPYC\nflags\t\t: {AVX512} avx512_bf16\n\n"
+                           f"processor\t: 1\ncpu family\t: 99\nmodel\t\t: 99\nmodel name\t: AMD EPYC\n")
+        cpu = read_cpu_info(cpuinfo)
+        kinds.append(cpu.kind)
+        assert f"family {family}, model {model};" in cpu.describe()
+        assert (cpu.as_row()["cpu_family"], cpu.as_row()["cpu_model_number"]) == (family, model)
+    assert kinds == ["amd-epyc-f25m17-avx512-bf16", "amd-epyc-f26m2-avx512-bf16"]
+
+
 def test_cpuinfo_without_flags_is_an_error(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: X\n")

@@ -1,5 +1,6 @@
-"""Which CPU a peers run ran on: its model name, cores and vector instruction sets (read from
-/proc/cpuinfo, never assumed), and the kind its results are filed under (results/peers/<kind>/).
+"""Which CPU a peers run ran on: its model name, family and model numbers, cores and vector
+instruction sets (read from /proc/cpuinfo, never assumed), and the kind its results are filed under
+(results/peers/<kind>/).
 
 Pure Python: the peers' own venvs import it too.
 """
@@ -27,6 +28,11 @@ class CpuInfo:
     model: str
     num_cores: int
     flags: frozenset[str]
+    # cpuinfo's "cpu family" and "model" (None where it has none): a VM's model name may hide the
+    # generation ("AMD EPYC" for a Zen 4 and a Zen 5 alike), whose vector units differ (a Zen 4 runs
+    # AVX-512 on 256-bit halves), and so does the speed of the same kernels.
+    family: int | None = None
+    model_number: int | None = None
 
     @property
     def isa(self) -> str:
@@ -34,31 +40,47 @@ class CpuInfo:
         return next((name for name, needed in ISA_LEVELS if needed <= self.flags), "baseline")
 
     @property
+    def generation(self) -> str:
+        """'f25m17' (cpu family 25, model 17), or '' where cpuinfo gives neither."""
+        if self.family is None or self.model_number is None:
+            return ""
+        return f"f{self.family}m{self.model_number}"
+
+    @property
     def kind(self) -> str:
-        """The model and the instruction set, as a directory name: 'amd-epyc-avx512-bf16'."""
+        """The model, its family and model numbers and the instruction set, as a directory name:
+        'amd-epyc-f25m17-avx512-bf16'."""
         model = re.sub(r"\(r\)|\(tm\)|cpu @.*|processor|\d+-core", "", self.model.lower())
         slug = re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "cpu"
-        return f"{slug}-{self.isa}"
+        return "-".join(part for part in (slug, self.generation, self.isa) if part)
 
     def describe(self) -> str:
-        """'AMD EPYC (2 cores): AVX-512 with AVX512-BF16, no AMX'."""
-        return f"{self.model} ({self.num_cores} cores): {ISA_NAMES[self.isa]}"
+        """'AMD EPYC (family 25, model 17; 2 cores): AVX-512 with AVX512-BF16, no AMX'."""
+        numbers = f"family {self.family}, model {self.model_number}; " if self.generation else ""
+        return f"{self.model} ({numbers}{self.num_cores} cores): {ISA_NAMES[self.isa]}"
 
     def as_row(self) -> dict[str, object]:
-        return {"cpu_model": self.model, "cpu_cores": self.num_cores, "cpu_isa": self.isa, "cpu_kind": self.kind,
+        return {"cpu_model": self.model, "cpu_family": self.family, "cpu_model_number": self.model_number,
+                "cpu_cores": self.num_cores, "cpu_isa": self.isa, "cpu_kind": self.kind,
                 "cpu_flags": " ".join(sorted(f for f in self.flags if f.startswith(("avx", "amx", "fma"))))}
 
 
 def read_cpu_info(path: str | Path = "/proc/cpuinfo") -> CpuInfo:
-    """The first processor's model name and flags; ValueError when the file has neither."""
-    model, flags = None, None
+    """The first processor's model name, family and model numbers and flags; ValueError when the file
+    has no model name or flags."""
+    fields: dict[str, str] = {}
     for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block ends here
+            continue
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model is None:
-            model = value.strip()
-        elif key == "flags" and flags is None:
-            flags = frozenset(value.split())
-    if model is None or flags is None:
+        fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields or "flags" not in fields:
         raise ValueError(f"{path} names no CPU model or flags: cannot tell which instruction sets ran")
-    return CpuInfo(model, os.cpu_count() or 1, flags)
+
+    def number(key: str) -> int | None:
+        return int(fields[key]) if fields.get(key, "").isdigit() else None
+
+    return CpuInfo(fields["model name"], os.cpu_count() or 1, frozenset(fields["flags"].split()),
+                   number("cpu family"), number("model"))
