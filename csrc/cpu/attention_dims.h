@@ -317,13 +317,15 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
   TileAhead<C> ahead;
   ahead.bytes = task_row_bytes<C>(a, t);
   int current = 0;
-  find_tile(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)), tiles[current]);
+  find_tile<kDecodeTileAsk>(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)),
+                            tiles[current]);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     KeyTile<C>& tile = tiles[current];
     tile.ahead = nullptr;
     if (k0 + kKeyTile < t.key_end) {
       KeyTile<C>& next = tiles[1 - current];
-      find_tile(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)), next, false);
+      find_tile<TileAsk::kNone>(a, t, k0 + kKeyTile, static_cast<int>(min64(kKeyTile, t.key_end - k0 - kKeyTile)),
+                                next);
       ahead.begin(&next, static_cast<int64_t>(tile.num_keys) * t.num_kv_heads);
       tile.ahead = &ahead;
     }

@@ -99,6 +99,23 @@ static void write_task_output(const AttentionArgs& a, const AttentionTask& t, co
 template <typename C>
 struct KeyTile;
 
+// Where asked-for cache lines go: into L1 (prefetcht0), or into L2 (prefetcht1), for lines wanted a
+// tile later. A decode task asks for its tiles into L2: its next tile's lines, asked for into L1
+// while the current tile's products run there, pushed those out and held the core's few L1 miss slots
+// (a family 25 model 17 EPYC: whole bfloat16 decode steps 0.958x the time, float32 0.972x, in-process
+// A/B of the hints; the earlier EPYC with vp2intersect took 1.00x with prefetcht1 and 1.23x with
+// prefetcht2, results/cpu_attention.md). The prompt layouts use a tile's lines at once: into L1.
+enum class TileAsk { kNone, kIntoL1, kIntoL2 };
+
+template <TileAsk Ask>
+static inline void ask_for_line(const void* line) {
+  if constexpr (Ask == TileAsk::kIntoL1) __builtin_prefetch(line, 0, 3);
+  if constexpr (Ask == TileAsk::kIntoL2) __builtin_prefetch(line, 0, 2);
+}
+
+// Where a decode task asks for its tiles' lines (TileAhead and its first tile).
+constexpr TileAsk kDecodeTileAsk = TileAsk::kIntoL2;
+
 // The cache lines of the next key tile (its keys' rows, then its values'), asked for a few lines at a
 // time while the current tile's scores run: a step at each key of each scores call (decode layout),
 // in the order they lie (runs of rows that follow each other in the cache: a tile of one block's
@@ -147,14 +164,14 @@ struct TileAhead {
   inline void step(Cursor& c) const {
     for (int n = 0; n < lines_per_step; ++n) {
       if (c.at >= c.end && !next_run(c)) return;
-      __builtin_prefetch(c.at, 0, 3);
+      ask_for_line<kDecodeTileAsk>(c.at);
       c.at += 64;
     }
   }
   // Asks for every line left.
   inline void ask_rest() {
     do {
-      for (; cursor.at < cursor.end; cursor.at += 64) __builtin_prefetch(cursor.at, 0, 3);
+      for (; cursor.at < cursor.end; cursor.at += 64) ask_for_line<kDecodeTileAsk>(cursor.at);
     } while (next_run(cursor));
   }
   // Moves c to the start of the next run; false when c is in the last.
@@ -184,15 +201,14 @@ static inline int64_t task_row_bytes(const AttentionArgs& a, const AttentionTask
   return ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
 }
 
-// Finds a tile's rows and (with `prefetch`) asks for their cache lines at once (the decode layout
+// Finds a tile's rows and asks for their cache lines at once (Ask: where to; the decode layout
 // spreads the asking for its next tiles over the products instead: TileAhead). A task's keys and
 // values are many short runs (a token's heads, keys and values apart, blocks wherever the block
 // table puts them) that the hardware prefetcher alone left a decode layer's attention ~20% slower
 // (bench/cpu_attention.py). The prefetches are here, where the pointers are stored, rather than in a
 // function of their own, which the compiler finds free of effects and drops.
-template <typename C>
-static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, KeyTile<C>& tile,
-                      bool prefetch = true) {
+template <TileAsk Ask = TileAsk::kIntoL1, typename C>
+static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, KeyTile<C>& tile) {
   const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
   const int64_t bytes = task_row_bytes<C>(a, t);
   // Block and offset advance with the position (no division per key).
@@ -205,9 +221,9 @@ static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0
     }
     tile.key[j] = base + table[block] * a.block_stride + offset * a.token_stride;
     tile.value[j] = tile.key[j] + a.kv_stride;
-    for (int64_t line = 0; prefetch && line < bytes; line += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(tile.key[j]) + line, 0, 3);
-      __builtin_prefetch(reinterpret_cast<const char*>(tile.value[j]) + line, 0, 3);
+    for (int64_t line = 0; Ask != TileAsk::kNone && line < bytes; line += 64) {
+      ask_for_line<Ask>(reinterpret_cast<const char*>(tile.key[j]) + line);
+      ask_for_line<Ask>(reinterpret_cast<const char*>(tile.value[j]) + line);
     }
   }
   tile.num_keys = num_keys;
