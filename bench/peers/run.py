@@ -16,9 +16,10 @@ its load: the load average and the CPU share of processes that are not the bench
 seconds; a variant during which others took more than 25% is flagged.
 
 Writes to --output (results/peers/<cpu kind>/ by default, the kind read from /proc/cpuinfo: model name,
-family and model numbers, best vector ISA, e.g. amd-epyc-f25m17-avx512-bf16): summary.csv (a row per variant, every cycle's requests pooled, plus the median
-over cycles of each cycle's figures), requests-VARIANT.csv, cycles.csv, load.csv, floors.json,
-compare.txt/.csv and ttft.png (`kvtool compare`), dataset.jsonl and table.md (bench/peers/report.py).
+family and model numbers, best vector ISA, e.g. amd-epyc-f25m17-avx512-bf16): summary.csv (a row per
+variant, every cycle's requests pooled, plus the median over cycles of each cycle's figures),
+requests-VARIANT.csv, cycles.csv, load.csv, floors.json, compare.txt/.csv and ttft.png (`kvtool
+compare`), dataset.jsonl and table.md (bench/peers/report.py).
 
     .venv/bin/python bench/peers/run.py --peer_python ~/.cache/kvtool/vllm-venv/bin/python --cycles 2
 """

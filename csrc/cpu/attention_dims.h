@@ -251,7 +251,9 @@ static void tile_softmax(const AttentionArgs& a, const AttentionTask& t, const D
     const int count = static_cast<int>(min64(W, rows.rows - m0));
     auto tile_max_of = [&](int i) {
       RowVecs<1> max{{neg_inf}};
-      for (int j = 0; i < count && j < num_keys; j += W) max.v[0] = Vec::max(max.v[0], Vec::load(rows.s + (m0 + i) * kKeyTile + j));
+      for (int j = 0; i < count && j < num_keys; j += W) {
+        max.v[0] = Vec::max(max.v[0], Vec::load(rows.s + (m0 + i) * kKeyTile + j));
+      }
       return max;
     };
     const Vec tile_max =
