@@ -17,6 +17,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.cpu_kernels import CpuKernels, ops, supported_isas
 from kvtool.layers.attention import TorchPagedAttention, write_kv_cache
@@ -87,6 +89,18 @@ def test_linear_refuses_shapes_that_disagree(kernels):
         ops.linear(kernels, x, weight, None, torch.empty(1, 5))
     with pytest.raises(ValueError, match="must share one dtype"):
         ops.linear(kernels, x, weight.bfloat16(), None, torch.empty(1, 4))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@settings(max_examples=30, deadline=None)
+@given(num_floats=st.integers(0, 200_000))
+def test_sum_reads_each_float_once_however_the_threads_share_them(num_threads, num_floats):
+    # The floats in 16,384-float ranges over the threads' shares (Parallel::run_shares, as the row
+    # products split their weights; tests/test_parallel_shares.py slows a thread down): a range read
+    # twice or never would change the sum of ones.
+    kernels = CpuKernels("auto", num_threads)
+    ones = torch.ones(num_floats)
+    assert kernels.sum(ones.data_ptr(), num_floats) == num_floats
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)

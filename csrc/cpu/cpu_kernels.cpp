@@ -10,6 +10,10 @@ namespace {
 // Below these sizes a kernel runs on the calling thread alone: waking the workers costs more.
 constexpr int64_t kMinParallelElements = 64 * 1024;
 constexpr double kMinParallelAttentionWork = 5e5;  // multiply-adds
+// The ranges run_shares hands out for a streaming kernel: long enough that taking one (an atomic
+// operation on a line its share's owner holds) costs nothing beside reading it, short enough to even
+// out the threads' ends (16, 64 and 256 KB measured alike in a decode step).
+constexpr int64_t kShareRangeBytes = 64 * 1024;
 
 bool cpu_supports(const std::string& isa) {
   if (isa == "generic") return true;
@@ -55,6 +59,11 @@ struct RowsJob {
   static void run(const void* context, int64_t task, int) {
     const auto* j = static_cast<const RowsJob*>(context);
     j->kernel(*j->args, task * j->rows_per_task, std::min(j->num_rows, (task + 1) * j->rows_per_task));
+  }
+  // Rows [begin, end) of the kernel (Parallel::run_shares).
+  static void run_range(const void* context, int64_t begin, int64_t end, int) {
+    const auto* j = static_cast<const RowsJob*>(context);
+    j->kernel(*j->args, begin, end);
   }
 };
 
@@ -159,27 +168,37 @@ void CpuKernels::linear(const LinearArgs& args) {
   if (args.num_rows < 1 || args.in_features < 1 || args.out_features < 1) {
     throw std::invalid_argument("linear: num_rows, in_features and out_features must be >= 1");
   }
-  // Each thread streams one contiguous run of weight rows, one output feature per row (each run is a
-  // stream the hardware prefetcher finds anew; at four runs a thread SmolLM2-135M's four bfloat16
-  // projections of one row took 5.9 ms for 30 layers' weights read from memory, at one 5.3).
-  run_rows(table_->linear, args, args.out_features, args.in_features, 1);
+  if (args.out_features * args.in_features < kMinParallelElements || pool_.num_threads() == 1) {
+    run_rows(table_->linear, args, args.out_features, args.in_features, 1);
+    return;
+  }
+  // Each thread streams one contiguous share of the weight rows, one output feature per row (each
+  // share is a stream the hardware prefetcher finds anew; at four a thread SmolLM2-135M's four
+  // bfloat16 projections of one row took 5.9 ms for 30 layers' weights read from memory, at one 5.3),
+  // and one done early takes ranges from the back of the other's: with fixed halves one thread of a
+  // bfloat16 decode step waited 0.3-1.6 ms a step at the products' barriers, with shares 0.1-0.2 ms.
+  // The step gained ~1% (a thread streaming alone gets most of the memory its partner leaves), more
+  // where a thread loses its core (results/cpu_decode_rows.md).
+  const int64_t row_bytes = args.in_features * element_bytes(args.dtype);
+  const RowsJob<LinearArgs> job{table_->linear, &args, args.out_features, 0};
+  const int64_t rows_per_range = std::max<int64_t>(1, kShareRangeBytes / row_bytes);
+  pool_.run_shares(args.out_features, rows_per_range, RowsJob<LinearArgs>::run_range, &job);
 }
 
 double CpuKernels::sum(const float* data, int64_t num_floats) {
   struct SumJob {
     const KernelTable* table;
     const float* data;
-    int64_t num_floats, per_task;
-    std::vector<double> partial;
+    std::vector<double> partial;  // a thread's
   };
-  const int64_t num_tasks = pool_.num_threads();
-  SumJob job{table_, data, num_floats, (num_floats + num_tasks - 1) / num_tasks, std::vector<double>(num_tasks)};
-  pool_.run(
-      num_tasks,
-      [](const void* context, int64_t task, int) {
+  // Shared as the products share their weights: a streaming read at the rate both threads reach
+  // together, not at the slower one's.
+  SumJob job{table_, data, std::vector<double>(pool_.num_threads())};
+  pool_.run_shares(
+      num_floats, kShareRangeBytes / static_cast<int64_t>(sizeof(float)),
+      [](const void* context, int64_t begin, int64_t end, int thread) {
         auto* j = static_cast<SumJob*>(const_cast<void*>(context));
-        const int64_t begin = std::min(j->num_floats, task * j->per_task);
-        j->partial[task] = j->table->sum(j->data, begin, std::min(j->num_floats, begin + j->per_task));
+        j->partial[thread] += j->table->sum(j->data, begin, end);
       },
       &job);
   double total = 0.0;

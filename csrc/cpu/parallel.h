@@ -22,6 +22,7 @@ class Parallel {
  public:
   using TaskFn = void (*)(const void* context, int64_t task, int thread);
   using BodyFn = void (*)(const void* context);
+  using RangeFn = void (*)(const void* context, int64_t begin, int64_t end, int thread);
 
   // At most num_threads threads, the caller included (and no more than OpenMP's own limit).
   explicit Parallel(int num_threads);
@@ -36,6 +37,13 @@ class Parallel {
   // Inside a team, every thread of it calls run() with the same arguments (a collective call), and
   // the team's threads share the tasks.
   void run(int64_t num_tasks, TaskFn fn, const void* context) const;
+  // Runs fn(context, begin, end, thread) over [0, num_items) in ranges of at most `grain` items, each
+  // item once: each thread walks a contiguous share of the items front to back (one sequential
+  // stream), and a thread done with its own share takes ranges from the back of the others' until
+  // none is left, so the threads end together however their speeds differ. Inside a team a collective
+  // call, as run() is.
+  void run_shares(int64_t num_items, int64_t grain, RangeFn fn, const void* context) const;
+
   // fn(context, 0, 0) on one thread: the caller's, or inside a team its thread 0 while the others
   // wait for it (a collective call).
   void run_one(TaskFn fn, const void* context) const;
@@ -52,6 +60,7 @@ class Parallel {
  private:
   struct Team;
   void wait_for_team() const;
+  void end_collective_call(int64_t calls) const;
 
   int num_threads_;
   std::unique_ptr<Team> team_;  // its state while run_team runs (team_->active false otherwise)
