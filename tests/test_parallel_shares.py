@@ -18,8 +18,8 @@ CXX = shutil.which("g++") or shutil.which("c++")
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_run_shares_takes_each_item_once_and_finishes_a_slow_threads_share(tmp_path):
     binary = tmp_path / "parallel_shares"
-    build = subprocess.run([CXX, "-std=c++17", "-O1", "-fopenmp", f"-I{ROOT / 'csrc' / 'cpu'}",
-                            str(ROOT / "tests" / "cpp" / "parallel_shares.cpp"), str(ROOT / "csrc" / "cpu" / "parallel.cpp"),
+    sources = [str(ROOT / "tests" / "cpp" / "parallel_shares.cpp"), str(ROOT / "csrc" / "cpu" / "parallel.cpp")]
+    build = subprocess.run([CXX, "-std=c++17", "-O1", "-fopenmp", f"-I{ROOT / 'csrc' / 'cpu'}", *sources,
                             "-o", str(binary)], capture_output=True, text=True)
     if build.returncode != 0 and "fopenmp" in build.stderr:
         pytest.skip("the compiler has no OpenMP")

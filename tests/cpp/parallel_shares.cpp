@@ -70,8 +70,9 @@ int main() {
       std::atomic<int> tasks{0};
       auto body = [&] {
         pool.run_shares(n, grain, visit, &first);
-        pool.run(5, [](const void* c, int64_t, int) { static_cast<std::atomic<int>*>(const_cast<void*>(c))->fetch_add(1); },
-                 &tasks);
+        pool.run(
+            5, [](const void* c, int64_t, int) { static_cast<std::atomic<int>*>(const_cast<void*>(c))->fetch_add(1); },
+            &tasks);
         pool.run_shares(n, grain, visit, &second);
       };
       pool.run_team(body);
