@@ -180,8 +180,8 @@ void CpuKernels::linear(const LinearArgs& args) {
   // The step gained ~1% (a thread streaming alone gets most of the memory its partner leaves), more
   // where a thread loses its core (results/cpu_decode_rows.md).
   const int64_t row_bytes = args.in_features * element_bytes(args.dtype);
-  const RowsJob<LinearArgs> job{table_->linear, &args, args.out_features, 0};
   const int64_t rows_per_range = std::max<int64_t>(1, kShareRangeBytes / row_bytes);
+  const RowsJob<LinearArgs> job{table_->linear, &args, args.out_features, rows_per_range};
   pool_.run_shares(args.out_features, rows_per_range, RowsJob<LinearArgs>::run_range, &job);
 }
 
