@@ -113,15 +113,18 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
   }
   for (int64_t e = 0; e < d * padded; ++e) ot[e] = 0.0f;
 
-  KeyTile<uint16_t> tile;
+  const int64_t num_row_blocks = num_vectors / kBlockRows + num_vectors % kBlockRows / 2 + num_vectors % 2;
+  TilesAhead<uint16_t> tiles(a, t);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
-    find_tile(a, t, k0, num_keys, tile);
+    const KeyTile<uint16_t>& tile = tiles.start(k0, rows_tile_steps(num_row_blocks, num_keys, d));
     over_row_vectors(num_vectors, [&](auto nq_vectors, int64_t v) {
       constexpr int NQ = decltype(nq_vectors)::value;
       int j = 0;
-      for (; j + kBlockKeys <= num_keys; j += kBlockKeys)
+      for (; j + kBlockKeys <= num_keys; j += kBlockKeys) {
         pair_score_block<kBlockKeys, NQ>(tile.key, qt2, padded, d, s, j, static_cast<int>(v));
+        tiles.step();
+      }
       for (; j < num_keys; ++j) pair_score_block<1, NQ>(tile.key, qt2, padded, d, s, j, static_cast<int>(v));
     });
     rows_softmax(a, t, k0, num_keys, padded, a.scale, positions, s, row_max, row_sum, ot);
@@ -150,10 +153,13 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
     over_row_vectors(num_vectors, [&](auto nq_vectors, int64_t v) {
       constexpr int NQ = decltype(nq_vectors)::value;
       int64_t e = 0;
-      for (; e + kValueDims <= d; e += kValueDims)
+      for (; e + kValueDims <= d; e += kValueDims) {
         pair_value_block<kValueDims, NQ>(vt2, num_pairs, p2, padded, d, ot, e, static_cast<int>(v));
+        tiles.step();
+      }
       for (; e < d; ++e) pair_value_block<1, NQ>(vt2, num_pairs, p2, padded, d, ot, e, static_cast<int>(v));
     });
+    tiles.finish();
   }
   write_task_output<A>(a, t, row_max, row_sum,
                        [&](int64_t m, int64_t e) { return ot[values_lane(e) * padded + m]; });

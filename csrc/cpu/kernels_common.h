@@ -104,7 +104,8 @@ struct KeyTile;
 // while the current tile's products run there, pushed those out and held the core's few L1 miss slots
 // (a family 25 model 17 EPYC: whole bfloat16 decode steps 0.958x the time, float32 0.972x, in-process
 // A/B of the hints; the earlier EPYC with vp2intersect took 1.00x with prefetcht1 and 1.23x with
-// prefetcht2, results/cpu_attention.md). The prompt layouts use a tile's lines at once: into L1.
+// prefetcht2, results/cpu_attention.md). The prompt layouts ask for their next tiles into L2 as well,
+// and for each tile's lines into L1 as its products start (TilesAhead, attention_rows.h).
 enum class TileAsk { kNone, kIntoL1, kIntoL2 };
 
 template <TileAsk Ask>
@@ -113,13 +114,14 @@ static inline void ask_for_line(const void* line) {
   if constexpr (Ask == TileAsk::kIntoL2) __builtin_prefetch(line, 0, 2);
 }
 
-// Where a decode task asks for its tiles' lines (TileAhead and its first tile).
-constexpr TileAsk kDecodeTileAsk = TileAsk::kIntoL2;
+// Where the lines of tiles asked for a tile ahead go (TileAhead, and a decode task's first tile).
+constexpr TileAsk kAheadTileAsk = TileAsk::kIntoL2;
 
 // The cache lines of the next key tile (its keys' rows, then its values'), asked for a few lines at a
-// time while the current tile's scores run: a step at each key of each scores call (decode layout),
-// in the order they lie (runs of rows that follow each other in the cache: a tile of one block's
-// tokens is two runs, its keys' and its values'). Asked for all at once when the tile was found,
+// time while the current tile's products run: a step at each key of each scores call (decode layout)
+// or after each register block of the products (prompt layout, TilesAhead), in the order they lie
+// (runs of rows that follow each other in the cache: a tile of one block's tokens is two runs, its
+// keys' and its values'). Asked for all at once when the tile was found,
 // they filled the load queue and the products waited behind them: a bfloat16 decode layer took
 // about the time of reading its cache plus that of computing on it; a few rows (~48 lines) every 16
 // keys, 1.2-1.5x less from memory; a line or three every key, the whole decode step 0.968-0.98x
@@ -164,14 +166,14 @@ struct TileAhead {
   inline void step(Cursor& c) const {
     for (int n = 0; n < lines_per_step; ++n) {
       if (c.at >= c.end && !next_run(c)) return;
-      ask_for_line<kDecodeTileAsk>(c.at);
+      ask_for_line<kAheadTileAsk>(c.at);
       c.at += 64;
     }
   }
   // Asks for every line left.
   inline void ask_rest() {
     do {
-      for (; cursor.at < cursor.end; cursor.at += 64) ask_for_line<kDecodeTileAsk>(cursor.at);
+      for (; cursor.at < cursor.end; cursor.at += 64) ask_for_line<kAheadTileAsk>(cursor.at);
     } while (next_run(cursor));
   }
   // Moves c to the start of the next run; false when c is in the last.
