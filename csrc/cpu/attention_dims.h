@@ -320,7 +320,7 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
   ahead.bytes = task_row_bytes<C>(a, t);
   int current = 0;
   find_tile<kAheadTileAsk>(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)),
-                            tiles[current]);
+                           tiles[current]);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     KeyTile<C>& tile = tiles[current];
     tile.ahead = nullptr;
