@@ -59,7 +59,14 @@ static void pair_chunk_values(const KeyTile<uint16_t>& tile, int64_t offset, con
   Vec acc[R][2 * NC];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2 * NC; ++v) acc[r][v] = Vec::load(o + r * padded_d + v * W) * Vec::set1(alpha[r]);
+  // The next tile's asking steps on twice at each pair of value rows, as at each key of the scores.
+  TileAhead<uint16_t>* ahead = tile.ahead;
+  typename TileAhead<uint16_t>::Cursor cursor = ahead != nullptr ? ahead->cursor : TileAhead<uint16_t>::Cursor{};
   for (int j = 0; j < tile.num_keys; j += 2) {
+    if (ahead != nullptr) {
+      ahead->step(cursor);
+      ahead->step(cursor);
+    }
     const uint16_t* first = tile.value[j] + offset;
     const uint16_t* second = j + 1 < tile.num_keys ? tile.value[j + 1] + offset : kZeroValues;
     typename Vec::Pairs low[NC], high[NC];
@@ -72,6 +79,7 @@ static void pair_chunk_values(const KeyTile<uint16_t>& tile, int64_t offset, con
       }
     }
   }
+  if (ahead != nullptr) ahead->cursor = cursor;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2 * NC; ++v) acc[r][v].store(o + r * padded_d + v * W);
 }

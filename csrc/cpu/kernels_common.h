@@ -117,17 +117,17 @@ static inline void ask_for_line(const void* line) {
 // Where the lines of tiles asked for a tile ahead go (TileAhead, and a decode task's first tile).
 constexpr TileAsk kAheadTileAsk = TileAsk::kIntoL2;
 
-// The cache lines of the next key tile (its keys' rows, then its values'), asked for a few lines at a
-// time while the current tile's products run: a step at each key of each scores call (decode layout)
-// or after each register block of the products (prompt layout, TilesAhead), in the order they lie
-// (runs of rows that follow each other in the cache: a tile of one block's tokens is two runs, its
-// keys' and its values'). Asked for all at once when the tile was found,
-// they filled the load queue and the products waited behind them: a bfloat16 decode layer took
-// about the time of reading its cache plus that of computing on it; a few rows (~48 lines) every 16
-// keys, 1.2-1.5x less from memory; a line or three every key, the whole decode step 0.968-0.98x
-// less again (results/cpu_attention.md): the bursts had the products wait for the core's few
-// outstanding-miss slots. (Each scores call asking for its own head's part of every row instead, a
-// strided walk, took a decode layer 1.5x the time from memory.)
+// The cache lines of the next key tile (its keys' rows, then its values'), asked for a few lines at
+// a time while the current tile's products run: a step at each key of each scores and values call
+// (decode layout) or after each register block of the products (prompt layout, TilesAhead), in the
+// order they lie (runs of rows that follow each other in the cache: a tile of one block's tokens is
+// two runs, its keys' and its values'). Asked for all at once when the tile was found, they filled
+// the load queue and the products waited behind them: a bfloat16 decode layer took about the time
+// of reading its cache plus that of computing on it; a few rows (~48 lines) every 16 keys, 1.2-1.5x
+// less from memory; a line or three every key, the whole decode step 0.968-0.98x less again
+// (results/cpu_attention.md): the bursts had the products wait for the core's few outstanding-miss
+// slots. (Each scores call asking for its own head's part of every row instead, a strided walk,
+// took a decode layer 1.5x the time from memory.)
 template <typename C>
 struct TileAhead {
   // Where the asking has got to: the next line to ask for, the end of its run, the run.
