@@ -91,10 +91,10 @@ constexpr int kValueRows = W >= 16 ? 4 : 2;
 // (into L2) a few at a time while the current tile's products run, step() between their register
 // blocks (TileAhead), and each tile's lines into L1 as its products start. Asked for only then, a
 // tile's lines from memory kept the products waiting. With the cache from memory (SmolLM2-135M's
-// shape, results/cpu_attention.md): 8 decode sequences sharing a 1,024-token prefix, whose tasks take
-// this layout, took a layer 0.81x the time (float32) and 0.62-0.67x (bfloat16); a 32-token hit over
-// its 1,024 cached tokens 0.88x and 0.79x. A whole 1,056-token prompt, whose cache it has just written
-// (in the CPU's caches), 1.02x: the asking is a little work of its own.
+// shape, results/cpu_attention.md): 8 decode sequences sharing a 1,024-token prefix, whose tasks
+// take this layout, took a layer 0.80-0.85x the time (float32) and 0.62-0.78x (bfloat16); a
+// 32-token hit over its 1,024 cached tokens 0.88x and 0.79x. A whole 1,056-token prompt, whose
+// cache it has just written (in the CPU's caches), 1.02x: the asking is a little work of its own.
 template <typename C>
 class TilesAhead {
  public:
@@ -129,8 +129,10 @@ class TilesAhead {
 };
 
 // The step() calls of a tile's products: one after each register block of keys (scores) and of head
-// dimensions (values), for each block of row vectors.
-static inline int64_t rows_tile_steps(int64_t num_row_blocks, int num_keys, int64_t d) {
+// dimensions (values), for each block of row vectors (kBlockRows of them, then 2, then 1, as the
+// products run them; kValueRows == kBlockRows).
+static inline int64_t rows_tile_steps(int64_t num_vectors, int num_keys, int64_t d) {
+  const int64_t num_row_blocks = num_vectors / kBlockRows + num_vectors % kBlockRows / 2 + num_vectors % 2;
   return num_row_blocks * ((num_keys + kBlockKeys - 1) / kBlockKeys + (d + kValueDims - 1) / kValueDims);
 }
 
@@ -247,13 +249,11 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
 
   const float* key[kKeyTile];
   const float* value[kKeyTile];
-  // Row-vector blocks a tile's products run in: kBlockRows, then 2, then 1 (kValueRows == kBlockRows).
-  const int64_t num_row_blocks = num_vectors / kBlockRows + num_vectors % kBlockRows / 2 + num_vectors % 2;
   TilesAhead<C> tiles(a, t);
   auto step = [&] { tiles.step(); };
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
-    tile_rows<C>(a, tiles.start(k0, rows_tile_steps(num_row_blocks, num_keys, d)), kbuf, vbuf, key, value);
+    tile_rows<C>(a, tiles.start(k0, rows_tile_steps(num_vectors, num_keys, d)), kbuf, vbuf, key, value);
     int64_t v = 0;
     for (; v + kBlockRows <= num_vectors; v += kBlockRows)
       scores<kBlockRows>(key, num_keys, qt, padded, d, s, static_cast<int>(v), step);

@@ -113,11 +113,10 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
   }
   for (int64_t e = 0; e < d * padded; ++e) ot[e] = 0.0f;
 
-  const int64_t num_row_blocks = num_vectors / kBlockRows + num_vectors % kBlockRows / 2 + num_vectors % 2;
   TilesAhead<uint16_t> tiles(a, t);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
-    const KeyTile<uint16_t>& tile = tiles.start(k0, rows_tile_steps(num_row_blocks, num_keys, d));
+    const KeyTile<uint16_t>& tile = tiles.start(k0, rows_tile_steps(num_vectors, num_keys, d));
     over_row_vectors(num_vectors, [&](auto nq_vectors, int64_t v) {
       constexpr int NQ = decltype(nq_vectors)::value;
       int j = 0;
