@@ -200,21 +200,14 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
 
 // ---- products of a few rows ------------------------------------------------------------------
 
-// How far ahead of its loads a dot product asks for its weight row, every cache line of it: a task's
-// run of rows is one sequential stream, and with the hardware prefetcher alone the products of a
-// decode step read their weights well below the rate a streaming read gets
-// (bench/cpu_linear_rows.py). Asking for every line rather than every other (bfloat16) or fourth
-// (float32) one took a step 1.02-1.05x (bfloat16) and 1.01x (float32) less time, and 16 KB ahead was
-// slower than 2 or 4 KB.
-//
-// The lines are asked for as non-temporal (prefetchnta): a decode step streams some 200 MB of weights
-// once, which otherwise pushed everything else out of L2 and L3 (the KV cache the next layers read,
-// the engine's own code and data, whose Python work between two steps then ran about ten times
-// slower than warm). A bfloat16 SmolLM2-135M decode step after 1,056 tokens took 0.92x the time of
-// temporal prefetches 2 KB ahead in processes reading memory at 80 GB/s and 0.94-0.96x at 33-50;
-// float32 0.96-0.99x (AMD EPYC VM, the variants alternated within each process, results/cpu_decode_rows.md).
-// 4 KB ahead beat 2 KB by 4% there for bfloat16 and tied for float32.
-constexpr int64_t kPrefetchBytes = 4096;
+// The weights come in by the hardware prefetcher alone: a task's run of rows is one sequential
+// stream, read as the memory floor's streaming read reads it. The products used to ask for every
+// line 4 KB ahead (prefetchnta): 1-2% faster a step than without on earlier days of the family 25
+// model 17 EPYC VM, and on the AVX-512 EPYC of 2026-11-26 the products without asking ran at oneDNN's
+// rate or below. On 2026-11-27 the same VM kind took bfloat16 SmolLM2-135M decode steps in 0.86-0.94x
+// the time without asking (float32 0.91x), and in 0.90-0.91x against asking 1 or 2 KB ahead,
+// temporal or not (in-process A/Bs, results/cpu_decode_rows.md): where the asking loses, it loses far
+// more than it gains where it wins.
 
 // w . x over d elements, four accumulators in flight (bfloat16: split into even and odd elements,
 // or with AVX512-BF16 in dot products of the pairs as they lie).
@@ -222,13 +215,6 @@ template <typename T>
 static inline float dot_row(const T* w, const T* x, int64_t d) {
   Vec acc[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
   int64_t k = 0;
-  // The lines kPrefetchBytes past the `elements` elements from w + k (a loop step's).
-  auto prefetch_ahead = [&](int64_t elements) {
-    const char* ahead = reinterpret_cast<const char*>(w + k) + kPrefetchBytes;
-    for (int64_t line = 0; line < elements * static_cast<int64_t>(sizeof(T)); line += 64) {
-      __builtin_prefetch(ahead + line, 0, 0);  // locality 0: prefetchnta
-    }
-  };
 #if defined(__AVX512BF16__)
   if constexpr (sizeof(T) == sizeof(uint16_t)) {
     // A 576-element row in 18 pair products where widening takes 36 multiply-adds and 72 shifts: one
@@ -237,7 +223,6 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
     const auto* w2 = reinterpret_cast<const uint32_t*>(w);
     const auto* x2 = reinterpret_cast<const uint32_t*>(x);
     for (; k + 8 * W <= d; k += 8 * W) {
-      prefetch_ahead(8 * W);
       for (int u = 0; u < 4; ++u) {
         acc[u] = Vec::dot_pairs(acc[u], Vec::load_pairs_raw(w2 + k / 2 + u * W), Vec::load_pairs_raw(x2 + k / 2 + u * W));
       }
@@ -249,7 +234,6 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
 #endif
   if constexpr (sizeof(T) == sizeof(uint16_t)) {
     for (; k + 4 * W <= d; k += 4 * W) {
-      prefetch_ahead(4 * W);
       Vec xe, xo, we, wo;
       Vec::load_pairs(x + k, xe, xo);
       Vec::load_pairs(w + k, we, wo);
@@ -262,7 +246,6 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
     }
   } else {
     for (; k + 4 * W <= d; k += 4 * W) {
-      prefetch_ahead(4 * W);
       for (int u = 0; u < 4; ++u) acc[u] = Vec::fma(Vec::load(w + k + u * W), Vec::load(x + k + u * W), acc[u]);
     }
   }
