@@ -200,10 +200,12 @@ def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype
 
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
 # 96 and 256: the bfloat16 pair products' head dimension in a part-filled chunk and in several chunks.
+# 40 and 36: rows ending in a part-filled vector (of 16 lanes; 36 of 8 too).
 # 32 heads: a decode token's rows more than a vector's lanes (its softmax's bookkeeping W rows at a time).
 @pytest.mark.parametrize("heads, kv_heads, head_dim, tokens_per_block", [(9, 3, 64, 32), (4, 4, 32, 16),
                                                                           (8, 2, 128, 8), (6, 2, 80, 32),
                                                                           (6, 3, 96, 16), (4, 2, 256, 16),
+                                                                          (6, 2, 40, 16), (4, 2, 36, 32),
                                                                           (32, 8, 64, 16)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_attention_matches_torch_paged_attention(kernels, dtype, cache_dtype, tolerance, heads, kv_heads, head_dim,

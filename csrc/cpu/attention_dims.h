@@ -27,13 +27,15 @@ static inline int64_t paired_lane(int64_t e) {
   return e - r + (r % 2) * W + r / 2;
 }
 
-// NV vectors of a cache row as float32; d: the elements left in the row from p (the last vector may
-// be partial).
-template <typename C, bool Paired, int NV>
+// NV vectors of a cache row as float32; d: the elements left in the row from p (unless Whole, the
+// last vector may be partial).
+template <typename C, bool Paired, int NV, bool Whole>
 static inline void load_row(const C* p, int64_t d, Vec* out) {
   if constexpr (Paired) {
     static_assert(NV % 2 == 0, "a paired row is read in vector pairs");
     for (int v = 0; v < NV; v += 2) Vec::load_pairs(p + v * W, out[v], out[v + 1]);
+  } else if constexpr (Whole) {
+    for (int v = 0; v < NV; ++v) out[v] = Vec::load(p + v * W);
   } else {
     for (int v = 0; v < NV; ++v) out[v] = load_part(p + v * W, d - v * W);
   }
@@ -73,7 +75,9 @@ template <int L, typename Leaf, typename Combine>
 // scores, times scale. `add`: a later chunk of a row longer than the registers hold adds to the
 // scores of the earlier ones. `ahead` (or nullptr) asks for a few of the next tile's lines before each
 // key, from a copy of its cursor the compiler keeps in registers (through the pointer, the asking
-// took a third of the scores' time).
+// took a third of the scores' time). Callers mark key_products always_inline: GCC left chunk_scores'
+// a call at each key, its q vectors reloaded from memory every time, and a float32 decode layer took
+// 1.4x the time.
 template <int R, int Chains = 2, typename C, typename KeyProducts>
 static inline void transposed_scores(int num_keys, float* s, bool add, float scale, TileAhead<C>* ahead,
                                      KeyProducts key_products) {
@@ -102,15 +106,15 @@ static inline void transposed_scores(int num_keys, float* s, bool add, float sca
 
 // s[r][j] (+)= q[r] . key[j] for R rows of one KV head and NV vectors of the head dimension (q and the
 // rows start at the same element; `offset` from each key pointer).
-template <typename C, bool Paired, int R, int NV>
+template <typename C, bool Paired, bool Whole, int R, int NV>
 static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& tile, int64_t offset, int64_t d,
                          float* s, bool add) {
   Vec qv[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) qv[r][v] = Vec::load(q + r * padded_d + v * W);
-  transposed_scores<R>(tile.num_keys, s, add, 1.0f, tile.ahead, [&](int j, Vec (&acc)[R][2]) {
+  transposed_scores<R>(tile.num_keys, s, add, 1.0f, tile.ahead, [&](int j, Vec (&acc)[R][2]) __attribute__((always_inline)) {
     Vec k[NV];
-    load_row<C, Paired, NV>(tile.key[j] + offset, d, k);
+    load_row<C, Paired, NV, Whole>(tile.key[j] + offset, d, k);
     for (int v = 0; v < NV; ++v)
       for (int r = 0; r < R; ++r) acc[r][v & 1] = Vec::fma(qv[r][v], k[v], acc[r][v & 1]);
   });
@@ -118,7 +122,7 @@ static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& til
 
 // o[r] = alpha[r] o[r] + sum_j p[r][j] value[j] for R rows of one KV head, NV vectors of the head
 // dimension: each value row is read once for all R rows.
-template <typename C, bool Paired, int R, int NV>
+template <typename C, bool Paired, bool Whole, int R, int NV>
 static void chunk_values(const KeyTile<C>& tile, int64_t offset, const float* p, const float* alpha, int64_t d,
                          float* o, int64_t padded_d) {
   Vec acc[R][NV];
@@ -130,7 +134,7 @@ static void chunk_values(const KeyTile<C>& tile, int64_t offset, const float* p,
   for (int j = 0; j < tile.num_keys; ++j) {
     if (ahead != nullptr) ahead->step(cursor);
     Vec values[NV];
-    load_row<C, Paired, NV>(tile.value[j] + offset, d, values);
+    load_row<C, Paired, NV, Whole>(tile.value[j] + offset, d, values);
     for (int r = 0; r < R; ++r) {
       const Vec weight = Vec::set1(p[r * kKeyTile + j]);
       for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(weight, values[v], acc[r][v]);
@@ -183,21 +187,38 @@ static inline void over_head_rows(const DecodeRows& rows, F&& f) {
 }
 
 // A tile's scores (or weighted values) for every row, over the NV vectors of the head dimension from
-// vector v0.
+// vector v0. A chunk of whole vectors (Whole) loads them plainly: with a length check at each vector
+// GCC kept the values' accumulators in memory as well, storing every one of them at each key. With
+// that and key_products inlined, a float32 decode layer of SmolLM2-135M on two threads of a family
+// 25 model 17 EPYC took ~35 us where it took 45-60 with its cache in L2, 0.87x the time from memory,
+// and whole decode steps 0.95-0.98x (AVX2 and AVX-512 code alike, and bfloat16 rows without
+// AVX512-BF16 as much: results/cpu_attention.md). A chunk ending in a part-filled vector (a head_dim
+// not a multiple of W, which few models have) runs a row a call: its own code for every row count
+// made the kernels' largest file take 1.9x the time to compile.
 template <typename C, bool Paired, int NV>
 static void chunk_products(const DecodeRows& rows, const KeyTile<C>& tile, int64_t v0, bool scores) {
   const int64_t d = rows.d - v0 * W, padded_d = rows.padded_d;
-  over_head_rows<rows_per_call<NV>()>(rows, [&](auto r, int64_t m, int64_t head_offset) {
-    constexpr int R = decltype(r)::value;
-    const int64_t offset = head_offset + v0 * W;
-    if (scores) {
-      chunk_scores<C, Paired, R, NV>(rows.q + m * padded_d + v0 * W, padded_d, tile, offset, d, rows.s + m * kKeyTile,
-                                     v0 > 0);
-    } else {
-      chunk_values<C, Paired, R, NV>(tile, offset, rows.s + m * kKeyTile, rows.alpha + m, d,
-                                     rows.o + m * padded_d + v0 * W, padded_d);
-    }
-  });
+  auto run = [&](auto whole) {
+    constexpr bool Whole = decltype(whole)::value;
+    over_head_rows<Whole ? rows_per_call<NV>() : 1>(rows, [&](auto r, int64_t m, int64_t head_offset) {
+      constexpr int R = decltype(r)::value;
+      const int64_t offset = head_offset + v0 * W;
+      if (scores) {
+        chunk_scores<C, Paired, Whole, R, NV>(rows.q + m * padded_d + v0 * W, padded_d, tile, offset, d,
+                                              rows.s + m * kKeyTile, v0 > 0);
+      } else {
+        chunk_values<C, Paired, Whole, R, NV>(tile, offset, rows.s + m * kKeyTile, rows.alpha + m, d,
+                                              rows.o + m * padded_d + v0 * W, padded_d);
+      }
+    });
+  };
+  if constexpr (Paired) {
+    run(std::true_type{});
+  } else if (d >= NV * W) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
+  }
 }
 
 // The head dimension in chunks of at most 8 vectors, each held in registers while the tile's keys

@@ -41,7 +41,8 @@ static void pair_chunk_scores(const uint32_t* q2, int64_t q_stride, const KeyTil
   // cost each key three zeroings and three additions more, and a decode layer of SmolLM2-135M
   // (one thread, cache in L2) took 1.06x the time.
   constexpr int kChains = NP <= 2 ? 1 : 2;
-  transposed_scores<R, kChains>(tile.num_keys, s, add, scale, tile.ahead, [&](int j, Vec (&acc)[R][2]) {
+  transposed_scores<R, kChains>(tile.num_keys, s, add, scale, tile.ahead,
+                                [&](int j, Vec (&acc)[R][2]) __attribute__((always_inline)) {
     const auto* key = reinterpret_cast<const uint32_t*>(tile.key[j] + offset);
     for (int v = 0; v < NP; ++v) {
       const typename Vec::Pairs k = Vec::load_pairs_raw(key + v * W);
