@@ -6,8 +6,8 @@ kvtool's row product (kvtool.cpu_kernels ops.linear), then whole decode steps of
    bfloat16, the two alternated over --rounds rounds; medians per call and per step (all layers).
 2. Steps (with --plan): one decode token after a --prompt_len prompt through kvtool's CPU decoder with
    single-row projections on the row product ('rows') and on oneDNN ('onednn'), alternated, median of
-   the steps. This is the measurement behind kvtool.cpu_kernels.decoder taking the row product for one
-   row only.
+   the steps. With part 1 at 1 to 8 rows, the measurement behind kvtool.cpu_kernels.decoder taking the
+   row product for decode steps of up to eight rows.
 
     python bench/cpu_linear_rows.py [--plan PLAN] [--rows 1 2 4] [--rounds 7]
 """

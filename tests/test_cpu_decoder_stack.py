@@ -147,8 +147,9 @@ def test_a_decode_step_refuses_tokens_and_positions_it_cannot_serve(models):
         decoder.decode(input_ids, np.array([T]), np.array([[0, -1]], dtype=np.int32), driver.kv_caches)
     with pytest.raises(ValueError, match="has block id 7 at index 0"):
         decoder.decode(input_ids, positions, np.array([[7, 1]], dtype=np.int32), driver.kv_caches)
-    with pytest.raises(ValueError, match="3 rows; the stack takes 1 to 2"):
-        decoder.decode(np.full(3, 5), np.full(3, T), np.zeros((3, 2), dtype=np.int32), driver.kv_caches)
+    over = MAX_ROW_PRODUCT_ROWS + 1
+    with pytest.raises(ValueError, match=f"{over} rows; the stack takes 1 to {MAX_ROW_PRODUCT_ROWS}"):
+        decoder.decode(np.full(over, 5), np.full(over, T), np.zeros((over, 2), dtype=np.int32), driver.kv_caches)
 
 
 def test_the_python_loop_runs_steps_of_more_rows_than_the_stack_takes(models):
@@ -178,8 +179,9 @@ def test_the_stack_refuses_a_step_it_was_not_built_for(models):
                                           np.zeros((1, 1), dtype=np.int32), 1, config.num_heads,
                                           config.num_kv_heads, config.head_dim, T, 0)
     caches = np.zeros(config.num_layers, dtype=np.int64)
-    with pytest.raises(ValueError, match="3 rows; the stack takes 1 to 2"):
-        stack.forward(decoder.kernels, plan, 0, 0, 3, 0, 0, 0, 0, caches, 0, 0, 0, 0, T, decoder.kernel_dtype)
+    over = MAX_ROW_PRODUCT_ROWS + 1
+    with pytest.raises(ValueError, match=f"{over} rows; the stack takes 1 to {MAX_ROW_PRODUCT_ROWS}"):
+        stack.forward(decoder.kernels, plan, 0, 0, over, 0, 0, 0, 0, caches, 0, 0, 0, 0, T, decoder.kernel_dtype)
     with pytest.raises(ValueError, match=f"1 KV caches for {config.num_layers} layers"):
         stack.forward(decoder.kernels, plan, 0, 0, 1, 0, 0, 0, 0, caches[:1], 0, 0, 0, 0, T, decoder.kernel_dtype)
 

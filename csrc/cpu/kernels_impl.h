@@ -253,19 +253,116 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add();
 }
 
-// Output features [begin, end) one weight row at a time, for every input row while it is in L1: each
-// weight is read from memory once. Fastest for a single row (a decode step at batch 1); with more rows
-// oneDNN's blocked product wins, so kvtool uses this for one row only (kvtool.cpu_kernels.decoder).
+// Calls f(std::integral_constant<int, n>) for n = count, 1 <= count <= Max <= 8.
+template <int Max, typename F>
+static inline void with_rows(int64_t count, F&& f) {
+  switch (count) {
+    case 8: if constexpr (Max >= 8) f(std::integral_constant<int, 8>{}); break;
+    case 7: if constexpr (Max >= 7) f(std::integral_constant<int, 7>{}); break;
+    case 6: if constexpr (Max >= 6) f(std::integral_constant<int, 6>{}); break;
+    case 5: if constexpr (Max >= 5) f(std::integral_constant<int, 5>{}); break;
+    case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 3: if constexpr (Max >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (Max >= 2) f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// out[m][n] for input rows m0..m0+M-1: each weight vector is loaded once for all M rows and
+// multiplied in registers beside their accumulators, where dot_row reads the weight row again (from
+// L1) for every input row, two loads a multiply-add. One weight row at a time, in order, each line
+// asked for into L2 kBlockAskAhead bytes ahead: at eight rows the products take long enough a line
+// that the hardware prefetcher alone left the memory idle, and a float32 step's products from memory
+// took 1.6x the time (results/cpu_decode_rows.md). C chains a row, so that at least four products
+// are in flight for the multiply-adds' latency.
+constexpr int64_t kBlockAskAhead = 4096;
+
+template <typename T, int M>
+static inline void block_product(const LinearArgs& a, int64_t n, int64_t m0) {
+  constexpr int C = M >= 4 ? 1 : (M >= 2 ? 2 : 4);
+  const T* w = static_cast<const T*>(a.weight) + n * a.weight_stride;
+  const T* x[M];
+  for (int m = 0; m < M; ++m) x[m] = static_cast<const T*>(a.x) + (m0 + m) * a.x_stride;
+  Vec acc[C][M];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < M; ++m) acc[c][m] = Vec::zero();
+  const int64_t d = a.in_features;
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == sizeof(uint16_t)) {
+    for (; k + 2 * W * C <= d; k += 2 * W * C) {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kBlockAskAhead, 0, 2);
+      for (int c = 0; c < C; ++c) {
+        const auto wp = Vec::load_pairs_raw(reinterpret_cast<const uint32_t*>(w + k + 2 * W * c));
+        for (int m = 0; m < M; ++m) {
+          acc[c][m] = Vec::dot_pairs(acc[c][m], wp, Vec::load_pairs_raw(reinterpret_cast<const uint32_t*>(x[m] + k + 2 * W * c)));
+        }
+      }
+    }
+  }
+#endif
+  if constexpr (sizeof(T) == sizeof(uint16_t)) {
+    for (; k + 2 * W <= d; k += 2 * W) {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kBlockAskAhead, 0, 2);
+      Vec we, wo;
+      Vec::load_pairs(w + k, we, wo);
+      for (int m = 0; m < M; ++m) {
+        Vec xe, xo;
+        Vec::load_pairs(x[m] + k, xe, xo);
+        acc[0][m] = Vec::fma(we, xe, acc[0][m]);
+        acc[C - 1][m] = Vec::fma(wo, xo, acc[C - 1][m]);
+      }
+    }
+  } else {
+    for (; k + W * C <= d; k += W * C) {
+      __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kBlockAskAhead, 0, 2);
+      for (int c = 0; c < C; ++c) {
+        const Vec wv = Vec::load(w + k + W * c);
+        for (int m = 0; m < M; ++m) acc[c][m] = Vec::fma(wv, Vec::load(x[m] + k + W * c), acc[c][m]);
+      }
+    }
+  }
+  for (; k < d; k += W) {
+    const Vec wv = load_part(w + k, d - k);
+    for (int m = 0; m < M; ++m) acc[0][m] = Vec::fma(wv, load_part(x[m] + k, d - k), acc[0][m]);
+  }
+  const T* bias = static_cast<const T*>(a.bias);
+  const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
+  for (int m = 0; m < M; ++m) {
+    Vec sum = acc[0][m];
+    for (int c = 1; c < C; ++c) sum = sum + acc[c][m];
+    store_scalar(static_cast<T*>(a.out) + (m0 + m) * a.out_stride + n, sum.reduce_add() + b);
+  }
+}
+
+// Output features [begin, end) for every input row, each weight read from memory once. Up to
+// kMinBlockRows - 1 rows (decode steps at batch 1 to 3: memory-bound) a weight row at a time, dot_row
+// for each input row while the weight row is in L1; more in blocks of up to kRowBlock rows (what the
+// registers hold beside their accumulators), block_product for each weight row. At 8 rows a float32
+// step's products from memory took 0.62-0.67x the time of the first way, bfloat16 0.65-0.72x; at 4
+// rows 0.96-1.09x (a C++ loop over SmolLM2-135M's matrices, two threads, results/cpu_decode_rows.md).
+constexpr int64_t kMinBlockRows = 4;
+
 template <typename T>
 static void linear_typed(const LinearArgs& a, int64_t begin, int64_t end) {
   const T* weight = static_cast<const T*>(a.weight);
-  const T* bias = static_cast<const T*>(a.bias);
+  if (a.num_rows < kMinBlockRows) {
+    const T* bias = static_cast<const T*>(a.bias);
+    for (int64_t n = begin; n < end; ++n) {
+      const T* w = weight + n * a.weight_stride;
+      const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
+      for (int64_t m = 0; m < a.num_rows; ++m) {
+        const T* x = static_cast<const T*>(a.x) + m * a.x_stride;
+        store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n, dot_row(w, x, a.in_features) + b);
+      }
+    }
+    return;
+  }
+  constexpr int kRowBlock = W >= 16 ? 8 : 4;
   for (int64_t n = begin; n < end; ++n) {
-    const T* w = weight + n * a.weight_stride;
-    const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
-    for (int64_t m = 0; m < a.num_rows; ++m) {
-      const T* x = static_cast<const T*>(a.x) + m * a.x_stride;
-      store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n, dot_row(w, x, a.in_features) + b);
+    for (int64_t m0 = 0; m0 < a.num_rows; m0 += kRowBlock) {
+      with_rows<kRowBlock>(min64(kRowBlock, a.num_rows - m0),
+                           [&](auto rows) { block_product<T, decltype(rows)::value>(a, n, m0); });
     }
   }
 }

@@ -4,9 +4,12 @@ Per layer: the input norm fused with the residual add, the qkv projection, RoPE 
 in one kernel, paged attention reading the cache in place (no gather), the o projection, the
 post-attention norm fused with its residual add, the gate_up projection, SiLU-and-mul in one
 kernel, the down projection. The projections are torch's oneDNN products on weights packed once
-(kvtool.layers.cpu_linear), except those of one or two rows (decode steps at batch 1 and 2, and
-their logits): kvtool's row product streams each weight row once and took 0.79-0.89 of oneDNN's time
-there, 1.03-1.09 at four rows (bench/cpu_linear_rows.py, results/cpu_decode_rows.md). The step's
+(kvtool.layers.cpu_linear), except those of up to eight rows (decode steps at batch 1 to 8, and
+their logits): kvtool's row product streams each weight row once, and on the family 25 model 17 EPYC
+a step's products took 0.58-0.73 of oneDNN's time at one and two rows, 0.65-0.79 at four; at eight
+its blocked form (each weight vector loaded once for every row) put whole decode steps of eight
+sequences at 0.6-0.7 of the time they took on oneDNN (bench/cpu_linear_rows.py,
+results/cpu_decode_rows.md). The step's
 attention tasks are planned once and serve every layer; activations reuse one workspace, grown when
 a step has more tokens than any before.
 
@@ -16,7 +19,7 @@ weights as they are, takes every product instead: a SmolLM2-135M layer's four at
 0.39-0.51 of the emulated products' time (AVX2 code on the AMD EPYC VM, ATEN_CPU_CAPABILITY=avx2,
 ONEDNN_MAX_CPU_ISA=AVX2).
 
-A step of up to MAX_ROW_PRODUCT_ROWS rows (a decode step at batch 1 or 2; MAX_UNPACKED_STACK_ROWS
+A step of up to MAX_ROW_PRODUCT_ROWS rows (a decode step at batch 1 to 8; MAX_UNPACKED_STACK_ROWS
 where the row product takes every product) runs every layer in one
 C++ call (the kernels' DecoderStack, on the weights' addresses registered once): called one by one
 from Python, its some 300 kernel calls left the interpreter running between them. The engine's decode
@@ -47,7 +50,7 @@ from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_limit
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
-MAX_ROW_PRODUCT_ROWS = 2  # products of more rows run oneDNN's (see the module docstring)
+MAX_ROW_PRODUCT_ROWS = 8  # products of more rows run oneDNN's (see the module docstring)
 MAX_UNPACKED_STACK_ROWS = 32  # the stack's rows where the row product takes every product (decode batches)
 
 
