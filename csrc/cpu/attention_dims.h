@@ -163,17 +163,6 @@ constexpr int rows_per_call() {
   return rows < 1 ? 1 : (rows > 4 ? 4 : rows);
 }
 
-// Calls f(std::integral_constant<int, n>) for n = count, 1 <= count <= Max <= 4.
-template <int Max, typename F>
-static inline void with_count(int64_t count, F&& f) {
-  switch (count) {
-    case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}); break;
-    case 3: if constexpr (Max >= 3) f(std::integral_constant<int, 3>{}); break;
-    case 2: if constexpr (Max >= 2) f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
 // Calls f(std::integral_constant<int, R>, m, head_offset) for the task's rows in runs of at most Max,
 // each run rows m..m+R-1 of one KV head, whose keys and values lie head_offset past a key pointer.
 template <int Max, typename F>

@@ -51,6 +51,21 @@ static void copy_converted(const A* src, C* dst, int64_t n) {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// Calls f(std::integral_constant<int, n>) for n = count, 1 <= count <= Max <= 8.
+template <int Max, typename F>
+static inline void with_count(int64_t count, F&& f) {
+  switch (count) {
+    case 8: if constexpr (Max >= 8) f(std::integral_constant<int, 8>{}); break;
+    case 7: if constexpr (Max >= 7) f(std::integral_constant<int, 7>{}); break;
+    case 6: if constexpr (Max >= 6) f(std::integral_constant<int, 6>{}); break;
+    case 5: if constexpr (Max >= 5) f(std::integral_constant<int, 5>{}); break;
+    case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 3: if constexpr (Max >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (Max >= 2) f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 // The step row of a task's query i.
 static inline int64_t query_row(const AttentionArgs& a, const AttentionTask& t, int64_t i) {
   return t.shared < 0 ? t.first_row + i : a.shared_queries[t.shared + i].row;

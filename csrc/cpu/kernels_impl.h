@@ -253,21 +253,6 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add();
 }
 
-// Calls f(std::integral_constant<int, n>) for n = count, 1 <= count <= Max <= 8.
-template <int Max, typename F>
-static inline void with_rows(int64_t count, F&& f) {
-  switch (count) {
-    case 8: if constexpr (Max >= 8) f(std::integral_constant<int, 8>{}); break;
-    case 7: if constexpr (Max >= 7) f(std::integral_constant<int, 7>{}); break;
-    case 6: if constexpr (Max >= 6) f(std::integral_constant<int, 6>{}); break;
-    case 5: if constexpr (Max >= 5) f(std::integral_constant<int, 5>{}); break;
-    case 4: if constexpr (Max >= 4) f(std::integral_constant<int, 4>{}); break;
-    case 3: if constexpr (Max >= 3) f(std::integral_constant<int, 3>{}); break;
-    case 2: if constexpr (Max >= 2) f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
 // out[m][n] for input rows m0..m0+M-1: each weight vector is loaded once for all M rows and
 // multiplied in registers beside their accumulators, where dot_row reads the weight row again (from
 // L1) for every input row, two loads a multiply-add. One weight row at a time, in order, each line
@@ -295,7 +280,8 @@ static inline void block_product(const LinearArgs& a, int64_t n, int64_t m0) {
       for (int c = 0; c < C; ++c) {
         const auto wp = Vec::load_pairs_raw(reinterpret_cast<const uint32_t*>(w + k + 2 * W * c));
         for (int m = 0; m < M; ++m) {
-          acc[c][m] = Vec::dot_pairs(acc[c][m], wp, Vec::load_pairs_raw(reinterpret_cast<const uint32_t*>(x[m] + k + 2 * W * c)));
+          const auto xp = Vec::load_pairs_raw(reinterpret_cast<const uint32_t*>(x[m] + k + 2 * W * c));
+          acc[c][m] = Vec::dot_pairs(acc[c][m], wp, xp);
         }
       }
     }
@@ -361,8 +347,8 @@ static void linear_typed(const LinearArgs& a, int64_t begin, int64_t end) {
   constexpr int kRowBlock = W >= 16 ? 8 : 4;
   for (int64_t n = begin; n < end; ++n) {
     for (int64_t m0 = 0; m0 < a.num_rows; m0 += kRowBlock) {
-      with_rows<kRowBlock>(min64(kRowBlock, a.num_rows - m0),
-                           [&](auto rows) { block_product<T, decltype(rows)::value>(a, n, m0); });
+      with_count<kRowBlock>(min64(kRowBlock, a.num_rows - m0),
+                            [&](auto rows) { block_product<T, decltype(rows)::value>(a, n, m0); });
     }
   }
 }
