@@ -112,7 +112,8 @@ static void chunk_scores(const float* q, int64_t padded_d, const KeyTile<C>& til
   Vec qv[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) qv[r][v] = Vec::load(q + r * padded_d + v * W);
-  transposed_scores<R>(tile.num_keys, s, add, 1.0f, tile.ahead, [&](int j, Vec (&acc)[R][2]) __attribute__((always_inline)) {
+  transposed_scores<R>(tile.num_keys, s, add, 1.0f, tile.ahead,
+                       [&](int j, Vec (&acc)[R][2]) __attribute__((always_inline)) {
     Vec k[NV];
     load_row<C, Paired, NV, Whole>(tile.key[j] + offset, d, k);
     for (int v = 0; v < NV; ++v)
