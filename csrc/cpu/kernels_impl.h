@@ -200,14 +200,16 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
 
 // ---- products of a few rows ------------------------------------------------------------------
 
-// The weights come in by the hardware prefetcher alone: a task's run of rows is one sequential
-// stream, read as the memory floor's streaming read reads it. The products used to ask for every
-// line 4 KB ahead (prefetchnta): 1-2% faster a step than without on earlier days of the family 25
-// model 17 EPYC VM, and on the AVX-512 EPYC of 2026-11-26 the products without asking ran at oneDNN's
-// rate or below. On 2026-11-27 the same VM kind took bfloat16 SmolLM2-135M decode steps in
-// 0.86-0.95x the time without asking (float32 0.91x, and 1.00x at ~33 GB/s), and in 0.90-0.91x
-// against asking 1 or 2 KB ahead, temporal or not (in-process A/Bs, results/cpu_decode_rows.md):
-// where the asking loses, it loses far more than it gains where it wins.
+// dot_row's weights (products of up to three rows, memory-bound) come in by the hardware prefetcher
+// alone: a task's run of rows is one sequential stream, read as the memory floor's streaming read
+// reads it (block_product, with more rows a line to multiply, asks ahead: see there). They used to
+// ask for every line 4 KB ahead (prefetchnta): 1-2% faster a step than without on earlier days of
+// the family 25 model 17 EPYC VM, and on the AVX-512 EPYC of 2026-11-26 the products without asking
+// ran at oneDNN's rate or below. On 2026-11-27 the same VM kind took bfloat16 SmolLM2-135M decode
+// steps in 0.86-0.95x the time without asking (float32 0.91x, and 1.00x at ~33 GB/s), and in
+// 0.90-0.91x against asking 1 or 2 KB ahead, temporal or not (in-process A/Bs,
+// results/cpu_decode_rows.md): where the asking loses, it loses far more than it gains where it
+// wins.
 
 // w . x over d elements, four accumulators in flight (bfloat16: split into even and odd elements,
 // or with AVX512-BF16 in dot products of the pairs as they lie).
@@ -292,6 +294,7 @@ static inline void block_product(const LinearArgs& a, int64_t n, int64_t m0) {
       __builtin_prefetch(reinterpret_cast<const char*>(w + k) + kBlockAskAhead, 0, 2);
       Vec we, wo;
       Vec::load_pairs(w + k, we, wo);
+      // The even and odd elements chain apart where a row has chains to spare (C > 1).
       for (int m = 0; m < M; ++m) {
         Vec xe, xo;
         Vec::load_pairs(x[m] + k, xe, xo);
