@@ -95,19 +95,16 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
   uint32_t* p2 = qt2 + d / 2 * padded;                              // [kKeyTile / 2][padded]
   uint32_t* vt2 = p2 + kKeyTile / 2 * padded;                       // [kKeyTile / 2][d]
 
+  // Each row's pairs moved as 32-bit words, their bits as they are (float loads and shuffles).
+  rows_into_lanes(padded, d / 2, reinterpret_cast<float*>(qt2), [&](int64_t m, int64_t e0, int64_t count) {
+    if (m >= rows) return Vec::zero();
+    const A* q = static_cast<const A*>(a.query) + query_row(a, t, m % nq) * a.query_stride +
+                 (t.kv_head * group + m / nq) * d;
+    return load_part(reinterpret_cast<const float*>(q) + e0, count);
+  });
   for (int64_t m = 0; m < padded; ++m) {
-    const int64_t h = m / nq, i = m % nq;
-    const bool real = m < rows;
-    const auto* q = reinterpret_cast<const uint16_t*>(static_cast<const A*>(a.query) +
-                                                      query_row(a, t, real ? i : 0) * a.query_stride +
-                                                      (t.kv_head * group + (real ? h : 0)) * d);
-    for (int64_t e2 = 0; e2 < d / 2; ++e2) {
-      uint32_t pair = 0;
-      if (real) __builtin_memcpy(&pair, q + 2 * e2, sizeof(pair));
-      qt2[e2 * padded + m] = pair;
-    }
     // Padding rows copy the last query's position: finite scores, never NaN; their output is dropped.
-    positions[m] = static_cast<float>(t.first_position + (real ? i : nq - 1));
+    positions[m] = static_cast<float>(t.first_position + (m < rows ? m % nq : nq - 1));
     row_max[m] = kNegInf;
     row_sum[m] = 0.0f;
   }
@@ -160,8 +157,12 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
     });
     tiles.finish();
   }
-  write_task_output<A>(a, t, row_max, row_sum,
-                       [&](int64_t m, int64_t e) { return ot[values_lane(e) * padded + m]; });
+  if (t.partial >= 0) {
+    write_task_output<A>(a, t, row_max, row_sum,
+                         [&](int64_t m, int64_t e) { return ot[values_lane(e) * padded + m]; });
+  } else {
+    write_rows_from_lanes<A>(a, t, row_sum, [&](int64_t e) { return ot + values_lane(e) * padded; });
+  }
 }
 
 #endif  // __AVX512BF16__

@@ -66,6 +66,28 @@ static inline void with_count(int64_t count, F&& f) {
   }
 }
 
+// W vectors turned lane for vector in place (a W x W transpose in registers), with the lane pairings
+// of the reductions (Vec::pair_lanes, level L pairing vectors 2^L apart): afterwards
+// v[transposed_index(c)] holds lane c of every input vector, in order.
+template <int L = 0>
+static inline void transpose(Vec (&v)[W]) {
+  if constexpr (L < Vec::fold_levels) {
+    constexpr int dist = 1 << L;
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i) {
+      if (i & dist) continue;
+      Vec x, y;
+      Vec::pair_lanes<L>(v[i], v[i + dist], x, y);
+      v[i] = x;
+      v[i + dist] = y;
+    }
+    transpose<L + 1>(v);
+  }
+}
+
+// Where transpose() leaves lane c: the pairings' second level swaps bits 0 and 1 of the index.
+static constexpr int transposed_index(int c) { return W < 4 ? c : (c & ~3) | (c & 1) << 1 | (c >> 1 & 1); }
+
 // The step row of a task's query i.
 static inline int64_t query_row(const AttentionArgs& a, const AttentionTask& t, int64_t i) {
   return t.shared < 0 ? t.first_row + i : a.shared_queries[t.shared + i].row;
