@@ -318,8 +318,8 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
   rows.alpha = positions + num_rows;
 
   for (int64_t m = 0; m < num_rows; ++m) {
-    const int64_t h = m / nq, i = m % nq;
-    const A* src = static_cast<const A*>(a.query) + query_row(a, t, i) * a.query_stride + (t.kv_head * group + h) * d;
+    const int64_t i = m % nq;
+    const A* src = task_query<A>(a, t, m);
     float* q = rows.q + m * padded_d;
     for (int64_t e = 0; e < padded_d; ++e) q[e] = rows.o[m * padded_d + e] = 0.0f;
     set_query(src, q);

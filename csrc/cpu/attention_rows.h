@@ -244,8 +244,7 @@ static inline void rows_into_lanes(int64_t padded, int64_t n, float* dst, Row ro
 // (write_task_output writes a partial one's).
 template <typename A, typename Lanes>
 static void write_rows_from_lanes(const AttentionArgs& a, const AttentionTask& t, const float* row_sum, Lanes lanes) {
-  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
-  const int64_t rows = nq * group * t.num_kv_heads;
+  const int64_t d = a.head_dim, rows = t.num_queries * (a.num_heads / a.num_kv_heads) * t.num_kv_heads;
   for (int64_t m0 = 0; m0 < rows; m0 += W) {
     for (int64_t e0 = 0; e0 < d; e0 += W) {
       const int64_t count = min64(W, d - e0);
@@ -253,9 +252,8 @@ static void write_rows_from_lanes(const AttentionArgs& a, const AttentionTask& t
       for (int c = 0; c < W; ++c) v[c] = c < count ? Vec::load(lanes(e0 + c) + m0) : Vec::zero();
       transpose(v);
       for (int r = 0; r < W && m0 + r < rows; ++r) {
-        const int64_t m = m0 + r, h = m / nq, i = m % nq;
-        A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
-        store_part(v[transposed_index(r)] * Vec::set1(1.0f / row_sum[m]), out + e0, count);
+        const int64_t m = m0 + r;
+        store_part(v[transposed_index(r)] * Vec::set1(1.0f / row_sum[m]), task_output<A>(a, t, m) + e0, count);
       }
     }
   }
@@ -276,10 +274,7 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
 
   const Vec scale = Vec::set1(a.scale);
   rows_into_lanes(padded, d, qt, [&](int64_t m, int64_t e0, int64_t count) {
-    if (m >= rows) return Vec::zero();
-    const A* q = static_cast<const A*>(a.query) + query_row(a, t, m % nq) * a.query_stride +
-                 (t.kv_head * group + m / nq) * d;
-    return load_part(q + e0, count) * scale;
+    return m < rows ? load_part(task_query<A>(a, t, m) + e0, count) * scale : Vec::zero();
   });
   for (int64_t m = 0; m < padded; ++m) {
     // Padding rows copy the last query's position: finite scores, never NaN; their output is dropped.

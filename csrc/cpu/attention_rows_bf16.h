@@ -97,10 +97,7 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
 
   // Each row's pairs moved as 32-bit words, their bits as they are (float loads and shuffles).
   rows_into_lanes(padded, d / 2, reinterpret_cast<float*>(qt2), [&](int64_t m, int64_t e0, int64_t count) {
-    if (m >= rows) return Vec::zero();
-    const A* q = static_cast<const A*>(a.query) + query_row(a, t, m % nq) * a.query_stride +
-                 (t.kv_head * group + m / nq) * d;
-    return load_part(reinterpret_cast<const float*>(q) + e0, count);
+    return m < rows ? load_part(reinterpret_cast<const float*>(task_query<A>(a, t, m)) + e0, count) : Vec::zero();
   });
   for (int64_t m = 0; m < padded; ++m) {
     // Padding rows copy the last query's position: finite scores, never NaN; their output is dropped.

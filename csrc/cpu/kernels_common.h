@@ -93,6 +93,21 @@ static inline int64_t query_row(const AttentionArgs& a, const AttentionTask& t, 
   return t.shared < 0 ? t.first_row + i : a.shared_queries[t.shared + i].row;
 }
 
+// Row m of a task's rows (m = h * num_queries + i: head h of the task's heads, query i): its query
+// [head_dim], and where its output goes in the step's (a task covering all its queries' keys).
+template <typename A>
+static inline const A* task_query(const AttentionArgs& a, const AttentionTask& t, int64_t m) {
+  const int64_t group = a.num_heads / a.num_kv_heads, nq = t.num_queries;
+  return static_cast<const A*>(a.query) + query_row(a, t, m % nq) * a.query_stride +
+         (t.kv_head * group + m / nq) * a.head_dim;
+}
+
+template <typename A>
+static inline A* task_output(const AttentionArgs& a, const AttentionTask& t, int64_t m) {
+  const int64_t group = a.num_heads / a.num_kv_heads, nq = t.num_queries;
+  return static_cast<A*>(a.out) + (t.first_row + m % nq) * a.out_stride + (t.kv_head * group + m / nq) * a.head_dim;
+}
+
 // Where a task covering part of its queries' keys (partial >= 0) leaves row m of its `rows` rows
 // (m = h * num_queries + i: head h of the task's heads, query i): the unnormalised output
 // [head_dim], and the row's max and sum of weights.
@@ -126,8 +141,7 @@ static void write_task_output(const AttentionArgs& a, const AttentionTask& t, co
       partial.stats[1] = row_sum[m];
       continue;
     }
-    const int64_t h = m / nq, i = m % nq;
-    A* out = static_cast<A*>(a.out) + (t.first_row + i) * a.out_stride + (t.kv_head * group + h) * d;
+    A* out = task_output<A>(a, t, m);
     const float inv_sum = 1.0f / row_sum[m];
     for (int64_t e = 0; e < d; ++e) store_scalar(out + e, output(m, e) * inv_sum);
   }

@@ -334,8 +334,8 @@ constexpr int64_t kMinBlockRows = 4;
 
 template <typename T>
 static void linear_typed(const LinearArgs& a, int64_t begin, int64_t end) {
-  const T* weight = static_cast<const T*>(a.weight);
   if (a.num_rows < kMinBlockRows) {
+    const T* weight = static_cast<const T*>(a.weight);
     const T* bias = static_cast<const T*>(a.bias);
     for (int64_t n = begin; n < end; ++n) {
       const T* w = weight + n * a.weight_stride;
