@@ -16,7 +16,9 @@ sys.path.insert(0, str(PEERS))
 from common import load_requests  # noqa: E402
 from load import OTHER_CPU_LIMIT_PCT, is_loaded  # noqa: E402
 from machine import read_cpu_info  # noqa: E402
-from report import _memory_floor_ms, _own_bandwidth, _tpot_vs_floor_around_requests, identity  # noqa: E402
+from report import (  # noqa: E402
+    AroundRequest, _memory_floor_ms, _own_bandwidth, _rate_split, _ratios_to_floor, _reads_around_requests, identity,
+    tpot_vs_floor_by_rate)
 
 AVX2 = "fpu sse2 avx avx2 fma"
 AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
@@ -93,13 +95,33 @@ def test_each_request_is_held_to_the_floor_at_the_better_rate_read_around_it(tmp
     (tmp_path / "bandwidth.json").write_text(json.dumps({"threads": 2, "before_gb_s": 50.0, "after_gb_s": 40.0,
                                                          "after_each_request_gb_s": [60.0, 30.0, 100.0]}))
     (tmp_path / "requests.csv").write_text("request_id,tpot_ms\na,6.0\nb,12.0\nc,4.5\n")
+    reads = _reads_around_requests(tmp_path)
+    assert reads == [AroundRequest(50.0, 60.0, 6.0), AroundRequest(60.0, 30.0, 12.0), AroundRequest(30.0, 100.0, 4.5)]
     # Floors at 60 (50 | 60), 60 (60 | 30) and 100 (30 | 100) GB/s: 5, 5 and 3 ms.
-    assert _tpot_vs_floor_around_requests(tmp_path, floors, "bfloat16") == pytest.approx(1.5)  # of 1.2, 2.4, 1.5
+    assert _ratios_to_floor(reads, floors, "bfloat16") == pytest.approx([1.2, 2.4, 1.5])
     (tmp_path / "requests.csv").write_text("request_id,tpot_ms\na,6.0\n")
     with pytest.raises(ValueError, match="1 requests but 3 reads"):
-        _tpot_vs_floor_around_requests(tmp_path, floors, "bfloat16")
+        _reads_around_requests(tmp_path)
     (tmp_path / "bandwidth.json").write_text(json.dumps({"threads": 2, "before_gb_s": 50.0, "after_gb_s": 40.0}))
-    assert _tpot_vs_floor_around_requests(tmp_path, floors, "bfloat16") is None  # a replay at concurrency 8
+    assert _reads_around_requests(tmp_path) == []  # a replay at concurrency 8
+
+
+def test_the_requests_of_each_memory_rate_are_held_to_their_floor_apart():
+    floors = {"start": {"models": {"bfloat16": {"decode_bytes": 300_000_000}}}}
+    slow = [AroundRequest(30.0, 30.0, 11.0), AroundRequest(30.0, 32.0, 11.0), AroundRequest(31.0, 30.0, 10.0)]
+    fast = [AroundRequest(60.0, 60.0, 7.5), AroundRequest(60.0, 62.0, 7.0)]
+    flipped = [AroundRequest(30.0, 60.0, 8.0)]  # the rate changed while it ran
+    split = _rate_split(slow + fast + flipped)
+    assert 32.0 < split < 60.0
+    by_rate = tpot_vs_floor_by_rate(slow + fast + flipped, floors, "bfloat16", split)
+    assert by_rate["slower"].num_requests == 3 and by_rate["faster"].num_requests == 2  # the flipped one in neither
+    assert by_rate["faster"].tpot_ms_p50 == pytest.approx(7.25)
+    # Floors 5 ms at 60 GB/s, 300 / 62 ms at 62: ratios 1.5 and 1.447, where the slow requests are 1.1 or less.
+    assert by_rate["faster"].tpot_vs_floor == pytest.approx((1.5 + 7.0 / (300 / 62)) / 2)
+    assert by_rate["slower"].tpot_vs_floor == pytest.approx(1.1)
+    # One rate throughout: every request together.
+    assert _rate_split(slow) is None and _rate_split([]) is None
+    assert tpot_vs_floor_by_rate(slow, floors, "bfloat16", None)["all"].num_requests == 3
 
 
 def test_a_variant_is_flagged_when_others_took_over_a_quarter_of_the_cpu():

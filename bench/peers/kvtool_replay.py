@@ -4,12 +4,13 @@ run_bench), and also keep every request's output ids for the cross-engine check.
 offline`, in flight unlimited).
 
 Also measures, in this process, the read bandwidth just before and after the replay
-(bandwidth.json): on the VM this was built on the rate flips between ~35, ~50 and ~83 GB/s, each held
-for seconds to minutes, so a decode step is held to the floor of the memory its own process reads
-around it (the better of the two measurements). A sequential replay also reads PROBE_BYTES after each
-measured request, before the next is handed over (its timings exclude it; the run's duration, and so
-its tokens/s, grows by ~1 ms a request), so that each request's TPOT can be held to the rate read
-just before and after it (after_each_request_gb_s, in the order requests.csv lists them).
+(bandwidth.json): on the VMs this was built on the rate flips between two or three rates (~33 and
+~60 GB/s, or ~35, ~50 and ~83), each held for seconds to minutes, so a decode step is held to the
+floor of the memory its own process reads around it. A sequential replay also reads PROBE_BYTES after
+each measured request, before the next is handed over (its timings exclude it; the run's duration, and
+so its tokens/s, grows by ~1 ms a request), so that each request's TPOT can be held to the rate read
+just before and after it (after_each_request_gb_s, in the order requests.csv lists them; report.py
+checks the requests of each rate apart).
 
     .venv/bin/python bench/peers/kvtool_replay.py --plan PLAN --dataset D.jsonl --output DIR \
         --label kvtool-reuse-on --reuse on [--partial_reuse off] [--concurrency 8]

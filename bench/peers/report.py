@@ -10,12 +10,14 @@ hits and misses pool the requests of every cycle.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from common import load_requests, read_outputs
 from load import OTHER_CPU_LIMIT_PCT, is_loaded, other_cpu_pct
@@ -26,11 +28,13 @@ from kvtool.reports.csv_report import RequestCsvWriter, read_csv, request_metric
 FIGURES = ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "output_tokens_per_s",
            "requests_per_s")
 TPOT_FLOOR_RATIO, MISS_FLOOR_RATIO = 1.3, 1.5
+RATE_SPLIT_MIN = 1.3  # reads whose 90th percentile is this times their 10th or more: the memory held two rates
+MIN_REQUESTS_AT_RATE = 3  # a rate's memory-floor target is checked on at least this many requests
 
 
 def write_results(work: Path, out: Path, variants, datasets: dict[str, Path], samples: list[dict], cpu, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    rows, cycle_rows, requests, outputs = [], [], {}, {}
+    rows, cycle_rows, requests, outputs, around_by_row = [], [], {}, {}, []
     floors = {when: json.loads((work / f"floors-{when}.json").read_text())
               for when in ("start", "end") if (work / f"floors-{when}.json").is_file()}
     for variant in variants:
@@ -39,6 +43,7 @@ def write_results(work: Path, out: Path, variants, datasets: dict[str, Path], sa
         if not runs:
             continue
         pooled, figures = [], {name: [] for name in FIGURES + ("read_bandwidth_gb_s", "tpot_vs_floor_around_requests")}
+        around = []  # the variant's requests with the rates read around them, every cycle's (sequential replays)
         for cycle, run in enumerate(runs):
             summary = read_csv(run / "summary.csv")[0]
             pooled += [request_metrics_from_row(r) for r in read_csv(run / "requests.csv")]
@@ -46,7 +51,9 @@ def write_results(work: Path, out: Path, variants, datasets: dict[str, Path], sa
             for name in FIGURES:
                 figures[name].append(_float(summary.get(name)))
             figures["read_bandwidth_gb_s"].append(_own_bandwidth(run))
-            figures["tpot_vs_floor_around_requests"].append(_tpot_vs_floor_around_requests(run, floors, variant.dtype))
+            reads = _reads_around_requests(run)
+            around += reads
+            figures["tpot_vs_floor_around_requests"].append(_median(_ratios_to_floor(reads, floors, variant.dtype)))
             cycle_rows.append({"variant": variant.name, "cycle": cycle, **{n: figures[n][-1] for n in figures},
                                "cpu_other_pct_mean": other_cpu_pct(load)})
         with RequestCsvWriter(out / f"requests-{variant.slug}.csv") as writer:
@@ -55,18 +62,20 @@ def write_results(work: Path, out: Path, variants, datasets: dict[str, Path], sa
         last = read_csv(runs[-1] / "summary.csv")[0]
         config = {k: v for k, v in last.items() if not k.startswith(("ttft_", "tpot_", "itl_", "e2e_"))}
         medians = {f"{name}_median_of_cycles": _median(values) for name, values in figures.items()}
-        # Each cycle's TPOT against the memory floor of its own process's bandwidth.
-        own_floors = [_memory_floor_ms(floors, variant.dtype, bandwidth) if bandwidth else None
-                      for bandwidth in figures["read_bandwidth_gb_s"]]
         medians["read_bandwidth_gb_s_by_cycle"] = " / ".join(
             f"{b:.0f}" for b in figures["read_bandwidth_gb_s"] if b is not None) or None
-        medians["tpot_vs_own_floor_median_of_cycles"] = _median(
-            [tpot / floor for tpot, floor in zip(figures["tpot_ms_p50"], own_floors) if tpot and floor])
         rows.append({**config, "label": variant.name, "dtype_variant": variant.dtype, "load": variant.load,
                      "cycles": len(runs), **medians, **summarize(pooled).as_row(),
                      "requests_csv": f"requests-{variant.slug}.csv"})
+        around_by_row.append((rows[-1], variant.dtype, around))
         requests[variant.name] = pooled
         outputs[variant.name] = [read_outputs(run / "outputs.jsonl") for run in runs]
+    # Each request against the floor at the rate read around it, the requests of each memory rate apart.
+    split = _rate_split([read for _, _, around in around_by_row for read in around])
+    for row, dtype, around in around_by_row:
+        row["rate_split_gb_s"] = split
+        for rate, figure in tpot_vs_floor_by_rate(around, floors, dtype, split).items():
+            row.update({f"{name}_{rate}_rate": value for name, value in figure._asdict().items()})
     (out / "floors.json").write_text(json.dumps(floors, indent=1) + "\n")
     write_summary_csv(out / "summary.csv", rows)
     write_summary_csv(out / "cycles.csv", cycle_rows)
@@ -153,7 +162,8 @@ def _ttft(by_name, requests) -> list[str]:
 
 def _decode(by_name) -> list[str]:
     lines = ["## Decode at batch 1 (sequential)", "",
-             "Read GB/s: the read bandwidth of each cycle's own process (kvtool's replays measure it, see Targets).",
+             "Read GB/s: each cycle's replay read in its own process just before and after it, the better of the "
+             "two (kvtool's replays; see Targets for the rates read around each request).",
              "", "| variant | TPOT p50 (ms) | TPOT p90 (ms) | ITL p50 (ms) | TPOT vs vLLM | read GB/s |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, row in by_name.items():
@@ -206,15 +216,15 @@ def _targets(by_name, requests, floors) -> list[str]:
               _figure(by_name, f"{kvtool}-on c8", "output_tokens_per_s"),
               _figure(by_name, f"{vllm}-on c8", "output_tokens_per_s"), 1.0, higher_is_better=True)
         best = _best_floors(floors, dtype)
-        own = by_name.get(f"{kvtool}-on", {})
-        if own.get("tpot_vs_own_floor_median_of_cycles") is not None:
-            bandwidth = own["read_bandwidth_gb_s_median_of_cycles"]
-            check(f"TPOT p50 <= {TPOT_FLOOR_RATIO}x memory floor of its own process ({dtype}, ms; "
-                  f"{bandwidth:.0f} GB/s)", tpot, tpot / own["tpot_vs_own_floor_median_of_cycles"], TPOT_FLOOR_RATIO)
-        around = own.get("tpot_vs_floor_around_requests_median_of_cycles")
-        if around is not None:
+        own, split = by_name.get(f"{kvtool}-on", {}), by_name.get(f"{kvtool}-on", {}).get("rate_split_gb_s")
+        for rate, which in (("all", ""), ("faster", "read at or above"), ("slower", "read below")):
+            ratio, count = own.get(f"tpot_vs_floor_{rate}_rate"), own.get(f"num_requests_{rate}_rate") or 0
+            if ratio is None or count < MIN_REQUESTS_AT_RATE:
+                continue
+            requests_at = f"; the {count} requests {which} {split:.0f} GB/s" if which else ""
+            rate_tpot = own[f"tpot_ms_p50_{rate}_rate"]
             check(f"TPOT p50 <= {TPOT_FLOOR_RATIO}x memory floor at the rate read around each request ({dtype}, "
-                  "ms; median of the requests' TPOT / floor)", tpot, tpot / around, TPOT_FLOOR_RATIO)
+                  f"ms{requests_at})", rate_tpot, rate_tpot / ratio, TPOT_FLOOR_RATIO)
         if best:
             check(f"TPOT p50 <= {TPOT_FLOOR_RATIO}x memory floor of the separate probes ({dtype}, ms)", tpot,
                   best.get("memory_floor_ms"), TPOT_FLOOR_RATIO)
@@ -231,15 +241,15 @@ def _targets(by_name, requests, floors) -> list[str]:
                          f"{_fmt(model.get('compute_floor_ms'))} ms")
         lines.append(f"- {when}: " + "; ".join(parts))
     return lines + ["", "The separate probes' targets use the lower (better) floor of the two. A process's read "
-                    "bandwidth on this kind of VM flips between two rates (~50 and ~83 GB/s), each held for seconds to "
-                    "minutes: the probes at the start and the end of a run say little of the rate while a replay "
-                    "ran. So each kvtool replay also measures the bandwidth in its own process, just before and after "
-                    "(bandwidth.json, the better of the two), and its TPOT is held to the floor at that rate: the "
-                    "memory floor of its own process (ratio: the median over cycles of each cycle's TPOT / floor). "
-                    "A sequential replay also reads 64 MB after each request, before the next one starts, and each "
-                    "request's TPOT is held to the floor at the better rate of the reads just before and after it: "
-                    "the memory floor at the rate read around each request (ratio: the median over cycles of each "
-                    "cycle's median over its requests; the reference column is the TPOT p50 divided by it).",
+                    "bandwidth on this kind of VM flips between two rates (~33 and ~60 GB/s on the latest), each held "
+                    "for seconds to minutes: the probes at the start and the end of a run say little of the rate while "
+                    "a replay ran, nor do reads just before and after a whole replay. So a sequential kvtool replay "
+                    "reads 64 MB after each request, before the next one starts, and each request's TPOT is held to "
+                    "the memory floor at the better of the rates read just before and after it. Where the run's reads "
+                    "fall in two rates (their 90th percentile 1.3x their 10th or more), the requests that ran at each "
+                    "rate are checked apart (a request with a read on each side of the split is in neither): a median "
+                    "over both would hide the faster rate, where a step's fixed costs weigh most. Kvtool column: those "
+                    "requests' TPOT p50; ratio: the median of their TPOT / floor; reference: the one over the other.",
                     ""]
 
 
@@ -331,24 +341,74 @@ def _own_bandwidth(run: Path) -> float | None:
     return max(measured["before_gb_s"], measured["after_gb_s"])
 
 
-def _tpot_vs_floor_around_requests(run: Path, floors: dict, dtype: str) -> float | None:
-    """The median over a sequential kvtool replay's requests of TPOT / the memory floor at the better of the
-    rates read just before and just after the request (bandwidth.json's after_each_request_gb_s, in the
-    order of requests.csv, the first request's before being the replay's own before_gb_s)."""
+class AroundRequest(NamedTuple):
+    """A request of a sequential kvtool replay: the rates (GB/s) read just before and just after it, its TPOT."""
+
+    before_gb_s: float
+    after_gb_s: float
+    tpot_ms: float | None
+
+
+class FloorAtRate(NamedTuple):
+    """The requests that ran at one memory rate: how many, their TPOT p50, and the median of each one's TPOT /
+    the memory floor at the better of the rates read around it."""
+
+    num_requests: int
+    tpot_ms_p50: float | None
+    tpot_vs_floor: float | None
+
+
+def _reads_around_requests(run: Path) -> list[AroundRequest]:
+    """A sequential kvtool replay's requests, in the order of requests.csv, with the rates read around each
+    (bandwidth.json's after_each_request_gb_s, the first request's before being the replay's before_gb_s);
+    [] for a replay that read none (concurrent loads, peers)."""
     path = run / "bandwidth.json"
     measured = json.loads(path.read_text()) if path.is_file() else {}
     after_each = measured.get("after_each_request_gb_s")
     if not after_each:
-        return None
+        return []
     rows = read_csv(run / "requests.csv")
     if len(rows) != len(after_each):
         raise ValueError(f"{run}: {len(rows)} requests but {len(after_each)} reads after them")
+    befores = [measured["before_gb_s"]] + after_each[:-1]
+    return [AroundRequest(before, after, _float(row.get("tpot_ms")))
+            for before, after, row in zip(befores, after_each, rows)]
+
+
+def _ratios_to_floor(reads: list[AroundRequest], floors: dict, dtype: str) -> list[float]:
+    """Each request's TPOT / the memory floor at the better of the rates read just before and after it."""
     ratios = []
-    for before, after, row in zip([measured["before_gb_s"]] + after_each[:-1], after_each, rows):
-        tpot, floor = _float(row.get("tpot_ms")), _memory_floor_ms(floors, dtype, max(before, after))
-        if tpot and floor:
-            ratios.append(tpot / floor)
-    return _median(ratios)
+    for read in reads:
+        floor = _memory_floor_ms(floors, dtype, max(read.before_gb_s, read.after_gb_s))
+        if read.tpot_ms and floor:
+            ratios.append(read.tpot_ms / floor)
+    return ratios
+
+
+def _rate_split(reads: list[AroundRequest]) -> float | None:
+    """The rate (GB/s) between the two the memory read at during the run, or None where it held one: the
+    geometric mean of the 10th and 90th percentiles of every read, where those differ by RATE_SPLIT_MIN or more."""
+    rates = sorted(rate for read in reads for rate in (read.before_gb_s, read.after_gb_s))
+    if not rates:
+        return None
+    low, high = rates[len(rates) // 10], rates[-1 - len(rates) // 10]
+    return math.sqrt(low * high) if high >= RATE_SPLIT_MIN * low else None
+
+
+def tpot_vs_floor_by_rate(reads: list[AroundRequest], floors: dict, dtype: str,
+                          split: float | None) -> dict[str, FloorAtRate]:
+    """The requests against their memory floors, by the rate they ran at: 'all' where the run held one rate
+    (split None); else 'faster' (both reads around the request at or above split) and 'slower' (both below).
+    A request with a read on each side of the split (the rate flipped while it ran) is in neither: the
+    floor at either rate would misjudge it."""
+    if split is None:
+        groups = {"all": reads}
+    else:
+        groups = {"faster": [r for r in reads if min(r.before_gb_s, r.after_gb_s) >= split],
+                  "slower": [r for r in reads if max(r.before_gb_s, r.after_gb_s) < split]}
+    return {rate: FloorAtRate(len(group), _median([r.tpot_ms for r in group]),
+                              _median(_ratios_to_floor(group, floors, dtype)))
+            for rate, group in groups.items()}
 
 
 def _memory_floor_ms(floors: dict, dtype: str, bandwidth_gb_s: float) -> float | None:

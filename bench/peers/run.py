@@ -11,7 +11,8 @@ exactly --output_len tokens), so their greedy token ids compare at any length.
 
 Measured in the same run: the machine's floors (bench/peers/floors.py, before the first variant
 and after the last: read bandwidth and GEMM peak, the decode step's bytes and a miss's FLOPs; each
-kvtool replay also measures the read bandwidth of its own process, kvtool_replay.py), and
+sequential kvtool replay also reads the bandwidth in its own process around each request,
+kvtool_replay.py, and each request's TPOT is held to the floor at that rate), and
 its load: the load average and the CPU share of processes that are not the benchmark, every few
 seconds; a variant during which others took more than 25% is flagged.
 
