@@ -17,8 +17,8 @@ from common import load_requests  # noqa: E402
 from load import OTHER_CPU_LIMIT_PCT, is_loaded  # noqa: E402
 from machine import read_cpu_info  # noqa: E402
 from report import (  # noqa: E402
-    AroundRequest, _memory_floor_ms, _own_bandwidth, _rate_split, _ratios_to_floor, _reads_around_requests, identity,
-    tpot_vs_floor_by_rate)
+    AroundRequest, _memory_floor_ms, _own_bandwidth, _rate_split, _ratios_to_floor, _reads_around_requests, _targets,
+    identity, tpot_vs_floor_by_rate)
 
 AVX2 = "fpu sse2 avx avx2 fma"
 AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
@@ -122,6 +122,17 @@ def test_the_requests_of_each_memory_rate_are_held_to_their_floor_apart():
     # One rate throughout: every request together.
     assert _rate_split(slow) is None and _rate_split([]) is None
     assert tpot_vs_floor_by_rate(slow, floors, "bfloat16", None)["all"].num_requests == 3
+
+
+def test_a_memory_rate_too_few_requests_ran_at_is_named_not_checked():
+    row = {"rate_split_gb_s": 45.0, "num_requests_faster_rate": 2, "tpot_ms_p50_faster_rate": 7.0,
+           "tpot_vs_floor_faster_rate": 1.5, "num_requests_slower_rate": 30, "tpot_ms_p50_slower_rate": 10.0,
+           "tpot_vs_floor_slower_rate": 1.25}
+    table = "\n".join(_targets({"kvtool bf16 reuse-on": row}, {}, {}))
+    assert "(bfloat16, ms; the 30 requests read below 45 GB/s) | 10.0 | 8.0 | 1.25x | yes |" in table
+    assert "read at or above 45 GB/s) |" not in table  # two requests: no target row...
+    assert "- bfloat16: 2 request(s) read at or above 45 GB/s throughout" in table  # ...but said so
+    assert "float32" not in table.split("## Targets")[1].split("Floors")[0]  # no float32 replay: nothing
 
 
 def test_a_variant_is_flagged_when_others_took_over_a_quarter_of_the_cpu():

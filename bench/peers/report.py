@@ -196,6 +196,7 @@ def _throughput(by_name) -> list[str]:
 
 def _targets(by_name, requests, floors) -> list[str]:
     lines = ["## Targets (issue 24)", "", "| target | kvtool | reference | ratio | met |", "|---|---:|---:|---:|---|"]
+    unchecked = []  # a memory rate too few requests ran at
 
     def check(label: str, ours, reference, limit: float, higher_is_better: bool = False) -> None:
         if ours is None or reference is None:
@@ -218,8 +219,12 @@ def _targets(by_name, requests, floors) -> list[str]:
         best = _best_floors(floors, dtype)
         own, split = by_name.get(f"{kvtool}-on", {}), by_name.get(f"{kvtool}-on", {}).get("rate_split_gb_s")
         for rate, which in (("all", ""), ("faster", "read at or above"), ("slower", "read below")):
-            ratio, count = own.get(f"tpot_vs_floor_{rate}_rate"), own.get(f"num_requests_{rate}_rate") or 0
+            ratio, count = own.get(f"tpot_vs_floor_{rate}_rate"), own.get(f"num_requests_{rate}_rate")
+            if count is None:
+                continue
             if ratio is None or count < MIN_REQUESTS_AT_RATE:
+                at = f"{which} {split:.0f} GB/s throughout" if which else "with the rate read around them"
+                unchecked.append(f"- {dtype}: {count} request(s) {at}")
                 continue
             requests_at = f"; the {count} requests {which} {split:.0f} GB/s" if which else ""
             rate_tpot = own[f"tpot_ms_p50_{rate}_rate"]
@@ -230,6 +235,9 @@ def _targets(by_name, requests, floors) -> list[str]:
                   best.get("memory_floor_ms"), TPOT_FLOOR_RATIO)
             check(f"TTFT miss p50 <= {MISS_FLOOR_RATIO}x compute floor ({dtype}, ms)", miss,
                   best.get("compute_floor_ms"), MISS_FLOOR_RATIO)
+    if unchecked:
+        lines += ["", f"The memory floor at the rate read around each request, not checked where fewer than "
+                  f"{MIN_REQUESTS_AT_RATE} requests ran at one rate throughout (kvtool reuse-on):", ""] + unchecked
     lines += ["", "Floors, measured before the first variant and after the last (bench/peers/floors.py):", ""]
     for when, probe in floors.items():
         parts = [f"read bandwidth {probe['read_bandwidth_gb_s']:.1f} GB/s ({probe['threads']} threads)"]
