@@ -1,10 +1,13 @@
 """bench/peers' own logic: which CPU kind a run is filed under (from /proc/cpuinfo's flags), the
-floors' byte and FLOP counts, the memory floor of a replay's own process, the load flag, the same Poisson schedule for every engine, and the
-cross-engine token-id verdicts."""
+floors' byte and FLOP counts, each request against the memory floor at the rate read around it (each
+memory rate apart), the load flag and the CPU it counts as the benchmark's, the same Poisson schedule
+for every engine, and the cross-engine token-id verdicts."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +17,7 @@ PEERS = Path(__file__).resolve().parent.parent / "bench" / "peers"
 sys.path.insert(0, str(PEERS))
 
 from common import load_requests  # noqa: E402
-from load import OTHER_CPU_LIMIT_PCT, is_loaded  # noqa: E402
+from load import OTHER_CPU_LIMIT_PCT, _tree_ticks, is_loaded  # noqa: E402
 from machine import read_cpu_info  # noqa: E402
 from report import (  # noqa: E402
     AroundRequest, _memory_floor_ms, _own_bandwidth, _rate_split, _ratios_to_floor, _reads_around_requests, _targets,
@@ -133,6 +136,15 @@ def test_a_memory_rate_too_few_requests_ran_at_is_named_not_checked():
     assert "read at or above 45 GB/s) |" not in table  # two requests: no target row...
     assert "- bfloat16: 2 request(s) read at or above 45 GB/s throughout" in table  # ...but said so
     assert "float32" not in table.split("## Targets")[1].split("Floors")[0]  # no float32 replay: nothing
+
+
+def test_the_benchmark_keeps_the_cpu_of_its_processes_that_ended():
+    before = _tree_ticks(os.getpid())
+    # A child that spins for ~0.3 s of CPU and ends (subprocess.run waits for it), as a variant's process does.
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.3: pass"], check=True)
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    assert _tree_ticks(os.getpid()) - before >= 0.25 * ticks_per_s  # not someone else's CPU
 
 
 def test_a_variant_is_flagged_when_others_took_over_a_quarter_of_the_cpu():

@@ -74,7 +74,10 @@ def _cpu_busy_ticks() -> int:
 
 
 def _tree_ticks(root: int) -> int:
-    """CPU ticks (user + system) of ``root`` and every live descendant."""
+    """CPU ticks (user + system) of ``root`` and every descendant: the live ones' own, and those of the
+    ones that ended and were waited for (each process's cutime + cstime). Without the ended ones, the
+    CPU a variant's process used in the sample it ended in was counted as another process's, and the
+    floors probed right after the last variant were flagged as loaded in every run."""
     children: dict[int, list[int]] = {}
     ticks: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -86,7 +89,7 @@ def _tree_ticks(root: int) -> int:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
     total, frontier = 0, [root]
     while frontier:
         pid = frontier.pop()
