@@ -217,7 +217,8 @@ def _targets(by_name, requests, floors) -> list[str]:
               _figure(by_name, f"{kvtool}-on c8", "output_tokens_per_s"),
               _figure(by_name, f"{vllm}-on c8", "output_tokens_per_s"), 1.0, higher_is_better=True)
         best = _best_floors(floors, dtype)
-        own, split = by_name.get(f"{kvtool}-on", {}), by_name.get(f"{kvtool}-on", {}).get("rate_split_gb_s")
+        own = by_name.get(f"{kvtool}-on", {})
+        split = own.get("rate_split_gb_s")
         for rate, which in (("all", ""), ("faster", "read at or above"), ("slower", "read below")):
             ratio, count = own.get(f"tpot_vs_floor_{rate}_rate"), own.get(f"num_requests_{rate}_rate")
             if count is None:
