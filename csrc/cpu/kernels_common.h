@@ -94,18 +94,21 @@ static inline int64_t query_row(const AttentionArgs& a, const AttentionTask& t, 
 }
 
 // Row m of a task's rows (m = h * num_queries + i: head h of the task's heads, query i): its query
-// [head_dim], and where its output goes in the step's (a task covering all its queries' keys).
+// head among the model's, its query [head_dim], and where its output goes in the step's (a task
+// covering all its queries' keys).
+static inline int64_t task_head(const AttentionArgs& a, const AttentionTask& t, int64_t m) {
+  return static_cast<int64_t>(t.kv_head) * (a.num_heads / a.num_kv_heads) + m / t.num_queries;
+}
+
 template <typename A>
 static inline const A* task_query(const AttentionArgs& a, const AttentionTask& t, int64_t m) {
-  const int64_t group = a.num_heads / a.num_kv_heads, nq = t.num_queries;
-  return static_cast<const A*>(a.query) + query_row(a, t, m % nq) * a.query_stride +
-         (t.kv_head * group + m / nq) * a.head_dim;
+  return static_cast<const A*>(a.query) + query_row(a, t, m % t.num_queries) * a.query_stride +
+         task_head(a, t, m) * a.head_dim;
 }
 
 template <typename A>
 static inline A* task_output(const AttentionArgs& a, const AttentionTask& t, int64_t m) {
-  const int64_t group = a.num_heads / a.num_kv_heads, nq = t.num_queries;
-  return static_cast<A*>(a.out) + (t.first_row + m % nq) * a.out_stride + (t.kv_head * group + m / nq) * a.head_dim;
+  return static_cast<A*>(a.out) + (t.first_row + m % t.num_queries) * a.out_stride + task_head(a, t, m) * a.head_dim;
 }
 
 // Where a task covering part of its queries' keys (partial >= 0) leaves row m of its `rows` rows
@@ -120,8 +123,8 @@ static inline PartialRow partial_row(const AttentionArgs& a, const AttentionTask
   const int64_t d = a.head_dim;
   if (t.shared < 0) return {a.partials + t.partial + m * d, a.partials + t.partial + rows * d + 2 * m};
   // A shared task's queries are one per sequence, each with a sequence's merge of all heads.
-  const int64_t nq = t.num_queries, head = static_cast<int64_t>(t.kv_head) * (a.num_heads / a.num_kv_heads) + m / nq;
-  float* first = a.partials + a.shared_queries[t.shared + m % nq].partial + t.partial;
+  const int64_t head = task_head(a, t, m);
+  float* first = a.partials + a.shared_queries[t.shared + m % t.num_queries].partial + t.partial;
   return {first + head * d, first + static_cast<int64_t>(a.num_heads) * d + 2 * head};
 }
 
