@@ -80,12 +80,15 @@ static inline void value_block(const float* const* value, int num_keys, const fl
 }
 
 // Register blocking: 16 accumulators (half the vector registers with AVX-512), 4 keys or head dims
-// by 4 row vectors; 8 accumulators with AVX2's 16 registers. Measured on a 1,056-token prompt, one
-// thread: 176 GFLOP/s against 156 with 8 keys by 2 row vectors.
+// by 4 row vectors; measured on a 1,056-token prompt, one thread: 176 GFLOP/s against 156 with 8 keys
+// by 2 row vectors (6 row vectors, 24 accumulators: no faster). With AVX2's 16 registers, 12
+// accumulators (4 by 3 row vectors, beside 3 row vectors and a broadcast element): a 1,056-token
+// prompt's attention on two threads of a family 25 model 17 EPYC took 0.90-0.96x (float32) and
+// 0.94-0.95x (bfloat16 cache) the time of 4 by 2 (results/cpu_attention.md).
 constexpr int kBlockKeys = 4;
-constexpr int kBlockRows = W >= 16 ? 4 : 2;
+constexpr int kBlockRows = W >= 16 ? 4 : 3;
 constexpr int kValueDims = 4;
-constexpr int kValueRows = W >= 16 ? 4 : 2;
+constexpr int kValueRows = W >= 16 ? 4 : 3;
 
 // A prompt layout task's key tiles, each found a tile ahead: the next tile's lines are asked for
 // (into L2) a few at a time while the current tile's products run, step() between their register
@@ -132,7 +135,8 @@ class TilesAhead {
 // dimensions (values), for each block of row vectors (kBlockRows of them, then 2, then 1, as the
 // products run them; kValueRows == kBlockRows).
 static inline int64_t rows_tile_steps(int64_t num_vectors, int num_keys, int64_t d) {
-  const int64_t num_row_blocks = num_vectors / kBlockRows + num_vectors % kBlockRows / 2 + num_vectors % 2;
+  const int64_t left = num_vectors % kBlockRows;
+  const int64_t num_row_blocks = num_vectors / kBlockRows + left / 2 + left % 2;
   return num_row_blocks * ((num_keys + kBlockKeys - 1) / kBlockKeys + (d + kValueDims - 1) / kValueDims);
 }
 
