@@ -81,10 +81,10 @@ static inline void value_block(const float* const* value, int num_keys, const fl
 
 // Register blocking: 16 accumulators (half the vector registers with AVX-512), 4 keys or head dims
 // by 4 row vectors; measured on a 1,056-token prompt, one thread: 176 GFLOP/s against 156 with 8 keys
-// by 2 row vectors (6 row vectors, 24 accumulators: no faster). With AVX2's 16 registers, 12
-// accumulators (4 by 3 row vectors, beside 3 row vectors and a broadcast element): a 1,056-token
-// prompt's attention on two threads of a family 25 model 17 EPYC took 0.90-0.96x (float32) and
-// 0.94-0.95x (bfloat16 cache) the time of 4 by 2 (results/cpu_attention.md).
+// by 2 row vectors (6 row vectors, 24 accumulators, on two threads: 1.01x the time). With AVX2's 16
+// registers, 12 accumulators (4 by 3 row vectors, beside 3 row vectors and a broadcast element): a
+// 1,056-token prompt's attention on two threads of a family 25 model 17 EPYC took 0.90-0.96x
+// (float32) and 0.94-0.95x (bfloat16 cache) the time of 4 by 2 (results/cpu_attention.md).
 constexpr int kBlockKeys = 4;
 constexpr int kBlockRows = W >= 16 ? 4 : 3;
 constexpr int kValueDims = 4;
