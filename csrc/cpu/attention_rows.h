@@ -88,7 +88,7 @@ static inline void value_block(const float* const* value, int num_keys, const fl
 constexpr int kBlockKeys = 4;
 constexpr int kBlockRows = W >= 16 ? 4 : 3;
 constexpr int kValueDims = 4;
-constexpr int kValueRows = W >= 16 ? 4 : 3;
+constexpr int kValueRows = kBlockRows;  // rows_tile_steps counts both products' blocks alike
 
 // A prompt layout task's key tiles, each found a tile ahead: the next tile's lines are asked for
 // (into L2) a few at a time while the current tile's products run, step() between their register
