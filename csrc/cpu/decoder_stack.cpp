@@ -25,19 +25,20 @@ DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWe
     throw std::invalid_argument("DecoderStack: max_rows, the sizes, the head counts and vocab_size must be >= 1, "
                                 "and num_heads a multiple of num_kv_heads");
   }
-  residual_.resize(max_rows * shape.hidden_size);
-  hidden_out_.resize(max_rows * shape.hidden_size);
+  const int64_t offset = activation_offset_bytes();
+  residual_.resize(max_rows * shape.hidden_size, offset);
+  hidden_out_.resize(max_rows * shape.hidden_size, offset);
   // A bfloat16 LM head writes bfloat16 logits here first (half of the room), widened into the caller's.
-  if (shape.dtype == DType::kBFloat16) head_out_.resize((max_rows * vocab.vocab_size + 1) / 2);
+  if (shape.dtype == DType::kBFloat16) head_out_.resize((max_rows * vocab.vocab_size + 1) / 2, offset);
   query_start_loc_.resize(max_rows + 1);
   seq_lens_.resize(max_rows);
   slot_mapping_.resize(max_rows);
-  normed_.resize(max_rows * shape.hidden_size);
-  qkv_.resize(max_rows * qkv_size_);
-  attended_.resize(max_rows * q_size_);
-  x_.resize(max_rows * shape.hidden_size);
-  gate_up_.resize(max_rows * 2 * shape.intermediate_size);
-  activation_.resize(max_rows * shape.intermediate_size);
+  normed_.resize(max_rows * shape.hidden_size, offset);
+  qkv_.resize(max_rows * qkv_size_, offset);
+  attended_.resize(max_rows * q_size_, offset);
+  x_.resize(max_rows * shape.hidden_size, offset);
+  gate_up_.resize(max_rows * 2 * shape.intermediate_size, offset);
+  activation_.resize(max_rows * shape.intermediate_size, offset);
 }
 
 void DecoderStack::project(CpuKernels& kernels, const LinearWeights& weights, const void* x, void* out,

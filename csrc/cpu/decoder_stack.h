@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "activation_buffer.h"
 #include "attention_plan.h"
 #include "cpu_kernels.h"
 #include "kernel_args.h"
@@ -117,7 +118,7 @@ class DecoderStack {
   VocabWeights vocab_;
   int64_t max_rows_, q_size_, qkv_size_;
   // Activations of max_rows rows, as float32 room (a bfloat16 step uses the first half of each).
-  std::vector<float> normed_, qkv_, attended_, x_, gate_up_, activation_, residual_, hidden_out_, head_out_;
+  ActivationBuffer normed_, qkv_, attended_, x_, gate_up_, activation_, residual_, hidden_out_, head_out_;
   // A decode step's metadata: query_start_loc [max_rows + 1], seq_lens [max_rows], slot_mapping [max_rows].
   std::vector<int32_t> query_start_loc_, seq_lens_;
   std::vector<int64_t> slot_mapping_;
