@@ -74,10 +74,10 @@ void f32_rows_avx2(const void* weights, const void* x0, float* y, int64_t rows, 
   }
 }
 
-// The plain read the memory floor's probe does.
-void plain_read(const void* weights, const void*, float* y, int64_t rows, int64_t d_bytes) {
+// The plain read the memory floor's probe does (rows of d floats).
+void plain_read(const void* weights, const void*, float* y, int64_t rows, int64_t d) {
   const auto* p = static_cast<const float*>(weights);
-  const int64_t n = rows * d_bytes / 4;
+  const int64_t n = rows * d;
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t i = 0; i + 64 <= n; i += 64)
     for (int u = 0; u < 4; ++u) acc[u] = _mm512_add_ps(acc[u], _mm512_loadu_ps(p + i + 16 * u));
@@ -87,7 +87,7 @@ void plain_read(const void* weights, const void*, float* y, int64_t rows, int64_
 struct Variant {
   const char* name;
   Fn fn;
-  int element_bytes;  // 0: the plain read
+  int element_bytes;
 };
 
 }  // namespace
@@ -102,7 +102,7 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < (65536 + 64) / 2; ++i) reinterpret_cast<uint16_t*>(x)[i] = 0x3f80;  // bfloat16 1.0
   std::vector<float> flush(int64_t{64} << 20 >> 2, 1.0f), y(total / 4 / 64 + 16);
   const Variant variants[] = {
-      {"read", plain_read, 0},
+      {"read", plain_read, 4},
 #if defined(__AVX512BF16__)
       {"bf16+0", bf16_rows<0>, 2}, {"bf16+16", bf16_rows<16>, 2}, {"bf16+32", bf16_rows<32>, 2}, {"bf16+48", bf16_rows<48>, 2},
 #endif
@@ -119,16 +119,13 @@ int main(int argc, char** argv) {
         float s = 0.0f;
         for (size_t j = 0; j < flush.size(); j += 16) s += flush[j];
         flush[r] = s;
-        const int element_bytes = variants[v].element_bytes;
-        const int64_t row_elements = element_bytes == 0 ? d * 4 : d;  // the read: rows of d * 4 bytes
-        const int64_t rows = total / (element_bytes == 0 ? row_elements : d * element_bytes);
+        const int64_t row_bytes = d * variants[v].element_bytes, rows = total / row_bytes;
         const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(2)
         {
           const int t = omp_get_thread_num();
           const int64_t begin = t * rows / 2, end = (t + 1) * rows / 2;
-          const int64_t row_bytes = element_bytes == 0 ? row_elements : d * element_bytes;
-          variants[v].fn(weights + begin * row_bytes, x, y.data() + begin, end - begin, row_elements);
+          variants[v].fn(weights + begin * row_bytes, x, y.data() + begin, end - begin, d);
         }
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         rates[v].push_back(static_cast<double>(total) / seconds / 1e9);
