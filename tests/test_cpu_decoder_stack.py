@@ -133,6 +133,80 @@ def test_a_decode_step_in_one_call_gives_the_logits_and_kv_of_forward_and_the_lm
         model.to(torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "qwen2_qkv_bias_tied"])
+def test_a_greedy_decode_step_picks_what_numpys_argmax_of_its_logits_picks(models, name, dtype):
+    # decode_greedy picks each row's token in the step, from the LM head's output (bfloat16 or float32)
+    # split among the threads: the index NumPy's argmax gives for decode's logits, and the same KV.
+    ours, _ = models(name)
+    model = ours.to(dtype)
+    try:
+        decoder = model.cpu_decoder = CpuDecoder(model, num_threads=2)
+        driver = PagedDriver(model, tokens_per_block=T, num_blocks=32)
+        seqs = [driver.add_sequence(random_prompt(length, seed=length)) for length in (2 * T - 1, T + 9)]
+        for seq, logits in zip(seqs, driver.step(context=[(seq, len(seq.token_ids)) for seq in seqs])):
+            seq.append(int(logits[-1].argmax()))
+        for step in ([seqs[0]], seqs, seqs, [seqs[1]]):
+            driver.step(decode=step)  # allocates the blocks the step needs
+            pool = driver.pool.clone()
+            for seq in step:
+                seq.num_computed -= 1
+            logits = decoder.decode(*decode_arrays(step), driver.kv_caches)
+            logits_pool = driver.pool.clone()
+            driver.pool.copy_(pool)
+            picks = decoder.decode_greedy(*decode_arrays(step), driver.kv_caches)
+            assert picks.dtype == np.int64 and picks.tolist() == logits.numpy().argmax(axis=-1).tolist()
+            torch.testing.assert_close(driver.pool, logits_pool, rtol=0, atol=0, equal_nan=True)
+            for seq, token_id in zip(step, picks.tolist()):
+                seq.num_computed += 1
+                seq.append(token_id)
+    finally:
+        model.cpu_decoder = None
+        model.to(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_greedy_pick_takes_the_first_of_tied_logits_and_the_first_nan_across_the_threads_parts(models, dtype):
+    # Each thread picks from its part of the vocabulary (two parts here, split at vocab / 2); the parts'
+    # picks then give the row's: the first of equal largest logits, wherever they lie, and the first
+    # NaN over any number (NumPy's argmax). LM head rows copied or set to NaN make the logits so.
+    ours, _ = models("qwen3_qk_norm")
+    model = ours.to(dtype)
+    head = model.lm_head.weight
+    original = head.clone()
+    try:
+        decoder = model.cpu_decoder = CpuDecoder(model, num_threads=2)
+        if decoder.kernels.num_threads < 2:
+            pytest.skip("needs two threads")
+        driver = PagedDriver(model, tokens_per_block=T, num_blocks=8)
+        seq = driver.add_sequence(random_prompt(T + 3, seed=3))
+        driver.step(context=[(seq, len(seq.token_ids))])
+        seq.append(5)
+        driver.step(decode=[seq])  # the step's block, then the same step again each time
+        seq.num_computed -= 1
+        vocab = head.shape[0]
+
+        def pick_and_argmax() -> tuple[int, int]:
+            logits = decoder.decode(*decode_arrays([seq]), driver.kv_caches)
+            return int(decoder.decode_greedy(*decode_arrays([seq]), driver.kv_caches)[0]), int(
+                logits.numpy().argmax())
+
+        with torch.no_grad():
+            largest, _ = pick_and_argmax()
+            other_part = vocab - 1 if largest < vocab // 2 else 0
+            head[other_part] = head[largest]  # a tie across the parts
+            assert pick_and_argmax() == (min(largest, other_part),) * 2
+            head[vocab - 2] = float("nan")
+            assert pick_and_argmax() == (vocab - 2, vocab - 2)
+            head[vocab // 2 - 1] = float("nan")  # an earlier NaN, in the first part
+            assert pick_and_argmax() == (vocab // 2 - 1, vocab // 2 - 1)
+    finally:
+        with torch.no_grad():
+            head.copy_(original)
+        model.cpu_decoder = None
+        model.to(torch.float32)
+
+
 def test_a_decode_step_refuses_tokens_and_positions_it_cannot_serve(models):
     ours, _ = models("qwen3_qk_norm")
     decoder = CpuDecoder(ours, num_threads=1)

@@ -4,6 +4,7 @@ CPU runs, for float32 and bfloat16 (and a bfloat16 cache under float32 activatio
 - rms_norm (+ residual) against F.rms_norm of x + residual;
 - silu_mul against F.silu(gate) * up;
 - linear (a few rows' projection) against F.linear in float32;
+- argmax against NumPy's argmax (ties, infinities, NaNs);
 - rope_store_kv against kvtool.models.llama's apply_rope (after F.rms_norm for Qwen3's q/k norm)
   and write_kv_cache;
 - attention against TorchPagedAttention on mixed steps (whole prompts, chunks after a cached
@@ -12,6 +13,7 @@ CPU runs, for float32 and bfloat16 (and a bfloat16 cache under float32 activatio
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -102,6 +104,22 @@ def test_sum_reads_each_float_once_however_the_threads_share_them(num_threads, n
     kernels = CpuKernels("auto", num_threads)
     ones = torch.ones(num_floats)
     assert kernels.sum(ones.data_ptr(), num_floats) == num_floats
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.sampled_from([-3.0, -1.0, 0.0, 2.5, 7.0, float("inf"), float("-inf"), float("nan")]),
+                       min_size=1, max_size=80),
+       start=st.integers(0, 17))
+def test_argmax_picks_the_first_largest_or_the_first_nan_as_numpy_does(isa, dtype, values, start):
+    # Few distinct values, so ties, infinities and NaNs are common, from any start (a vector's worth of
+    # values or fewer after it, the scalar tail) in every instruction set.
+    row = torch.tensor([1.0] * start + values).to(dtype)[start:]
+    pick = ops.argmax(CpuKernels(isa, 1), row)
+    expected = int(row.float().numpy().argmax())
+    assert pick.index == expected
+    assert pick.value == row[expected].item() or (math.isnan(pick.value) and math.isnan(row[expected].item()))
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)

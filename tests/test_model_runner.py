@@ -112,19 +112,22 @@ def test_a_decode_steps_rows_come_from_the_scheduler_as_flatten_step_gives_them(
     assert min(num_steps.values()) >= 1, num_steps
 
 
-def test_an_engine_decode_step_on_the_cpu_is_one_call_from_the_schedulers_arrays(tiny_llama_plan, monkeypatch):
+@pytest.mark.parametrize("temperature, method", [(0.0, "decode_greedy"), (0.8, "decode")])
+def test_an_engine_decode_step_on_the_cpu_is_one_call_from_the_schedulers_arrays(tiny_llama_plan, monkeypatch,
+                                                                                  temperature, method):
+    # Greedy requests take their picks from the step itself (decode_greedy), sampled ones its logits.
     from kvtool.config import SamplingParams
 
     def generate(one_call: bool) -> tuple[list[list[int]], list[list[int]]]:
-        """The greedy outputs of two prompts, and the positions of each decoder.decode call."""
+        """The outputs of two prompts, and the positions of each one-call step."""
         with LLM(model=str(tiny_llama_plan)) as llm:
             decoder = llm.engine.executor.model.cpu_decoder
-            calls, decode = [], decoder.decode
-            monkeypatch.setattr(decoder, "decode", lambda *args: calls.append(args[1].tolist()) or decode(*args))
+            calls, step = [], getattr(decoder, method)
+            monkeypatch.setattr(decoder, method, lambda *args: calls.append(args[1].tolist()) or step(*args))
             if not one_call:  # flatten_step, the forward and the LM head apart
                 monkeypatch.setattr(decoder, "decodes", lambda num_rows: False)
             outputs = llm.generate([list(range(10, 19)), list(range(30, 36))],
-                                   SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                                   SamplingParams(max_tokens=6, temperature=temperature, seed=7, ignore_eos=True))
             return [output.outputs[0].token_ids for output in outputs], calls
 
     outputs, calls = generate(one_call=True)

@@ -3,6 +3,7 @@
 // decode step calls these kernels a hundred times. Each call releases the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -20,6 +21,7 @@ using Int32Array = nb::ndarray<const int32_t, nb::c_contig, nb::device::cpu>;
 using Int64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using BlockTables = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Logits = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using TokenIds = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 template <typename T>
 T* ptr(uintptr_t address) {
@@ -126,30 +128,39 @@ NB_MODULE(_kernels, m) {
           [](DecoderStack& stack, CpuKernels& kernels, Int64Array token_ids, Int64Array positions,
              BlockTables block_tables, int64_t num_blocks, uintptr_t rope_cache, int64_t max_positions,
              Int64Array kv_caches, int64_t block_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,
-             int32_t tokens_per_block, DType cache_dtype, int64_t sliding_window, Logits logits) {
+             int32_t tokens_per_block, DType cache_dtype, int64_t sliding_window, std::optional<Logits> logits,
+             std::optional<TokenIds> greedy_token_ids) {
             const size_t n = token_ids.shape(0);
-            if (positions.shape(0) != n || block_tables.shape(0) != n || logits.shape(0) != n) {
+            if (positions.shape(0) != n || block_tables.shape(0) != n || (logits && logits->shape(0) != n) ||
+                (greedy_token_ids && greedy_token_ids->shape(0) != n)) {
               throw std::invalid_argument("DecoderStack.decode: token_ids [n], positions [n], block_tables [n, "
-                                          "max_blocks] and logits [n, vocab_size] disagree");
+                                          "max_blocks], logits [n, vocab_size] and greedy_token_ids [n] disagree");
             }
-            if (static_cast<int64_t>(logits.shape(1)) != stack.vocab_size()) {
-              throw std::invalid_argument("DecoderStack.decode: logits of " + std::to_string(logits.shape(1)) +
+            if (logits && static_cast<int64_t>(logits->shape(1)) != stack.vocab_size()) {
+              throw std::invalid_argument("DecoderStack.decode: logits of " + std::to_string(logits->shape(1)) +
                                           " columns for a vocabulary of " + std::to_string(stack.vocab_size()));
             }
             stack.decode(kernels, {token_ids.data(), positions.data(), block_tables.data(), static_cast<int64_t>(n),
                                    static_cast<int64_t>(block_tables.shape(1)), num_blocks, sliding_window,
-                                   logits.data(),
+                                   logits ? logits->data() : nullptr,
+                                   greedy_token_ids ? greedy_token_ids->data() : nullptr,
                                    stack_caches(stack, "decode", rope_cache, max_positions, kv_caches, block_stride,
                                                 kv_stride, token_stride, head_stride, tokens_per_block,
                                                 cache_dtype)});
           },
           "kernels"_a, "token_ids"_a, "positions"_a, "block_tables"_a, "num_blocks"_a, "rope_cache"_a,
           "max_positions"_a, "kv_caches"_a, "block_stride"_a, "kv_stride"_a, "token_stride"_a, "head_stride"_a,
-          "tokens_per_block"_a, "cache_dtype"_a, "sliding_window"_a, "logits"_a,
-          nb::call_guard<nb::gil_scoped_release>(),
+          "tokens_per_block"_a, "cache_dtype"_a, "sliding_window"_a, "logits"_a.none(),
+          "greedy_token_ids"_a.none() = nb::none(), nb::call_guard<nb::gil_scoped_release>(),
           "A decode step of one new token per row (token_ids and positions int64 [n], block_tables int32 [n, "
           "max_blocks], -1 where no block) in one call: the tokens' embeddings, every layer (writing each layer's "
-          "KV), the final norm and the LM head into logits float32 [n, vocab_size]; sliding_window 0: none.");
+          "KV), the final norm and the LM head into logits float32 [n, vocab_size], and/or each row's greedy "
+          "pick into greedy_token_ids int64 [n] (the first largest logit, a NaN the largest, as NumPy's argmax); "
+          "sliding_window 0: none.");
+
+  nb::class_<ArgMax>(m, "ArgMax", "The largest of a range of values and the index of its first occurrence.")
+      .def_ro("value", &ArgMax::value)
+      .def_ro("index", &ArgMax::index);
 
   nb::class_<CpuKernels>(m, "CpuKernels", "The kernels of one instruction set and the threads that run them.")
       .def(nb::init<const std::string&, int>(), "isa"_a = "auto", "num_threads"_a = 1,
@@ -254,5 +265,13 @@ NB_MODULE(_kernels, m) {
           [](CpuKernels& k, uintptr_t data, int64_t num_floats) { return k.sum(ptr<const float>(data), num_floats); },
           "data"_a, "num_floats"_a, nb::call_guard<nb::gil_scoped_release>(),
           "The sum of num_floats float32 values, each thread reading a share: a streaming read, to time memory "
-          "bandwidth with.");
+          "bandwidth with.")
+      .def(
+          "argmax",
+          [](CpuKernels& k, uintptr_t data, DType dtype, int64_t begin, int64_t end) {
+            return k.argmax(ptr<const void>(data), dtype, begin, end);
+          },
+          "data"_a, "dtype"_a, "begin"_a, "end"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "The largest of data[begin:end] and the index of its first occurrence (a NaN the largest, its first "
+          "taken, as NumPy's argmax), on the calling thread.");
 }

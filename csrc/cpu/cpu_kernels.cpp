@@ -185,6 +185,14 @@ void CpuKernels::linear(const LinearArgs& args) {
   pool_.run_shares(args.out_features, rows_per_range, RowsJob<LinearArgs>::run_range, &job);
 }
 
+ArgMax CpuKernels::argmax(const void* data, DType dtype, int64_t begin, int64_t end) const {
+  if (begin < 0 || begin >= end) {
+    throw std::invalid_argument("argmax: the range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") must hold at least one value");
+  }
+  return table_->argmax(data, dtype, begin, end);
+}
+
 double CpuKernels::sum(const float* data, int64_t num_floats) {
   struct SumJob {
     const KernelTable* table;

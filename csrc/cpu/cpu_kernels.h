@@ -35,6 +35,8 @@ class CpuKernels {
   void linear(const LinearArgs& args);
   // The sum of num_floats floats read by every thread (a share each): times a streaming read.
   double sum(const float* data, int64_t num_floats);
+  // The largest of data[begin, end) and its first index (a NaN the largest), on the calling thread.
+  ArgMax argmax(const void* data, DType dtype, int64_t begin, int64_t end) const;
 
   // The threads: a team of them runs the kernels' calls of a whole decoder stack step (DecoderStack).
   Parallel& parallel() { return pool_; }

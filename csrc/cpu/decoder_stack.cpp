@@ -28,8 +28,8 @@ DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWe
   const int64_t offset = activation_offset_bytes();
   residual_.resize(max_rows * shape.hidden_size, offset);
   hidden_out_.resize(max_rows * shape.hidden_size, offset);
-  // A bfloat16 LM head writes bfloat16 logits here first (half of the room), widened into the caller's.
-  if (shape.dtype == DType::kBFloat16) head_out_.resize((max_rows * vocab.vocab_size + 1) / 2, offset);
+  const int64_t head_values = max_rows * vocab.vocab_size;
+  head_out_.resize(shape.dtype == DType::kBFloat16 ? (head_values + 1) / 2 : head_values, offset);
   query_start_loc_.resize(max_rows + 1);
   seq_lens_.resize(max_rows);
   slot_mapping_.resize(max_rows);
@@ -117,6 +117,9 @@ void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const
 }
 
 void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
+  if (args.logits == nullptr && args.greedy_token_ids == nullptr) {
+    throw std::invalid_argument("DecoderStack.decode: a step needs somewhere to put its logits or greedy picks");
+  }
   const int64_t n = args.num_rows, hidden = shape_.hidden_size, vocab = vocab_.vocab_size;
   const DecoderStepArgs step{residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(),
                              args.caches};
@@ -151,29 +154,67 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
                             args.sliding_window},
                            kernels.width(), kernels.num_threads());
   kernels.reserve_attention(plan);
-  // The layers, the LM head and the widening of its logits on one team of threads.
+  // The layers, the LM head, and the widening of its logits or the greedy picks, on one team of threads.
+  const bool head_into_logits = shape_.dtype == DType::kFloat32 && args.logits != nullptr;
+  void* head = head_into_logits ? static_cast<void*>(args.logits) : head_out_.data();  // [n, vocab]
   struct Widening {
     const uint16_t* narrow;
     float* logits;
     int64_t size, per_task;
   };
-  const Widening widening{reinterpret_cast<const uint16_t*>(head_out_.data()), args.logits, n * vocab,
+  const Widening widening{static_cast<const uint16_t*>(head), args.logits, n * vocab,
                           (n * vocab + kernels.num_threads() - 1) / kernels.num_threads()};
+  // Each row's vocabulary in a part a thread, the parts' picks then taken together on one thread.
+  struct Picking {
+    const CpuKernels* kernels;
+    const void* head;
+    DType dtype;
+    int64_t vocab, parts;
+    ArgMax* picks;  // [n, parts]
+    int64_t* token_ids;
+    int64_t num_rows;
+  };
+  const int64_t parts = std::min<int64_t>(kernels.num_threads(), vocab);
+  picks_.resize(n * parts);
+  const Picking picking{&kernels, head, shape_.dtype, vocab, parts, picks_.data(), args.greedy_token_ids, n};
   auto body = [&] {
     run_layers(kernels, plan, step);
-    if (shape_.dtype == DType::kFloat32) {
-      project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), args.logits, n, hidden, vocab);
-      return;
+    project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), head, n, hidden, vocab);
+    if (args.logits != nullptr && !head_into_logits) {
+      kernels.parallel().run(
+          kernels.num_threads(),
+          [](const void* context, int64_t task, int) {
+            const auto* w = static_cast<const Widening*>(context);
+            const int64_t end = std::min(w->size, (task + 1) * w->per_task);
+            for (int64_t i = task * w->per_task; i < end; ++i) w->logits[i] = bf16_to_float(w->narrow[i]);
+          },
+          &widening);
     }
-    project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), head_out_.data(), n, hidden, vocab);
+    if (args.greedy_token_ids == nullptr) return;
     kernels.parallel().run(
-        kernels.num_threads(),
+        n * parts,
         [](const void* context, int64_t task, int) {
-          const auto* w = static_cast<const Widening*>(context);
-          const int64_t end = std::min(w->size, (task + 1) * w->per_task);
-          for (int64_t i = task * w->per_task; i < end; ++i) w->logits[i] = bf16_to_float(w->narrow[i]);
+          const auto* p = static_cast<const Picking*>(context);
+          const int64_t row = task / p->parts, part = task % p->parts;
+          const char* values = static_cast<const char*>(p->head) + row * p->vocab * element_bytes(p->dtype);
+          p->picks[task] = p->kernels->argmax(values, p->dtype, part * p->vocab / p->parts,
+                                              (part + 1) * p->vocab / p->parts);
         },
-        &widening);
+        &picking);
+    kernels.parallel().run_one(
+        [](const void* context, int64_t, int) {
+          const auto* p = static_cast<const Picking*>(context);
+          for (int64_t row = 0; row < p->num_rows; ++row) {
+            // The first part's pick unless a later one holds a larger value or the first NaN.
+            ArgMax best = p->picks[row * p->parts];
+            for (int64_t part = 1; part < p->parts && best.value == best.value; ++part) {
+              const ArgMax& pick = p->picks[row * p->parts + part];
+              if (pick.value != pick.value || pick.value > best.value) best = pick;
+            }
+            p->token_ids[row] = best.index;
+          }
+        },
+        &picking);
   };
   kernels.parallel().run_team(body);
 }

@@ -76,7 +76,10 @@ struct DecodeArgs {
   const int32_t* block_tables;  // [num_rows, max_blocks] row-major, -1 where no block
   int64_t num_rows, max_blocks, num_blocks;
   int64_t sliding_window;  // 0: none
-  float* logits;           // [num_rows, vocab_size]
+  // The step's outputs, one or both: the LM head's float32 logits [num_rows, vocab_size], and each row's
+  // greedy pick [num_rows] (the first largest logit, as NumPy's argmax picks; nullptr: none).
+  float* logits;
+  int64_t* greedy_token_ids;
   StackCaches caches;
 };
 
@@ -95,11 +98,13 @@ class DecoderStack {
   void forward(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args);
 
   // A whole decode step: each row's token embedded, its KV slot and the step's attention plan found from
-  // the block tables, forward, and the LM head's float32 logits. A step crosses the Python boundary once
-  // (the Python around forward took ~0.15 ms of a ~7 ms bfloat16 SmolLM2-135M step: metadata tensors,
-  // checks, the plan's and the embedding's calls, the logits' widening). std::invalid_argument: more
-  // rows than max_rows, a token outside the vocabulary, a position without a block in its table or
-  // outside the RoPE table, or a block outside the pool.
+  // the block tables, forward, and the LM head's float32 logits or greedy picks (or both). A step
+  // crosses the Python boundary once (the Python around forward took ~0.15 ms of a ~7 ms bfloat16
+  // SmolLM2-135M step: metadata tensors, checks, the plan's and the embedding's calls, the logits'
+  // widening); a greedy one picks its tokens on the threads that computed the logits, where NumPy's
+  // argmax after the step read them cold. std::invalid_argument: no output, more rows than max_rows, a
+  // token outside the vocabulary, a position without a block in its table or outside the RoPE table,
+  // or a block outside the pool.
   void decode(CpuKernels& kernels, const DecodeArgs& args);
 
  private:
@@ -118,7 +123,12 @@ class DecoderStack {
   VocabWeights vocab_;
   int64_t max_rows_, q_size_, qkv_size_;
   // Activations of max_rows rows, as float32 room (a bfloat16 step uses the first half of each).
-  ActivationBuffer normed_, qkv_, attended_, x_, gate_up_, activation_, residual_, hidden_out_, head_out_;
+  ActivationBuffer normed_, qkv_, attended_, x_, gate_up_, activation_, residual_, hidden_out_;
+  // The LM head's output where the caller's float32 logits do not take it: a bfloat16 head's (widened
+  // into them), a float32 head's in a greedy step without them.
+  ActivationBuffer head_out_;
+  // A greedy step's picks of each part of each row [num_rows, parts] (the threads' shares of the vocabulary).
+  std::vector<ArgMax> picks_;
   // A decode step's metadata: query_start_loc [max_rows + 1], seq_lens [max_rows], slot_mapping [max_rows].
   std::vector<int32_t> query_start_loc_, seq_lens_;
   std::vector<int64_t> slot_mapping_;

@@ -128,6 +128,13 @@ struct LinearArgs {
   DType dtype;
 };
 
+// The largest of a range of values and the index of its first occurrence. A NaN counts as the
+// largest, its first one taken (as NumPy's argmax picks).
+struct ArgMax {
+  float value;
+  int64_t index;
+};
+
 // Keys are taken this many at a time (a tile of scores per query row).
 inline constexpr int kKeyTile = 32;
 
@@ -144,6 +151,8 @@ struct KernelTable {
   // The sum of data[begin, end): a plain streaming read, what memory bandwidth is measured with.
   double (*sum)(const float* data, int64_t begin, int64_t end);
   void (*linear)(const LinearArgs&, int64_t feature_begin, int64_t feature_end);
+  // Of data[begin, end) (float32 or bfloat16 elements, begin < end).
+  ArgMax (*argmax)(const void* data, DType dtype, int64_t begin, int64_t end);
 };
 
 static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }

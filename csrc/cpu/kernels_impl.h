@@ -9,6 +9,7 @@
 // a bfloat16 result is rounded once, where torch's op would round it.
 #pragma once
 
+#include "argmax.h"
 #include "attention_dims.h"
 #include "attention_dims_bf16.h"
 #include "attention_rows.h"
@@ -372,6 +373,14 @@ double sum(const float* data, int64_t begin, int64_t end) {
   double total = static_cast<double>(((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add());
   for (; i < end; ++i) total += data[i];
   return total;
+}
+
+// ---- the first largest value ------------------------------------------------------------------
+
+ArgMax argmax(const void* data, DType dtype, int64_t begin, int64_t end) {
+  ArgMax result{};
+  with_type(dtype, [&](auto t) { result = argmax_typed(static_cast<const decltype(t)*>(data), begin, end); });
+  return result;
 }
 
 }  // namespace kvtool::cpu::KVTOOL_CPU_ISA

@@ -88,6 +88,7 @@ struct Vec {
 
   static Mask le(Vec a, Vec b) { return _mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ); }
   static Mask gt(Vec a, Vec b) { return _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ); }
+  static Mask is_nan(Vec a) { return _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q); }
   static bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
   static Mask mask_and(Mask a, Mask b) { return _mm256_and_ps(a, b); }
   static Vec select(Mask m, Vec a, Vec b) { return {_mm256_blendv_ps(b.v, a.v, m)}; }  // m ? a : b

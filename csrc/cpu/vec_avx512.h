@@ -106,6 +106,7 @@ struct Vec {
 
   static Mask le(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }
   static Mask gt(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+  static Mask is_nan(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
   static bool any(Mask m) { return m != 0; }
   static Mask mask_and(Mask a, Mask b) { return static_cast<Mask>(a & b); }
   static Vec select(Mask m, Vec a, Vec b) { return {_mm512_mask_blend_ps(m, b.v, a.v)}; }  // m ? a : b

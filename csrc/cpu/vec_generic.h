@@ -48,6 +48,7 @@ struct Vec {
 
   static Mask le(Vec a, Vec b) { return a.v <= b.v; }
   static Mask gt(Vec a, Vec b) { return a.v > b.v; }
+  static Mask is_nan(Vec a) { return a.v != a.v; }
   static bool any(Mask m) { return m; }
   static Mask mask_and(Mask a, Mask b) { return a && b; }
   static Vec select(Mask m, Vec a, Vec b) { return m ? a : b; }  // lane by lane: m ? a : b

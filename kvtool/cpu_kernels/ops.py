@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtool.cpu_kernels._kernels import AttentionPlan, CpuKernels, DType
+from kvtool.cpu_kernels._kernels import ArgMax, AttentionPlan, CpuKernels, DType
 
 DTYPES = {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16}
 
@@ -65,6 +65,15 @@ def linear(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, bias: tor
     kernels.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), rows,
                    in_features, out_features, x.stride(0), weight.stride(0), out.stride(0), dtype)
     return out
+
+
+def argmax(kernels: CpuKernels, values: torch.Tensor) -> ArgMax:
+    """The largest of values [n] (float32 or bfloat16, n >= 1) and the index of its first occurrence; a
+    NaN is the largest, its first one taken (NumPy's argmax picks the same index)."""
+    if values.dim() != 1 or values.numel() == 0 or not values.is_contiguous():
+        raise ValueError(f"argmax: values must be one contiguous row of at least one value, got shape "
+                         f"{tuple(values.shape)}")
+    return kernels.argmax(values.data_ptr(), kernel_dtype(values), 0, values.numel())
 
 
 def rope_cache(inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> torch.Tensor:

@@ -98,11 +98,14 @@ class ModelRunner:
 
     def execute_step(self, batch, requests, generators) -> list[int] | None:
         """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
-        logits = self.execute_batch(batch)
+        params = [r.sampling_params for r in requests]
+        logits = self.execute_batch(batch, greedy=all(p.greedy for p in params))
         if logits is None:
             return None
+        if isinstance(logits, np.ndarray):  # the step's greedy picks
+            return logits.tolist()
         # sample() syncs: the tokens are on the host.
-        return sample(logits, [r.sampling_params for r in requests], generators)
+        return sample(logits, params, generators)
 
     def make_generator(self, params, request_id: int) -> torch.Generator | None:
         return make_generator(params, request_id, self.device)
@@ -171,9 +174,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def execute_batch(self, batch) -> torch.Tensor | None:
+    def execute_batch(self, batch, *, greedy: bool = False) -> torch.Tensor | np.ndarray | None:
         """Runs a kvtool._core.ScheduledBatch: its block copies, then the forward of its requests;
-        returns what execute does, or None when no request was scheduled."""
+        returns what execute does, or None when no request was scheduled. ``greedy`` (every sampling
+        request is): a CPU decode step taken in one call returns its picks instead, int64 [num_rows]."""
         # A step's copies never fetch from the third tier (stagings do, before the step): its ops are spills.
         self.run_copies(batch.copy_ops)
         if len(batch.requests) == 0:
@@ -186,8 +190,10 @@ class ModelRunner:
                 # A decode step on the CPU: the scheduler's arrays straight into one C++ call. The general
                 # path (flatten_step, inference mode, the sampled rows) took ~0.2 ms of a ~7 ms step: the
                 # step's weights stream leaves the host's own code and data cold, so each Python operation
-                # between two steps costs several times what it costs warm.
-                return decoder.decode(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches)
+                # between two steps costs several times what it costs warm (greedy picks too: NumPy's
+                # argmax of the logits after the step).
+                decode = decoder.decode_greedy if greedy else decoder.decode
+                return decode(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches)
         return self.execute(batch.requests)
 
     @torch.inference_mode()
