@@ -99,13 +99,13 @@ class ModelRunner:
     def execute_step(self, batch, requests, generators) -> list[int] | None:
         """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
         params = [r.sampling_params for r in requests]
-        logits = self.execute_batch(batch, greedy=all(p.greedy for p in params))
-        if logits is None:
+        output = self.execute_batch(batch, greedy=all(p.greedy for p in params))
+        if output is None:
             return None
-        if isinstance(logits, np.ndarray):  # the step's greedy picks
-            return logits.tolist()
+        if isinstance(output, np.ndarray):  # the step's own greedy picks
+            return output.tolist()
         # sample() syncs: the tokens are on the host.
-        return sample(logits, params, generators)
+        return sample(output, params, generators)
 
     def make_generator(self, params, request_id: int) -> torch.Generator | None:
         return make_generator(params, request_id, self.device)
