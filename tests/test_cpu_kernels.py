@@ -113,8 +113,8 @@ def test_sum_reads_each_float_once_however_the_threads_share_them(num_threads, n
                        min_size=1, max_size=80),
        start=st.integers(0, 17))
 def test_argmax_picks_the_first_largest_or_the_first_nan_as_numpy_does(isa, dtype, values, start):
-    # Few distinct values, so ties, infinities and NaNs are common, from any start (a vector's worth of
-    # values or fewer after it, the scalar tail) in every instruction set.
+    # Few distinct values, so ties, infinities and NaNs are common; rows of any length (whole vectors and
+    # a scalar tail, or the tail alone) starting at any element's alignment, in every instruction set.
     row = torch.tensor([1.0] * start + values).to(dtype)[start:]
     pick = ops.argmax(CpuKernels(isa, 1), row)
     expected = int(row.float().numpy().argmax())
