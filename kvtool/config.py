@@ -363,7 +363,7 @@ class SamplingParams:
 
 # The instruction sets kvtool's CPU kernels are built for, best first (kvtool.cpu_kernels.supported_isas
 # lists those this CPU runs).
-CPU_KERNEL_ISAS = ("avx512_bf16", "avx512", "avx2", "generic")
+CPU_KERNEL_ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "generic")
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("enforce_eager", "No CUDA graphs: every step launches its kernels one by one (on a GPU, decode steps replay "
          "graphs by default).", SCHEDULER, bool, ENGINE, "enforce_eager"),
     Flag("cpu_kernels_isa", "On a CPU: the instruction set of kvtool's CPU kernels, auto (the best this CPU runs, "
-         "the default) | avx512_bf16 | avx512 | avx2 | generic | off (torch's ops throughout), to compare them on "
+         "the default) | amx | avx512_bf16 | avx512 | avx2 | generic | off (torch's ops throughout), to compare them on "
          "one machine (torch's own ops follow ATEN_CPU_CAPABILITY, oneDNN's ONEDNN_MAX_CPU_ISA).", SCHEDULER, str,
          ENGINE, "cpu_kernels_isa", parse=lambda value: "off" if value is False else str(value)),  # YAML: off is false
     Flag("dataset", "A JSON Lines dataset (see `kvtool dataset`).", WORKLOAD, Path),

@@ -70,7 +70,7 @@ def test_build_names_the_flag(tmp_path, args, message):
      "exceeds --max_num_tokens 32 tokens per step: enable chunked context (--enable_chunked_context)"),
     (["--plan", "{plan}", "--max_seq_len", 40], "44 tokens exceeds --max_seq_len 40"),
     (["--plan", "{plan}", "--cpu_kernels_isa", "avx1024"], "--cpu_kernels_isa 'avx1024' is unknown: use auto, off or "
-                                                           "one of ['avx512_bf16', 'avx512', 'avx2', 'generic']"),
+                                                           "one of ['amx', 'avx512_bf16', 'avx512', 'avx2', 'generic']"),
     # The third KV tier: a directory that cannot be made, a size below one block, a URL that is not Redis's,
     # a server that does not answer, no host tier.
     (["--plan", "{plan}", "--kv_host_cache_bytes", "1MiB", "--kv_disk_cache_dir", "{file}/kv",

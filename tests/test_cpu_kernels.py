@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,6 +323,18 @@ def test_attention_reads_only_the_blocks_inside_the_window(kernels):
 def test_kernels_refuse_an_isa_the_cpu_lacks():
     with pytest.raises(ValueError, match="do not run on this CPU"):
         CpuKernels("sve", 1)
+
+
+def test_a_cpu_with_amx_tiles_runs_the_amx_kernels():
+    """Where cpuinfo lists AMX's tiles and bfloat16 products, the kernels detect them and Linux lets the
+    process use them (asked for when the kernels load), so "amx" is offered and chosen first."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        pytest.skip("this CPU has no AMX bfloat16 tiles")
+    assert supported_isas()[0] == "amx"
+    assert CpuKernels("auto", 1).isa == "amx"
 
 
 def test_every_instruction_set_this_cpu_runs_is_one_the_engine_config_names():

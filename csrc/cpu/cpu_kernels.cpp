@@ -3,6 +3,14 @@
 #include <algorithm>
 #include <stdexcept>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 namespace kvtool::cpu {
 
 namespace {
@@ -15,6 +23,27 @@ constexpr double kMinParallelAttentionWork = 5e5;  // multiply-adds
 // out the threads' ends (16, 64 and 256 KB measured alike in a decode step).
 constexpr int64_t kShareRangeBytes = 64 * 1024;
 
+#if defined(__x86_64__) || defined(_M_X64)
+// CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+bool has_amx_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  return (edx >> 22 & 1) && (edx >> 24 & 1);
+}
+
+// Linux lets a process use the tiles' 8 KB of state only once it has asked (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile instruction kills the process. The
+// answer holds for every thread of the process, and asking again is harmless (oneDNN asks too).
+bool may_use_amx_tiles() {
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
 bool cpu_supports(const std::string& isa) {
   if (isa == "generic") return true;
 #if defined(__x86_64__) || defined(_M_X64)
@@ -25,12 +54,14 @@ bool cpu_supports(const std::string& isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
   }
   if (isa == "avx512_bf16") return cpu_supports("avx512") && __builtin_cpu_supports("avx512bf16");
+  if (isa == "amx") return cpu_supports("avx512_bf16") && has_amx_bf16() && may_use_amx_tiles();
 #endif
   return false;
 }
 
 const KernelTable* table_for(const std::string& isa) {
 #if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "amx") return &amx_kernels();
   if (isa == "avx512_bf16") return &avx512_bf16_kernels();
   if (isa == "avx512") return &avx512_kernels();
   if (isa == "avx2") return &avx2_kernels();
@@ -84,7 +115,7 @@ struct AttentionJob {
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> isas;
-  for (const char* isa : {"avx512_bf16", "avx512", "avx2"}) {
+  for (const char* isa : {"amx", "avx512_bf16", "avx512", "avx2"}) {
     if (cpu_supports(isa)) isas.emplace_back(isa);
   }
   isas.emplace_back("generic");

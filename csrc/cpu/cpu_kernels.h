@@ -12,7 +12,7 @@
 
 namespace kvtool::cpu {
 
-// The instruction sets this CPU runs kernels for, best first ("avx512_bf16", "avx512", "avx2", "generic").
+// The instruction sets this CPU runs kernels for, best first ("amx", "avx512_bf16", "avx512", "avx2", "generic").
 std::vector<std::string> supported_isas();
 
 class CpuKernels {

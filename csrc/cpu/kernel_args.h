@@ -171,6 +171,7 @@ const KernelTable& generic_kernels();
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 const KernelTable& avx512_bf16_kernels();
+const KernelTable& amx_kernels();
 #endif
 
 }  // namespace kvtool::cpu

@@ -1,5 +1,5 @@
 // The CPU kernels, written once against `Vec` (vec_generic.h, vec_avx2.h or vec_avx512.h, the last
-// also with AVX512-BF16 in kernels_avx512_bf16.cpp) and
+// also with AVX512-BF16 in kernels_avx512_bf16.cpp and with AMX in kernels_amx.cpp) and
 // compiled once per instruction set: each kernels_<isa>.cpp defines KVTOOL_CPU_ISA, includes its
 // vector header and then this file, so every function here lives in that ISA's own namespace and
 // the linker never mixes the copies. Only what the ISA's vector header brings is used here (no
@@ -13,6 +13,7 @@
 #include "attention_dims.h"
 #include "attention_dims_bf16.h"
 #include "attention_rows.h"
+#include "attention_rows_amx.h"
 #include "attention_rows_bf16.h"
 #include "kernels_common.h"
 
@@ -173,7 +174,11 @@ static void merge_typed(const AttentionArgs& a, const AttentionMerge& merge) {
 template <typename A, typename C>
 static void attention_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   if (t.rows_in_lanes) {
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__)
+    if constexpr (bf16_pair_products<A, C>()) {
+      if (pairs_fit(a.head_dim)) return attention_rows_amx<A>(a, t, scratch);
+    }
+#elif defined(__AVX512BF16__)
     if constexpr (bf16_pair_products<A, C>()) {
       if (pairs_fit(a.head_dim)) return attention_rows_bf16<A>(a, t, scratch);
     }
