@@ -109,31 +109,12 @@ static inline void amx_values(const uint32_t* vt2t, float* ot, int64_t padded) {
 
 template <typename A>
 static void attention_rows_amx(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
-  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
-  const int64_t rows = nq * group, padded = round_up(rows, W), num_vectors = padded / W;
-  // The prompt layout's scratch (attention_scratch_floats), laid out afresh.
-  float* ot = scratch;                                              // [d][padded], values_lane order
-  float* s = ot + d * padded;                                       // [kKeyTile][padded]
-  float* row_max = s + kKeyTile * padded;
-  float* row_sum = row_max + padded;
-  float* positions = row_sum + padded;
-  auto* qt2 = reinterpret_cast<uint32_t*>(positions + padded);      // [d / 2][padded]
-  uint32_t* p2 = qt2 + d / 2 * padded;                              // [kKeyTile / 2][padded]
-  uint32_t* vt2 = p2 + kKeyTile / 2 * padded;                       // [kKeyTile / 2][d]
-  uint32_t* vt2t = vt2 + kKeyTile / 2 * d;                          // [d][kKeyTile / 2]
+  const int64_t d = a.head_dim;
+  const PairTask p = begin_pair_task<A>(a, t, scratch);
+  const int64_t padded = p.padded, num_vectors = p.num_vectors;
+  uint32_t* vt2t = p.rest;                                          // [d][kKeyTile / 2]
   auto* kb = reinterpret_cast<uint16_t*>(vt2t + d * kKeyTile / 2);  // [kKeyTile][d]
   const int64_t q_stride = padded * 4, kb_stride = d * 2;           // bytes between tile rows
-
-  rows_into_lanes(padded, d / 2, reinterpret_cast<float*>(qt2), [&](int64_t m, int64_t e0, int64_t count) {
-    return m < rows ? load_part(reinterpret_cast<const float*>(task_query<A>(a, t, m)) + e0, count) : Vec::zero();
-  });
-  for (int64_t m = 0; m < padded; ++m) {
-    // Padding rows copy the last query's position: finite scores, never NaN; their output is dropped.
-    positions[m] = static_cast<float>(t.first_position + (m < rows ? m % nq : nq - 1));
-    row_max[m] = kNegInf;
-    row_sum[m] = 0.0f;
-  }
-  for (int64_t e = 0; e < d * padded; ++e) ot[e] = 0.0f;
 
   TilesInUse tiles_in_use;
   TilesAhead<uint16_t> tiles(a, t);
@@ -151,60 +132,33 @@ static void attention_rows_amx(const AttentionArgs& a, const AttentionTask& t, f
     }
     for (int64_t v = 0; v < num_vectors; ++v) {
       if (num_key_tiles == 2) {
-        amx_scores<2>(kb, kb_stride, qt2 + v * W, q_stride, d, s + v * W, padded);
+        amx_scores<2>(kb, kb_stride, p.qt2 + v * W, q_stride, d, p.s + v * W, padded);
       } else {
-        amx_scores<1>(kb, kb_stride, qt2 + v * W, q_stride, d, s + v * W, padded);
+        amx_scores<1>(kb, kb_stride, p.qt2 + v * W, q_stride, d, p.s + v * W, padded);
       }
       tiles.step();
     }
-    rows_softmax(a, t, k0, num_keys, padded, a.scale, positions, s, row_max, row_sum, ot);
+    rows_softmax(a, t, k0, num_keys, padded, a.scale, p.positions, p.s, p.row_max, p.row_sum, p.ot);
 
-    // Weights and values in pairs of keys; pairs past the tile's keys are zeros (a zero weight times
-    // a stale value could be NaN), an odd tile's last pair (key, 0) with weight 0.
-    const int num_pairs = (num_keys + 1) / 2;
-    for (int i = 0; i < kKeyTile / 2; ++i) {
-      const bool whole = 2 * i + 1 < num_keys;
-      for (int64_t v = 0; v < num_vectors; ++v) {
-        const Vec first = i < num_pairs ? Vec::load(s + 2 * i * padded + v * W) : Vec::zero();
-        const Vec second = whole ? Vec::load(s + (2 * i + 1) * padded + v * W) : Vec::zero();
-        Vec::store_pairs(Vec::round_to_pairs(first, second), p2 + i * padded + v * W);
-      }
-      for (int64_t e = 0; e < d; e += 32) {
-        typename Vec::Pairs low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
-        if (i < num_pairs) {
-          const uint16_t* second = whole ? tile.value[2 * i + 1] : tile.value[2 * i];
-          Vec::interleave_rows(tile.value[2 * i] + e, second + e, low, high);
-          if (!whole) {  // (v, 0): the missing key's half of each pair is zero, never a stale value
-            low = _mm512_and_si512(low, _mm512_set1_epi32(0xffff));
-            high = _mm512_and_si512(high, _mm512_set1_epi32(0xffff));
-          }
-        }
-        Vec::store_pairs(low, vt2 + i * d + e);
-        Vec::store_pairs(high, vt2 + i * d + e + 16);
-      }
-    }
+    // Every one of a tile product's 16 pairs of keys, those past the tile's zeros.
+    tile_pairs(tile, num_keys, kKeyTile / 2, d, p);
     // vt2t [e][i] = vt2 [i][e], the words' bits moved as floats.
     for (int64_t e0 = 0; e0 < d; e0 += W) {
       Vec words[W];
-      for (int i = 0; i < W; ++i) words[i] = Vec::load(reinterpret_cast<const float*>(vt2 + i * d + e0));
+      for (int i = 0; i < W; ++i) words[i] = Vec::load(reinterpret_cast<const float*>(p.vt2 + i * d + e0));
       transpose(words);
       for (int c = 0; c < W; ++c) words[transposed_index(c)].store(reinterpret_cast<float*>(vt2t + (e0 + c) * W));
     }
     for (int64_t v = 0; v < num_vectors; ++v) {
-      _tile_loadd(7, p2 + v * W, q_stride);
+      _tile_loadd(7, p.p2 + v * W, q_stride);
       int64_t e = 0;
-      for (; e + 4 * kTileRows <= d; e += 4 * kTileRows) amx_values<4>(vt2t + e * W, ot + e * padded + v * W, padded);
-      if (e < d) amx_values<2>(vt2t + e * W, ot + e * padded + v * W, padded);  // d % 32 == 0
+      for (; e + 4 * kTileRows <= d; e += 4 * kTileRows) amx_values<4>(vt2t + e * W, p.ot + e * padded + v * W, padded);
+      if (e < d) amx_values<2>(vt2t + e * W, p.ot + e * padded + v * W, padded);  // d % 32 == 0
       tiles.step();
     }
     tiles.finish();
   }
-  if (t.partial >= 0) {
-    write_task_output<A>(a, t, row_max, row_sum,
-                         [&](int64_t m, int64_t e) { return ot[values_lane(e) * padded + m]; });
-  } else {
-    write_rows_from_lanes<A>(a, t, row_sum, [&](int64_t e) { return ot + values_lane(e) * padded; });
-  }
+  end_pair_task<A>(a, t, p);
 }
 
 #endif  // __AMX_BF16__

@@ -81,85 +81,124 @@ static inline void over_row_vectors(int64_t num_vectors, F&& f) {
   for (; v < num_vectors; ++v) f(std::integral_constant<int, 1>{}, v);
 }
 
+// A prompt layout task's scratch in the pair layouts (attention_scratch_floats), laid out afresh:
+// what attention_rows_bf16 and attention_rows_amx share; `rest` is free for a layout's own buffers.
+struct PairTask {
+  int64_t rows, padded, num_vectors;
+  float* ot;         // [d][padded], values_lane order
+  float* s;          // [kKeyTile][padded]
+  float* row_max;    // [padded]
+  float* row_sum;    // [padded]
+  float* positions;  // [padded]
+  uint32_t* qt2;     // [d / 2][padded]
+  uint32_t* p2;      // [kKeyTile / 2][padded]
+  uint32_t* vt2;     // [kKeyTile / 2][d]
+  uint32_t* rest;
+};
+
+// The scratch laid out, q's pairs moved into lanes, the running max, sum and output started.
 template <typename A>
-static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+static PairTask begin_pair_task(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
   const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, nq = t.num_queries;
-  const int64_t rows = nq * group, padded = round_up(rows, W), num_vectors = padded / W;
-  // The prompt layout's scratch (attention_scratch_floats), laid out afresh.
-  float* ot = scratch;                                              // [d][padded], values_lane order
-  float* s = ot + d * padded;                                       // [kKeyTile][padded]
-  float* row_max = s + kKeyTile * padded;
-  float* row_sum = row_max + padded;
-  float* positions = row_sum + padded;
-  auto* qt2 = reinterpret_cast<uint32_t*>(positions + padded);      // [d / 2][padded]
-  uint32_t* p2 = qt2 + d / 2 * padded;                              // [kKeyTile / 2][padded]
-  uint32_t* vt2 = p2 + kKeyTile / 2 * padded;                       // [kKeyTile / 2][d]
+  PairTask p;
+  p.rows = nq * group;
+  p.padded = round_up(p.rows, W);
+  p.num_vectors = p.padded / W;
+  p.ot = scratch;
+  p.s = p.ot + d * p.padded;
+  p.row_max = p.s + kKeyTile * p.padded;
+  p.row_sum = p.row_max + p.padded;
+  p.positions = p.row_sum + p.padded;
+  p.qt2 = reinterpret_cast<uint32_t*>(p.positions + p.padded);
+  p.p2 = p.qt2 + d / 2 * p.padded;
+  p.vt2 = p.p2 + kKeyTile / 2 * p.padded;
+  p.rest = p.vt2 + kKeyTile / 2 * d;
 
   // Each row's pairs moved as 32-bit words, their bits as they are (float loads and shuffles).
-  rows_into_lanes(padded, d / 2, reinterpret_cast<float*>(qt2), [&](int64_t m, int64_t e0, int64_t count) {
-    return m < rows ? load_part(reinterpret_cast<const float*>(task_query<A>(a, t, m)) + e0, count) : Vec::zero();
+  rows_into_lanes(p.padded, d / 2, reinterpret_cast<float*>(p.qt2), [&](int64_t m, int64_t e0, int64_t count) {
+    return m < p.rows ? load_part(reinterpret_cast<const float*>(task_query<A>(a, t, m)) + e0, count) : Vec::zero();
   });
-  for (int64_t m = 0; m < padded; ++m) {
+  for (int64_t m = 0; m < p.padded; ++m) {
     // Padding rows copy the last query's position: finite scores, never NaN; their output is dropped.
-    positions[m] = static_cast<float>(t.first_position + (m < rows ? m % nq : nq - 1));
-    row_max[m] = kNegInf;
-    row_sum[m] = 0.0f;
+    p.positions[m] = static_cast<float>(t.first_position + (m < p.rows ? m % nq : nq - 1));
+    p.row_max[m] = kNegInf;
+    p.row_sum[m] = 0.0f;
   }
-  for (int64_t e = 0; e < d * padded; ++e) ot[e] = 0.0f;
+  for (int64_t e = 0; e < d * p.padded; ++e) p.ot[e] = 0.0f;
+  return p;
+}
 
-  TilesAhead<uint16_t> tiles(a, t);
-  for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
-    const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
-    const KeyTile<uint16_t>& tile = tiles.start(k0, rows_tile_steps(num_vectors, num_keys, d));
-    over_row_vectors(num_vectors, [&](auto nq_vectors, int64_t v) {
-      constexpr int NQ = decltype(nq_vectors)::value;
-      int j = 0;
-      for (; j + kBlockKeys <= num_keys; j += kBlockKeys) {
-        pair_score_block<kBlockKeys, NQ>(tile.key, qt2, padded, d, s, j, static_cast<int>(v));
-        tiles.step();
-      }
-      for (; j < num_keys; ++j) pair_score_block<1, NQ>(tile.key, qt2, padded, d, s, j, static_cast<int>(v));
-    });
-    rows_softmax(a, t, k0, num_keys, padded, a.scale, positions, s, row_max, row_sum, ot);
-
-    // Weights and values in pairs of keys; an odd tile's last pair is (key, 0) with weight 0.
-    const int num_pairs = (num_keys + 1) / 2;
-    for (int i = 0; i < num_pairs; ++i) {
-      const bool whole = 2 * i + 1 < num_keys;
-      for (int64_t v = 0; v < num_vectors; ++v) {
-        const Vec first = Vec::load(s + 2 * i * padded + v * W);
-        const Vec second = whole ? Vec::load(s + (2 * i + 1) * padded + v * W) : Vec::zero();
-        Vec::store_pairs(Vec::round_to_pairs(first, second), p2 + i * padded + v * W);
-      }
-      for (int64_t e = 0; e < d; e += 32) {
-        typename Vec::Pairs low, high;
+// Rows [0, num_rows) of p2 and vt2 for a key tile whose weights are in s: pairs of keys; an odd
+// tile's last pair is (key, 0) with weight 0, and rows past the tile's pairs are zeros (a zero weight
+// times a stale value could be NaN).
+static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows, int64_t d, const PairTask& p) {
+  const int num_pairs = (num_keys + 1) / 2;
+  for (int i = 0; i < num_rows; ++i) {
+    const bool whole = 2 * i + 1 < num_keys;
+    for (int64_t v = 0; v < p.num_vectors; ++v) {
+      const Vec first = i < num_pairs ? Vec::load(p.s + 2 * i * p.padded + v * W) : Vec::zero();
+      const Vec second = whole ? Vec::load(p.s + (2 * i + 1) * p.padded + v * W) : Vec::zero();
+      Vec::store_pairs(Vec::round_to_pairs(first, second), p.p2 + i * p.padded + v * W);
+    }
+    for (int64_t e = 0; e < d; e += 32) {
+      typename Vec::Pairs low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+      if (i < num_pairs) {
         const uint16_t* second = whole ? tile.value[2 * i + 1] : tile.value[2 * i];
         Vec::interleave_rows(tile.value[2 * i] + e, second + e, low, high);
         if (!whole) {  // (v, 0): the missing key's half of each pair is zero, never a stale value
           low = _mm512_and_si512(low, _mm512_set1_epi32(0xffff));
           high = _mm512_and_si512(high, _mm512_set1_epi32(0xffff));
         }
-        Vec::store_pairs(low, vt2 + i * d + e);
-        Vec::store_pairs(high, vt2 + i * d + e + 16);
       }
+      Vec::store_pairs(low, p.vt2 + i * d + e);
+      Vec::store_pairs(high, p.vt2 + i * d + e + 16);
     }
-    over_row_vectors(num_vectors, [&](auto nq_vectors, int64_t v) {
+  }
+}
+
+// The task's output rows (or its share's partial output), ot put back in order.
+template <typename A>
+static void end_pair_task(const AttentionArgs& a, const AttentionTask& t, const PairTask& p) {
+  if (t.partial >= 0) {
+    write_task_output<A>(a, t, p.row_max, p.row_sum,
+                         [&](int64_t m, int64_t e) { return p.ot[values_lane(e) * p.padded + m]; });
+  } else {
+    write_rows_from_lanes<A>(a, t, p.row_sum, [&](int64_t e) { return p.ot + values_lane(e) * p.padded; });
+  }
+}
+
+template <typename A>
+static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  const int64_t d = a.head_dim;
+  const PairTask p = begin_pair_task<A>(a, t, scratch);
+  TilesAhead<uint16_t> tiles(a, t);
+  for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
+    const int num_keys = static_cast<int>(min64(kKeyTile, t.key_end - k0));
+    const KeyTile<uint16_t>& tile = tiles.start(k0, rows_tile_steps(p.num_vectors, num_keys, d));
+    over_row_vectors(p.num_vectors, [&](auto nq_vectors, int64_t v) {
+      constexpr int NQ = decltype(nq_vectors)::value;
+      int j = 0;
+      for (; j + kBlockKeys <= num_keys; j += kBlockKeys) {
+        pair_score_block<kBlockKeys, NQ>(tile.key, p.qt2, p.padded, d, p.s, j, static_cast<int>(v));
+        tiles.step();
+      }
+      for (; j < num_keys; ++j) pair_score_block<1, NQ>(tile.key, p.qt2, p.padded, d, p.s, j, static_cast<int>(v));
+    });
+    rows_softmax(a, t, k0, num_keys, p.padded, a.scale, p.positions, p.s, p.row_max, p.row_sum, p.ot);
+    const int num_pairs = (num_keys + 1) / 2;
+    tile_pairs(tile, num_keys, num_pairs, d, p);
+    over_row_vectors(p.num_vectors, [&](auto nq_vectors, int64_t v) {
       constexpr int NQ = decltype(nq_vectors)::value;
       int64_t e = 0;
       for (; e + kValueDims <= d; e += kValueDims) {
-        pair_value_block<kValueDims, NQ>(vt2, num_pairs, p2, padded, d, ot, e, static_cast<int>(v));
+        pair_value_block<kValueDims, NQ>(p.vt2, num_pairs, p.p2, p.padded, d, p.ot, e, static_cast<int>(v));
         tiles.step();
       }
-      for (; e < d; ++e) pair_value_block<1, NQ>(vt2, num_pairs, p2, padded, d, ot, e, static_cast<int>(v));
+      for (; e < d; ++e) pair_value_block<1, NQ>(p.vt2, num_pairs, p.p2, p.padded, d, p.ot, e, static_cast<int>(v));
     });
     tiles.finish();
   }
-  if (t.partial >= 0) {
-    write_task_output<A>(a, t, row_max, row_sum,
-                         [&](int64_t m, int64_t e) { return ot[values_lane(e) * padded + m]; });
-  } else {
-    write_rows_from_lanes<A>(a, t, row_sum, [&](int64_t e) { return ot + values_lane(e) * padded; });
-  }
+  end_pair_task<A>(a, t, p);
 }
 
 #endif  // __AVX512BF16__
