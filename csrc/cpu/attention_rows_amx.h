@@ -18,10 +18,6 @@
 
 #include "attention_rows_bf16.h"
 
-#if defined(__AMX_BF16__)
-#include <immintrin.h>
-#endif
-
 namespace kvtool::cpu::KVTOOL_CPU_ISA {
 
 #if defined(__AMX_BF16__)
