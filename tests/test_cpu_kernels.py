@@ -272,6 +272,26 @@ def test_decode_rows_split_into_as_few_shares_as_spread_evenly_over_the_threads(
     assert plan.num_merges == (num_seqs if num_tasks > num_seqs else 0)
 
 
+def test_a_short_chunk_splits_into_tasks_of_whole_row_vectors():
+    """A 32-token hit over 1,024 cached tokens (9 query heads over 3 KV heads, two threads) makes fewer
+    tasks than two a thread at the usual run of queries, so its queries split into runs of about 24
+    (three runs of a KV head's queries a thread) rounded down to rows that fill whole vectors: with 16
+    lanes, 16 queries a task (48 rows) rather than 24 and 8 (72 rows padded to 80, 24 to 32)."""
+    kernels = CpuKernels("auto", 2)
+    if kernels.num_threads < 2 or kernels.width == 1:
+        pytest.skip("needs two threads and vector kernels")
+    meta = step_metadata([(1024, 32)], tokens_per_block=32, num_blocks=40, seed=0)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=40,
+                              num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, sliding_window=None)
+    whole = kernels.width // math.gcd(3, kernels.width)  # queries whose 3 rows a query fill whole vectors
+    per_task = 24 // whole * whole
+    runs = [(begin, min(per_task, 32 - begin)) for begin in range(0, 32, per_task)]
+    assert per_task * 3 % kernels.width == 0
+    assert plan.num_tasks == 3 * len(runs)
+    # Each run's queries attend to the cached tokens and the run's own up to its last.
+    assert plan.work == sum(2 * count * 9 * (1024 + begin + count) * 64 for begin, count in runs)
+
+
 # (group, shared blocks, cached tokens, new tokens); 16-token blocks, a prefix needs 128 shared keys.
 SHARED_STEPS = {
     # Six decode sequences of one prompt prefix (their own tails from 1 to 75 tokens), two of
