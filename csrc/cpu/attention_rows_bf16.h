@@ -128,18 +128,13 @@ static PairTask begin_pair_task(const AttentionArgs& a, const AttentionTask& t, 
   return p;
 }
 
-// Rows [0, num_rows) of p2 and vt2 for a key tile whose weights are in s: pairs of keys; an odd
-// tile's last pair is (key, 0) with weight 0, and rows past the tile's pairs are zeros (a zero weight
-// times a stale value could be NaN).
-static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows, int64_t d, const PairTask& p) {
+// Rows [0, num_rows) of vt2 [num_rows][d] for a key tile: pairs of its keys' values, built by
+// in-lane interleaves (values_lane order); an odd tile's last pair is (v, 0), and rows past the
+// tile's pairs are zeros (a zero weight times a stale value could be NaN).
+static void value_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows, int64_t d, uint32_t* vt2) {
   const int num_pairs = (num_keys + 1) / 2;
   for (int i = 0; i < num_rows; ++i) {
     const bool whole = 2 * i + 1 < num_keys;
-    for (int64_t v = 0; v < p.num_vectors; ++v) {
-      const Vec first = i < num_pairs ? Vec::load(p.s + 2 * i * p.padded + v * W) : Vec::zero();
-      const Vec second = whole ? Vec::load(p.s + (2 * i + 1) * p.padded + v * W) : Vec::zero();
-      Vec::store_pairs(Vec::round_to_pairs(first, second), p.p2 + i * p.padded + v * W);
-    }
     for (int64_t e = 0; e < d; e += 32) {
       typename Vec::Pairs low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
       if (i < num_pairs) {
@@ -150,10 +145,25 @@ static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows
           high = _mm512_and_si512(high, _mm512_set1_epi32(0xffff));
         }
       }
-      Vec::store_pairs(low, p.vt2 + i * d + e);
-      Vec::store_pairs(high, p.vt2 + i * d + e + 16);
+      Vec::store_pairs(low, vt2 + i * d + e);
+      Vec::store_pairs(high, vt2 + i * d + e + 16);
     }
   }
+}
+
+// Rows [0, num_rows) of p2 and vt2 for a key tile whose weights are in s: pairs of keys; an odd
+// tile's last pair is (key, 0) with weight 0, and rows past the tile's pairs are zeros.
+static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows, int64_t d, const PairTask& p) {
+  const int num_pairs = (num_keys + 1) / 2;
+  for (int i = 0; i < num_rows; ++i) {
+    const bool whole = 2 * i + 1 < num_keys;
+    for (int64_t v = 0; v < p.num_vectors; ++v) {
+      const Vec first = i < num_pairs ? Vec::load(p.s + 2 * i * p.padded + v * W) : Vec::zero();
+      const Vec second = whole ? Vec::load(p.s + (2 * i + 1) * p.padded + v * W) : Vec::zero();
+      Vec::store_pairs(Vec::round_to_pairs(first, second), p.p2 + i * p.padded + v * W);
+    }
+  }
+  value_pairs(tile, num_keys, num_rows, d, p.vt2);
 }
 
 // The task's output rows (or its share's partial output), ot put back in order.

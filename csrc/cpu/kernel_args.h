@@ -157,13 +157,19 @@ struct KernelTable {
 
 static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
+// Keys the AMX prompt layout takes at a time (attention_rows_amx.h; a multiple of kKeyTile): its online
+// softmax rescales, and its output tiles are loaded and stored, once per block.
+inline constexpr int kAmxKeyBlock = 128;
+
 // Scratch floats of a task of `rows` query rows over num_kv_heads KV heads.
 static inline int64_t attention_scratch_floats(int64_t rows, int64_t head_dim, int64_t num_kv_heads, int64_t width) {
   int64_t padded = round_up(rows, width);
   // q (scaled) and the running output, transposed or not (head_dim padded to whole vectors); the
-  // score tile; max, sum, positions, rescaling; K and V tiles widened from a bfloat16 cache.
+  // score tile; max, sum, positions, rescaling; K and V tiles widened from a bfloat16 cache; and the
+  // AMX layout's key block: its keys and value pairs in bfloat16 (head_dim floats a key), a row
+  // vector's scores (16 floats a key) and weight pairs (8 a key).
   return 2 * round_up(head_dim, width) * padded + kKeyTile * padded + 4 * padded +
-         2 * kKeyTile * head_dim * num_kv_heads;
+         2 * kKeyTile * head_dim * num_kv_heads + kAmxKeyBlock * (head_dim + 24);
 }
 
 const KernelTable& generic_kernels();
