@@ -212,7 +212,8 @@ static void block_softmax(const AttentionArgs& a, const AttentionTask& t, int64_
   if (2 * i < num_keys) {  // an odd block's last key, paired with a zero weight
     const Vec first = weight(2 * i);
     sum = sum + first;
-    Vec::store_pairs(Vec::round_to_pairs(first, Vec::zero()), p2 + i++ * W);
+    Vec::store_pairs(Vec::round_to_pairs(first, Vec::zero()), p2 + i * W);
+    ++i;
   }
   for (; i < round_up(num_keys, kKeyTile) / 2; ++i) Vec::store_pairs(_mm512_setzero_si512(), p2 + i * W);
   (Vec::load(p.row_sum + v * W) * r.alpha + sum).store(p.row_sum + v * W);
@@ -245,10 +246,13 @@ static void attention_rows_amx(const AttentionArgs& a, const AttentionTask& t, f
     for (int64_t v = 0; v < p.num_vectors; ++v) {
       const uint32_t* qt2 = p.qt2 + v * W;
       int j = 0;
-      for (; j + 4 <= num_key_tiles; j += 4) block_scores<4>(kb + j * kTileRows * d, d, qt2, padded, s + j * kTileRows * W);
-      if (num_key_tiles - j == 3) block_scores<3>(kb + j * kTileRows * d, d, qt2, padded, s + j * kTileRows * W);
-      if (num_key_tiles - j == 2) block_scores<2>(kb + j * kTileRows * d, d, qt2, padded, s + j * kTileRows * W);
-      if (num_key_tiles - j == 1) block_scores<1>(kb + j * kTileRows * d, d, qt2, padded, s + j * kTileRows * W);
+      for (; j + 4 <= num_key_tiles; j += 4) {
+        block_scores<4>(kb + j * kTileRows * d, d, qt2, padded, s + j * kTileRows * W);
+      }
+      const uint16_t* rest = kb + j * kTileRows * d;  // the last 1 to 3 key tiles
+      if (num_key_tiles - j == 3) block_scores<3>(rest, d, qt2, padded, s + j * kTileRows * W);
+      if (num_key_tiles - j == 2) block_scores<2>(rest, d, qt2, padded, s + j * kTileRows * W);
+      if (num_key_tiles - j == 1) block_scores<1>(rest, d, qt2, padded, s + j * kTileRows * W);
       block_softmax(a, t, k0, num_keys, p, v, s, p2);
       int64_t e = 0;
       for (; e + 4 * kTileRows <= d; e += 4 * kTileRows) {

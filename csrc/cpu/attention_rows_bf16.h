@@ -128,13 +128,16 @@ static PairTask begin_pair_task(const AttentionArgs& a, const AttentionTask& t, 
   return p;
 }
 
+// Whether pair i of a tile's num_keys keys holds two keys (an odd tile's last pair holds one).
+static inline bool whole_pair(int i, int num_keys) { return 2 * i + 1 < num_keys; }
+
 // Rows [0, num_rows) of vt2 [num_rows][d] for a key tile: pairs of its keys' values, built by
 // in-lane interleaves (values_lane order); an odd tile's last pair is (v, 0), and rows past the
 // tile's pairs are zeros (a zero weight times a stale value could be NaN).
 static void value_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows, int64_t d, uint32_t* vt2) {
   const int num_pairs = (num_keys + 1) / 2;
   for (int i = 0; i < num_rows; ++i) {
-    const bool whole = 2 * i + 1 < num_keys;
+    const bool whole = whole_pair(i, num_keys);
     for (int64_t e = 0; e < d; e += 32) {
       typename Vec::Pairs low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
       if (i < num_pairs) {
@@ -156,7 +159,7 @@ static void value_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_row
 static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows, int64_t d, const PairTask& p) {
   const int num_pairs = (num_keys + 1) / 2;
   for (int i = 0; i < num_rows; ++i) {
-    const bool whole = 2 * i + 1 < num_keys;
+    const bool whole = whole_pair(i, num_keys);
     for (int64_t v = 0; v < p.num_vectors; ++v) {
       const Vec first = i < num_pairs ? Vec::load(p.s + 2 * i * p.padded + v * W) : Vec::zero();
       const Vec second = whole ? Vec::load(p.s + (2 * i + 1) * p.padded + v * W) : Vec::zero();
