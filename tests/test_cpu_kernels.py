@@ -274,9 +274,10 @@ def test_decode_rows_split_into_as_few_shares_as_spread_evenly_over_the_threads(
 
 def test_a_short_chunk_splits_into_tasks_of_whole_row_vectors():
     """A 32-token hit over 1,024 cached tokens (9 query heads over 3 KV heads, two threads) makes fewer
-    tasks than two a thread at the usual run of queries, so its queries split into runs of about 24
-    (three runs of a KV head's queries a thread) rounded down to rows that fill whole vectors: with 16
-    lanes, 16 queries a task (48 rows) rather than 24 and 8 (72 rows padded to 80, 24 to 32)."""
+    tasks than two a thread at the usual run of queries, so its queries split into runs of an even
+    share (its 32 queries x 3 KV heads over 4 tasks: 24) rounded down to queries whose rows fill whole
+    vectors: with 16 lanes, 16 queries a task (48 rows) rather than 24 and 8 (72 rows padded to 80,
+    24 to 32)."""
     kernels = CpuKernels("auto", 2)
     if kernels.num_threads < 2 or kernels.width == 1:
         pytest.skip("needs two threads and vector kernels")
