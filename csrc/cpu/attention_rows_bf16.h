@@ -154,19 +154,19 @@ static void value_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_row
   }
 }
 
-// Rows [0, num_rows) of p2 and vt2 for a key tile whose weights are in s: pairs of keys; an odd
-// tile's last pair is (key, 0) with weight 0, and rows past the tile's pairs are zeros.
-static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int num_rows, int64_t d, const PairTask& p) {
+// The tile's (num_keys + 1) / 2 rows of p2 and vt2, its weights in s: pairs of keys; an odd tile's
+// last pair is (key, 0) with weight 0.
+static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int64_t d, const PairTask& p) {
   const int num_pairs = (num_keys + 1) / 2;
-  for (int i = 0; i < num_rows; ++i) {
+  for (int i = 0; i < num_pairs; ++i) {
     const bool whole = whole_pair(i, num_keys);
     for (int64_t v = 0; v < p.num_vectors; ++v) {
-      const Vec first = i < num_pairs ? Vec::load(p.s + 2 * i * p.padded + v * W) : Vec::zero();
+      const Vec first = Vec::load(p.s + 2 * i * p.padded + v * W);
       const Vec second = whole ? Vec::load(p.s + (2 * i + 1) * p.padded + v * W) : Vec::zero();
       Vec::store_pairs(Vec::round_to_pairs(first, second), p.p2 + i * p.padded + v * W);
     }
   }
-  value_pairs(tile, num_keys, num_rows, d, p.vt2);
+  value_pairs(tile, num_keys, num_pairs, d, p.vt2);
 }
 
 // The task's output rows (or its share's partial output), ot put back in order.
@@ -199,7 +199,7 @@ static void attention_rows_bf16(const AttentionArgs& a, const AttentionTask& t, 
     });
     rows_softmax(a, t, k0, num_keys, p.padded, a.scale, p.positions, p.s, p.row_max, p.row_sum, p.ot);
     const int num_pairs = (num_keys + 1) / 2;
-    tile_pairs(tile, num_keys, num_pairs, d, p);
+    tile_pairs(tile, num_keys, d, p);
     over_row_vectors(p.num_vectors, [&](auto nq_vectors, int64_t v) {
       constexpr int NQ = decltype(nq_vectors)::value;
       int64_t e = 0;
