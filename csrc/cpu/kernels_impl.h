@@ -218,17 +218,22 @@ void attention(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
 // wins.
 
 // Where AMX is (the amx build: Intel Xeons), dot_row asks for the 256 bytes of weights each of its
-// iterations reads 2 KB ahead: there the hardware prefetcher alone kept a batch-1 decode step well
-// above its memory floor (1.75x in bfloat16 in the peers run on the family 6 model 207 Xeon), and
-// asking ahead took SmolLM2-135M decode steps in 0.82x the time (bfloat16) and 0.86x (float32),
-// medians of 4 alternating rounds of bench/cpu_forward.py (1 KB ahead gained less). The AMD
-// EPYCs lost by asking (above), so the other builds do not.
+// iterations reads 4 KB ahead, into L2 (prefetcht1): there the hardware prefetcher alone kept a
+// batch-1 decode step well above its memory floor (1.75x in bfloat16 in the peers run on the family 6
+// model 207 Xeon), and asking 2 KB ahead into L1 took SmolLM2-135M decode steps in 0.82x the time
+// (bfloat16) and 0.86x (float32), medians of 4 alternating rounds of bench/cpu_forward.py (1 KB
+// ahead gained less). Into L2 and further ahead, the lines wait there without holding the core's
+// few L1 miss slots: a 302 MB bfloat16 weight's row product on two threads streamed 19-21.6 GB/s
+// where 2 KB into L1 streamed 16-19.5 and a plain streaming read 20-23 (6 rounds; 8 and 16 KB ahead
+// the same as 4), and decode steps took 0.95x the time (bfloat16, medians of 10 alternating
+// processes) and 0.88x (float32, 8) (results/cpu_decode_rows.md). The AMD EPYCs lost by asking
+// (above), so the other builds do not.
 template <typename T>
 static inline void ask_row_ahead(const T* w, int64_t k) {
 #if defined(__AMX_BF16__)
-  constexpr int64_t kAheadBytes = 2048;
+  constexpr int64_t kAheadBytes = 4096;
   const char* p = reinterpret_cast<const char*>(w + k) + kAheadBytes;
-  for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T0);
+  for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
 #else
   (void)w;
   (void)k;
