@@ -1,5 +1,5 @@
 """bench/peers' own logic: which CPU kind a run is filed under (from /proc/cpuinfo's flags), the
-floors' byte and FLOP counts, each request against the memory floor at the rate read around it (each
+floors' byte and FLOP counts and each core's own probe, each request against the memory floor at the rate read around it (each
 memory rate apart), the load flag and the CPU it counts as the benchmark's, the same Poisson schedule
 for every engine, and the cross-engine token-id verdicts."""
 
@@ -80,6 +80,17 @@ def test_floors_count_every_weight_once_and_causal_attention():
     # 3 tokens see 1 + 2 + 3 = 6 keys: 4 FLOPs per key and head dim (QK and PV).
     attention = c.num_layers * c.num_heads * c.head_dim * 4 * 6
     assert prompt_flops(c, 3) == 3 * projections + attention + 2 * head
+
+
+def test_each_core_is_probed_alone_and_the_process_keeps_its_cores_and_threads():
+    import torch
+    from floors import core_gemm_rates
+
+    cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    rates = core_gemm_rates()
+    assert sorted(rates) == sorted(f"cpu{cpu}" for cpu in cpus)
+    assert all(rate > 0 for rate in rates.values())
+    assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads
 
 
 def test_a_replay_is_held_to_the_memory_floor_at_its_own_process_bandwidth(tmp_path):

@@ -9,6 +9,13 @@
 
 Best of several tries each: a floor is what the machine can do, not what it did under load.
 
+Also each core's own rate (not a floor): one thread pinned to each CPU in turn, a bfloat16 product of
+a prompt's shape (1,024 x 576 x 3,072, oneDNN on a packed weight; float32 where oneDNN has no
+bfloat16). On the 2-core Intel Xeon VM one core's rate dropped to a quarter of the other's for
+minutes at a time while the other held (its host's other tenants, sharing the physical cores): a
+product split evenly between the two threads (oneDNN's) then takes the slow core's time, so a run's
+figures say little unless its cores' rates are known.
+
     .venv/bin/python bench/peers/floors.py --plan PLAN_F32 [--plan PLAN_BF16] --prompt_len 1056 \
         --context_len 1090 --output floors.json
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -72,6 +80,34 @@ def gemm_rate(dtype: torch.dtype) -> float | None:
     return 2 * GEMM_SIZE ** 3 / best
 
 
+CORE_GEMM_SHAPE = (1024, 576, 3072)  # rows x in_features x out_features: a prompt's gate_up product
+
+
+def core_gemm_rates() -> dict[str, float]:
+    """GFLOP/s of one thread pinned to each CPU this process may use, best of TRIES each: CORE_GEMM_SHAPE
+    on oneDNN's packed weight (bfloat16, or float32 where oneDNN has no bfloat16 product)."""
+    dtype = torch.bfloat16 if can_pack_dtype(torch.bfloat16) else torch.float32
+    rows, in_features, out_features = CORE_GEMM_SHAPE
+    x = torch.randn(rows, in_features).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_features, in_features).to(dtype), None)
+    cpus, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    rates = {}
+    torch.set_num_threads(1)
+    try:
+        for cpu in cpus:
+            os.sched_setaffinity(0, {cpu})
+            best = math.inf
+            for _ in range(TRIES + 1):  # the first creates oneDNN's kernel
+                start = time.perf_counter()
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                best = min(best, time.perf_counter() - start)
+            rates[f"cpu{cpu}"] = 2 * rows * in_features * out_features / best / 1e9
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+    return rates
+
+
 def decode_bytes(config: ModelConfig, element_size: int, kv_element_size: int, context_len: int) -> int:
     """Bytes one decode step at batch 1 reads: every weight but the embedding table, which gives one
     row (and, tied, serves as the LM head, read whole), and the KV of the context."""
@@ -95,7 +131,8 @@ def floors(plans: list[Path], prompt_len: int, context_len: int) -> dict:
     threads = torch.get_num_threads()
     bandwidth = read_bandwidth(threads)
     result = {"threads": threads, "read_bandwidth_gb_s": bandwidth / 1e9, "gemm_size": GEMM_SIZE,
-              "prompt_len": prompt_len, "context_len": context_len, "models": {}}
+              "prompt_len": prompt_len, "context_len": context_len, "core_gemm_gflop_s": core_gemm_rates(),
+              "models": {}}
     for path in plans:
         plan = load_plan(path, verify_checksum=False)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[plan.build_options.dtype]

@@ -242,6 +242,10 @@ def _targets(by_name, requests, floors) -> list[str]:
     lines += ["", "Floors, measured before the first variant and after the last (bench/peers/floors.py):", ""]
     for when, probe in floors.items():
         parts = [f"read bandwidth {probe['read_bandwidth_gb_s']:.1f} GB/s ({probe['threads']} threads)"]
+        cores = probe.get("core_gemm_gflop_s")  # absent from runs before it was probed
+        if cores:
+            parts.append("each core's own GEMM rate (one thread pinned to it) " +
+                         ", ".join(f"{cpu} {rate:,.0f}" for cpu, rate in cores.items()) + " GFLOP/s")
         for dtype, model in probe["models"].items():
             parts.append(f"{dtype}: GEMM {_fmt(model.get('gemm_gflop_s'))} GFLOP/s, a decode step reads "
                          f"{model['decode_bytes'] / 1e6:,.0f} MB (context {probe['context_len']}): memory floor "
