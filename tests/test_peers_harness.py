@@ -1,7 +1,7 @@
 """bench/peers' own logic: which CPU kind a run is filed under (from /proc/cpuinfo's flags), the
-floors' byte and FLOP counts and each core's own probe, each request against the memory floor at the rate read around it (each
-memory rate apart), the load flag and the CPU it counts as the benchmark's, the same Poisson schedule
-for every engine, and the cross-engine token-id verdicts."""
+floors' byte and FLOP counts and each core's own probe, each request against the memory floor at the
+rate read around it (each memory rate apart), the load flag and the CPU it counts as the benchmark's,
+the same Poisson schedule for every engine, and the cross-engine token-id verdicts."""
 
 from __future__ import annotations
 
