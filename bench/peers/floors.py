@@ -65,19 +65,23 @@ def read_bandwidth(num_threads: int) -> float:
     return BandwidthProbe(num_threads).read()
 
 
-def gemm_rate(dtype: torch.dtype) -> float | None:
-    """FLOP/s of oneDNN's product on a packed weight (what kvtool's projections run), best of TRIES;
-    None where oneDNN has no native product in this dtype."""
-    if not can_pack_dtype(dtype):
-        return None
-    x = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype), None)
+def packed_product_rate(rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> float:
+    """FLOP/s of oneDNN's product of random [rows, in_features] inputs and a packed [out_features,
+    in_features] weight (what kvtool's projections run), best of TRIES, on the threads torch has."""
+    x = torch.randn(rows, in_features).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_features, in_features).to(dtype), None)
     best = math.inf
     for _ in range(TRIES + 1):  # the first creates oneDNN's kernel
         start = time.perf_counter()
         torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         best = min(best, time.perf_counter() - start)
-    return 2 * GEMM_SIZE ** 3 / best
+    return 2 * rows * in_features * out_features / best
+
+
+def gemm_rate(dtype: torch.dtype) -> float | None:
+    """FLOP/s of oneDNN's product on a packed weight, GEMM_SIZE cubed, best of TRIES; None where oneDNN
+    has no native product in this dtype."""
+    return packed_product_rate(GEMM_SIZE, GEMM_SIZE, GEMM_SIZE, dtype) if can_pack_dtype(dtype) else None
 
 
 CORE_GEMM_SHAPE = (1024, 576, 3072)  # rows x in_features x out_features: a prompt's gate_up product
@@ -87,21 +91,13 @@ def core_gemm_rates() -> dict[str, float]:
     """GFLOP/s of one thread pinned to each CPU this process may use, best of TRIES each: CORE_GEMM_SHAPE
     on oneDNN's packed weight (bfloat16, or float32 where oneDNN has no bfloat16 product)."""
     dtype = torch.bfloat16 if can_pack_dtype(torch.bfloat16) else torch.float32
-    rows, in_features, out_features = CORE_GEMM_SHAPE
-    x = torch.randn(rows, in_features).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_features, in_features).to(dtype), None)
     cpus, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
     rates = {}
     torch.set_num_threads(1)
     try:
         for cpu in cpus:
             os.sched_setaffinity(0, {cpu})
-            best = math.inf
-            for _ in range(TRIES + 1):  # the first creates oneDNN's kernel
-                start = time.perf_counter()
-                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-                best = min(best, time.perf_counter() - start)
-            rates[f"cpu{cpu}"] = 2 * rows * in_features * out_features / best / 1e9
+            rates[f"cpu{cpu}"] = packed_product_rate(*CORE_GEMM_SHAPE, dtype) / 1e9
     finally:
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
