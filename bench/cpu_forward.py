@@ -8,8 +8,9 @@ Drives the ModelRunner directly (no scheduler), one step at a time, on a prompt 
   share all but their last block (as a system prompt's requests do).
 Each kind runs --repeats times, kinds and paths interleaved in one process (so a changing load
 touches every path alike); prints medians (ms). --paths compares the forward through kvtool's CPU
-kernels ('kernels', in each --isa) with the torch path ('torch'), or with the kernels whose single-row
-projections run oneDNN's product instead of kvtool's row product ('kernels-onednn'). --clock cpu measures process
+kernels ('kernels', in each --isa) with the torch path ('torch'), with the kernels whose single-row
+projections run oneDNN's product instead of kvtool's row product ('kernels-onednn'), or with the
+kernels whose prompt projections run oneDNN's product instead of AMX tile products ('kernels-no-tiles'). --clock cpu measures process
 CPU time instead of wall time; --profile prints torch.profiler's top operators per kind.
 
     python bench/cpu_forward.py --plan PLAN [--paths kernels,torch] [--isa avx512,avx2] [--threads 1]
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--hit_tokens", type=int, default=32)
     parser.add_argument("--partial_tokens", type=int, default=17)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--paths", default="kernels", help="kernels, kernels-onednn, torch (comma-separated: compared)")
+    parser.add_argument("--paths", default="kernels", help="kernels, kernels-onednn, kernels-no-tiles, torch (comma-separated: compared)")
     parser.add_argument("--isa", default="auto", help="the kernels' instruction sets (comma-separated)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
@@ -68,6 +69,8 @@ def main() -> None:
             paths["torch"] = None
         elif path == "kernels-onednn":
             paths[path] = CpuDecoder(model, row_products=False)
+        elif path == "kernels-no-tiles":
+            paths[path] = CpuDecoder(model, tile_products=False)
         else:
             paths.update({f"kernels-{isa}" if isa != "auto" else "kernels": CpuDecoder(model, isa=isa)
                           for isa in args.isa.split(",")})
@@ -101,10 +104,10 @@ def main() -> None:
         print(json.dumps(medians))
     else:
         print(f"{args.clock} ms per step, median of {args.repeats} (threads {torch.get_num_threads()}):")
-        header = "".join(f"{path:>16s}" for path in paths)
+        header = "".join(f"{path:>18s}" for path in paths)
         print(f"  {'':13s}{header}")
         for kind in kinds:
-            print(f"  {kind:13s}" + "".join(f"{medians[f'{path} {kind}']:16.1f}" for path in paths))
+            print(f"  {kind:13s}" + "".join(f"{medians[f'{path} {kind}']:18.1f}" for path in paths))
     if args.profile:
         for kind, shape in kinds.items():
             for path, decoder in paths.items():

@@ -21,43 +21,13 @@
 // before a vector's values, so that no tile load follows the stores of its lines, gained nothing.
 #pragma once
 
+#include "amx_tiles.h"
 #include "attention_rows_bf16.h"
 
 namespace kvtool::cpu::KVTOOL_CPU_ISA {
 
 #if defined(__AMX_BF16__)
 
-// Every tile 16 rows of 64 bytes (palette 1): a float32 C tile [16][16], a bfloat16 A tile [16][32],
-// a B tile [16 pairs][16 columns].
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) {
-      colsb[i] = 64;
-      rows[i] = 16;
-    }
-  }
-};
-
-// A task's tiles configured while it runs and released after it (a thread holding tile state makes
-// every context switch save 8 KB more).
-class TilesInUse {
- public:
-  TilesInUse() {
-    static const TileConfig config;
-    _tile_loadconfig(&config);
-  }
-  ~TilesInUse() { _tile_release(); }
-  TilesInUse(const TilesInUse&) = delete;
-  TilesInUse& operator=(const TilesInUse&) = delete;
-};
-
-constexpr int kTileRows = 16;
 static_assert(W == kTileRows, "a B tile's 16 columns are one vector of rows");
 static_assert(kKeyTile == 2 * kTileRows, "a key tile's pairs are one tile product's 16");
 

@@ -158,6 +158,25 @@ NB_MODULE(_kernels, m) {
           "pick into greedy_token_ids int64 [n] (the first largest logit, a NaN the largest, as NumPy's argmax); "
           "sliding_window 0: none.");
 
+  nb::class_<TileWeight>(m, "TileWeight",
+                         "A bfloat16 weight laid out once for tile products (CpuKernels.tile_linear, amx).")
+      .def(
+          "__init__",
+          [](TileWeight* self, uintptr_t weight, int64_t num_weight_rows, int64_t in_features, int64_t stride,
+             bool gated) {
+            new (self) TileWeight(ptr<const uint16_t>(weight), num_weight_rows, in_features, stride, gated);
+          },
+          "weight"_a, "num_weight_rows"_a, "in_features"_a, "stride"_a, "gated"_a = false,
+          nb::call_guard<nb::gil_scoped_release>(),
+          "weight: bfloat16 [num_weight_rows, in_features], rows stride elements apart (copied). gated: a gate_up "
+          "weight (the gate's rows, then the up's), whose product is SiLU(gate) * up.")
+      .def_static("fits", &TileWeight::fits, "num_weight_rows"_a, "in_features"_a, "gated"_a = false,
+                  "Whether such a weight can be laid out (in_features a multiple of 32; gated, rows of 32).")
+      .def_prop_ro("in_features", &TileWeight::in_features)
+      .def_prop_ro("out_features", &TileWeight::out_features, "The product's: the weight's rows, half if gated.")
+      .def_prop_ro("gated", &TileWeight::gated)
+      .def_prop_ro("num_bytes", &TileWeight::num_bytes);
+
   nb::class_<ArgMax>(m, "ArgMax", "The largest of a range of values and the index of its first occurrence.")
       .def_ro("value", &ArgMax::value)
       .def_ro("index", &ArgMax::index);
@@ -260,6 +279,18 @@ NB_MODULE(_kernels, m) {
           "weight_stride"_a, "out_stride"_a, "dtype"_a, nb::call_guard<nb::gil_scoped_release>(),
           "out[m, n] = x[m] . weight[n] (+ bias[n]; bias 0: none) for a few rows: each weight row is read once for "
           "all of them, the output features shared by the threads.")
+      .def_prop_ro("has_tile_products", &CpuKernels::has_tile_products,
+                   "Whether tile_linear runs here (the amx kernels).")
+      .def(
+          "tile_linear",
+          [](CpuKernels& k, const TileWeight& weight, uintptr_t x, int64_t num_rows, int64_t x_stride, uintptr_t out,
+             int64_t out_stride) {
+            k.tile_linear(weight, ptr<const uint16_t>(x), num_rows, x_stride, ptr<uint16_t>(out), out_stride);
+          },
+          "weight"_a, "x"_a, "num_rows"_a, "x_stride"_a, "out"_a, "out_stride"_a,
+          nb::call_guard<nb::gil_scoped_release>(),
+          "out [num_rows, weight.out_features] = x [num_rows, weight.in_features] . weight^T (gated: SiLU(gate) * "
+          "up), bfloat16, on AMX tiles (has_tile_products); strides in elements.")
       .def(
           "sum",
           [](CpuKernels& k, uintptr_t data, int64_t num_floats) { return k.sum(ptr<const float>(data), num_floats); },

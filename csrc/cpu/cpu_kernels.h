@@ -9,6 +9,7 @@
 #include "attention_plan.h"
 #include "kernel_args.h"
 #include "parallel.h"
+#include "tile_weight.h"
 
 namespace kvtool::cpu {
 
@@ -33,6 +34,12 @@ class CpuKernels {
   void reserve_attention(const AttentionPlan& plan);
   // A projection of a few rows (LinearArgs), its output features shared by the threads.
   void linear(const LinearArgs& args);
+  // Whether tile_linear runs here (the amx kernels).
+  bool has_tile_products() const { return table_->tile_linear != nullptr; }
+  // out [num_rows, weight.out_features()] = x [num_rows, weight.in_features()] . weight^T (gated: SiLU(gate)
+  // * up), bfloat16, on AMX tiles: a prompt's projections. std::invalid_argument without tile products.
+  void tile_linear(const TileWeight& weight, const uint16_t* x, int64_t num_rows, int64_t x_stride, uint16_t* out,
+                   int64_t out_stride);
   // The sum of num_floats floats read by every thread (a share each): times a streaming read.
   double sum(const float* data, int64_t num_floats);
   // The largest of data[begin, end) and its first index (a NaN the largest), on the calling thread.

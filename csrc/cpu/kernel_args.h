@@ -128,6 +128,18 @@ struct LinearArgs {
   DType dtype;
 };
 
+// out = x . weight^T on AMX tiles (tile_linear_amx.h), the weight laid out by TileWeight (a gated one:
+// out = SiLU(x . gate^T) * (x . up^T)); bfloat16 throughout. Tasks of row_groups_per_task groups of 32
+// rows by groups_per_task groups of weight columns, the task's rows outer.
+struct TileLinearArgs {
+  const uint16_t* x;  // [num_rows, in_features], row stride x_stride
+  const uint16_t* weight;  // TileWeight's layout: num_groups groups of in_features * 32 elements
+  uint16_t* out;  // [num_rows, out_features], row stride out_stride
+  int64_t num_rows, in_features, out_features, x_stride, out_stride, num_groups;
+  bool gated;
+  int64_t row_groups_per_task, groups_per_task;
+};
+
 // The largest of a range of values and the index of its first occurrence. A NaN counts as the
 // largest, its first one taken (as NumPy's argmax picks).
 struct ArgMax {
@@ -153,6 +165,9 @@ struct KernelTable {
   void (*linear)(const LinearArgs&, int64_t feature_begin, int64_t feature_end);
   // Of data[begin, end) (float32 or bfloat16 elements, begin < end).
   ArgMax (*argmax)(const void* data, DType dtype, int64_t begin, int64_t end);
+  // Task `task` of a tile product; rows_scratch holds 32 * in_features elements (a last group of fewer
+  // than 32 rows, padded). nullptr where the build has no tiles (every one but amx).
+  void (*tile_linear)(const TileLinearArgs&, int64_t task, uint16_t* rows_scratch);
 };
 
 static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }

@@ -16,6 +16,7 @@
 #include "attention_rows_amx.h"
 #include "attention_rows_bf16.h"
 #include "kernels_common.h"
+#include "tile_linear_amx.h"
 
 namespace kvtool::cpu::KVTOOL_CPU_ISA {
 

@@ -80,6 +80,35 @@ class DecoderStack:
         A decode step of one new token per row (token_ids and positions int64 [n], block_tables int32 [n, max_blocks], -1 where no block) in one call: the tokens' embeddings, every layer (writing each layer's KV), the final norm and the LM head into logits float32 [n, vocab_size], and/or each row's greedy pick into greedy_token_ids int64 [n] (the first largest logit, a NaN the largest, as NumPy's argmax); sliding_window 0: none.
         """
 
+class TileWeight:
+    """
+    A bfloat16 weight laid out once for tile products (CpuKernels.tile_linear, amx).
+    """
+
+    def __init__(self, weight: int, num_weight_rows: int, in_features: int, stride: int, gated: bool = False) -> None:
+        """
+        weight: bfloat16 [num_weight_rows, in_features], rows stride elements apart (copied). gated: a gate_up weight (the gate's rows, then the up's), whose product is SiLU(gate) * up.
+        """
+
+    @staticmethod
+    def fits(num_weight_rows: int, in_features: int, gated: bool = False) -> bool:
+        """
+        Whether such a weight can be laid out (in_features a multiple of 32; gated, rows of 32).
+        """
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int:
+        """The product's: the weight's rows, half if gated."""
+
+    @property
+    def gated(self) -> bool: ...
+
+    @property
+    def num_bytes(self) -> int: ...
+
 class ArgMax:
     """
     The largest of a range of values and the index of its first occurrence.
@@ -135,6 +164,15 @@ class CpuKernels:
     def linear(self, x: int, weight: int, bias: int, out: int, num_rows: int, in_features: int, out_features: int, x_stride: int, weight_stride: int, out_stride: int, dtype: DType) -> None:
         """
         out[m, n] = x[m] . weight[n] (+ bias[n]; bias 0: none) for a few rows: each weight row is read once for all of them, the output features shared by the threads.
+        """
+
+    @property
+    def has_tile_products(self) -> bool:
+        """Whether tile_linear runs here (the amx kernels)."""
+
+    def tile_linear(self, weight: TileWeight, x: int, num_rows: int, x_stride: int, out: int, out_stride: int) -> None:
+        """
+        out [num_rows, weight.out_features] = x [num_rows, weight.in_features] . weight^T (gated: SiLU(gate) * up), bfloat16, on AMX tiles (has_tile_products); strides in elements.
         """
 
     def sum(self, data: int, num_floats: int) -> float:

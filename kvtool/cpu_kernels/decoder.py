@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from kvtool.cpu_kernels import ops
 from kvtool.cpu_kernels._kernels import CpuKernels, DecoderLayerWeights, DecoderStack, supported_isas
+from kvtool.cpu_kernels.tile_products import TileOutputs, tile_product, tile_weight
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_limit
 
@@ -73,17 +74,21 @@ def unsupported_reason(model) -> str | None:
 
 
 def projection(module: torch.nn.Module, kernels: CpuKernels | None, *, own_output: bool = True,
-               max_rows: int | None = MAX_ROW_PRODUCT_ROWS) -> Projection:
+               max_rows: int | None = MAX_ROW_PRODUCT_ROWS, many: Projection | None = None) -> Projection:
     """The module's product without nn.Module's call machinery: up to ``max_rows`` rows (None: any) through
     ``kernels``' row product (up to MAX_ROW_PRODUCT_ROWS rows into a buffer of the projection's own, valid
     until its next call; a new tensor each call with ``own_output=False``, for results a caller keeps,
     as logits, and for more rows), more
-    (every row count when ``kernels`` is None) through the packed oneDNN op itself where every row count
-    takes it."""
-    if isinstance(module, PackedLinear) and module.max_packed_rows is None:
-        op, packed, bias = torch.ops.mkldnn._linear_pointwise, module.packed_weight, module.bias
+    (every row count when ``kernels`` is None) through ``many`` where given (a tile product), else the packed
+    oneDNN op itself where every row count takes it."""
+    if many is None and isinstance(module, PackedLinear) and module.max_packed_rows is None:
+        # Packed anew where the tile products' decoder dropped the module's copy (enable): a decoder
+        # without them, as a benchmark compares, runs oneDNN's product as before.
+        packed = module.packed_weight if module.packed_weight is not None else \
+            torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        op, bias = torch.ops.mkldnn._linear_pointwise, module.bias
         many = lambda x: op(x, packed, bias, "none", [], "")  # noqa: E731
-    else:
+    elif many is None:
         many = module.forward
     weight, bias = module.weight, module.bias
     if (kernels is None or weight.dtype not in ops.DTYPES or weight.stride(1) != 1
@@ -120,6 +125,7 @@ class _Layer(NamedTuple):
     o: Projection
     gate_up: Projection
     down: Projection
+    silu_gate_up: Projection | None  # SiLU(gate) * up in one tile product, for more than row-product rows
 
 
 class _CacheLayout(NamedTuple):
@@ -183,9 +189,11 @@ class CpuDecoder:
     """Runs ``model``'s decoder stack through the CPU kernels (``isa``: 'auto' or one of
     kvtool.cpu_kernels.supported_isas(); ``num_threads``: the kernels' threads, torch's by default;
     ``row_products``: projections of up to ``row_product_rows`` rows through the kernels' row product,
-    else oneDNN's, for comparing the two)."""
+    else oneDNN's, for comparing the two; ``tile_products``: bfloat16 projections of more rows on AMX
+    tiles where the kernels have them (kvtool.cpu_kernels.tile_products), else oneDNN's)."""
 
-    def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None, row_products: bool = True) -> None:
+    def __init__(self, model, *, isa: str = "auto", num_threads: int | None = None, row_products: bool = True,
+                 tile_products: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the CPU kernels cannot run this model: {reason}")
@@ -204,13 +212,34 @@ class CpuDecoder:
         self.dtype = model.embed_tokens.weight.dtype
         self.kernel_dtype = ops.DTYPES[self.dtype]
         self.max_row_product_rows = row_product_rows(self.dtype)  # each projection's (None: every row count)
+        tiles = tile_products and self.kernels.has_tile_products and self.max_row_product_rows is not None
+        # The projections whose products of more rows than the row product's run on tiles.
+        self.tile_modules: list[torch.nn.Module] = []
+        outputs = TileOutputs()
+
+        def layer_projection(module: torch.nn.Module, output: str) -> Projection:
+            weight = tile_weight(module) if tiles else None
+            if weight is not None:
+                self.tile_modules.append(module)
+            return projection(module, rows, max_rows=self.max_row_product_rows,
+                              many=None if weight is None else tile_product(self.kernels, weight, outputs, output))
+
+        def silu_gate_up(module: torch.nn.Module) -> Projection | None:
+            weight = tile_weight(module, gated=True) if tiles else None
+            if weight is None:
+                return None
+            self.tile_modules.append(module)
+            return tile_product(self.kernels, weight, outputs, "activation")
+
+        # o's and down's products share a buffer: o's is added to the residual before down's is written.
         self.layers = [_Layer(layer.input_norm.weight.data_ptr(), layer.post_attention_norm.weight.data_ptr(),
                               _address(None if layer.attention.q_norm is None else layer.attention.q_norm.weight),
                               _address(None if layer.attention.k_norm is None else layer.attention.k_norm.weight),
-                              projection(layer.attention.qkv_proj, rows, max_rows=self.max_row_product_rows),
-                              projection(layer.attention.o_proj, rows, max_rows=self.max_row_product_rows),
+                              layer_projection(layer.attention.qkv_proj, "qkv"),
+                              layer_projection(layer.attention.o_proj, "hidden"),
                               projection(layer.mlp.gate_up_proj, rows, max_rows=self.max_row_product_rows),
-                              projection(layer.mlp.down_proj, rows, max_rows=self.max_row_product_rows))
+                              layer_projection(layer.mlp.down_proj, "hidden"),
+                              silu_gate_up(layer.mlp.gate_up_proj))
                        for layer in model.layers]
         self.final_norm = model.norm.weight.data_ptr()
         stack_rows = MAX_ROW_PRODUCT_ROWS if self.max_row_product_rows is not None else MAX_UNPACKED_STACK_ROWS
@@ -276,10 +305,13 @@ class CpuDecoder:
             x = layer.o(attended)
             kernels.rms_norm(x.data_ptr(), residual_ptr, layer.post_attention_norm, normed_ptr, n, hidden, hidden,
                              hidden, hidden, eps, dtype)
-            gate_up = layer.gate_up(normed)
-            kernels.silu_mul(gate_up.data_ptr(), activation_ptr, n, self.intermediate_size,
-                             2 * self.intermediate_size, self.intermediate_size, dtype)
-            x = layer.down(activation)
+            if layer.silu_gate_up is not None and n > self.max_row_product_rows:
+                x = layer.down(layer.silu_gate_up(normed))
+            else:
+                gate_up = layer.gate_up(normed)
+                kernels.silu_mul(gate_up.data_ptr(), activation_ptr, n, self.intermediate_size,
+                                 2 * self.intermediate_size, self.intermediate_size, dtype)
+                x = layer.down(activation)
             x_ptr = x.data_ptr()
         kernels.rms_norm(x_ptr or residual_ptr, residual_ptr if x_ptr else 0, self.final_norm, normed_ptr, n, hidden,
                          hidden, hidden, hidden, eps, dtype)
@@ -360,5 +392,8 @@ def enable(model, *, isa: str = "auto", num_threads: int | None = None) -> str |
     returns the instruction set they use, or None (the model keeps its torch path)."""
     if unsupported_reason(model) is not None:
         return None
-    model.cpu_decoder = CpuDecoder(model, isa=isa, num_threads=num_threads)
-    return model.cpu_decoder.isa
+    decoder = model.cpu_decoder = CpuDecoder(model, isa=isa, num_threads=num_threads)
+    for module in decoder.tile_modules:
+        if isinstance(module, PackedLinear):
+            module.drop_packed_weight()  # the tiles' copy replaces oneDNN's: the weight's bytes once more, not twice
+    return decoder.isa

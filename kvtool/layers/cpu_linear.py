@@ -47,13 +47,19 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor in a blocked layout: not a parameter, never saved or moved.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
+    def drop_packed_weight(self) -> None:
+        """Frees the packed copy (another packed copy runs the products: the CPU kernels' tile products);
+        forward then runs ``F.linear``."""
+        self.packed_weight = None
+
     @classmethod
     def of(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias, packed_row_limit(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features] -> [num_tokens, out_features]."""
-        if x.dim() == 2 and (self.max_packed_rows is None or x.shape[0] <= self.max_packed_rows):
+        if x.dim() == 2 and self.packed_weight is not None and (self.max_packed_rows is None
+                                                                 or x.shape[0] <= self.max_packed_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
