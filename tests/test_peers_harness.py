@@ -93,6 +93,20 @@ def test_each_core_is_probed_alone_and_the_process_keeps_its_cores_and_threads()
     assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads
 
 
+def test_the_compute_floor_takes_kvtools_tile_product_where_the_decoder_runs_one():
+    import torch
+    from floors import tile_gemm_rate
+
+    from kvtool.cpu_kernels import CpuKernels
+
+    rate = tile_gemm_rate(torch.bfloat16)
+    if CpuKernels("auto", 1).has_tile_products:
+        assert rate is not None and rate > 0
+    else:
+        assert rate is None
+    assert tile_gemm_rate(torch.float32) is None  # float32 prompts keep oneDNN's product
+
+
 def test_a_replay_is_held_to_the_memory_floor_at_its_own_process_bandwidth(tmp_path):
     floors = {"start": {"models": {"bfloat16": {"decode_bytes": 300_000_000}}}}
     (tmp_path / "bandwidth.json").write_text(json.dumps({"threads": 2, "before_gb_s": 50.0, "after_gb_s": 60.0}))

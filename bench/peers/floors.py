@@ -4,8 +4,9 @@
   head included, one embedding row, and the KV of the context) / the read bandwidth, measured by
   kvtool's CPU kernels streaming 1 GiB with the run's threads;
 - compute floor of a miss: the prompt's FLOPs (2 per weight per token in the projections, plus
-  causal attention and the LM head's one row) / the peak rate of the GEMM library kvtool uses
-  (torch's oneDNN on a packed weight, 2,048 x 2,048 x 2,048), per dtype.
+  causal attention and the LM head's one row) / the peak GEMM rate of what kvtool's prompts use, per
+  dtype: the faster of torch's oneDNN on a packed weight and, where the decoder takes them (bfloat16
+  with AMX), kvtool's tile products (kvtool.cpu_kernels.tile_products), each 2,048 x 2,048 x 2,048.
 
 Best of several tries each: a floor is what the machine can do, not what it did under load.
 
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kvtool.cpu_kernels import CpuKernels
+from kvtool.cpu_kernels.tile_products import TileOutputs, tile_product, tile_weight
 from kvtool.layers.cpu_linear import can_pack_dtype
 from kvtool.models.model_config import ModelConfig, weight_shapes
 from kvtool.plan import load_plan
@@ -84,6 +86,24 @@ def gemm_rate(dtype: torch.dtype) -> float | None:
     return packed_product_rate(GEMM_SIZE, GEMM_SIZE, GEMM_SIZE, dtype) if can_pack_dtype(dtype) else None
 
 
+def tile_gemm_rate(dtype: torch.dtype) -> float | None:
+    """FLOP/s of kvtool's tile product (what the decoder runs a bfloat16 prompt's projections on with
+    AMX), GEMM_SIZE cubed, best of TRIES, on the threads torch has; None where the decoder takes none."""
+    kernels = CpuKernels("auto", torch.get_num_threads())
+    weight = tile_weight(torch.nn.Linear(GEMM_SIZE, GEMM_SIZE, bias=False, dtype=dtype)) \
+        if kernels.has_tile_products else None
+    if weight is None:
+        return None
+    product = tile_product(kernels, weight, TileOutputs(), "out")
+    x = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
+    best = math.inf
+    for _ in range(TRIES + 1):
+        start = time.perf_counter()
+        product(x)
+        best = min(best, time.perf_counter() - start)
+    return 2 * GEMM_SIZE ** 3 / best
+
+
 CORE_GEMM_SHAPE = (1024, 576, 3072)  # rows x in_features x out_features: a prompt's gate_up product
 
 
@@ -133,13 +153,16 @@ def floors(plans: list[Path], prompt_len: int, context_len: int) -> dict:
         plan = load_plan(path, verify_checksum=False)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[plan.build_options.dtype]
         kv_dtype = plan.kv_cache_dtype
-        rate = gemm_rate(dtype)
+        onednn_rate, tile_rate = gemm_rate(dtype), tile_gemm_rate(dtype)
+        rate = max((r for r in (onednn_rate, tile_rate) if r is not None), default=None)
         config = plan.model_config
         step_bytes = decode_bytes(config, torch.tensor([], dtype=dtype).element_size(),
                                   torch.tensor([], dtype=kv_dtype).element_size(), context_len)
         flops = prompt_flops(config, prompt_len)
         result["models"][plan.build_options.dtype] = {
             "plan": str(path), "gemm_gflop_s": None if rate is None else rate / 1e9,
+            "onednn_gemm_gflop_s": None if onednn_rate is None else onednn_rate / 1e9,
+            "tile_gemm_gflop_s": None if tile_rate is None else tile_rate / 1e9,
             "decode_bytes": step_bytes, "memory_floor_ms": step_bytes / bandwidth * 1e3,
             "miss_flops": flops, "compute_floor_ms": None if rate is None else flops / rate * 1e3}
     return result

@@ -131,7 +131,8 @@ def _kernels(by_name) -> str:
         onednn = kvtool.get("onednn_max_cpu_isa")
         parts.append(f"kvtool: its CPU kernels in {isa if isa and isa != 'off' else 'none (torch path)'}, "
                      f"projections in torch's oneDNN (torch CPU capability {kvtool.get('torch_cpu_capability')}"
-                     f"{f', ONEDNN_MAX_CPU_ISA={onednn}' if onednn else ''})")
+                     f"{f', ONEDNN_MAX_CPU_ISA={onednn}' if onednn else ''})"
+                     f"{', a bfloat16 prompt on its AMX tile products' if isa == 'amx' else ''}")
     vllm = next((r for r in by_name.values() if r.get("engine") == "vllm"), None)
     if vllm:
         parts.append(f"vLLM {vllm.get('engine_version')}: kernels {vllm.get('vllm_kernels')}, attention "
@@ -247,7 +248,9 @@ def _targets(by_name, requests, floors) -> list[str]:
             parts.append("each core's own GEMM rate (one thread pinned to it) " +
                          ", ".join(f"{cpu} {rate:,.0f}" for cpu, rate in cores.items()) + " GFLOP/s")
         for dtype, model in probe["models"].items():
-            parts.append(f"{dtype}: GEMM {_fmt(model.get('gemm_gflop_s'))} GFLOP/s, a decode step reads "
+            tiles = model.get("tile_gemm_gflop_s")  # absent from runs before it was probed
+            rates = f" (oneDNN {_fmt(model.get('onednn_gemm_gflop_s'))}, kvtool's tiles {_fmt(tiles)})" if tiles else ""
+            parts.append(f"{dtype}: GEMM {_fmt(model.get('gemm_gflop_s'))} GFLOP/s{rates}, a decode step reads "
                          f"{model['decode_bytes'] / 1e6:,.0f} MB (context {probe['context_len']}): memory floor "
                          f"{model['memory_floor_ms']:.1f} ms; a miss of {probe['prompt_len']} tokens is "
                          f"{model['miss_flops'] / 1e9:,.0f} GFLOP: compute floor "
