@@ -196,9 +196,7 @@ void CpuKernels::attention(const AttentionPlan& plan, AttentionArgs args) {
 
 void CpuKernels::reserve_attention(const AttentionPlan& plan) {
   if (static_cast<int64_t>(partials_.size()) < plan.num_partial_floats()) partials_.resize(plan.num_partial_floats());
-  for (std::vector<float>& scratch : scratch_) {
-    if (static_cast<int64_t>(scratch.size()) < plan.scratch_floats()) scratch.resize(plan.scratch_floats());
-  }
+  reserve_scratch(plan.scratch_floats());
 }
 
 void CpuKernels::linear(const LinearArgs& args) {
@@ -222,6 +220,12 @@ void CpuKernels::linear(const LinearArgs& args) {
   pool_.run_shares(args.out_features, rows_per_range, RowsJob<LinearArgs>::run_range, &job);
 }
 
+void CpuKernels::reserve_scratch(int64_t num_floats) {
+  for (std::vector<float>& scratch : scratch_) {
+    if (static_cast<int64_t>(scratch.size()) < num_floats) scratch.resize(num_floats);
+  }
+}
+
 void CpuKernels::tile_linear(const TileWeight& weight, const uint16_t* x, int64_t num_rows, int64_t x_stride,
                              uint16_t* out, int64_t out_stride) {
   if (!has_tile_products()) {
@@ -237,10 +241,7 @@ void CpuKernels::tile_linear(const TileWeight& weight, const uint16_t* x, int64_
   const TileLinearArgs args{x, weight.group(0), out, num_rows, weight.in_features(), weight.out_features(), x_stride,
                             out_stride, weight.num_groups(), weight.gated(), kTileRowGroupsPerTask, groups_per_task};
   // A last row group of fewer than 32 rows is copied out, padded with zero rows: 32 rows of bfloat16.
-  const int64_t scratch_floats = weight.in_features() * 16;
-  for (std::vector<float>& scratch : scratch_) {
-    if (static_cast<int64_t>(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
-  }
+  reserve_scratch(weight.in_features() * 16);
   struct TileJob {
     const KernelTable* table;
     const TileLinearArgs* args;

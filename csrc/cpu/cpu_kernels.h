@@ -54,6 +54,9 @@ class CpuKernels {
   void run_rows(void (*kernel)(const Args&, int64_t, int64_t), const Args& args, int64_t num_rows, int64_t row_size,
                 int tasks_per_thread = 4);
 
+  // Grows every thread's scratch to at least num_floats.
+  void reserve_scratch(int64_t num_floats);
+
   const KernelTable* table_;
   Parallel pool_;
   std::vector<std::vector<float>> scratch_;  // one per thread

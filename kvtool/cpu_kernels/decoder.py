@@ -4,14 +4,15 @@ Per layer: the input norm fused with the residual add, the qkv projection, RoPE 
 in one kernel, paged attention reading the cache in place (no gather), the o projection, the
 post-attention norm fused with its residual add, the gate_up projection, SiLU-and-mul in one
 kernel, the down projection. The projections are torch's oneDNN products on weights packed once
-(kvtool.layers.cpu_linear), except those of up to eight rows (decode steps at batch 1 to 8, and
-their logits): kvtool's row product streams each weight row once, and on the family 25 model 17 EPYC
-a step's products took 0.58-0.73 of oneDNN's time at one and two rows, 0.65-0.79 at four; at eight
-its blocked form (each weight vector loaded once for every row) put whole decode steps of eight
-sequences at 0.6-0.7 of the time they took on oneDNN (bench/cpu_linear_rows.py,
-results/cpu_decode_rows.md). The step's
-attention tasks are planned once and serve every layer; activations reuse one workspace, grown when
-a step has more tokens than any before.
+(kvtool.layers.cpu_linear), except a bfloat16 prompt's where the kernels have AMX tiles
+(kvtool.cpu_kernels.tile_products: gate_up's product then ends in SiLU-and-mul, the separate kernel
+skipped) and those of up to eight rows (decode steps at batch 1 to 8, and their logits): kvtool's row
+product streams each weight row once, and on the family 25 model 17 EPYC a step's products took
+0.58-0.73 of oneDNN's time at one and two rows, 0.65-0.79 at four; at eight its blocked form (each
+weight vector loaded once for every row) put whole decode steps of eight sequences at 0.6-0.7 of the
+time they took on oneDNN (bench/cpu_linear_rows.py, results/cpu_decode_rows.md). The step's attention
+tasks are planned once and serve every layer; activations reuse one workspace, grown when a step has
+more tokens than any before.
 
 Where oneDNN has no native product for the weights' dtype (bfloat16 on a CPU without AVX512-BF16 or
 AMX, an AVX2-only one), torch emulates bfloat16 products, and the row product, which reads bfloat16
