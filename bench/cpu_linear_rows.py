@@ -90,6 +90,15 @@ def steps(plan: str, prompt_len: int, rounds: int) -> None:
     llm.shutdown()
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """A Llama layer's sizes, SmolLM2-135M's by default (bench/cpu_tile_linear.py takes them too)."""
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--num_heads", type=int, default=9)
+    parser.add_argument("--num_kv_heads", type=int, default=3)
+    parser.add_argument("--num_layers", type=int, default=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", nargs="*", default=[], help="plans whose decode steps to time both ways")
@@ -97,12 +106,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
-    # SmolLM2-135M's shapes by default.
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--num_heads", type=int, default=9)
-    parser.add_argument("--num_kv_heads", type=int, default=3)
-    parser.add_argument("--num_layers", type=int, default=30)
+    add_shape_arguments(parser)
     parser.add_argument("--vocab", type=int, default=49152)
     args = parser.parse_args()
     if args.threads:

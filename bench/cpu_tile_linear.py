@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from cpu_linear_rows import add_shape_arguments
 from kvtool.cpu_kernels import CpuKernels, ops
 from kvtool.cpu_kernels.tile_products import TileOutputs, tile_product, tile_weight
 from kvtool.layers.cpu_linear import PackedLinear
@@ -71,12 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1053, 32])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
-    # SmolLM2-135M's shapes by default.
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--num_heads", type=int, default=9)
-    parser.add_argument("--num_kv_heads", type=int, default=3)
-    parser.add_argument("--num_layers", type=int, default=30)
+    add_shape_arguments(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
