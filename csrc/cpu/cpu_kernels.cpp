@@ -23,10 +23,11 @@ constexpr double kMinParallelAttentionWork = 5e5;  // multiply-adds
 // out the threads' ends (16, 64 and 256 KB measured alike in a decode step).
 constexpr int64_t kShareRangeBytes = 64 * 1024;
 // A tile product's task: 64 rows by up to 8 weight groups (256 columns), its weight in L2 while its
-// rows pass. On the family 6 model 207 Xeon (two threads, SmolLM2-135M's four products of 1,053 rows)
-// 64 x 256 took 0.69-0.82x oneDNN's time where 256 x 128 took 0.72-0.82x and 1,056 x 32 0.74-1.00x (a
-// C++ prototype). Fewer rows (a hit's) take fewer groups a task, for kTileTasksPerThread tasks a thread:
-// three tasks on two threads leave one waiting a third of the product.
+// rows pass. On the family 6 model 207 Xeon (two threads, SmolLM2-135M's four products of 1,053 rows,
+// a C++ prototype) 64 x 256 took 0.56-0.82x oneDNN's time, 256 x 128 0.44-0.82x and 1,056 x 32
+// 0.60-0.99x; 64 x 256 gives the threads the most tasks to end together on. Fewer rows (a hit's) take
+// fewer groups a task, for kTileTasksPerThread tasks a thread: three tasks on two threads leave one
+// waiting a third of the product.
 constexpr int64_t kTileRowGroupsPerTask = 2, kTileGroupsPerTask = 8, kTileTasksPerThread = 4;
 
 #if defined(__x86_64__) || defined(_M_X64)
