@@ -20,7 +20,8 @@ import torch
 
 from cpu_linear_rows import add_shape_arguments
 from kvtool.cpu_kernels import CpuKernels, ops
-from kvtool.cpu_kernels.tile_products import TileOutputs, tile_product, tile_weight
+from kvtool.cpu_kernels.step_buffers import StepBuffers
+from kvtool.cpu_kernels.tile_products import tile_product, tile_weight
 from kvtool.layers.cpu_linear import PackedLinear
 
 
@@ -30,7 +31,7 @@ def layer_products(args, rows: int, kernels: CpuKernels) -> None:
               "o": (args.hidden, args.num_heads * head_dim), "gate_up": (2 * args.intermediate, args.hidden),
               "down": (args.hidden, args.intermediate)}
     totals = {"onednn": 0.0, "tiles": 0.0}
-    outputs = TileOutputs()
+    outputs = StepBuffers(torch.bfloat16)
     for name, (out_f, in_f) in shapes.items():
         gated = name == "gate_up"
         modules = [torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16) for _ in range(args.num_layers)]

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from kvtool.cpu_kernels import CpuKernels
-from kvtool.cpu_kernels.tile_products import TileOutputs, tile_product, tile_weight
+from kvtool.cpu_kernels.step_buffers import StepBuffers
+from kvtool.cpu_kernels.tile_products import tile_product, tile_weight
 from kvtool.layers.cpu_linear import can_pack_dtype
 from kvtool.models.model_config import ModelConfig, weight_shapes
 from kvtool.plan import load_plan
@@ -67,17 +68,24 @@ def read_bandwidth(num_threads: int) -> float:
     return BandwidthProbe(num_threads).read()
 
 
+def best_rate(run, flops: float) -> float:
+    """FLOP/s of ``run()`` (``flops`` a call), best of TRIES after one uncounted call (which creates
+    oneDNN's kernel, or touches a buffer the first time)."""
+    best = math.inf
+    for _ in range(TRIES + 1):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return flops / best
+
+
 def packed_product_rate(rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> float:
     """FLOP/s of oneDNN's product of random [rows, in_features] inputs and a packed [out_features,
     in_features] weight (what kvtool's projections run), best of TRIES, on the threads torch has."""
     x = torch.randn(rows, in_features).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_features, in_features).to(dtype), None)
-    best = math.inf
-    for _ in range(TRIES + 1):  # the first creates oneDNN's kernel
-        start = time.perf_counter()
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        best = min(best, time.perf_counter() - start)
-    return 2 * rows * in_features * out_features / best
+    return best_rate(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                     2 * rows * in_features * out_features)
 
 
 def gemm_rate(dtype: torch.dtype) -> float | None:
@@ -94,14 +102,9 @@ def tile_gemm_rate(dtype: torch.dtype) -> float | None:
         if kernels.has_tile_products else None
     if weight is None:
         return None
-    product = tile_product(kernels, weight, TileOutputs(), "out")
+    product = tile_product(kernels, weight, StepBuffers(dtype), "out")
     x = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
-    best = math.inf
-    for _ in range(TRIES + 1):
-        start = time.perf_counter()
-        product(x)
-        best = min(best, time.perf_counter() - start)
-    return 2 * GEMM_SIZE ** 3 / best
+    return best_rate(lambda: product(x), 2 * GEMM_SIZE ** 3)
 
 
 CORE_GEMM_SHAPE = (1024, 576, 3072)  # rows x in_features x out_features: a prompt's gate_up product

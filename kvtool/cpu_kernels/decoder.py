@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from kvtool.cpu_kernels import ops
 from kvtool.cpu_kernels._kernels import CpuKernels, DecoderLayerWeights, DecoderStack, supported_isas
-from kvtool.cpu_kernels.tile_products import TileOutputs, tile_product, tile_weight
+from kvtool.cpu_kernels.step_buffers import StepBuffers
+from kvtool.cpu_kernels.tile_products import tile_product, tile_weight
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_limit
 
@@ -141,16 +142,6 @@ class _CacheLayout(NamedTuple):
     dtype: object  # kvtool.cpu_kernels DType
 
 
-class _Workspace:
-    """Activation buffers for steps of up to ``capacity`` tokens; a step takes views of their first rows."""
-
-    def __init__(self, capacity: int, hidden: int, attention: int, intermediate: int, dtype: torch.dtype) -> None:
-        self.capacity = capacity
-        self.normed = torch.empty(capacity, hidden, dtype=dtype)
-        self.attention = torch.empty(capacity, attention, dtype=dtype)
-        self.activation = torch.empty(capacity, intermediate, dtype=dtype)
-
-
 def _address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
@@ -216,7 +207,9 @@ class CpuDecoder:
         tiles = tile_products and self.kernels.has_tile_products and self.max_row_product_rows is not None
         # The projections whose products of more rows than the row product's run on tiles.
         self.tile_modules: list[torch.nn.Module] = []
-        outputs = TileOutputs()
+        # The step's activations (the tile products' outputs among them; with tiles a prompt's gated gate_up
+        # writes the activation silu_mul writes without them).
+        self._buffers = outputs = StepBuffers(self.dtype)
 
         def layer_projection(module: torch.nn.Module, output: str) -> Projection:
             weight = tile_weight(module) if tiles else None
@@ -248,7 +241,6 @@ class CpuDecoder:
         # A RoPE scaling that scales cos and sin too (yarn's attention factor), where the model has one.
         self.rope_scale = float(getattr(model, "rope_attention_factor", 1.0))
         self._cos_sin = ops.rope_cache(model.rope_inv_freq, 0, self.rope_scale)
-        self._workspace: _Workspace | None = None
         self._cache_layout_of: _CacheLayout | None = None  # _cache_layout's last
         # The logits' weight (the embedding table when tied), packed as the projections are: one
         # decode row through MKL took 7 ms on SmolLM2's 113 MB head, through oneDNN 3 (one core).
@@ -275,8 +267,9 @@ class CpuDecoder:
         caches = self._cache_layout(kv_caches)
         cache_dtype, tokens_per_block = caches.dtype, caches.tokens_per_block
         block_stride, kv_stride, token_stride, head_stride = caches.strides
-        work = self._workspace_for(n)
-        normed, attended, activation = work.normed[:n], work.attention[:n], work.activation[:n]
+        buffers = self._buffers
+        normed, attended = buffers.rows("normed", n, hidden), buffers.rows("attention", n, self.q_size)
+        activation = buffers.rows("activation", n, self.intermediate_size)
         normed_ptr, attended_ptr, activation_ptr = normed.data_ptr(), attended.data_ptr(), activation.data_ptr()
         cos_sin = self._rope_table(meta.max_seq_len)
         plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -371,14 +364,6 @@ class CpuDecoder:
             layout = self._cache_layout_of = _CacheLayout((kv_caches, *key), addresses, tuple(cache.stride()[:4]),
                                                           cache.shape[0], cache.shape[2], ops.kernel_dtype(cache))
         return layout
-
-    def _workspace_for(self, num_tokens: int) -> _Workspace:
-        work = self._workspace
-        if work is None or work.capacity < num_tokens:
-            capacity = max(num_tokens, 2 * work.capacity if work is not None else 1)
-            work = self._workspace = _Workspace(capacity, self.hidden_size, self.q_size, self.intermediate_size,
-                                                self.dtype)
-        return work
 
     def _rope_table(self, max_seq_len: int) -> torch.Tensor:
         if self._cos_sin.shape[0] < max_seq_len:

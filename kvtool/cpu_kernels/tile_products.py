@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from kvtool.cpu_kernels._kernels import CpuKernels, TileWeight
+from kvtool.cpu_kernels.step_buffers import StepBuffers
 
 TileProduct = Callable[[torch.Tensor], torch.Tensor]
 
@@ -28,23 +29,7 @@ def tile_weight(module: torch.nn.Module, *, gated: bool = False) -> TileWeight |
     return TileWeight(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0), gated)
 
 
-class TileOutputs:
-    """The tile products' outputs, one buffer per name shared by every layer (a layer's product is
-    read before the next layer's of the same name is written), grown when a step has more rows."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def rows(self, name: str, num_rows: int, num_columns: int) -> torch.Tensor:
-        """The first num_rows rows of the buffer ``name`` [rows, num_columns] bfloat16."""
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape[0] < num_rows or buffer.shape[1] != num_columns:
-            capacity = max(num_rows, 2 * buffer.shape[0] if buffer is not None else 1)
-            buffer = self._buffers[name] = torch.empty(capacity, num_columns, dtype=torch.bfloat16)
-        return buffer[:num_rows]
-
-
-def tile_product(kernels: CpuKernels, weight: TileWeight, outputs: TileOutputs, name: str) -> TileProduct:
+def tile_product(kernels: CpuKernels, weight: TileWeight, outputs: StepBuffers, name: str) -> TileProduct:
     """x [rows, in_features] (contiguous rows) -> ``outputs``' buffer ``name`` [rows, out_features]: x .
     weight^T (gated: SiLU(gate) * up)."""
     out_features = weight.out_features
