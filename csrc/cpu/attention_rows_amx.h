@@ -129,19 +129,18 @@ static void block_keys(const AttentionArgs& a, TilesAhead<uint16_t>& tiles, int6
 }
 
 // 2^x for a weight's exponent x <= 0, within 3 parts in a million: below the weights' rounding to
-// bfloat16 (2^-9), and about half the instructions of Vec::exp. x = n + f with f in [-0.5, 0.5], 2^f by
-// its Taylor polynomial of degree 5, times 2^n by vscalefps; x <= -125 (a masked score's -inf among
-// them) gives exactly 0, as Vec::exp does below its range, and never a denormal.
+// bfloat16 (2^-9), and about half the instructions of Vec::exp. x = n + f with n = floor(x) and f in
+// [0, 1) (vreduceps: x less its floor, exactly), 2^f by a degree-4 polynomial fitted to its relative
+// error, times 2^n by vscalefps, which floors x itself; x <= -125 (a masked score's -inf among them)
+// gives exactly 0, as Vec::exp does below its range, and never a denormal.
 static inline Vec weight_exp2(Vec x) {
   const __mmask16 weighs = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-125.0f), _CMP_GT_OQ);
-  const __m512 n = _mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x.v, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3333558e-3f), f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return {_mm512_maskz_scalef_ps(weighs, p, n)};
+  const __m512 f = _mm512_reduce_ps(x.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.3534167e-2f), f, _mm512_set1_ps(5.2011460e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026f));
+  return {_mm512_maskz_scalef_ps(weighs, p, x.v)};
 }
 
 // Row vector v's online softmax over the block's scores s [num_keys][16] (masked where the block

@@ -30,9 +30,11 @@ struct Vec {
   }
   // (first[lane], second[lane]) rounded to bfloat16 (to nearest even, as torch rounds).
   static Pairs round_to_pairs(Vec first, Vec second) {
-    __m512i low = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(first.v)));
-    __m512i high = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(second.v)));
-    return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+    // Both rounded in one instruction (first's 16 words below second's), then interleaved.
+    const __m512i words = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second.v, first.v));
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, words);
   }
   // The 32 bfloat16 values of a and of b (two cache rows) as pairs (a[i], b[i]), in two vectors:
   // `low` holds i = 8L + 0..3 of each 128-bit lane L, `high` i = 8L + 4..7 (in-lane interleaves).
