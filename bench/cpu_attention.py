@@ -51,7 +51,7 @@ def per_layer(kernels: CpuKernels, args, dtype: torch.dtype, num_seqs: int, shar
     plan = ops.plan_attention(kernels, np.arange(num_seqs + 1, dtype=np.int32),
                               np.full(num_seqs, args.context, dtype=np.int32), tables, num_blocks=num_blocks,
                               num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                              tokens_per_block=args.tokens_per_block, sliding_window=None)
+                              tokens_per_block=args.tokens_per_block, sliding_window=None, dtype=dtype)
     if shared != (plan.num_shared_prefixes > 0):
         raise SystemExit(f"the plan of {num_seqs} sequences has {plan.num_shared_prefixes} shared prefixes")
     # Between two layers a step streams the layer's weights: here a read of more than the last-level

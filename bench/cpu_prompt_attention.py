@@ -35,7 +35,7 @@ def per_layer(kernels: CpuKernels, args, dtype: torch.dtype) -> float:
                               np.array([args.context], dtype=np.int32),
                               np.arange(num_blocks, dtype=np.int32)[None, :], num_blocks=num_blocks,
                               num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                              tokens_per_block=args.tokens_per_block, sliding_window=None)
+                              tokens_per_block=args.tokens_per_block, sliding_window=None, dtype=dtype)
     times = []
     for _ in range(args.rounds):
         start = time.perf_counter()

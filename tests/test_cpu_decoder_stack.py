@@ -225,7 +225,7 @@ def test_the_stack_refuses_a_step_it_was_not_built_for(models):
     assert (stack.num_layers, stack.max_rows) == (config.num_layers, MAX_ROW_PRODUCT_ROWS)
     plan = decoder.kernels.plan_attention(np.arange(2, dtype=np.int32), np.ones(1, dtype=np.int32),
                                           np.zeros((1, 1), dtype=np.int32), 1, config.num_heads,
-                                          config.num_kv_heads, config.head_dim, T, 0)
+                                          config.num_kv_heads, config.head_dim, T, 0, decoder.kernel_dtype)
     caches = np.zeros(config.num_layers, dtype=np.int64)
     over = MAX_ROW_PRODUCT_ROWS + 1
     with pytest.raises(ValueError, match=f"{over} rows; the stack takes 1 to {MAX_ROW_PRODUCT_ROWS}"):

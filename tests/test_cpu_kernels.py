@@ -214,7 +214,8 @@ def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype
     write_kv_cache(key, value, cache, meta.slot_mapping, meta.tokens_per_block)
     plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
                               num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                              tokens_per_block=meta.tokens_per_block, sliding_window=window)
+                              tokens_per_block=meta.tokens_per_block, sliding_window=window,
+                              dtype=query.dtype)
     return plan, ops.attention(kernels, plan, query, cache, torch.empty_like(query), scale), expected
 
 
@@ -267,7 +268,8 @@ def test_decode_rows_split_into_as_few_shares_as_spread_evenly_over_the_threads(
         pytest.skip("needs two threads and vector kernels (the one-lane build never splits)")
     meta = step_metadata([(700 + 50 * i, 1) for i in range(num_seqs)], tokens_per_block=16, num_blocks=160, seed=1)
     plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=160,
-                              num_heads=6, num_kv_heads=2, head_dim=64, tokens_per_block=16, sliding_window=None)
+                              num_heads=6, num_kv_heads=2, head_dim=64, tokens_per_block=16, sliding_window=None,
+                              dtype=torch.float32)
     assert plan.num_tasks == num_tasks
     assert plan.num_merges == (num_seqs if num_tasks > num_seqs else 0)
 
@@ -283,7 +285,8 @@ def test_a_short_chunk_splits_into_tasks_of_whole_row_vectors():
         pytest.skip("needs two threads and vector kernels")
     meta = step_metadata([(1024, 32)], tokens_per_block=32, num_blocks=40, seed=0)
     plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=40,
-                              num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, sliding_window=None)
+                              num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, sliding_window=None,
+                              dtype=torch.float32)
     whole = kernels.width // math.gcd(3, kernels.width)  # queries whose 3 rows a query fill whole vectors
     per_task = 24 // whole * whole
     runs = [(begin, min(per_task, 32 - begin)) for begin in range(0, 32, per_task)]
@@ -292,6 +295,20 @@ def test_a_short_chunk_splits_into_tasks_of_whole_row_vectors():
     # Each run's queries attend to the cached tokens and the run's own up to its last.
     assert plan.work == sum(2 * count * 9 * (1024 + begin + count) * 64 for begin, count in runs)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bfloat16_prompt_on_amx_tiles_takes_three_times_the_rows_a_task(dtype):
+    """A 1,024-token prompt (9 query heads over 3 KV heads): 42 queries a task (126 rows), except a
+    bfloat16 prompt where the AMX layout runs it, which lays each task's keys out for its tile
+    products: 128 queries (384 rows), so that each key is laid out a third as often."""
+    kernels = CpuKernels("auto", 2)
+    meta = step_metadata([(0, 1024)], tokens_per_block=32, num_blocks=40, seed=0)
+    plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=40,
+                              num_heads=9, num_kv_heads=3, head_dim=64, tokens_per_block=32, sliding_window=None,
+                              dtype=dtype)
+    queries_per_task = 128 if dtype == torch.bfloat16 and kernels.has_tile_products else 42
+    assert plan.num_tasks == 3 * math.ceil(1024 / queries_per_task)
 
 # (group, shared blocks, cached tokens, new tokens); 16-token blocks, a prefix needs 128 shared keys.
 SHARED_STEPS = {
@@ -333,7 +350,7 @@ def test_attention_reads_only_the_blocks_inside_the_window(kernels):
     cache = torch.randn(16, 2, 8, 1, 16)
     cache[tables[0, :4].long()] = float("nan")  # released, and poisoned
     tables[0, :4] = -1  # positions 0..31; the window of 20 starts at position 41
-    args = dict(num_blocks=16, num_heads=2, num_kv_heads=1, head_dim=16, tokens_per_block=8)
+    args = dict(num_blocks=16, num_heads=2, num_kv_heads=1, head_dim=16, tokens_per_block=8, dtype=torch.float32)
     plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, tables, sliding_window=20, **args)
     out = ops.attention(kernels, plan, torch.randn(1, 2, 16), cache, torch.empty(1, 2, 16), 0.25)
     assert torch.isfinite(out).all()

@@ -10,9 +10,6 @@ namespace kvtool::cpu {
 
 namespace {
 
-// Query rows (queries x the heads of a group) per task: enough that each key tile read serves many
-// rows, few enough that a prompt splits into many tasks for the threads to share.
-constexpr int64_t kMaxRowsPerTask = 128;
 // A share of a split task has at least this many keys.
 constexpr int64_t kMinKeysPerShare = 4 * kKeyTile;
 // Decode sequences read their common leading blocks once when they share at least this many keys.
@@ -54,14 +51,15 @@ std::vector<SharedPrefix> find_shared_prefixes(const int32_t* query_start_loc, c
 
 AttentionPlan::AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
                              const int32_t* block_tables, int64_t max_blocks, int64_t num_blocks,
-                             const AttentionShape& shape, int32_t width, int32_t num_threads)
+                             const AttentionShape& shape, int32_t width, int32_t num_threads,
+                             int32_t max_rows_per_task)
     : shape_(shape), max_blocks_(max_blocks), block_tables_(block_tables, block_tables + num_seqs * max_blocks) {
   if (shape.num_kv_heads <= 0 || shape.num_heads % shape.num_kv_heads != 0) {
     throw std::invalid_argument("attention: num_heads " + std::to_string(shape.num_heads) +
                                 " is not a multiple of num_kv_heads " + std::to_string(shape.num_kv_heads));
   }
   const int64_t group = shape.num_heads / shape.num_kv_heads;
-  int64_t queries_per_task = std::max<int64_t>(1, kMaxRowsPerTask / group);
+  int64_t queries_per_task = std::max<int64_t>(1, max_rows_per_task / group);
   // A short chunk (a hit's few new tokens) makes fewer tasks than two per thread: smaller runs of
   // queries then, as long as a task's rows still fill a vector.
   int64_t num_tasks = 0, num_queries = 0;

@@ -26,12 +26,14 @@ class AttentionPlan {
   // [num_seqs, max_blocks] row-major, -1 where no block. Every block a query can see must be a block
   // of the pool (0 <= id < num_blocks); std::invalid_argument names the first that is not.
   // width: float lanes of the kernels that will run the plan; num_threads: the threads that will
-  // (too few tasks for them, and long decode tasks are split by keys, their shares merged).
+  // (too few tasks for them, and long decode tasks are split by keys, their shares merged);
+  // max_rows_per_task: a prompt's query rows (queries x a group's heads) per task, what those kernels
+  // run best (CpuKernels::rows_per_attention_task).
   // Decode sequences that begin with the same blocks (a cached prompt prefix they share) read those
   // blocks' keys and values once, in tasks that hold all their queries (no sliding window).
   AttentionPlan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs, const int32_t* block_tables,
                 int64_t max_blocks, int64_t num_blocks, const AttentionShape& shape, int32_t width,
-                int32_t num_threads);
+                int32_t num_threads, int32_t max_rows_per_task);
 
   const std::vector<AttentionTask>& tasks() const { return tasks_; }
   const std::vector<AttentionMerge>& merges() const { return merges_; }

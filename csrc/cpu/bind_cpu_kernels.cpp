@@ -228,7 +228,7 @@ NB_MODULE(_kernels, m) {
           "plan_attention",
           [](const CpuKernels& k, Int32Array query_start_loc, Int32Array seq_lens, Int32Array block_tables,
              int64_t num_blocks, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t tokens_per_block,
-             int64_t sliding_window) {
+             int64_t sliding_window, DType dtype) {
             if (block_tables.ndim() != 2 || seq_lens.ndim() != 1 || query_start_loc.ndim() != 1 ||
                 query_start_loc.shape(0) != seq_lens.shape(0) + 1 || block_tables.shape(0) != seq_lens.shape(0)) {
               throw std::invalid_argument("plan_attention: query_start_loc [n + 1], seq_lens [n] and block_tables "
@@ -237,11 +237,12 @@ NB_MODULE(_kernels, m) {
             return AttentionPlan(query_start_loc.data(), seq_lens.data(), static_cast<int64_t>(seq_lens.shape(0)),
                                  block_tables.data(), static_cast<int64_t>(block_tables.shape(1)), num_blocks,
                                  {num_heads, num_kv_heads, head_dim, tokens_per_block, sliding_window}, k.width(),
-                                 k.num_threads());
+                                 k.num_threads(), k.rows_per_attention_task(dtype));
           },
           "query_start_loc"_a, "seq_lens"_a, "block_tables"_a, "num_blocks"_a, "num_heads"_a, "num_kv_heads"_a,
-          "head_dim"_a, "tokens_per_block"_a, "sliding_window"_a,
-          "The step's attention tasks (int32 arrays as in AttentionMetadata; sliding_window 0: none).")
+          "head_dim"_a, "tokens_per_block"_a, "sliding_window"_a, "dtype"_a,
+          "The step's attention tasks (int32 arrays as in AttentionMetadata; sliding_window 0: none), shaped for "
+          "queries and a cache of dtype.")
       .def(
           "attention",
           [](CpuKernels& k, const AttentionPlan& plan, uintptr_t query, int64_t query_stride, uintptr_t out,

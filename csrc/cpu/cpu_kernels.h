@@ -24,6 +24,10 @@ class CpuKernels {
   std::string isa() const { return table_->isa; }
   int32_t width() const { return table_->width; }
   int num_threads() const { return pool_.num_threads(); }
+  // A prompt's query rows per attention task for a cache of `dtype` (the plan's max_rows_per_task).
+  int32_t rows_per_attention_task(DType dtype) const {
+    return has_tile_products() && dtype == DType::kBFloat16 ? kAmxRowsPerAttentionTask : kRowsPerAttentionTask;
+  }
 
   void rms_norm(const RmsNormArgs& args);
   void silu_mul(const SiluMulArgs& args);

@@ -152,7 +152,8 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
                            args.num_blocks,
                            {shape_.num_heads, shape_.num_kv_heads, shape_.head_dim, args.caches.tokens_per_block,
                             args.sliding_window},
-                           kernels.width(), kernels.num_threads());
+                           kernels.width(), kernels.num_threads(),
+                           kernels.rows_per_attention_task(shape_.dtype));
   kernels.reserve_attention(plan);
   // The layers, the LM head, and the widening of its logits or the greedy picks, on one team of threads.
   const bool head_into_logits = shape_.dtype == DType::kFloat32 && args.logits != nullptr;

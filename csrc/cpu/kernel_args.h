@@ -172,6 +172,15 @@ struct KernelTable {
 
 static inline int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
+// Query rows (queries x the heads of a group) per prompt task: enough that each key tile read serves
+// many rows, few enough that a prompt splits into many tasks for the threads to share.
+inline constexpr int32_t kRowsPerAttentionTask = 128;
+// The same for the AMX prompt layout (bfloat16), which lays a task's keys and values out for its tile
+// products, every task its own copy of the keys before its last query: three times the rows lay each
+// key out a third as often (a 1,053-token prompt's layer of SmolLM2-135M took 0.90-0.94x the time with
+// 384 rows as with 128, where the float32 layout took 1.08-1.13x: bench/cpu_prompt_attention.py).
+inline constexpr int32_t kAmxRowsPerAttentionTask = 384;
+
 // Keys the AMX prompt layout takes at a time (attention_rows_amx.h; a multiple of kKeyTile): its online
 // softmax rescales, and its output tiles are loaded and stored, once per block.
 inline constexpr int kAmxKeyBlock = 128;

@@ -151,9 +151,9 @@ class CpuKernels:
         Rotates q and k of each token in place (after the optional per-head q/k RMSNorm; weight 0: none) and stores k and v at slot_mapping[t] of the layer's KV cache.
         """
 
-    def plan_attention(self, query_start_loc: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], seq_lens: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], block_tables: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], num_blocks: int, num_heads: int, num_kv_heads: int, head_dim: int, tokens_per_block: int, sliding_window: int) -> AttentionPlan:
+    def plan_attention(self, query_start_loc: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], seq_lens: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], block_tables: Annotated[NDArray[numpy.int32], dict(order='C', device='cpu', writable=False)], num_blocks: int, num_heads: int, num_kv_heads: int, head_dim: int, tokens_per_block: int, sliding_window: int, dtype: DType) -> AttentionPlan:
         """
-        The step's attention tasks (int32 arrays as in AttentionMetadata; sliding_window 0: none).
+        The step's attention tasks (int32 arrays as in AttentionMetadata; sliding_window 0: none), shaped for queries and a cache of dtype.
         """
 
     def attention(self, plan: AttentionPlan, query: int, query_stride: int, out: int, out_stride: int, kv_cache: int, block_stride: int, kv_stride: int, token_stride: int, head_stride: int, scale: float, dtype: DType, cache_dtype: DType) -> None:

@@ -275,7 +275,7 @@ class CpuDecoder:
         plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                   num_blocks=caches.num_blocks, num_heads=heads, num_kv_heads=kv_heads,
                                   head_dim=head_dim, tokens_per_block=tokens_per_block,
-                                  sliding_window=self.model.sliding_window)
+                                  sliding_window=self.model.sliding_window, dtype=self.dtype)
         residual = F.embedding(input_ids, self.model.embed_tokens.weight)  # the residual stream, updated in place
         residual_ptr = residual.data_ptr()
         if self.stack is not None and n <= self.stack.max_rows:

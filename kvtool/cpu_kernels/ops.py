@@ -117,11 +117,14 @@ def check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> Non
 
 def plan_attention(kernels: CpuKernels, query_start_loc, seq_lens, block_tables, *, num_blocks: int, num_heads: int,
                    num_kv_heads: int, head_dim: int, tokens_per_block: int,
-                   sliding_window: int | None) -> AttentionPlan:
+                   sliding_window: int | None, dtype: torch.dtype) -> AttentionPlan:
     """The step's attention tasks, from int32 query_start_loc [n + 1], seq_lens [n] and block_tables
-    [n, max_blocks] (numpy arrays or CPU tensors). ValueError when a visible block is not in the pool."""
+    [n, max_blocks] (numpy arrays or CPU tensors), shaped for the kernels that will run them on queries
+    and a cache of dtype. ValueError when a visible block is not in the pool."""
+    if dtype not in DTYPES:
+        raise ValueError(f"the CPU kernels take float32 or bfloat16 queries and caches, got {dtype}")
     return kernels.plan_attention(query_start_loc, seq_lens, block_tables, num_blocks, num_heads, num_kv_heads,
-                                  head_dim, tokens_per_block, sliding_window or 0)
+                                  head_dim, tokens_per_block, sliding_window or 0, DTYPES[dtype])
 
 
 def attention(kernels: CpuKernels, plan: AttentionPlan, query: torch.Tensor, kv_cache: torch.Tensor,
