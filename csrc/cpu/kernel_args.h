@@ -178,7 +178,8 @@ inline constexpr int32_t kRowsPerAttentionTask = 128;
 // The same for the AMX prompt layout (bfloat16), which lays a task's keys and values out for its tile
 // products, every task its own copy of the keys before its last query: three times the rows lay each
 // key out a third as often (a 1,053-token prompt's layer of SmolLM2-135M took 0.90-0.94x the time with
-// 384 rows as with 128, where the float32 layout took 1.08-1.13x: bench/cpu_prompt_attention.py).
+// 384 rows as with 128, where the float32 layout took 1.08-1.13x: both row counts in one process,
+// results/cpu_attention.md).
 inline constexpr int32_t kAmxRowsPerAttentionTask = 384;
 
 // Keys the AMX prompt layout takes at a time (attention_rows_amx.h; a multiple of kKeyTile): its online
