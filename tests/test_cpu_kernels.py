@@ -201,10 +201,12 @@ def shared_prefix_metadata(seqs: list[tuple[int | None, int, int, int]], tokens_
 
 
 def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype, heads: int, kv_heads: int,
-                            num_blocks: int, window: int | None, head_dim: int = 64, strided: bool = False):
+                            num_blocks: int, window: int | None, head_dim: int = 64, strided: bool = False,
+                            poison_unused: bool = False):
     """(plan, kvtool's output, torch's paged attention's) for random queries, keys and values of the
     step's new tokens over a random cache of num_blocks blocks (``strided``: a view of every third
-    block of a larger pool, as a block-major pool's layer is)."""
+    block of a larger pool, as a block-major pool's layer is; ``poison_unused``: every slot no
+    sequence's token holds NaN, as a block's slots past its sequence's last token may)."""
     query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
     key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
     shape = (num_blocks, 3 if strided else 1, 2, meta.tokens_per_block, kv_heads, head_dim)
@@ -212,6 +214,12 @@ def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype
     scale = head_dim ** -0.5
     expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=scale, sliding_window=window)
     write_kv_cache(key, value, cache, meta.slot_mapping, meta.tokens_per_block)
+    if poison_unused:
+        used = torch.zeros(num_blocks, meta.tokens_per_block, dtype=torch.bool)
+        for seq, length in enumerate(meta.seq_lens.tolist()):
+            positions = torch.arange(length)
+            used[meta.block_tables[seq, positions // meta.tokens_per_block].long(), positions % meta.tokens_per_block] = True
+        cache.transpose(1, 2)[~used] = float("nan")  # [blocks, tokens_per_block, 2, kv_heads, head_dim]
     plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
                               num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                               tokens_per_block=meta.tokens_per_block, sliding_window=window,
@@ -295,6 +303,25 @@ def test_a_short_chunk_splits_into_tasks_of_whole_row_vectors():
     # Each run's queries attend to the cached tokens and the run's own up to its last.
     assert plan.work == sum(2 * count * 9 * (1024 + begin + count) * 64 for begin, count in runs)
 
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("tokens_per_block", [16, 32, 48])
+def test_a_blocks_slots_past_its_sequences_last_token_never_reach_the_output(kernels, dtype, cache_dtype, tolerance,
+                                                                               tokens_per_block):
+    """Each sequence's last block holds NaN past its last token (a block's free slots hold whatever
+    was there): a prompt, a chunk after a cached prefix, eight decode rows sharing a prefix (their
+    prefix's keys in a prompt layout task of their rows) and a decode row match torch's attention, the
+    AMX layout's key tiles read in place from the blocks among them."""
+    torch.manual_seed(tokens_per_block)
+    prefix_blocks = 160 // tokens_per_block
+    seqs = [(None, 0, 0, 75), (None, 0, 37, 90), (None, 0, 200, 1)] + \
+        [(0, prefix_blocks, prefix_blocks * tokens_per_block + 5 * i + 3, 1) for i in range(8)]
+    meta = shared_prefix_metadata(seqs, tokens_per_block, num_blocks=120, seed=5)
+    plan, out, expected = attention_and_reference(kernels, meta, dtype, cache_dtype, heads=9, kv_heads=3,
+                                                  num_blocks=120, window=None, poison_unused=True)
+    assert plan.num_shared_prefixes == 1
+    assert relative_error(out, expected) <= tolerance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -242,12 +242,14 @@ static inline void rows_into_lanes(int64_t padded, int64_t n, float* dst, Row ro
   }
 }
 
-// The step's output rows of a task whose rows ran along the lanes: row m's element e is
-// lanes(e)[m] / row_sum[m], W rows by W elements at a time, transposed in registers (element by
-// element it took 2-8% of a prompt's attention). For a task covering all its queries' keys
-// (write_task_output writes a partial one's).
+// The output rows of a task whose rows ran along the lanes: row m's element e is lanes(e)[m], W rows
+// by W elements at a time, transposed in registers (element by element it took 2-8% of a prompt's
+// attention, and 8% of a shared prefix's decode rows on AMX): divided by row_sum[m] into the step's
+// output, or for a task covering part of its queries' keys into its partials, with each row's max
+// and sum.
 template <typename A, typename Lanes>
-static void write_rows_from_lanes(const AttentionArgs& a, const AttentionTask& t, const float* row_sum, Lanes lanes) {
+static void write_rows_from_lanes(const AttentionArgs& a, const AttentionTask& t, const float* row_max,
+                                  const float* row_sum, Lanes lanes) {
   const int64_t d = a.head_dim, rows = t.num_queries * (a.num_heads / a.num_kv_heads) * t.num_kv_heads;
   for (int64_t m0 = 0; m0 < rows; m0 += W) {
     for (int64_t e0 = 0; e0 < d; e0 += W) {
@@ -257,7 +259,14 @@ static void write_rows_from_lanes(const AttentionArgs& a, const AttentionTask& t
       transpose(v);
       for (int r = 0; r < W && m0 + r < rows; ++r) {
         const int64_t m = m0 + r;
-        store_part(v[transposed_index(r)] * Vec::set1(1.0f / row_sum[m]), task_output<A>(a, t, m) + e0, count);
+        if (t.partial < 0) {
+          store_part(v[transposed_index(r)] * Vec::set1(1.0f / row_sum[m]), task_output<A>(a, t, m) + e0, count);
+          continue;
+        }
+        const PartialRow partial = partial_row(a, t, rows, m);
+        store_part(v[transposed_index(r)], partial.out + e0, count);
+        partial.stats[0] = row_max[m];
+        partial.stats[1] = row_sum[m];
       }
     }
   }
@@ -309,11 +318,7 @@ static void attention_rows_in_lanes(const AttentionArgs& a, const AttentionTask&
     for (; v < num_vectors; ++v) weighted_values<1>(value, num_keys, s, padded, d, ot, static_cast<int>(v), step);
     tiles.finish();
   }
-  if (t.partial >= 0) {
-    write_task_output<A>(a, t, row_max, row_sum, [&](int64_t m, int64_t e) { return ot[e * padded + m]; });
-  } else {
-    write_rows_from_lanes<A>(a, t, row_sum, [&](int64_t e) { return ot + e * padded; });
-  }
+  write_rows_from_lanes<A>(a, t, row_max, row_sum, [&](int64_t e) { return ot + e * padded; });
 }
 
 }  // namespace kvtool::cpu::KVTOOL_CPU_ISA

@@ -6,9 +6,9 @@
 //
 // Keys are taken kAmxKeyBlock at a time (kernel_args.h), laid out once for every row vector of the
 // task, then each vector of 16 rows runs the block on its own:
-// - scores s [keys][16 rows] = k . qt: A = 16 keys' rows (copied from the cache into kb [block][d], as
-//   they lie: no key is transposed), B = qt2 [d / 2][padded] (each row's pairs of q), 32 elements of
-//   the head dimension a product;
+// - scores s [keys][16 rows] = k . qt: A = 16 keys' rows as they lie (read from the cache in place, or
+//   copied into kb [block][d] where 16 keys span two of its blocks: no key is transposed), B = qt2
+//   [d / 2][padded] (each row's pairs of q), 32 elements of the head dimension a product;
 // - the online softmax of the block's scores, in AVX-512, into p2 [block / 2][16] (each row's pairs
 //   of weights, rounded to bfloat16), the vector's output rescaled in memory where its max grew;
 // - values ot [d][16 rows] += v^T . p: A = vt2t (each element's pairs of values along 32 keys:
@@ -35,28 +35,29 @@ static_assert(kKeyTile == 2 * kTileRows, "a key tile's pairs are one tile produc
 
 // Tiles: 0-3 the C tiles (scores of 4 key tiles, or 4 x 16 elements of a vector's output), 4-5 the
 // A tiles in turn (one loads while the other multiplies), 6 the B tile.
-// s [16 N keys][16 rows] = kb [16 N][d] . qt2 [d / 2][16 rows] (qt2's rows `padded` words apart).
+// s [16 N keys][16 rows] = keys [16 N][d] . qt2 [d / 2][16 rows] (qt2's rows `padded` words apart), key
+// tile i's 16 rows from key_tiles[i], key_stride bytes apart.
 template <int N>
-static inline void block_scores(const uint16_t* kb, int64_t d, const uint32_t* qt2, int64_t padded, float* s) {
-  const int64_t kb_stride = d * 2, key_tile = kTileRows * d;
+static inline void block_scores(const uint16_t* const* key_tiles, int64_t key_stride, int64_t d, const uint32_t* qt2,
+                                int64_t padded, float* s) {
   _tile_zero(0);
   if constexpr (N > 1) _tile_zero(1);
   if constexpr (N > 2) _tile_zero(2);
   if constexpr (N > 3) _tile_zero(3);
   for (int64_t c = 0; c < d; c += 2 * kTileRows) {
     _tile_loadd(6, qt2 + c / 2 * padded, padded * 4);
-    _tile_loadd(4, kb + c, kb_stride);
+    _tile_loadd(4, key_tiles[0] + c, key_stride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (N > 1) {
-      _tile_loadd(5, kb + key_tile + c, kb_stride);
+      _tile_loadd(5, key_tiles[1] + c, key_stride);
       _tile_dpbf16ps(1, 5, 6);
     }
     if constexpr (N > 2) {
-      _tile_loadd(4, kb + 2 * key_tile + c, kb_stride);
+      _tile_loadd(4, key_tiles[2] + c, key_stride);
       _tile_dpbf16ps(2, 4, 6);
     }
     if constexpr (N > 3) {
-      _tile_loadd(5, kb + 3 * key_tile + c, kb_stride);
+      _tile_loadd(5, key_tiles[3] + c, key_stride);
       _tile_dpbf16ps(3, 5, 6);
     }
   }
@@ -101,18 +102,32 @@ static inline void block_values(const uint32_t* vt2t, const uint32_t* p2, int nu
   }
 }
 
-// The block's keys [k0, k0 + num_keys) laid out for every row vector: kb [block][d] (rows past the
-// keys zeros, to a whole key tile: finite scores the softmax never reads) and vt2t [pair tile][d][16]
-// (pairs past the keys zeros).
-static void block_keys(const AttentionArgs& a, TilesAhead<uint16_t>& tiles, int64_t k0, int num_keys,
-                       const PairTask& p, uint16_t* kb, uint32_t* vt2t) {
+// Where the block's 16-key tiles of keys lie for the scores' products: key_tiles[i], rows key_stride
+// bytes apart.
+struct BlockKeys {
+  const uint16_t* key_tiles[kAmxKeyBlock / kTileRows];
+  int64_t key_stride;
+};
+
+// The block's keys [k0, k0 + num_keys) laid out for every row vector: its key tiles read where the
+// cache holds them when each 16 keys lie in one block of the cache (the rows past the keys then
+// whatever the block holds there: scores the softmax never reads), else copied into kb [block][d]
+// (rows past the keys zeros); and vt2t [pair tile][d][16] (pairs past the keys zeros). A copy's vector
+// stores held up the tile loads right after them (a shared prefix's decode rows: 8% of its time).
+static BlockKeys block_keys(const AttentionArgs& a, TilesAhead<uint16_t>& tiles, int64_t k0, int num_keys,
+                            const PairTask& p, uint16_t* kb, uint32_t* vt2t) {
   const int64_t d = a.head_dim;
+  const bool in_place = a.tokens_per_block % kTileRows == 0 && k0 % kTileRows == 0;
+  BlockKeys keys{{}, in_place ? a.token_stride * static_cast<int64_t>(sizeof(uint16_t)) : d * 2};
   for (int sub = 0; sub * kKeyTile < num_keys; ++sub) {
     const int tile_keys = std::min(kKeyTile, num_keys - sub * kKeyTile);
     const KeyTile<uint16_t>& tile = tiles.start(k0 + sub * kKeyTile, 1);
     const int rows = round_up(tile_keys, kTileRows);
+    for (int j = 0; j < rows; j += kTileRows) {
+      keys.key_tiles[(sub * kKeyTile + j) / kTileRows] = in_place ? tile.key[j] : kb + (sub * kKeyTile + j) * d;
+    }
     // A row's d bfloat16 elements moved as d / 2 floats' bits (d / 2 a multiple of W: pairs_fit).
-    for (int j = 0; j < rows; ++j) {
+    for (int j = 0; j < (in_place ? 0 : rows); ++j) {
       const auto* src = reinterpret_cast<const float*>(tile.key[j < tile_keys ? j : 0]);
       auto* dst = reinterpret_cast<float*>(kb + (sub * kKeyTile + j) * d);
       for (int64_t f = 0; f < d / 2; f += W) (j < tile_keys ? Vec::load(src + f) : Vec::zero()).store(dst + f);
@@ -128,6 +143,7 @@ static void block_keys(const AttentionArgs& a, TilesAhead<uint16_t>& tiles, int6
     }
     tiles.finish();
   }
+  return keys;
 }
 
 // 2^x for a weight's exponent x <= 0, within 3 parts in a million: below the weights' rounding to
@@ -211,7 +227,7 @@ static void attention_rows_amx(const AttentionArgs& a, const AttentionTask& t, f
   TilesAhead<uint16_t> tiles(a, t);
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kAmxKeyBlock) {
     const int num_keys = static_cast<int>(min64(kAmxKeyBlock, t.key_end - k0));
-    block_keys(a, tiles, k0, num_keys, p, kb, vt2t);
+    const BlockKeys keys = block_keys(a, tiles, k0, num_keys, p, kb, vt2t);
     for (int64_t v = 0; v < p.num_vectors; ++v) {
       // The block's keys past the vector's last query are hidden from all its rows: on the causal
       // diagonal a vector of early queries takes only the key tiles it sees.
@@ -223,12 +239,13 @@ static void attention_rows_amx(const AttentionArgs& a, const AttentionTask& t, f
       const uint32_t* qt2 = p.qt2 + v * W;
       int j = 0;
       for (; j + 4 <= num_key_tiles; j += 4) {
-        block_scores<4>(kb + j * kTileRows * d, d, qt2, padded, s + j * kTileRows * W);
+        block_scores<4>(keys.key_tiles + j, keys.key_stride, d, qt2, padded, s + j * kTileRows * W);
       }
-      const uint16_t* rest = kb + j * kTileRows * d;  // the last 1 to 3 key tiles
-      if (num_key_tiles - j == 3) block_scores<3>(rest, d, qt2, padded, s + j * kTileRows * W);
-      if (num_key_tiles - j == 2) block_scores<2>(rest, d, qt2, padded, s + j * kTileRows * W);
-      if (num_key_tiles - j == 1) block_scores<1>(rest, d, qt2, padded, s + j * kTileRows * W);
+      const uint16_t* const* rest = keys.key_tiles + j;  // the last 1 to 3 key tiles
+      float* rest_s = s + j * kTileRows * W;
+      if (num_key_tiles - j == 3) block_scores<3>(rest, keys.key_stride, d, qt2, padded, rest_s);
+      if (num_key_tiles - j == 2) block_scores<2>(rest, keys.key_stride, d, qt2, padded, rest_s);
+      if (num_key_tiles - j == 1) block_scores<1>(rest, keys.key_stride, d, qt2, padded, rest_s);
       block_softmax(a, t, k0, vector_keys, p, v, s, p2);
       int64_t e = 0;
       for (; e + 4 * kTileRows <= d; e += 4 * kTileRows) {

@@ -172,12 +172,7 @@ static void tile_pairs(const KeyTile<uint16_t>& tile, int num_keys, int64_t d, c
 // The task's output rows (or its share's partial output), ot put back in order.
 template <typename A>
 static void end_pair_task(const AttentionArgs& a, const AttentionTask& t, const PairTask& p) {
-  if (t.partial >= 0) {
-    write_task_output<A>(a, t, p.row_max, p.row_sum,
-                         [&](int64_t m, int64_t e) { return p.ot[values_lane(e) * p.padded + m]; });
-  } else {
-    write_rows_from_lanes<A>(a, t, p.row_sum, [&](int64_t e) { return p.ot + values_lane(e) * p.padded; });
-  }
+  write_rows_from_lanes<A>(a, t, p.row_max, p.row_sum, [&](int64_t e) { return p.ot + values_lane(e) * p.padded; });
 }
 
 template <typename A>
