@@ -58,6 +58,27 @@ def test_rms_norm_with_residual_is_the_norm_of_the_sum(kernels, dtype, _, tolera
     assert relative_error(out, F.rms_norm(x, (dim,), weight, 1e-5)) <= tolerance
 
 
+@pytest.mark.parametrize("dim", [576, 45])
+def test_a_bfloat16_sum_is_rounded_as_torch_rounds_it_bit_for_bit(kernels, dim):
+    """x + residual in bfloat16 rounds to nearest even as torch does, bit for bit: sums that need
+    rounding, and denormals, infinities and a NaN among them (AVX512-BF16's rounding instruction takes
+    a denormal as zero: such vectors take the kernels' own rounding). A NaN stays a NaN (torch's own
+    conversions differ in its bits)."""
+    generator = torch.Generator().manual_seed(dim)
+    x = torch.randn(8, dim, generator=generator).to(torch.bfloat16)
+    residual = (torch.randn(8, dim, generator=generator) * 1e-3).to(torch.bfloat16)
+    specials = torch.tensor([1e-39, -3e-40, 9e-41, float("nan"), float("inf"), -float("inf"), 3.3e38, -0.0])
+    x[1, :len(specials)] = specials.to(torch.bfloat16)  # one vector of every kind
+    residual[1, :len(specials)] = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 3.3e38, 0.0]).to(torch.bfloat16)
+    x[2, 3], residual[2] = 2e-39, 0.0  # a lone denormal among normal lanes
+    expected = (x.float() + residual.float()).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    ops.rms_norm(kernels, x, torch.ones(dim, dtype=torch.bfloat16), 1e-5, out, residual)
+    nan = expected.isnan()
+    assert torch.equal(residual.isnan(), nan)
+    assert torch.equal(residual[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype, _, tolerance", DTYPES[:2])
 @pytest.mark.parametrize("num_rows, dim", [(1, 1536), (200, 1536), (3, 45)])
 def test_silu_mul_is_silu_of_gate_times_up(kernels, dtype, _, tolerance, num_rows, dim):

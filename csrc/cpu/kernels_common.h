@@ -24,9 +24,7 @@ static inline Vec rounded_to(Vec v) {
   if constexpr (sizeof(T) == sizeof(float)) {
     return v;
   } else {
-    T buffer[W];
-    v.store(buffer);
-    return Vec::load(buffer);
+    return Vec::bf16_rounded(v);
   }
 }
 

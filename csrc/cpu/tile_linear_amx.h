@@ -67,9 +67,6 @@ static inline void group_product(const uint16_t* x, int64_t x_stride, const uint
   _tile_stored(3, c + kTileRows * TileWeight::kGroupColumns + kTileRows, kRowBytes);
 }
 
-// A bfloat16 rounding kept in float32 (what rounded_to<uint16_t> gives, in registers).
-static inline Vec bf16_rounded(Vec v) { return {_mm512_castsi512_ps(_mm512_slli_epi32(Vec::narrow(v.v), 16))}; }
-
 // A group's sums waiting to be rounded and stored: c [rows][32] float32 for out [rows][num_columns].
 // Rounding them while the next group's tile products run lets the vector unit work beside the tile
 // unit: right after a group's own products the rounding would wait for them (its C tiles are stored
@@ -88,8 +85,8 @@ static inline void store_rows(const TileLinearArgs& a, const PendingGroup& p, in
   if (a.gated) {
     const Vec one = Vec::set1(1.0f);
     for (int64_t r = begin; r < end; ++r, c += TileWeight::kGroupColumns, out += a.out_stride) {
-      Vec gate = bf16_rounded(Vec::load(c)), up = bf16_rounded(Vec::load(c + W));
-      Vec silu = bf16_rounded(gate / (one + Vec::exp(Vec::zero() - gate)));
+      Vec gate = Vec::bf16_rounded(Vec::load(c)), up = Vec::bf16_rounded(Vec::load(c + W));
+      Vec silu = Vec::bf16_rounded(gate / (one + Vec::exp(Vec::zero() - gate)));
       (silu * up).store(out);
     }
     return;

@@ -29,6 +29,9 @@ struct Vec {
     return _mm256_castsi256_si128(packed);
   }
 
+  // x rounded to bfloat16 as a store rounds it, kept in float32: in registers, not through memory.
+  static Vec bf16_rounded(Vec x) { return {widen(narrow(x.v))}; }
+
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static Vec load(const uint16_t* p) { return {widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
   // Partial loads and stores of the first n < 8 lanes go through a small buffer.

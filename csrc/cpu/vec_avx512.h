@@ -59,6 +59,20 @@ struct Vec {
     return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   }
 
+  // x's 16 lanes rounded to bfloat16 as narrow rounds them, packed. With AVX512-BF16 one vcvtneps2bf16
+  // does it in a third of the instructions, but it takes a denormal as zero and keeps a NaN's payload
+  // (torch's rounding does neither): a vector holding either takes narrow.
+  static __m256i packed_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+    constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, denormal, signalling NaN
+    if (_mm512_fpclass_ps_mask(x, kNanOrDenormal) == 0) return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#endif
+    return _mm512_cvtepi32_epi16(narrow(x));
+  }
+
+  // x rounded to bfloat16 as a store rounds it, kept in float32: in registers, not through memory.
+  static Vec bf16_rounded(Vec x) { return {widen(packed_bf16(x.v))}; }
+
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec load(const uint16_t* p) { return {widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
   static Vec load_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
@@ -71,9 +85,9 @@ struct Vec {
     odd.v = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
-  void store(uint16_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(narrow(v))); }
+  void store(uint16_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed_bf16(v)); }
   void store_n(float* p, int n) const { _mm512_mask_storeu_ps(p, first(n), v); }
-  void store_n(uint16_t* p, int n) const { _mm512_mask_cvtepi32_storeu_epi16(p, first(n), narrow(v)); }
+  void store_n(uint16_t* p, int n) const { _mm256_mask_storeu_epi16(p, first(n), packed_bf16(v)); }
   static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
   static Vec zero() { return {_mm512_setzero_ps()}; }
 

@@ -14,6 +14,8 @@ struct Vec {
   using Mask = bool;
   float v;
 
+  static Vec bf16_rounded(Vec x) { return {bf16_to_float(float_to_bf16(x.v))}; }
+
   static Vec load(const float* p) { return {*p}; }
   static Vec load(const uint16_t* p) { return {bf16_to_float(*p)}; }
   static Vec load_n(const float* p, int) { return {*p}; }
