@@ -238,8 +238,9 @@ def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype
     if poison_unused:
         used = torch.zeros(num_blocks, meta.tokens_per_block, dtype=torch.bool)
         for seq, length in enumerate(meta.seq_lens.tolist()):
-            positions = torch.arange(length)
-            used[meta.block_tables[seq, positions // meta.tokens_per_block].long(), positions % meta.tokens_per_block] = True
+            blocks, offsets = torch.arange(length).div(meta.tokens_per_block, rounding_mode="floor"), \
+                torch.arange(length) % meta.tokens_per_block
+            used[meta.block_tables[seq, blocks].long(), offsets] = True
         cache.transpose(1, 2)[~used] = float("nan")  # [blocks, tokens_per_block, 2, kv_heads, head_dim]
     plan = ops.plan_attention(kernels, meta.query_start_loc, meta.seq_lens, meta.block_tables, num_blocks=num_blocks,
                               num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,

@@ -126,8 +126,8 @@ static BlockKeys block_keys(const AttentionArgs& a, TilesAhead<uint16_t>& tiles,
     for (int j = 0; j < rows; j += kTileRows) {
       keys.key_tiles[(sub * kKeyTile + j) / kTileRows] = in_place ? tile.key[j] : kb + (sub * kKeyTile + j) * d;
     }
-    // A row's d bfloat16 elements moved as d / 2 floats' bits (d / 2 a multiple of W: pairs_fit).
-    for (int j = 0; j < (in_place ? 0 : rows); ++j) {
+    // The copy: a row's d bfloat16 elements moved as d / 2 floats' bits (d / 2 a multiple of W: pairs_fit).
+    for (int j = 0; !in_place && j < rows; ++j) {
       const auto* src = reinterpret_cast<const float*>(tile.key[j < tile_keys ? j : 0]);
       auto* dst = reinterpret_cast<float*>(kb + (sub * kKeyTile + j) * d);
       for (int64_t f = 0; f < d / 2; f += W) (j < tile_keys ? Vec::load(src + f) : Vec::zero()).store(dst + f);
