@@ -2,8 +2,9 @@
 // ask_row_ahead): two threads' bfloat16 products over a 302 MB weight of 576-element rows (each thread
 // half of the rows, as kvtool's dot_row reads them: four pair-product chains, the 256 bytes of an
 // iteration asked for AHEAD bytes on with one prefetch a line), asking nothing, into L1 (prefetcht0) or
-// into L2 (prefetcht1), against a plain streaming read of 1 GiB. Each round runs every variant (best of
-// two) and prints GB/s (the VM's memory rate moves between rounds: compare within a round's line).
+// into L2 (prefetcht1), or each thread's rows as two or four streams walked side by side, against a
+// plain streaming read of 1 GiB. Each round runs every variant (best of two) and prints GB/s (the VM's
+// memory rate moves between rounds: compare within a round's line).
 //
 //   g++ -O3 -march=native -std=c++17 -pthread bench/cpu_row_prefetch.cpp -o /tmp/row_prefetch && /tmp/row_prefetch 6
 //
@@ -49,6 +50,19 @@ void rows(const uint16_t* w, const uint16_t* x, float* y, int64_t begin, int64_t
   }
 }
 
+// Rows [begin, end) as Streams runs of equal length walked side by side, a row of each in turn, each
+// asking 4 KB ahead into L2 (kvtool's amx build walks four: KernelTable::row_product_streams).
+template <int Streams>
+void streams(const uint16_t* w, const uint16_t* x, float* y, int64_t begin, int64_t end) {
+  const int64_t length = (end - begin + Streams - 1) / Streams;
+  for (int64_t n = 0; n < length; ++n) {
+    for (int s = 0; s < Streams; ++s) {
+      const int64_t row = begin + s * length + n;
+      if (row < end) rows<4096, _MM_HINT_T1>(w, x, y, row, row + 1);
+    }
+  }
+}
+
 float stream_sum(const float* data, int64_t begin, int64_t end) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t i = begin; i + 64 <= end; i += 64) {
@@ -85,7 +99,9 @@ int main(int argc, char** argv) {
                               {"L2 2K", rows<2048, _MM_HINT_T1>},
                               {"L2 4K", rows<4096, _MM_HINT_T1>},
                               {"L2 8K", rows<8192, _MM_HINT_T1>},
-                              {"L2 16K", rows<16384, _MM_HINT_T1>}};
+                              {"L2 16K", rows<16384, _MM_HINT_T1>},
+                              {"L2 4K x2", streams<2>},
+                              {"L2 4K x4", streams<4>}};
   const auto size = static_cast<int64_t>(data.size());
   for (int round = 0; round < rounds; ++round) {
     const double read = on_threads([&](int t) {

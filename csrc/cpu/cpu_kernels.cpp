@@ -215,10 +215,17 @@ void CpuKernels::linear(const LinearArgs& args) {
   // bfloat16 decode step waited 0.3-1.6 ms a step at the products' barriers, with shares 0.1-0.2 ms.
   // The step gained ~1% (a thread streaming alone gets most of the memory its partner leaves), more
   // where a thread loses its core (results/cpu_decode_rows.md).
+  // Where the build walks several streams a thread (KernelTable::row_product_streams, a product of few
+  // rows), the items shared are the first stream's features, each standing for one feature of every
+  // stream: a thread's share, and a range taken from its back, is then a run of each stream.
+  LinearArgs streamed = args;
+  const int64_t streams = args.num_rows < kMinBlockRows ? table_->row_product_streams : 1;
+  const int64_t num_items = (args.out_features + streams - 1) / streams;
+  streamed.stream_rows = streams > 1 ? num_items : 0;
   const int64_t row_bytes = args.in_features * element_bytes(args.dtype);
-  const int64_t rows_per_range = std::max<int64_t>(1, kShareRangeBytes / row_bytes);
-  const RowsJob<LinearArgs> job{table_->linear, &args, args.out_features, rows_per_range};
-  pool_.run_shares(args.out_features, rows_per_range, RowsJob<LinearArgs>::run_range, &job);
+  const int64_t items_per_range = std::max<int64_t>(1, kShareRangeBytes / row_bytes / streams);
+  const RowsJob<LinearArgs> job{table_->linear, &streamed, num_items, items_per_range};
+  pool_.run_shares(num_items, items_per_range, RowsJob<LinearArgs>::run_range, &job);
 }
 
 void CpuKernels::reserve_scratch(int64_t num_floats) {

@@ -126,7 +126,15 @@ struct LinearArgs {
   void* out;           // [num_rows, out_features], row stride out_stride
   int64_t num_rows, in_features, out_features, x_stride, weight_stride, out_stride;
   DType dtype;
+  // Products of fewer than kMinBlockRows rows: a range [begin, end) of the kernel covers the output
+  // features n + s * stream_rows for every s (streams of stream_rows features each walked side by
+  // side, KernelTable::row_product_streams); 0: the features [begin, end).
+  int64_t stream_rows = 0;
 };
+
+// Products of fewer input rows take each weight row's dot product with each input row in turn; from
+// this many on, blocks of rows share each weight vector (kernels_impl.h, linear_typed).
+inline constexpr int64_t kMinBlockRows = 4;
 
 // out = x . weight^T on AMX tiles (tile_linear_amx.h), the weight laid out by TileWeight (a gated one:
 // out = SiLU(x . gate^T) * (x . up^T)); bfloat16 throughout. Tasks of row_groups_per_task groups of 32
@@ -154,6 +162,9 @@ inline constexpr int kKeyTile = 32;
 struct KernelTable {
   const char* isa;
   int32_t width;  // float lanes of a vector
+  // Streams of weight rows each thread walks side by side in a product of fewer than kMinBlockRows
+  // rows (LinearArgs::stream_rows; 1: its share front to back).
+  int32_t row_product_streams;
   void (*rms_norm)(const RmsNormArgs&, int64_t row_begin, int64_t row_end);
   void (*silu_mul)(const SiluMulArgs&, int64_t row_begin, int64_t row_end);
   void (*rope_store_kv)(const RopeKvArgs&, int64_t token_begin, int64_t token_end);

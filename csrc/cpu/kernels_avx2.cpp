@@ -6,7 +6,8 @@
 namespace kvtool::cpu {
 
 const KernelTable& avx2_kernels() {
-  static constexpr KernelTable table{"avx2", avx2::Vec::width, avx2::rms_norm, avx2::silu_mul, avx2::rope_store_kv,
+  static constexpr KernelTable table{"avx2", avx2::Vec::width, 1,
+                                     avx2::rms_norm, avx2::silu_mul, avx2::rope_store_kv,
                                      avx2::attention, avx2::merge_attention,
                                      avx2::sum, avx2::linear, avx2::argmax, nullptr};
   return table;

@@ -6,7 +6,8 @@
 namespace kvtool::cpu {
 
 const KernelTable& generic_kernels() {
-  static constexpr KernelTable table{"generic", generic::Vec::width, generic::rms_norm, generic::silu_mul, generic::rope_store_kv,
+  static constexpr KernelTable table{"generic", generic::Vec::width, 1,
+                                     generic::rms_norm, generic::silu_mul, generic::rope_store_kv,
                                      generic::attention, generic::merge_attention,
                                      generic::sum, generic::linear, generic::argmax, nullptr};
   return table;

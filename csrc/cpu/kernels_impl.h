@@ -362,19 +362,22 @@ static inline void block_product(const LinearArgs& a, int64_t n, int64_t m0) {
 // registers hold beside their accumulators), block_product for each weight row. At 8 rows a float32
 // step's products from memory took 0.62-0.67x the time of the first way, bfloat16 0.65-0.72x; at 4
 // rows 0.96-1.09x (a C++ loop over SmolLM2-135M's matrices, two threads, results/cpu_decode_rows.md).
-constexpr int64_t kMinBlockRows = 4;
-
+// (kMinBlockRows: kernel_args.h.)
 template <typename T>
 static void linear_typed(const LinearArgs& a, int64_t begin, int64_t end) {
   if (a.num_rows < kMinBlockRows) {
     const T* weight = static_cast<const T*>(a.weight);
     const T* bias = static_cast<const T*>(a.bias);
-    for (int64_t n = begin; n < end; ++n) {
-      const T* w = weight + n * a.weight_stride;
-      const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
-      for (int64_t m = 0; m < a.num_rows; ++m) {
-        const T* x = static_cast<const T*>(a.x) + m * a.x_stride;
-        store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n, dot_row(w, x, a.in_features) + b);
+    // Features n, n + stream_rows, ...: a row of each stream in turn (one stream: n alone).
+    const int64_t stream_rows = a.stream_rows > 0 ? a.stream_rows : a.out_features;
+    for (int64_t first = begin; first < end; ++first) {
+      for (int64_t n = first; n < a.out_features; n += stream_rows) {
+        const T* w = weight + n * a.weight_stride;
+        const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
+        for (int64_t m = 0; m < a.num_rows; ++m) {
+          const T* x = static_cast<const T*>(a.x) + m * a.x_stride;
+          store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n, dot_row(w, x, a.in_features) + b);
+        }
       }
     }
     return;
