@@ -12,6 +12,7 @@
 #include "argmax.h"
 #include "attention_dims.h"
 #include "attention_dims_bf16.h"
+#include "attention_row_blocks.h"
 #include "attention_rows.h"
 #include "attention_rows_amx.h"
 #include "attention_rows_bf16.h"
@@ -183,6 +184,9 @@ static void attention_task(const AttentionArgs& a, const AttentionTask& t, float
     if constexpr (bf16_pair_products<A, C>()) {
       if (pairs_fit(a.head_dim)) return attention_rows_bf16<A>(a, t, scratch);
     }
+#endif
+#if defined(__AVX512DQ__)
+    if (row_blocks_fit(a.head_dim)) return attention_row_blocks<A, C>(a, t, scratch);
 #endif
     attention_rows_in_lanes<A, C>(a, t, scratch);
   } else {

@@ -98,6 +98,7 @@ struct Vec {
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
 
   // Horizontal reductions of many vectors, two at a time: pair_lanes<L>(a, b, x, y) puts in x and y
   // the lanes of a and b that level L of a transposing reduction pairs, so that combining x and y

@@ -1,0 +1,261 @@
+// The prompt layout of attention on the vector unit with a block of query rows in registers (the
+// AVX-512 builds; head_dim a whole number of vectors): what a task of many rows (a prompt chunk, a
+// hit's new tokens, decode rows sharing a prefix) runs where neither AMX tiles nor AVX512-BF16 pair
+// products take it: a float32 cache on every AVX-512 CPU, a bfloat16 one on those without native
+// bfloat16 products. AVX2 (16 registers) and the portable build keep attention_rows.h.
+//
+// Both products are register-blocked as a GEMM is. A block of 64 keys is transposed once a task, keys
+// along the lanes (kt [head_dim][64]); a block of 6 rows takes its scores [6][64] in 24 registers,
+// each query element broadcast against 4 vectors of keys, and keeps them there through the masking
+// and the softmax; its weighted values then accumulate [6][64 head dims] in 24 more, each weight
+// broadcast against a value row read from the cache as it lies. Rows whose queries precede a block
+// (the causal upper triangle) skip it. The rows-in-lanes layout kept its scores and outputs in memory
+// ([keys][rows], [head_dim][rows]), a vector loaded or stored for every four multiply-adds. On the
+// family 6 model 207 Xeon, alternated call by call in one process (two threads, SmolLM2-135M's
+// shapes): a 1,053-token float32 prompt's layer 0.86x the time (amx build) and 0.89x (avx512; a
+// bfloat16 cache there too), a 32-token hit over 1,024 cached tokens 0.83-0.88x, 8 decode rows
+// sharing a 1,024-token prefix 0.78-0.84x, a whole float32 miss step 0.98x
+// (results/cpu_attention.md).
+#pragma once
+
+#include "attention_rows.h"
+#include "kernels_common.h"
+
+namespace kvtool::cpu::KVTOOL_CPU_ISA {
+
+// Rows a block, key vectors a block of keys (two key tiles: 64 keys) and head-dimension vectors each
+// pass of the weighted values takes: a block's 6 x 4 scores stay in registers from their products
+// through the softmax, and its value sums are 6 x 4 registers beside 4 value vectors and a broadcast
+// weight (29 of AVX-512's 32 registers).
+constexpr int kRowBlock = 6;
+constexpr int kRowBlockVectors = 4;
+constexpr int kRowBlockKeys = kRowBlockVectors * W;
+constexpr int kValueVectors = 4;
+
+// AVX-512 builds only: AVX2's 16 registers hold neither block (its builds keep attention_rows.h).
+static inline bool row_blocks_fit(int64_t head_dim) { return W == 16 && head_dim % W == 0; }
+
+#if defined(__AVX512DQ__)
+static_assert(kRowBlockKeys == 2 * kKeyTile, "a block of keys is two key tiles");
+static_assert(kRowBlock <= W, "a block's rows are rescaled as the lanes of one vector");
+
+// e^x for a weight's exponent x = score - the row's max (<= 0; -inf where masked): 2^(x log2 e) as
+// x log2 e = n + f, n = floor (vreduceps leaves f exactly), 2^f by a degree-5 polynomial (relative
+// error 1.6e-7, about Vec::exp's) and 2^n by vscalefps: 8 instructions where Vec::exp takes 17. An
+// exponent below -87 (a weight under 2^-125, a masked score's -inf among them) gives exactly 0, as
+// Vec::exp does below its range.
+static inline Vec weight_exp(Vec x) {
+  const __m512 y = _mm512_mul_ps(x.v, _mm512_set1_ps(kLog2e));
+  const __mmask16 weighs = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.0f), _CMP_GT_OQ);
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.8775727e-3f), f, _mm512_set1_ps(8.9893444e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999994e-1f));
+  return {_mm512_maskz_scalef_ps(weighs, p, y)};
+}
+
+// kt [head_dim][kRowBlockKeys], columns [j0, j0 + kKeyTile): key j0 + j's element e at kt[e * kRowBlockKeys
+// + j0 + j], keys past the tile's zero.
+template <typename C>
+static void keys_into_lanes(const KeyTile<C>& tile, int64_t d, float* kt, int j0) {
+  for (int j = 0; j < kKeyTile; j += W) {
+    for (int64_t e0 = 0; e0 < d; e0 += W) {
+      Vec v[W];
+      for (int r = 0; r < W; ++r) v[r] = j + r < tile.num_keys ? Vec::load(tile.key[j + r] + e0) : Vec::zero();
+      transpose(v);
+      for (int c = 0; c < W; ++c) v[transposed_index(c)].store(kt + (e0 + c) * kRowBlockKeys + j0 + j);
+    }
+  }
+}
+
+// o [R][d] (rows d apart), head dims [e0, e0 + DV * W): scaled by alpha[r], plus the block's weighted
+// values (p [R][kRowBlockKeys] weights).
+template <int R, int DV>
+static inline void block_values(const float* const* value, int num_keys, const float* p, const float* alpha,
+                                float* o, int64_t d, int64_t e0) {
+  Vec acc[R][DV];
+  for (int r = 0; r < R; ++r) {
+    Vec scale = Vec::set1(alpha[r]);
+    for (int v = 0; v < DV; ++v) acc[r][v] = Vec::load(o + r * d + e0 + v * W) * scale;
+  }
+  for (int j = 0; j < num_keys; ++j) {
+    Vec x[DV];
+    for (int v = 0; v < DV; ++v) x[v] = Vec::load(value[j] + e0 + v * W);
+    for (int r = 0; r < R; ++r) {
+      Vec w = Vec::set1(p[r * kRowBlockKeys + j]);
+      for (int v = 0; v < DV; ++v) acc[r][v] = Vec::fma(w, x[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < DV; ++v) acc[r][v].store(o + r * d + e0 + v * W);
+}
+
+// What a block of rows needs of its task and the current block of keys.
+struct KeyBlock {
+  const float* kt;            // [d][kRowBlockKeys]
+  const float* const* value;  // the block's value rows, float32
+  const Vec* key_positions;   // [kRowBlockVectors]: each lane's key position; +inf past the block's keys
+  int64_t k0;
+  int num_keys;
+};
+
+// Rows [m0, m0 + R) of the task over one block of keys: scores (in registers), the online softmax
+// (each row's running max and its sum of weights, kept as W lanes row_sums [rows][W] added up once
+// at the end; its output so far rescaled), weighted values. A row that has seen no visible key yet
+// keeps max -inf, and its weights come out 0 rather than NaN.
+template <int R>
+static inline void row_block(const AttentionArgs& a, const AttentionTask& t, const KeyBlock& keys, int64_t m0,
+                             const float* q, float* o, float* row_max, float* row_sums, float* p) {
+  const int64_t d = a.head_dim, window = a.sliding_window;
+  float position[R];
+  float first = __builtin_inff(), last = -__builtin_inff();
+  for (int r = 0; r < R; ++r) {
+    position[r] = static_cast<float>(t.first_position + (m0 + r) % t.num_queries);
+    first = position[r] < first ? position[r] : first;
+    last = position[r] > last ? position[r] : last;
+  }
+  const float keys_first = static_cast<float>(keys.k0), keys_last = static_cast<float>(keys.k0 + keys.num_keys - 1);
+  if (keys_first > last) return;  // every key after every row's query
+  if (window > 0 && keys_last <= first - static_cast<float>(window)) return;  // before every row's window
+
+  Vec s[R][kRowBlockVectors];  // [rows][keys]
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kRowBlockVectors; ++v) s[r][v] = Vec::zero();
+  const float* k = keys.kt;
+  for (int64_t e = 0; e < d; ++e, k += kRowBlockKeys) {
+    Vec key[kRowBlockVectors];
+    for (int v = 0; v < kRowBlockVectors; ++v) key[v] = Vec::load(k + v * W);
+    for (int r = 0; r < R; ++r) {
+      Vec x = Vec::set1(q[(m0 + r) * d + e]);
+      for (int v = 0; v < kRowBlockVectors; ++v) s[r][v] = Vec::fma(x, key[v], s[r][v]);
+    }
+  }
+  const bool masked = keys.num_keys < kRowBlockKeys || keys_last > first ||
+                      (window > 0 && keys_first <= last - static_cast<float>(window));
+  if (masked) {
+    for (int r = 0; r < R; ++r) {
+      const Vec query_position = Vec::set1(position[r]);
+      for (int v = 0; v < kRowBlockVectors; ++v) {
+        typename Vec::Mask visible = Vec::le(keys.key_positions[v], query_position);
+        if (window > 0) {
+          visible = Vec::mask_and(visible, Vec::gt(keys.key_positions[v],
+                                                   query_position - Vec::set1(static_cast<float>(window))));
+        }
+        s[r][v] = Vec::select(visible, s[r][v], Vec::set1(kNegInf));
+      }
+    }
+  }
+  // Every row's new max and rescaling at once (one vector exp for the block).
+  alignas(64) float block_max[W], shift[W], alpha[W];
+  for (int r = 0; r < R; ++r) {
+    Vec m = s[r][0];
+    for (int v = 1; v < kRowBlockVectors; ++v) m = Vec::max(m, s[r][v]);
+    block_max[r] = m.reduce_max();
+  }
+  const Vec old_max = Vec::load_n(row_max + m0, R);
+  const Vec new_max = Vec::max(old_max, Vec::load_n(block_max, R));
+  const Vec row_shift = Vec::select(Vec::gt(new_max, Vec::set1(kNegInf)), new_max, Vec::zero());
+  const Vec row_alpha = Vec::exp(old_max - row_shift);
+  new_max.store_n(row_max + m0, R);
+  row_shift.store(shift);
+  row_alpha.store(alpha);
+  for (int r = 0; r < R; ++r) {
+    float* sums = row_sums + (m0 + r) * W;
+    const Vec row_shift_r = Vec::set1(shift[r]);
+    Vec sum = Vec::load(sums) * Vec::set1(alpha[r]);
+    for (int v = 0; v < kRowBlockVectors; ++v) {
+      const Vec weight = weight_exp(s[r][v] - row_shift_r);
+      weight.store(p + r * kRowBlockKeys + v * W);
+      sum = sum + weight;
+    }
+    sum.store(sums);
+  }
+  for (int64_t e0 = 0; e0 < d; e0 += kValueVectors * W) {
+    with_count<kValueVectors>(min64(kValueVectors, (d - e0) / W), [&](auto dv) {
+      block_values<R, decltype(dv)::value>(keys.value, keys.num_keys, p, alpha, o + m0 * d, d, e0);
+    });
+  }
+}
+
+template <typename A, typename C>
+static void attention_row_blocks(const AttentionArgs& a, const AttentionTask& t, float* scratch) {
+  const int64_t group = a.num_heads / a.num_kv_heads, d = a.head_dim, rows = t.num_queries * group;
+  float* q = scratch;                           // [rows][d], scaled
+  float* o = q + rows * d;                      // [rows][d], unnormalised
+  float* row_max = o + rows * d;                // [rows]
+  float* row_sums = row_max + rows;             // [rows][W]: each row's sum of weights, W lanes of it
+  float* kt = row_sums + rows * W;              // [d][kRowBlockKeys]
+  float* p = kt + d * kRowBlockKeys;            // [kRowBlock][kRowBlockKeys]: a block's weights
+  float* vbuf = p + kRowBlock * kRowBlockKeys;  // [kRowBlockKeys][d]: values widened from a bfloat16 cache
+
+  const Vec scale = Vec::set1(a.scale);
+  for (int64_t m = 0; m < rows; ++m) {
+    const A* query = task_query<A>(a, t, m);
+    for (int64_t e = 0; e < d; e += W) (Vec::load(query + e) * scale).store(q + m * d + e);
+    row_max[m] = kNegInf;
+    Vec::zero().store(row_sums + m * W);
+  }
+  for (int64_t e = 0; e < rows * d; e += W) Vec::zero().store(o + e);
+
+  alignas(64) float lane_index[W];
+  for (int i = 0; i < W; ++i) lane_index[i] = static_cast<float>(i);
+  Vec key_positions[kRowBlockVectors];
+  const float* value[kRowBlockKeys];
+  TilesAhead<C> tiles(a, t);
+  const int64_t num_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kRowBlockKeys) {
+    // The block's two tiles; the second's start asks for the next block's first tile over the rows.
+    int num_keys = 0;
+    for (int half = 0; half < 2 && k0 + half * kKeyTile < t.key_end; ++half) {
+      if (half == 1) tiles.finish();
+      const KeyTile<C>& tile = tiles.start(k0 + half * kKeyTile, half == 0 ? 1 : num_blocks);
+      keys_into_lanes(tile, d, kt, half * kKeyTile);
+      for (int j = 0; j < tile.num_keys; ++j, ++num_keys) {
+        if constexpr (sizeof(C) == sizeof(float)) {
+          value[num_keys] = tile.value[j];
+        } else {
+          copy_converted(tile.value[j], vbuf + num_keys * d, d);
+          value[num_keys] = vbuf + num_keys * d;
+        }
+      }
+    }
+    if (num_keys <= kKeyTile) {  // a last block of one tile: the second tile's keys are zeros
+      for (int64_t e = 0; e < d; ++e) {
+        for (int j = kKeyTile; j < kRowBlockKeys; j += W) Vec::zero().store(kt + e * kRowBlockKeys + j);
+      }
+    }
+    for (int v = 0; v < kRowBlockVectors; ++v) {
+      const Vec index = Vec::load(lane_index) + Vec::set1(static_cast<float>(v * W));
+      key_positions[v] = Vec::select(Vec::le(index, Vec::set1(static_cast<float>(num_keys - 1))),
+                                     index + Vec::set1(static_cast<float>(k0)), Vec::set1(__builtin_inff()));
+    }
+    const KeyBlock block{kt, value, key_positions, k0, num_keys};
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+      with_count<kRowBlock>(min64(kRowBlock, rows - m0), [&](auto n) {
+        row_block<decltype(n)::value>(a, t, block, m0, q, o, row_max, row_sums, p);
+      });
+      tiles.step();
+    }
+    tiles.finish();
+  }
+
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* sums = o + m * d;
+    const float row_sum = Vec::load(row_sums + m * W).reduce_add();
+    if (t.partial >= 0) {
+      const PartialRow partial = partial_row(a, t, rows, m);
+      for (int64_t e = 0; e < d; e += W) Vec::load(sums + e).store(partial.out + e);
+      partial.stats[0] = row_max[m];
+      partial.stats[1] = row_sum;
+      continue;
+    }
+    A* out = task_output<A>(a, t, m);
+    const Vec inv_sum = Vec::set1(1.0f / row_sum);
+    for (int64_t e = 0; e < d; e += W) (Vec::load(sums + e) * inv_sum).store(out + e);
+  }
+}
+#endif
+
+}  // namespace kvtool::cpu::KVTOOL_CPU_ISA
