@@ -42,8 +42,9 @@ static_assert(kRowBlock <= W, "a block's rows are rescaled as the lanes of one v
 // e^x for a weight's exponent x = score - the row's max (<= 0; -inf where masked): 2^(x log2 e) as
 // x log2 e = n + f, n = floor (vreduceps leaves f exactly), 2^f by a degree-5 polynomial (relative
 // error 1.6e-7, about Vec::exp's) and 2^n by vscalefps: 8 instructions where Vec::exp takes 17. An
-// exponent below -87 (a weight under 2^-125, a masked score's -inf among them) gives exactly 0, as
-// Vec::exp does below its range.
+// exponent below -87 (a weight under 2^-125) gives exactly 0, as Vec::exp does below its range,
+// rather than a denormal, which the value products would take at a fraction of their speed
+// (vscalefps alone already gives 0 for a masked score's -inf).
 static inline Vec weight_exp(Vec x) {
   const __m512 y = _mm512_mul_ps(x.v, _mm512_set1_ps(kLog2e));
   const __mmask16 weighs = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-125.0f), _CMP_GT_OQ);
