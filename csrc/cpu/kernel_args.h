@@ -99,8 +99,9 @@ struct AttentionTask {
   // task's heads at partials + shared_queries[shared + i].partial + partial, laid out as a decode
   // task of all heads leaves its partial.
   int32_t shared;
-  // The layout the task runs in (kernels_impl.h): query rows along the vector lanes, a KV head per
-  // task; else the head dimension along them, every KV head in the task.
+  // The layout the task runs in (kernels_impl.h): the prompt layout, a KV head per task (query rows
+  // along the vector lanes; on AVX-512 a float32 task's rows a block at a time in registers,
+  // attention_row_blocks.h); else the head dimension along the lanes, every KV head in the task.
   bool rows_in_lanes;
 };
 
