@@ -57,20 +57,6 @@ static inline Vec weight_exp(Vec x) {
   return {_mm512_maskz_scalef_ps(weighs, p, y)};
 }
 
-// kt [head_dim][kRowBlockKeys], columns [j0, j0 + kKeyTile): key j0 + j's element e at kt[e * kRowBlockKeys
-// + j0 + j], keys past the tile's zero.
-template <typename C>
-static void keys_into_lanes(const KeyTile<C>& tile, int64_t d, float* kt, int j0) {
-  for (int j = 0; j < kKeyTile; j += W) {
-    for (int64_t e0 = 0; e0 < d; e0 += W) {
-      Vec v[W];
-      for (int r = 0; r < W; ++r) v[r] = j + r < tile.num_keys ? Vec::load(tile.key[j + r] + e0) : Vec::zero();
-      transpose(v);
-      for (int c = 0; c < W; ++c) v[transposed_index(c)].store(kt + (e0 + c) * kRowBlockKeys + j0 + j);
-    }
-  }
-}
-
 // o [R][d] (rows d apart), head dims [e0, e0 + DV * W): scaled by alpha[r], plus the block's weighted
 // values (p [R][kRowBlockKeys] weights).
 template <int R, int DV>
@@ -155,13 +141,10 @@ static inline void row_block(const AttentionArgs& a, const AttentionTask& t, con
     for (int v = 1; v < kRowBlockVectors; ++v) m = Vec::max(m, s[r][v]);
     block_max[r] = m.reduce_max();
   }
-  const Vec old_max = Vec::load_n(row_max + m0, R);
-  const Vec new_max = Vec::max(old_max, Vec::load_n(block_max, R));
-  const Vec row_shift = Vec::select(Vec::gt(new_max, Vec::set1(kNegInf)), new_max, Vec::zero());
-  const Vec row_alpha = Vec::exp(old_max - row_shift);
-  new_max.store_n(row_max + m0, R);
-  row_shift.store(shift);
-  row_alpha.store(alpha);
+  const Rescale rescaled = rescale(Vec::load_n(row_max + m0, R), Vec::load_n(block_max, R));
+  rescaled.max.store_n(row_max + m0, R);
+  rescaled.shift.store(shift);
+  rescaled.alpha.store(alpha);
   for (int r = 0; r < R; ++r) {
     float* sums = row_sums + (m0 + r) * W;
     const Vec row_shift_r = Vec::set1(shift[r]);
@@ -203,6 +186,7 @@ static void attention_row_blocks(const AttentionArgs& a, const AttentionTask& t,
   alignas(64) float lane_index[W];
   for (int i = 0; i < W; ++i) lane_index[i] = static_cast<float>(i);
   Vec key_positions[kRowBlockVectors];
+  const C* key[kRowBlockKeys];
   const float* value[kRowBlockKeys];
   TilesAhead<C> tiles(a, t);
   const int64_t num_blocks = (rows + kRowBlock - 1) / kRowBlock;
@@ -212,8 +196,8 @@ static void attention_row_blocks(const AttentionArgs& a, const AttentionTask& t,
     for (int half = 0; half < 2 && k0 + half * kKeyTile < t.key_end; ++half) {
       if (half == 1) tiles.finish();
       const KeyTile<C>& tile = tiles.start(k0 + half * kKeyTile, half == 0 ? 1 : num_blocks);
-      keys_into_lanes(tile, d, kt, half * kKeyTile);
       for (int j = 0; j < tile.num_keys; ++j, ++num_keys) {
+        key[num_keys] = tile.key[j];
         if constexpr (sizeof(C) == sizeof(float)) {
           value[num_keys] = tile.value[j];
         } else {
@@ -222,11 +206,10 @@ static void attention_row_blocks(const AttentionArgs& a, const AttentionTask& t,
         }
       }
     }
-    if (num_keys <= kKeyTile) {  // a last block of one tile: the second tile's keys are zeros
-      for (int64_t e = 0; e < d; ++e) {
-        for (int j = kKeyTile; j < kRowBlockKeys; j += W) Vec::zero().store(kt + e * kRowBlockKeys + j);
-      }
-    }
+    // kt [d][kRowBlockKeys]: key j's element e at kt[e * kRowBlockKeys + j], keys past the block's zeros.
+    rows_into_lanes(kRowBlockKeys, d, kt, [&](int64_t j, int64_t e0, int64_t count) {
+      return j < num_keys ? load_part(key[j] + e0, count) : Vec::zero();
+    });
     for (int v = 0; v < kRowBlockVectors; ++v) {
       const Vec index = Vec::load(lane_index) + Vec::set1(static_cast<float>(v * W));
       key_positions[v] = Vec::select(Vec::le(index, Vec::set1(static_cast<float>(num_keys - 1))),
