@@ -6,7 +6,9 @@ on AVX-512 for every row count: there MKL (on an AMD EPYC it takes its AVX2 code
 GFLOP/s per core on a 1,056-row prefill and oneDNN 230 (``python bench/cpu_gemm.py``;
 results/cpu_profile.md). On an AVX2-only CPU the two were level from 512 rows on, so products
 above MAX_PACKED_ROWS_AVX2 rows stay on MKL there. bfloat16 products always take oneDNN (MKL has
-none). The packed copy costs the weight's bytes once more.
+none). The packed copy costs the weight's bytes once more. MKL's own packed sgemm, on an Intel
+Xeon, took a 1,053-token float32 miss step in 0.94-1.00x oneDNN's time but a 32-token hit in
+1.01-1.03x, so it would need a second packed copy to gain both (results/cpu_float32_products.md).
 """
 
 from __future__ import annotations
