@@ -27,20 +27,20 @@ def products(weights: list[list[torch.Tensor]], inputs: list[torch.Tensor], kind
     """One step's products (every layer's four, each result dropped as a step drops it) by ``kind``:
     'mkl', 'onednn' or 'mkl-packed'."""
     if kind == "mkl":
-        products = [(F.linear, (x, w)) for layer in weights for x, w in zip(inputs, layer)]
+        calls = [(F.linear, (x, w)) for layer in weights for x, w in zip(inputs, layer)]
     elif kind == "onednn":
         op = torch.ops.mkldnn._linear_pointwise
-        products = [(op, (x, torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], ""))
-                    for layer in weights for x, w in zip(inputs, layer)]
+        calls = [(op, (x, torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], ""))
+                 for layer in weights for x, w in zip(inputs, layer)]
     else:
         # MKL lays a weight out the same for any row count; torch takes the packed product when the
         # count it is given is the input's (else F.linear).
         op = torch.ops.mkl._mkl_linear
-        products = [(op, (x, torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w, None, x.shape[0]))
-                    for layer in weights for x, w in zip(inputs, layer)]
+        calls = [(op, (x, torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w, None, x.shape[0]))
+                 for layer in weights for x, w in zip(inputs, layer)]
 
     def step() -> None:
-        for op, operands in products:
+        for op, operands in calls:
             op(*operands)
 
     return step
