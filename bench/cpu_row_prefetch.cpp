@@ -2,7 +2,8 @@
 // ask_row_ahead): two threads' bfloat16 products over a 302 MB weight of 576-element rows (each thread
 // half of the rows, as kvtool's dot_row reads them: four pair-product chains, the 256 bytes of an
 // iteration asked for AHEAD bytes on with one prefetch a line), asking nothing, into L1 (prefetcht0) or
-// into L2 (prefetcht1), or each thread's rows as two or four streams walked side by side, against a
+// into L2 (prefetcht1), or each thread's rows as two, four or eight streams walked side by side (asking 4 KB
+// ahead into L2, or nothing), against a
 // plain streaming read of 1 GiB. Each round runs every variant (best of two) and prints GB/s (the VM's
 // memory rate moves between rounds: compare within a round's line).
 //
@@ -51,14 +52,15 @@ void rows(const uint16_t* w, const uint16_t* x, float* y, int64_t begin, int64_t
 }
 
 // Rows [begin, end) as Streams runs of equal length walked side by side, a row of each in turn, each
-// asking 4 KB ahead into L2 (kvtool's amx build walks four: KernelTable::row_product_streams).
-template <int Streams>
+// asking Ahead bytes ahead into L2 (kvtool's amx build walks four, 4 KB ahead:
+// KernelTable::row_product_streams), or nothing (Ahead 0: the hardware prefetcher alone).
+template <int Streams, int Ahead>
 void streams(const uint16_t* w, const uint16_t* x, float* y, int64_t begin, int64_t end) {
   const int64_t length = (end - begin + Streams - 1) / Streams;
   for (int64_t n = 0; n < length; ++n) {
     for (int s = 0; s < Streams; ++s) {
       const int64_t row = begin + s * length + n;
-      if (row < end) rows<4096, _MM_HINT_T1>(w, x, y, row, row + 1);
+      if (row < end) rows<Ahead, _MM_HINT_T1>(w, x, y, row, row + 1);
     }
   }
 }
@@ -100,8 +102,11 @@ int main(int argc, char** argv) {
                               {"L2 4K", rows<4096, _MM_HINT_T1>},
                               {"L2 8K", rows<8192, _MM_HINT_T1>},
                               {"L2 16K", rows<16384, _MM_HINT_T1>},
-                              {"L2 4K x2", streams<2>},
-                              {"L2 4K x4", streams<4>}};
+                              {"L2 4K x2", streams<2, 4096>},
+                              {"L2 4K x4", streams<4, 4096>},
+                              {"none x2", streams<2, 0>},
+                              {"none x4", streams<4, 0>},
+                              {"none x8", streams<8, 0>}};
   const auto size = static_cast<int64_t>(data.size());
   for (int round = 0; round < rounds; ++round) {
     const double read = on_threads([&](int t) {
