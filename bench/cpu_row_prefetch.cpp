@@ -2,10 +2,10 @@
 // ask_row_ahead): two threads' bfloat16 products over a 302 MB weight of 576-element rows (each thread
 // half of the rows, as kvtool's dot_row reads them: four pair-product chains, the 256 bytes of an
 // iteration asked for AHEAD bytes on with one prefetch a line), asking nothing, into L1 (prefetcht0) or
-// into L2 (prefetcht1), or each thread's rows as two, four or eight streams walked side by side (asking 4 KB
-// ahead into L2, or nothing), against a
-// plain streaming read of 1 GiB. Each round runs every variant (best of two) and prints GB/s (the VM's
-// memory rate moves between rounds: compare within a round's line).
+// into L2 (prefetcht1), or each thread's rows as two, four or eight streams walked side by side (asking
+// 4 KB ahead into L2, or nothing), against a plain streaming read of 1 GiB. Each round runs every
+// variant (best of two) and prints GB/s (the VM's memory rate moves between rounds: compare within a
+// round's line).
 //
 //   g++ -O3 -march=native -std=c++17 -pthread bench/cpu_row_prefetch.cpp -o /tmp/row_prefetch && /tmp/row_prefetch 6
 //
