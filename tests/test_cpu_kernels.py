@@ -263,11 +263,12 @@ def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype
 def test_attention_matches_torch_paged_attention(kernels, dtype, cache_dtype, tolerance, heads, kv_heads, head_dim,
                                                  tokens_per_block, window):
     torch.manual_seed(heads * head_dim)
-    num_blocks = 64
+    num_blocks = 80
     # A whole prompt, a chunk after a cached prefix (longer than the kernels' tasks), chunks of 2
-    # and 33 tokens, decode tokens at various lengths.
-    meta = step_metadata([(0, 70), (40, 150), (64, 2), (3, 33), (100, 1), (5, 1), (17, 1)], tokens_per_block,
-                         num_blocks, seed=head_dim)
+    # and 33 tokens, decode tokens at various lengths; a chunk whose first 6 queries end at key 64,
+    # the first key of a row block's second block of keys (attention_row_blocks.h: that query sees it).
+    meta = step_metadata([(0, 70), (40, 150), (64, 2), (3, 33), (100, 1), (5, 1), (17, 1), (59, 10)],
+                         tokens_per_block, num_blocks, seed=head_dim)
     _, out, expected = attention_and_reference(kernels, meta, dtype, cache_dtype, heads, kv_heads, num_blocks, window,
                                                head_dim, strided=True)
     assert relative_error(out, expected) <= tolerance

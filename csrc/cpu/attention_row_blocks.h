@@ -1,14 +1,17 @@
 // The prompt layout of attention on the vector unit with a block of query rows in registers (the
-// AVX-512 builds; head_dim a whole number of vectors): what a task of many rows (a prompt chunk, a
-// hit's new tokens, decode rows sharing a prefix) runs where neither AMX tiles nor AVX512-BF16 pair
-// products take it: a float32 cache on every AVX-512 CPU, a bfloat16 one on those without native
-// bfloat16 products. AVX2 (16 registers) and the portable build keep attention_rows.h.
+// AVX2 and AVX-512 builds; head_dim a whole number of vectors): what a task of many rows (a prompt
+// chunk, a hit's new tokens, decode rows sharing a prefix) runs where neither AMX tiles nor
+// AVX512-BF16 pair products take it: a float32 cache on every x86 CPU, a bfloat16 one on those
+// without native bfloat16 products (row_blocks_fit: on AVX2 not every task). The portable build
+// keeps attention_rows.h.
 //
 // Both products are register-blocked as a GEMM is. A block of 64 keys is transposed once a task, keys
 // along the lanes (kt [head_dim][64]); a block of 6 rows takes its scores [6][64] in 24 registers,
 // each query element broadcast against 4 vectors of keys, and keeps them there through the masking
 // and the softmax; its weighted values then accumulate [6][64 head dims] in 24 more, each weight
-// broadcast against a value row read from the cache as it lies. Rows whose queries precede a block
+// broadcast against a value row read from the cache as it lies. AVX2's 16 registers take the scores
+// 2 vectors of keys a pass (12 accumulators), the 6 x 8 vectors of a block's scores then held on the
+// stack through the softmax, and the values 2 head vectors a pass. Rows whose queries precede a block
 // (the causal upper triangle) skip it. The rows-in-lanes layout kept its scores and outputs in memory
 // ([keys][rows], [head_dim][rows]), a vector loaded or stored for every four multiply-adds. On the
 // family 6 model 207 Xeon, alternated call by call in one process (two threads, SmolLM2-135M's
@@ -23,22 +26,33 @@
 
 namespace kvtool::cpu::KVTOOL_CPU_ISA {
 
-// Rows a block, key vectors a block of keys (two key tiles: 64 keys) and head-dimension vectors each
-// pass of the weighted values takes: a block's 6 x 4 scores stay in registers from their products
-// through the softmax, and its value sums are 6 x 4 registers beside 4 value vectors and a broadcast
-// weight (29 of AVX-512's 32 registers).
+// Rows a block, key vectors a block of keys (two key tiles: 64 keys), key vectors a pass of the
+// scores and head-dimension vectors a pass of the weighted values: on AVX-512 a block's 6 x 4 scores
+// stay in registers from their products through the softmax, and its value sums are 6 x 4 registers
+// beside 4 value vectors and a broadcast weight (29 of its 32 registers); on AVX2 a pass is 6 x 2
+// beside 2 and 1 (15 of 16).
 constexpr int kRowBlock = 6;
-constexpr int kRowBlockVectors = 4;
-constexpr int kRowBlockKeys = kRowBlockVectors * W;
-constexpr int kValueVectors = 4;
+constexpr int kRowBlockKeys = 2 * kKeyTile;
+constexpr int kRowBlockVectors = kRowBlockKeys / W;
+constexpr int kScoreVectors = W >= 16 ? 4 : 2;
+constexpr int kValueVectors = W >= 16 ? 4 : 2;
 
-// AVX-512 builds only: AVX2's 16 registers hold neither block (its builds keep attention_rows.h).
-static inline bool row_blocks_fit(int64_t head_dim) { return W == 16 && head_dim % W == 0; }
+// Whether a task of `rows` query rows takes the blocks: head_dim whole vectors, and on AVX2 (8 lanes,
+// where a block's key transpose and softmax weigh more) not where the rows fill the rows-in-lanes
+// layout's register blocks exactly (kBlockRows row vectors: 24 rows, 48, ...). On the family 25 model
+// 17 EPYC, AVX2 blocks against that layout (alternated in one process, two threads): a 1,053-token
+// prompt's layer (tasks of 126 rows) 0.886x the time; hits' tasks of 18, 27 or 126 rows 0.86-0.95x;
+// but tasks of 24 and 72 rows (a 32-token hit's) 1.03x, of 24 rows (8 decode rows sharing a prefix)
+// 1.02x, of 48 rows 0.99x (results/cpu_attention.md).
+static inline bool row_blocks_fit(int64_t head_dim, int64_t rows) {
+  return head_dim % W == 0 && (W >= 16 || rows % (kBlockRows * W) != 0);
+}
 
-#if defined(__AVX512DQ__)
-static_assert(kRowBlockKeys == 2 * kKeyTile, "a block of keys is two key tiles");
+#if defined(__AVX2__)
+static_assert(kRowBlockVectors % kScoreVectors == 0, "a block of keys is whole passes of the scores");
 static_assert(kRowBlock <= W, "a block's rows are rescaled as the lanes of one vector");
 
+#if defined(__AVX512DQ__)
 // e^x for a weight's exponent x = score - the row's max (<= 0; -inf where masked): 2^(x log2 e) as
 // x log2 e = n + f, n = floor (vreduceps leaves f exactly), 2^f by a degree-5 polynomial (relative
 // error 1.6e-7, about Vec::exp's) and 2^n by vscalefps: 8 instructions where Vec::exp takes 17. An
@@ -56,6 +70,10 @@ static inline Vec weight_exp(Vec x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999994e-1f));
   return {_mm512_maskz_scalef_ps(weighs, p, y)};
 }
+#else
+// AVX2 has neither vreduceps nor vscalefps: Vec::exp, which gives 0 below its range too.
+static inline Vec weight_exp(Vec x) { return Vec::exp(x); }
+#endif
 
 // o [R][d] (rows d apart), head dims [e0, e0 + DV * W): scaled by alpha[r], plus the block's weighted
 // values (p [R][kRowBlockKeys] weights).
@@ -107,17 +125,22 @@ static inline void row_block(const AttentionArgs& a, const AttentionTask& t, con
   if (keys_first > last) return;  // every key after every row's query
   if (window > 0 && keys_last <= first - static_cast<float>(window)) return;  // before every row's window
 
-  Vec s[R][kRowBlockVectors];  // [rows][keys]
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kRowBlockVectors; ++v) s[r][v] = Vec::zero();
-  const float* k = keys.kt;
-  for (int64_t e = 0; e < d; ++e, k += kRowBlockKeys) {
-    Vec key[kRowBlockVectors];
-    for (int v = 0; v < kRowBlockVectors; ++v) key[v] = Vec::load(k + v * W);
-    for (int r = 0; r < R; ++r) {
-      Vec x = Vec::set1(q[(m0 + r) * d + e]);
-      for (int v = 0; v < kRowBlockVectors; ++v) s[r][v] = Vec::fma(x, key[v], s[r][v]);
+  Vec s[R][kRowBlockVectors];  // [rows][keys]: in registers on AVX-512 (one pass), on the stack on AVX2
+  for (int v0 = 0; v0 < kRowBlockVectors; v0 += kScoreVectors) {
+    Vec acc[R][kScoreVectors];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kScoreVectors; ++v) acc[r][v] = Vec::zero();
+    const float* k = keys.kt + v0 * W;
+    for (int64_t e = 0; e < d; ++e, k += kRowBlockKeys) {
+      Vec key[kScoreVectors];
+      for (int v = 0; v < kScoreVectors; ++v) key[v] = Vec::load(k + v * W);
+      for (int r = 0; r < R; ++r) {
+        Vec x = Vec::set1(q[(m0 + r) * d + e]);
+        for (int v = 0; v < kScoreVectors; ++v) acc[r][v] = Vec::fma(x, key[v], acc[r][v]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kScoreVectors; ++v) s[r][v0 + v] = acc[r][v];
   }
   const bool masked = keys.num_keys < kRowBlockKeys || keys_last > first ||
                       (window > 0 && keys_first <= last - static_cast<float>(window));

@@ -1,7 +1,8 @@
 // The prompt layout of attention (rows along the vector lanes), compiled once per instruction set
-// (kernels_impl.h); attention_dims.h holds the decode layout. The AVX-512 builds run a float32 task
-// (or one over a bfloat16 cache without native bfloat16 products) with rows in registers instead
-// (attention_row_blocks.h) where head_dim is a whole number of vectors.
+// (kernels_impl.h); attention_dims.h holds the decode layout. The AVX2 and AVX-512 builds run a
+// float32 task (or one over a bfloat16 cache without native bfloat16 products) with rows in registers
+// instead (attention_row_blocks.h) where head_dim is a whole number of vectors (on AVX2, not the
+// tasks whose rows fill this layout's register blocks exactly: row_blocks_fit).
 #pragma once
 
 #include "kernels_common.h"

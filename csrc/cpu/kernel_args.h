@@ -100,7 +100,7 @@ struct AttentionTask {
   // task of all heads leaves its partial.
   int32_t shared;
   // The layout the task runs in (kernels_impl.h): the prompt layout, a KV head per task (query rows
-  // along the vector lanes; on AVX-512 a float32 task's rows a block at a time in registers,
+  // along the vector lanes; on AVX2 and AVX-512 a float32 task's rows a block at a time in registers,
   // attention_row_blocks.h); else the head dimension along the lanes, every KV head in the task.
   bool rows_in_lanes;
 };

@@ -185,8 +185,9 @@ static void attention_task(const AttentionArgs& a, const AttentionTask& t, float
       if (pairs_fit(a.head_dim)) return attention_rows_bf16<A>(a, t, scratch);
     }
 #endif
-#if defined(__AVX512DQ__)
-    if (row_blocks_fit(a.head_dim)) return attention_row_blocks<A, C>(a, t, scratch);
+#if defined(__AVX2__)
+    const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);
+    if (row_blocks_fit(a.head_dim, rows)) return attention_row_blocks<A, C>(a, t, scratch);
 #endif
     attention_rows_in_lanes<A, C>(a, t, scratch);
   } else {

@@ -70,6 +70,12 @@ struct Vec {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  float reduce_max() const {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
 
   // Horizontal reductions of many vectors, two at a time (vec_avx512.h): pairs of lanes, quads,
   // then the two 128-bit lanes.
