@@ -37,15 +37,16 @@ constexpr int kRowBlockVectors = kRowBlockKeys / W;
 constexpr int kScoreVectors = W >= 16 ? 4 : 2;
 constexpr int kValueVectors = W >= 16 ? 4 : 2;
 
-// Whether a task of `rows` query rows takes the blocks: head_dim whole vectors, and on AVX2 (8 lanes,
-// where a block's key transpose and softmax weigh more) not where the rows fill the rows-in-lanes
-// layout's register blocks exactly (kBlockRows row vectors: 24 rows, 48, ...). On the family 25 model
+// Whether task t takes the blocks: head_dim whole vectors, and on AVX2 (8 lanes, where a block's key
+// transpose and softmax weigh more) not where the task's rows fill the rows-in-lanes layout's
+// register blocks exactly (kBlockRows row vectors: 24 rows, 48, ...). On the family 25 model
 // 17 EPYC, AVX2 blocks against that layout (alternated in one process, two threads): a 1,053-token
 // prompt's layer (tasks of 126 rows) 0.886x the time; hits' tasks of 18, 27 or 126 rows 0.86-0.95x;
 // but tasks of 24 and 72 rows (a 32-token hit's) 1.03x, of 24 rows (8 decode rows sharing a prefix)
 // 1.02x, of 48 rows 0.99x (results/cpu_attention.md).
-static inline bool row_blocks_fit(int64_t head_dim, int64_t rows) {
-  return head_dim % W == 0 && (W >= 16 || rows % (kBlockRows * W) != 0);
+static inline bool row_blocks_fit(const AttentionArgs& a, const AttentionTask& t) {
+  const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);
+  return a.head_dim % W == 0 && (W >= 16 || rows % (kBlockRows * W) != 0);
 }
 
 #if defined(__AVX2__)

@@ -186,8 +186,7 @@ static void attention_task(const AttentionArgs& a, const AttentionTask& t, float
     }
 #endif
 #if defined(__AVX2__)
-    const int64_t rows = static_cast<int64_t>(t.num_queries) * (a.num_heads / a.num_kv_heads);
-    if (row_blocks_fit(a.head_dim, rows)) return attention_row_blocks<A, C>(a, t, scratch);
+    if (row_blocks_fit(a, t)) return attention_row_blocks<A, C>(a, t, scratch);
 #endif
     attention_rows_in_lanes<A, C>(a, t, scratch);
   } else {
