@@ -1,11 +1,16 @@
-"""Greedy sampling on the CPU (NumPy's argmax) picks what torch's argmax picks."""
+"""Sampling: greedy rows pick what torch's argmax picks (NumPy's on the CPU); temperature, top-k and top-p
+draws follow the distribution a plain softmax over the kept tokens gives."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtool.config import SamplingParams
-from kvtool.layers.sampler import sample
+from kvtool.layers.sampler import inverse_transform, sample, top_candidates
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)
 
@@ -25,3 +30,103 @@ def test_greedy_rows_of_a_strided_view_are_sampled_from_the_view():
     assert sample(view, [GREEDY] * 3, [None] * 3) == logits.argmax(dim=-1).tolist()[::2]
     with torch.inference_mode():                    # the runner's logits are inference tensors
         assert sample(logits.clone(), [GREEDY] * 6, [None] * 6) == logits.argmax(dim=-1).tolist()
+
+
+def draws(logits: list[float], params: SamplingParams, num_draws: int, seed: int = 0) -> list[int]:
+    """Token counts of num_draws draws from one row of logits, one generator for all of them."""
+    row = torch.tensor([logits])
+    generator = torch.Generator().manual_seed(seed)
+    counts = [0] * len(logits)
+    for _ in range(num_draws):
+        counts[sample(row, [params], [generator])[0]] += 1
+    return counts
+
+
+def reference_probs(logits: list[float], temperature: float, keep: list[int]) -> list[float]:
+    """softmax(logits / temperature) over the tokens of ``keep``, 0 elsewhere, in plain Python."""
+    weights = [math.exp(logits[i] / temperature) if i in keep else 0.0 for i in range(len(logits))]
+    return [w / sum(weights) for w in weights]
+
+
+def assert_follows(counts: list[int], probs: list[float]) -> None:
+    """Pearson's chi-square of the counts against probs below its 0.999 quantile; no draw where probs is 0."""
+    num_draws = sum(counts)
+    assert all(c == 0 for c, p in zip(counts, probs) if p == 0), (counts, probs)
+    support = [(c, p) for c, p in zip(counts, probs) if p > 0]
+    chi2 = sum((c - num_draws * p) ** 2 / (num_draws * p) for c, p in support)
+    assert chi2 < CHI2_999[len(support) - 1], (chi2, counts, [round(num_draws * p) for p in probs])
+
+
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+LOGITS = [1.0, 2.5, -0.5, 0.0, 3.0, 1.5, -2.0, 0.5]
+
+
+def test_a_temperature_draws_from_the_softmax_of_the_scaled_logits():
+    for temperature in (0.5, 1.0, 2.0):
+        counts = draws(LOGITS, SamplingParams(temperature=temperature), 20_000)
+        assert_follows(counts, reference_probs(LOGITS, temperature, keep=list(range(8))))
+
+
+def test_top_k_draws_among_the_k_largest_logits_only():
+    counts = draws(LOGITS, SamplingParams(temperature=0.8, top_k=3), 20_000)
+    assert_follows(counts, reference_probs(LOGITS, 0.8, keep=[4, 1, 5]))
+
+
+def test_top_p_keeps_the_fewest_tokens_whose_probability_reaches_it():
+    # softmax(LOGITS) in descending order: 4 (0.469), 1 (0.284), 5 (0.105), 0 (0.063), ...: 0.75 before
+    # token 5, which is kept, 0.86 before token 0, which is not.
+    probs = reference_probs(LOGITS, 1.0, keep=list(range(8)))
+    order = sorted(range(8), key=lambda i: -probs[i])
+    assert order[:3] == [4, 1, 5] and sum(probs[i] for i in order[:2]) < 0.8 < sum(probs[i] for i in order[:3])
+    counts = draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.8), 20_000)
+    assert_follows(counts, reference_probs(LOGITS, 1.0, keep=[4, 1, 5]))
+    # top_k first, then top_p of what top_k left: {4, 1} renormalized are 0.62 and 0.38, both kept.
+    counts = draws(LOGITS, SamplingParams(temperature=1.0, top_k=2, top_p=0.8), 20_000)
+    assert_follows(counts, reference_probs(LOGITS, 1.0, keep=[4, 1]))
+    # The largest stays whatever top_p.
+    assert draws(LOGITS, SamplingParams(temperature=1.0, top_p=0.01), 50) == [0, 0, 0, 0, 50, 0, 0, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab_size=st.integers(1, 3000), top_k=st.integers(0, 3000), top_p=st.floats(0.01, 1.0),
+       seed=st.integers(0, 2**31), spread=st.sampled_from([0.1, 1.0, 8.0]))
+def test_top_candidates_are_those_of_a_full_sort(vocab_size, top_k, top_p, seed, spread):
+    # Flat rows (spread 0.1) keep many candidates past the first 64 and 512 looked at.
+    logits = torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed)) * spread
+    probs = torch.softmax(logits, dim=-1)
+    k = top_k if 0 < top_k < vocab_size else vocab_size
+    ordered = sorted(range(vocab_size), key=lambda i: -float(probs[i]))[:k]
+    mass = sum(float(probs[i]) for i in ordered)
+    expected, before = [], 0.0
+    for i in ordered:
+        if expected and before >= top_p * mass:
+            break
+        expected.append(i)
+        before += float(probs[i])
+    values, token_ids = top_candidates(probs, k, top_p)
+    # Sums in float32 against float64: a token whose mass before it sits at the cut may go either way.
+    assert abs(len(token_ids) - len(expected)) <= 1
+    common = min(len(expected), len(token_ids))
+    assert token_ids.tolist()[:common] == expected[:common]
+    assert torch.equal(values, probs[token_ids])
+
+
+def test_inverse_transform_never_lands_on_a_token_of_zero_probability():
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0])
+    below_one = 1.0 - 2.0**-53
+    cases = {0.0: 1, 0.2: 1, 0.25: 3, 0.5: 3, 0.75: 4, 0.9: 4, below_one: 4}
+    for u, expected in cases.items():
+        assert inverse_transform(probs, torch.tensor([u], dtype=torch.float64)) == expected, u
+    # Unnormalized probabilities: u is a fraction of their total.
+    assert inverse_transform(probs * 8, torch.tensor([below_one], dtype=torch.float64)) == 4
+
+
+def test_a_seed_repeats_its_draws_whatever_rows_share_the_step():
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def row_one_draws(others: list[SamplingParams]) -> list[int]:
+        generators = [torch.Generator().manual_seed(s) for s in (1, 7, 3)]
+        return [sample(logits, [others[0], params, others[1]], generators)[1] for _ in range(20)]
+
+    assert row_one_draws([GREEDY, GREEDY]) == row_one_draws([SamplingParams(top_k=5), SamplingParams(top_p=0.5)])
