@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvtool.config import SamplingParams
 from kvtool.cpu_kernels.decoder import MAX_ROW_PRODUCT_ROWS, CpuDecoder
+from kvtool.layers.sampler import sample
 from hf_checkpoints import TEST_TOKENS_PER_BLOCK as T
 from paged_driver import PagedDriver
 from test_model_vs_transformers import random_prompt
@@ -107,8 +109,9 @@ def decode_arrays(seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def test_a_decode_step_in_one_call_gives_the_logits_and_kv_of_forward_and_the_lm_head(models, name, dtype):
     # decode() embeds the tokens, finds the slots and the attention plan from the block tables, and runs
     # the stack and the LM head (tied or not) in C++: the same logits and KV, bit for bit. The same step
-    # by decode_greedy picks in C++, from the head's output split among the threads, what NumPy's argmax
-    # of those logits picks, and writes the same KV.
+    # by decode_picks picks in C++, from the head's output split among the threads, what NumPy's argmax
+    # of those logits picks, and writes the same KV; with temperatures, what the sampler draws from those
+    # logits with the same uniform numbers.
     ours, _ = models(name)
     model = ours.to(dtype)
     try:
@@ -128,9 +131,16 @@ def test_a_decode_step_in_one_call_gives_the_logits_and_kv_of_forward_and_the_lm
             assert logits.dtype == torch.float32 and torch.equal(logits, expected)
             torch.testing.assert_close(driver.pool, expected_pool, rtol=0, atol=0, equal_nan=True)
             driver.pool.copy_(pool)
-            picks = decoder.decode_greedy(*decode_arrays(step), driver.kv_caches)
+            picks = decoder.decode_picks(*decode_arrays(step), driver.kv_caches)
             assert picks.dtype == np.int64 and picks.tolist() == logits.numpy().argmax(axis=-1).tolist()
             torch.testing.assert_close(driver.pool, expected_pool, rtol=0, atol=0, equal_nan=True)
+            # Sampled rows, and a greedy one beside a sampled one, at a few uniform numbers and temperatures.
+            for u, temperatures in ((0.02, (0.7, 0.0)), (0.5, (1.5, 0.9)), (0.97, (1.0, 0.0))):
+                params = [SamplingParams(temperature=t) for t in temperatures[:len(step)]]
+                uniforms, temperatures = np.array([u] * len(step)), np.array(temperatures[:len(step)], np.float32)
+                driver.pool.copy_(pool)
+                drawn = decoder.decode_picks(*decode_arrays(step), driver.kv_caches, temperatures, uniforms)
+                assert drawn.tolist() == sample(logits, params, uniforms)
             for seq, token_id in zip(step, picks.tolist()):
                 seq.num_computed += 1
                 seq.append(token_id)
@@ -162,7 +172,7 @@ def test_a_greedy_pick_takes_the_first_of_tied_logits_and_the_first_nan_across_t
 
         def pick_and_argmax() -> tuple[int, int]:
             logits = decoder.decode(*decode_arrays([seq]), driver.kv_caches)
-            return int(decoder.decode_greedy(*decode_arrays([seq]), driver.kv_caches)[0]), int(
+            return int(decoder.decode_picks(*decode_arrays([seq]), driver.kv_caches)[0]), int(
                 logits.numpy().argmax())
 
         with torch.no_grad():

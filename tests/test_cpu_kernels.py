@@ -5,6 +5,7 @@ CPU runs, for float32 and bfloat16 (and a bfloat16 cache under float32 activatio
 - silu_mul against F.silu(gate) * up;
 - linear (a few rows' projection) against F.linear in float32;
 - argmax against NumPy's argmax (ties, infinities, NaNs);
+- draw against the inverse transform of a float64 softmax;
 - rope_store_kv against kvtool.models.llama's apply_rope (after F.rms_norm for Qwen3's q/k norm)
   and write_kv_cache;
 - attention against TorchPagedAttention on mixed steps (whole prompts, chunks after a cached
@@ -143,6 +144,40 @@ def test_argmax_picks_the_first_largest_or_the_first_nan_as_numpy_does(isa, dtyp
     expected = int(row.float().numpy().argmax())
     assert pick.index == expected
     assert pick.value == row[expected].item() or (math.isnan(pick.value) and math.isnan(row[expected].item()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(1, 300), temperature=st.sampled_from([0.05, 0.7, 1.0, 3.0]), seed=st.integers(0, 2**31),
+       masked=st.floats(0.0, 0.9), u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2.0**-53)))
+def test_draw_is_the_inverse_transform_of_a_float64_softmax(isa, dtype, size, temperature, seed, masked, u):
+    # The first index whose running sum of weights exp((x - max) / temperature) exceeds u times their
+    # total, in float64 from the same values; -inf logits (a share `masked` of them) weigh nothing and
+    # are never drawn. Rows of any length: whole vectors and a tail, or the tail alone.
+    generator = torch.Generator().manual_seed(seed)
+    row = (torch.randn(size, generator=generator) * 3).to(dtype)
+    row[torch.rand(size, generator=generator) < masked] = float("-inf")
+    row[int(torch.randint(size, (1,), generator=generator))] = 1.0  # one finite logit at least
+    pick = ops.draw(CpuKernels(isa, 1), row, temperature, u)
+    x = row.double()
+    weights = torch.exp((x - x.max()) / temperature)
+    cdf = weights.cumsum(0)
+    target = u * float(cdf[-1])
+    assert weights[pick] > 0
+    # Float32 weights against float64: the pick may move past a token whose edge lies within rounding.
+    tolerance = 1e-5 * float(cdf[-1])
+    before = float(cdf[pick - 1]) if pick > 0 else 0.0
+    assert before <= target + tolerance and float(cdf[pick]) > target - tolerance, (pick, target, cdf)
+
+
+def test_draw_falls_back_to_the_argmax_where_a_draw_means_nothing_and_refuses_bad_numbers(kernels):
+    row = torch.tensor([0.5, float("inf"), 2.0, float("nan"), 1.0])
+    assert ops.draw(kernels, row, 1.0, 0.5) == 3  # a NaN, the first: argmax's pick
+    assert ops.draw(kernels, row[:3].clone(), 1.0, 0.5) == 1  # +inf
+    for temperature, u in ((0.0, 0.5), (-1.0, 0.5), (1.0, 1.0), (1.0, -0.1), (float("nan"), 0.5)):
+        with pytest.raises(ValueError, match="temperature"):
+            ops.draw(kernels, row, temperature, u)
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)

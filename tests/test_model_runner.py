@@ -112,10 +112,12 @@ def test_a_decode_steps_rows_come_from_the_scheduler_as_flatten_step_gives_them(
     assert min(num_steps.values()) >= 1, num_steps
 
 
-@pytest.mark.parametrize("temperature, method", [(0.0, "decode_greedy"), (0.8, "decode")])
+@pytest.mark.parametrize("temperature, top_k, method", [(0.0, 0, "decode_picks"), (0.8, 0, "decode_picks"),
+                                                       (0.8, 5, "decode")])
 def test_an_engine_decode_step_on_the_cpu_is_one_call_from_the_schedulers_arrays(tiny_llama_plan, monkeypatch,
-                                                                                  temperature, method):
-    # Greedy requests take their picks from the step itself (decode_greedy), sampled ones its logits.
+                                                                                  temperature, top_k, method):
+    # Greedy and temperature requests take their tokens from the step itself (decode_picks, drawn from the
+    # same uniform numbers as the sampler's), top-k ones its logits.
     from kvtool.config import SamplingParams
 
     def generate(one_call: bool) -> tuple[list[list[int]], list[list[int]]]:
@@ -127,7 +129,8 @@ def test_an_engine_decode_step_on_the_cpu_is_one_call_from_the_schedulers_arrays
             if not one_call:  # flatten_step, the forward and the LM head apart
                 monkeypatch.setattr(decoder, "decodes", lambda num_rows: False)
             outputs = llm.generate([list(range(10, 19)), list(range(30, 36))],
-                                   SamplingParams(max_tokens=6, temperature=temperature, seed=7, ignore_eos=True))
+                                   SamplingParams(max_tokens=6, temperature=temperature, top_k=top_k, seed=7,
+                                                  ignore_eos=True))
             return [output.outputs[0].token_ids for output in outputs], calls
 
     outputs, calls = generate(one_call=True)

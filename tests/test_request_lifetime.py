@@ -25,7 +25,7 @@ from serve_helpers import tiny_llm
 from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, run_steps
 
 from kvtool import KvCacheConfig, SamplingParams, SchedulerConfig, _core
-from kvtool.layers.sampler import make_generator, sample
+from kvtool.layers.sampler import draw_uniforms, make_generator, sample
 from kvtool.runtime.engine import Engine
 from kvtool.runtime.request import Request
 from kvtool.serve import create_app
@@ -139,10 +139,11 @@ class _ArgmaxZeroRunner:
     def execute_step(self, batch, requests, generators):
         if not len(batch):
             return None
-        return sample(torch.zeros(len(requests), self.vocab_size), [r.sampling_params for r in requests], generators)
+        params = [r.sampling_params for r in requests]
+        return sample(torch.zeros(len(requests), self.vocab_size), params, draw_uniforms(params, generators))
 
     def make_generator(self, params, request_id: int):
-        return make_generator(params, request_id, self.device)
+        return make_generator(params, request_id)
 
 
 def _engine_with_a_free_forward(vocab_size: int = 64) -> Engine:

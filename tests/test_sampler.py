@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.config import SamplingParams
-from kvtool.layers.sampler import inverse_transform, sample, top_candidates
+from kvtool.layers.sampler import draw_uniforms, inverse_transform, sample, step_temperatures, top_candidates
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)
 
@@ -20,16 +21,16 @@ def test_greedy_rows_take_the_first_maximum_as_torch_does():
     logits[1, 10] = logits[1, 900] = 50.0           # a tie: the first one
     logits[2, 3] = float("nan")                     # NaN counts as the maximum, as in torch
     expected = logits.argmax(dim=-1).tolist()
-    assert sample(logits, [GREEDY] * 5, [None] * 5) == expected
+    assert sample(logits, [GREEDY] * 5, draw_uniforms([GREEDY] * 5, [None] * 5)) == expected
     assert expected[1] == 10 and expected[2] == 3
 
 
 def test_greedy_rows_of_a_strided_view_are_sampled_from_the_view():
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
     view = logits[::2]                              # [3, 300], rows 0, 2, 4
-    assert sample(view, [GREEDY] * 3, [None] * 3) == logits.argmax(dim=-1).tolist()[::2]
+    assert sample(view, [GREEDY] * 3, np.zeros(3)) == logits.argmax(dim=-1).tolist()[::2]
     with torch.inference_mode():                    # the runner's logits are inference tensors
-        assert sample(logits.clone(), [GREEDY] * 6, [None] * 6) == logits.argmax(dim=-1).tolist()
+        assert sample(logits.clone(), [GREEDY] * 6, np.zeros(6)) == logits.argmax(dim=-1).tolist()
 
 
 def draws(logits: list[float], params: SamplingParams, num_draws: int, seed: int = 0) -> list[int]:
@@ -38,7 +39,7 @@ def draws(logits: list[float], params: SamplingParams, num_draws: int, seed: int
     generator = torch.Generator().manual_seed(seed)
     counts = [0] * len(logits)
     for _ in range(num_draws):
-        counts[sample(row, [params], [generator])[0]] += 1
+        counts[sample(row, [params], draw_uniforms([params], [generator]))[0]] += 1
     return counts
 
 
@@ -106,9 +107,10 @@ def test_top_candidates_are_those_of_a_full_sort(vocab_size, top_k, top_p, seed,
     values, token_ids = top_candidates(probs, k, top_p)
     # Sums in float32 against float64: a token whose mass before it sits at the cut may go either way.
     assert abs(len(token_ids) - len(expected)) <= 1
+    # The same probabilities in the same order (equal ones may come as other tokens), distinct tokens.
     common = min(len(expected), len(token_ids))
-    assert token_ids.tolist()[:common] == expected[:common]
-    assert torch.equal(values, probs[token_ids])
+    assert values[:common].tolist() == [float(probs[i]) for i in expected[:common]]
+    assert torch.equal(values, probs[token_ids]) and len(set(token_ids.tolist())) == len(token_ids)
 
 
 def test_inverse_transform_never_lands_on_a_token_of_zero_probability():
@@ -116,9 +118,9 @@ def test_inverse_transform_never_lands_on_a_token_of_zero_probability():
     below_one = 1.0 - 2.0**-53
     cases = {0.0: 1, 0.2: 1, 0.25: 3, 0.5: 3, 0.75: 4, 0.9: 4, below_one: 4}
     for u, expected in cases.items():
-        assert inverse_transform(probs, torch.tensor([u], dtype=torch.float64)) == expected, u
+        assert inverse_transform(probs, u) == expected, u
     # Unnormalized probabilities: u is a fraction of their total.
-    assert inverse_transform(probs * 8, torch.tensor([below_one], dtype=torch.float64)) == 4
+    assert inverse_transform(probs * 8, below_one) == 4
 
 
 def test_a_seed_repeats_its_draws_whatever_rows_share_the_step():
@@ -127,6 +129,19 @@ def test_a_seed_repeats_its_draws_whatever_rows_share_the_step():
 
     def row_one_draws(others: list[SamplingParams]) -> list[int]:
         generators = [torch.Generator().manual_seed(s) for s in (1, 7, 3)]
-        return [sample(logits, [others[0], params, others[1]], generators)[1] for _ in range(20)]
+        step_params = [others[0], params, others[1]]
+        return [sample(logits, step_params, draw_uniforms(step_params, generators))[1] for _ in range(20)]
 
     assert row_one_draws([GREEDY, GREEDY]) == row_one_draws([SamplingParams(top_k=5), SamplingParams(top_p=0.5)])
+
+
+def test_greedy_rows_take_no_number_from_their_stream_and_a_step_draws_itself_without_top_k_or_top_p():
+    generator = torch.Generator().manual_seed(3)
+    uniforms = draw_uniforms([GREEDY, SamplingParams(temperature=0.5)], [None, generator])
+    assert uniforms[0] == 0.0 and uniforms[1] == torch.rand(1, dtype=torch.float64,
+                                                            generator=torch.Generator().manual_seed(3)).item()
+    assert step_temperatures([GREEDY, SamplingParams(temperature=0.5)]).tolist() == [0.0, 0.5]
+    assert step_temperatures([GREEDY, SamplingParams(top_k=4)]) is None
+    assert step_temperatures([SamplingParams(top_p=0.9), GREEDY]) is None
+    # A greedy row's top_k or top_p means nothing.
+    assert step_temperatures([SamplingParams(temperature=0, top_k=4)]).tolist() == [0.0]

@@ -1,6 +1,7 @@
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -272,6 +273,17 @@ ArgMax CpuKernels::argmax(const void* data, DType dtype, int64_t begin, int64_t 
                                 ") must hold at least one value");
   }
   return table_->argmax(data, dtype, begin, end);
+}
+
+int64_t CpuKernels::draw(const void* data, DType dtype, int64_t size, ArgMax best, float temperature,
+                         double u) const {
+  if (!(temperature > 0.0f) || !(u >= 0.0 && u < 1.0)) {
+    throw std::invalid_argument("draw: the temperature (" + std::to_string(temperature) + ") must be above 0 and u (" +
+                                std::to_string(u) + ") in [0, 1)");
+  }
+  const float inv_temperature = 1.0f / temperature;
+  if (!std::isfinite(best.value) || !std::isfinite(inv_temperature)) return best.index;
+  return table_->draw(data, dtype, size, best.value, inv_temperature, u);
 }
 
 double CpuKernels::sum(const float* data, int64_t num_floats) {

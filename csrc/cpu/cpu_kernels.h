@@ -48,6 +48,10 @@ class CpuKernels {
   double sum(const float* data, int64_t num_floats);
   // The largest of data[begin, end) and its first index (a NaN the largest), on the calling thread.
   ArgMax argmax(const void* data, DType dtype, int64_t begin, int64_t end) const;
+  // A row's sampled token: a draw from softmax(data[0, size) / temperature) by inverse transform of u in
+  // [0, 1) (draw.h), on the calling thread; best: argmax(data, dtype, 0, size). Where a draw means nothing
+  // (a NaN or infinite largest value, a temperature whose inverse overflows) it is best's index.
+  int64_t draw(const void* data, DType dtype, int64_t size, ArgMax best, float temperature, double u) const;
 
   // The threads: a team of them runs the kernels' calls of a whole decoder stack step (DecoderStack).
   Parallel& parallel() { return pool_; }

@@ -117,10 +117,19 @@ void DecoderStack::forward(CpuKernels& kernels, const AttentionPlan& plan, const
 }
 
 void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
-  if (args.logits == nullptr && args.greedy_token_ids == nullptr) {
-    throw std::invalid_argument("DecoderStack.decode: a step needs somewhere to put its logits or greedy picks");
+  if (args.logits == nullptr && args.picked_token_ids == nullptr) {
+    throw std::invalid_argument("DecoderStack.decode: a step needs somewhere to put its logits or picked tokens");
   }
   const int64_t n = args.num_rows, hidden = shape_.hidden_size, vocab = vocab_.vocab_size;
+  for (int64_t r = 0; args.temperatures != nullptr && r < n; ++r) {
+    const float temperature = args.temperatures[r];
+    const double u = args.uniforms != nullptr ? args.uniforms[r] : -1.0;
+    if (!(temperature >= 0.0f) || (temperature > 0.0f && !(u >= 0.0 && u < 1.0))) {
+      throw std::invalid_argument("DecoderStack.decode: row " + std::to_string(r) + "'s temperature (" +
+                                  std::to_string(temperature) + ") must be 0 (greedy) or above, a draw's uniform "
+                                  "number (" + std::to_string(u) + ") in [0, 1)");
+    }
+  }
   const DecoderStepArgs step{residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(),
                              args.caches};
   check_step(step, "decode");
@@ -155,7 +164,7 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
                            kernels.width(), kernels.num_threads(),
                            kernels.rows_per_attention_task(shape_.dtype));
   kernels.reserve_attention(plan);
-  // The layers, the LM head, and the widening of its logits or the greedy picks, on one team of threads.
+  // The layers, the LM head, and the widening of its logits or the picks, on one team of threads.
   const bool head_into_logits = shape_.dtype == DType::kFloat32 && args.logits != nullptr;
   void* head = head_into_logits ? static_cast<void*>(args.logits) : head_out_.data();  // [n, vocab]
   struct Widening {
@@ -165,7 +174,8 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
   };
   const Widening widening{static_cast<const uint16_t*>(head), args.logits, n * vocab,
                           (n * vocab + kernels.num_threads() - 1) / kernels.num_threads()};
-  // Each row's vocabulary in a part a thread, the parts' picks then taken together on one thread.
+  // Each row's vocabulary in a part a thread, then a task a row: its parts' largest taken together, and
+  // its draw where it has a temperature.
   struct Picking {
     const CpuKernels* kernels;
     const void* head;
@@ -173,11 +183,13 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
     int64_t vocab, parts;
     ArgMax* picks;  // [n, parts]
     int64_t* token_ids;
-    int64_t num_rows;
+    const float* temperatures;
+    const double* uniforms;
   };
   const int64_t parts = std::min<int64_t>(kernels.num_threads(), vocab);
   picks_.resize(n * parts);
-  const Picking picking{&kernels, head, shape_.dtype, vocab, parts, picks_.data(), args.greedy_token_ids, n};
+  const Picking picking{&kernels, head, shape_.dtype, vocab, parts, picks_.data(), args.picked_token_ids,
+                        args.temperatures, args.uniforms};
   auto body = [&] {
     run_layers(kernels, plan, step);
     project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), head, n, hidden, vocab);
@@ -191,7 +203,7 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
           },
           &widening);
     }
-    if (args.greedy_token_ids == nullptr) return;
+    if (args.picked_token_ids == nullptr) return;
     kernels.parallel().run(
         n * parts,
         [](const void* context, int64_t task, int) {
@@ -202,18 +214,21 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
                                               (part + 1) * p->vocab / p->parts);
         },
         &picking);
-    kernels.parallel().run_one(
-        [](const void* context, int64_t, int) {
+    kernels.parallel().run(
+        n,
+        [](const void* context, int64_t row, int) {
           const auto* p = static_cast<const Picking*>(context);
-          for (int64_t row = 0; row < p->num_rows; ++row) {
-            // The first part's pick unless a later one holds a larger value or the first NaN.
-            ArgMax best = p->picks[row * p->parts];
-            for (int64_t part = 1; part < p->parts && best.value == best.value; ++part) {
-              const ArgMax& pick = p->picks[row * p->parts + part];
-              if (pick.value != pick.value || pick.value > best.value) best = pick;
-            }
-            p->token_ids[row] = best.index;
+          // The first part's pick unless a later one holds a larger value or the first NaN.
+          ArgMax best = p->picks[row * p->parts];
+          for (int64_t part = 1; part < p->parts && best.value == best.value; ++part) {
+            const ArgMax& pick = p->picks[row * p->parts + part];
+            if (pick.value != pick.value || pick.value > best.value) best = pick;
           }
+          const float temperature = p->temperatures != nullptr ? p->temperatures[row] : 0.0f;
+          const char* values = static_cast<const char*>(p->head) + row * p->vocab * element_bytes(p->dtype);
+          p->token_ids[row] = temperature > 0.0f ? p->kernels->draw(values, p->dtype, p->vocab, best, temperature,
+                                                                    p->uniforms[row])
+                                                 : best.index;
         },
         &picking);
   };

@@ -77,9 +77,13 @@ struct DecodeArgs {
   int64_t num_rows, max_blocks, num_blocks;
   int64_t sliding_window;  // 0: none
   // The step's outputs, one or both: the LM head's float32 logits [num_rows, vocab_size], and each row's
-  // greedy pick [num_rows] (the first largest logit, as NumPy's argmax picks; nullptr: none).
+  // token [num_rows] (nullptr: none): its greedy pick (the first largest logit, as NumPy's argmax picks)
+  // where its temperature is 0 or temperatures is nullptr, else a draw from softmax(logits / temperature)
+  // by inverse transform of its uniform number (temperatures [num_rows], uniforms [num_rows] in [0, 1)).
   float* logits;
-  int64_t* greedy_token_ids;
+  int64_t* picked_token_ids;
+  const float* temperatures;
+  const double* uniforms;
   StackCaches caches;
 };
 
@@ -98,13 +102,14 @@ class DecoderStack {
   void forward(CpuKernels& kernels, const AttentionPlan& plan, const DecoderStepArgs& args);
 
   // A whole decode step: each row's token embedded, its KV slot and the step's attention plan found from
-  // the block tables, forward, and the LM head's float32 logits or greedy picks (or both). A step
+  // the block tables, forward, and the LM head's float32 logits or picked tokens (or both). A step
   // crosses the Python boundary once (the Python around forward took ~0.15 ms of a ~7 ms bfloat16
   // SmolLM2-135M step: metadata tensors, checks, the plan's and the embedding's calls, the logits'
-  // widening); a greedy one picks its tokens on the threads that computed the logits, where NumPy's
-  // argmax after the step read them cold. std::invalid_argument: no output, more rows than max_rows, a
-  // token outside the vocabulary, a position without a block in its table or outside the RoPE table,
-  // or a block outside the pool.
+  // widening); its tokens are picked (greedy or drawn) on the threads that computed the logits, where
+  // NumPy's argmax or the sampler after the step read them cold. std::invalid_argument: no output, more
+  // rows than max_rows, a temperature below 0 or a uniform number outside [0, 1), a token outside the
+  // vocabulary, a position without a block in its table or outside the RoPE table, or a block outside
+  // the pool.
   void decode(CpuKernels& kernels, const DecodeArgs& args);
 
  private:
@@ -127,7 +132,7 @@ class DecoderStack {
   // The LM head's output where the caller's float32 logits do not take it: a bfloat16 head's (widened
   // into them), a float32 head's in a greedy step without them.
   ActivationBuffer head_out_;
-  // A greedy step's picks of each part of each row [num_rows, parts] (the threads' shares of the vocabulary).
+  // The largest logit of each part of each row [num_rows, parts] (the threads' shares of the vocabulary).
   std::vector<ArgMax> picks_;
   // A decode step's metadata: query_start_loc [max_rows + 1], seq_lens [max_rows], slot_mapping [max_rows].
   std::vector<int32_t> query_start_loc_, seq_lens_;

@@ -177,6 +177,9 @@ struct KernelTable {
   void (*linear)(const LinearArgs&, int64_t feature_begin, int64_t feature_end);
   // Of data[begin, end) (float32 or bfloat16 elements, begin < end).
   ArgMax (*argmax)(const void* data, DType dtype, int64_t begin, int64_t end);
+  // A draw from softmax(data[0, size) * inv_temperature) by inverse transform of u in [0, 1) (draw.h);
+  // largest: the largest of data (finite).
+  int64_t (*draw)(const void* data, DType dtype, int64_t size, float largest, float inv_temperature, double u);
   // Task `task` of a tile product; rows_scratch holds 32 * in_features elements (a last group of fewer
   // than 32 rows, padded). nullptr where the build has no tiles (every one but amx).
   void (*tile_linear)(const TileLinearArgs&, int64_t task, uint16_t* rows_scratch);

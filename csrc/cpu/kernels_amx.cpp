@@ -18,7 +18,7 @@ namespace kvtool::cpu {
 const KernelTable& amx_kernels() {
   static constexpr KernelTable table{"amx", amx::Vec::width, 4, amx::rms_norm, amx::silu_mul, amx::rope_store_kv,
                                      amx::attention, amx::merge_attention, amx::sum, amx::linear, amx::argmax,
-                                     amx::tile_linear};
+                                     amx::draw, amx::tile_linear};
   return table;
 }
 

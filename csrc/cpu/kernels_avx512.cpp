@@ -9,7 +9,7 @@ const KernelTable& avx512_kernels() {
   static constexpr KernelTable table{"avx512", avx512::Vec::width, 1,
                                      avx512::rms_norm, avx512::silu_mul, avx512::rope_store_kv,
                                      avx512::attention, avx512::merge_attention,
-                                     avx512::sum, avx512::linear, avx512::argmax, nullptr};
+                                     avx512::sum, avx512::linear, avx512::argmax, avx512::draw, nullptr};
   return table;
 }
 

@@ -11,7 +11,7 @@ const KernelTable& avx512_bf16_kernels() {
   static constexpr KernelTable table{"avx512_bf16", avx512_bf16::Vec::width, 1, avx512_bf16::rms_norm,
                                      avx512_bf16::silu_mul, avx512_bf16::rope_store_kv, avx512_bf16::attention,
                                      avx512_bf16::merge_attention, avx512_bf16::sum, avx512_bf16::linear,
-                                     avx512_bf16::argmax, nullptr};
+                                     avx512_bf16::argmax, avx512_bf16::draw, nullptr};
   return table;
 }
 

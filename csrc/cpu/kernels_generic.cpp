@@ -9,7 +9,7 @@ const KernelTable& generic_kernels() {
   static constexpr KernelTable table{"generic", generic::Vec::width, 1,
                                      generic::rms_norm, generic::silu_mul, generic::rope_store_kv,
                                      generic::attention, generic::merge_attention,
-                                     generic::sum, generic::linear, generic::argmax, nullptr};
+                                     generic::sum, generic::linear, generic::argmax, generic::draw, nullptr};
   return table;
 }
 

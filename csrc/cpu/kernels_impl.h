@@ -16,6 +16,7 @@
 #include "attention_rows.h"
 #include "attention_rows_amx.h"
 #include "attention_rows_bf16.h"
+#include "draw.h"
 #include "kernels_common.h"
 #include "tile_linear_amx.h"
 
@@ -419,6 +420,14 @@ ArgMax argmax(const void* data, DType dtype, int64_t begin, int64_t end) {
   ArgMax result{};
   with_type(dtype, [&](auto t) { result = argmax_typed(static_cast<const decltype(t)*>(data), begin, end); });
   return result;
+}
+
+int64_t draw(const void* data, DType dtype, int64_t size, float largest, float inv_temperature, double u) {
+  int64_t index = 0;
+  with_type(dtype, [&](auto t) {
+    index = draw_typed(static_cast<const decltype(t)*>(data), size, largest, inv_temperature, u);
+  });
+  return index;
 }
 
 }  // namespace kvtool::cpu::KVTOOL_CPU_ISA

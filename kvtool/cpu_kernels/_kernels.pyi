@@ -75,9 +75,9 @@ class DecoderStack:
         Every layer and the final norm for num_rows rows: residual [num_rows, hidden_size] (the embedded tokens) is the residual stream, out [num_rows, hidden_size] gets the final norm; writes each layer's KV (kv_caches: int64 addresses, one per layer).
         """
 
-    def decode(self, kernels: CpuKernels, token_ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], positions: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_tables: Annotated[NDArray[numpy.int32], dict(shape=(None, None), order='C', device='cpu', writable=False)], num_blocks: int, rope_cache: int, max_positions: int, kv_caches: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_stride: int, kv_stride: int, token_stride: int, head_stride: int, tokens_per_block: int, cache_dtype: DType, sliding_window: int, logits: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')] | None, greedy_token_ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')] | None = None) -> None:
+    def decode(self, kernels: CpuKernels, token_ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], positions: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_tables: Annotated[NDArray[numpy.int32], dict(shape=(None, None), order='C', device='cpu', writable=False)], num_blocks: int, rope_cache: int, max_positions: int, kv_caches: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu', writable=False)], block_stride: int, kv_stride: int, token_stride: int, head_stride: int, tokens_per_block: int, cache_dtype: DType, sliding_window: int, logits: Annotated[NDArray[numpy.float32], dict(shape=(None, None), order='C', device='cpu')] | None, picked_token_ids: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')] | None = None, temperatures: Annotated[NDArray[numpy.float32], dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None, uniforms: Annotated[NDArray[numpy.float64], dict(shape=(None,), order='C', device='cpu', writable=False)] | None = None) -> None:
         """
-        A decode step of one new token per row (token_ids and positions int64 [n], block_tables int32 [n, max_blocks], -1 where no block) in one call: the tokens' embeddings, every layer (writing each layer's KV), the final norm and the LM head into logits float32 [n, vocab_size], and/or each row's greedy pick into greedy_token_ids int64 [n] (the first largest logit, a NaN the largest, as NumPy's argmax); sliding_window 0: none.
+        A decode step of one new token per row (token_ids and positions int64 [n], block_tables int32 [n, max_blocks], -1 where no block) in one call: the tokens' embeddings, every layer (writing each layer's KV), the final norm and the LM head into logits float32 [n, vocab_size], and/or each row's token into picked_token_ids int64 [n]: its greedy pick (the first largest logit, a NaN the largest, as NumPy's argmax) where temperatures (float32 [n]) is None or its temperature 0, else a draw from softmax(logits / temperature) by inverse transform of its uniforms (float64 [n]) number in [0, 1), as CpuKernels.draw; sliding_window 0: none.
         """
 
 class TileWeight:
@@ -183,4 +183,9 @@ class CpuKernels:
     def argmax(self, data: int, dtype: DType, begin: int, end: int) -> ArgMax:
         """
         The largest of data[begin:end] and the index of its first occurrence (a NaN the largest, its first taken, as NumPy's argmax), on the calling thread.
+        """
+
+    def draw(self, data: int, dtype: DType, size: int, temperature: float, u: float) -> int:
+        """
+        A draw from softmax(data[:size] / temperature) by inverse transform: the first index whose running sum of exp((x - max) / temperature) exceeds u (in [0, 1)) times their total, on the calling thread; argmax's index where the largest value is NaN or infinite.
         """

@@ -325,24 +325,30 @@ class CpuDecoder:
         self._decode(input_ids, positions, block_tables, kv_caches, logits=logits.numpy())
         return logits
 
-    def decode_greedy(self, input_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
-                      kv_caches: list[torch.Tensor]) -> np.ndarray:
-        """``decode``'s step, each row's greedy pick instead of its logits: int64 [n], what NumPy's argmax
-        of decode's logits picks (the first largest; a NaN the largest). Picked in the step, by the threads
-        that computed the logits: NumPy's argmax after the step found them cold (~0.1 ms of a ~7 ms
-        bfloat16 SmolLM2-135M step)."""
+    def decode_picks(self, input_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+                     kv_caches: list[torch.Tensor], temperatures: np.ndarray | None = None,
+                     uniforms: np.ndarray | None = None) -> np.ndarray:
+        """``decode``'s step, each row's token instead of its logits: int64 [n]. A row of temperature 0 (or
+        all, temperatures None) its greedy pick, what NumPy's argmax of decode's logits picks (the first
+        largest; a NaN the largest); any other a draw from softmax(logits / temperature) by inverse
+        transform of its number of uniforms (float64 [n] in [0, 1)), what kvtool.layers.sampler.sample
+        draws from decode's logits with that number (but for rounding at the edge of two tokens).
+        Picked in the step, by the threads that computed the logits: after the step NumPy's argmax found
+        them cold (~0.1 ms of a ~7 ms bfloat16 SmolLM2-135M step), the sampler ~0.5 ms."""
         token_ids = np.empty(len(input_ids), dtype=np.int64)
-        self._decode(input_ids, positions, block_tables, kv_caches, greedy_token_ids=token_ids)
+        self._decode(input_ids, positions, block_tables, kv_caches, picked_token_ids=token_ids,
+                     temperatures=temperatures, uniforms=uniforms)
         return token_ids
 
     def _decode(self, input_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
                 kv_caches: list[torch.Tensor], *, logits: np.ndarray | None = None,
-                greedy_token_ids: np.ndarray | None = None) -> None:
+                picked_token_ids: np.ndarray | None = None, temperatures: np.ndarray | None = None,
+                uniforms: np.ndarray | None = None) -> None:
         caches = self._cache_layout(kv_caches)
         cos_sin = self._rope_table(int(positions.max()) + 1)
         self.stack.decode(self.kernels, input_ids, positions, block_tables, caches.num_blocks, cos_sin.data_ptr(),
                           cos_sin.shape[0], caches.addresses, *caches.strides, caches.tokens_per_block, caches.dtype,
-                          self.model.sliding_window or 0, logits, greedy_token_ids)
+                          self.model.sliding_window or 0, logits, picked_token_ids, temperatures, uniforms)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""

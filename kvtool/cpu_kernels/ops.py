@@ -76,6 +76,17 @@ def argmax(kernels: CpuKernels, values: torch.Tensor) -> ArgMax:
     return kernels.argmax(values.data_ptr(), kernel_dtype(values), 0, values.numel())
 
 
+def draw(kernels: CpuKernels, values: torch.Tensor, temperature: float, u: float) -> int:
+    """A draw from softmax(values / temperature) (values [n] float32 or bfloat16, n >= 1) by inverse
+    transform of u in [0, 1): the first index whose running sum of exp((x - max) / temperature) exceeds
+    u times their total (what a sampled decode step picks in C++); argmax's index where the largest
+    value is NaN or infinite."""
+    if values.dim() != 1 or values.numel() == 0 or not values.is_contiguous():
+        raise ValueError(f"draw: values must be one contiguous row of at least one value, got shape "
+                         f"{tuple(values.shape)}")
+    return kernels.draw(values.data_ptr(), kernel_dtype(values), values.numel(), temperature, u)
+
+
 def rope_cache(inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos of each position's head_dim / 2 angles, then their sin,
     times ``scale`` (a RoPE scaling's attention factor; the values kvtool.models.llama.rope_cos_sin

@@ -1,81 +1,116 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded per request."""
+"""Token sampling: greedy, temperature, top-k, top-p, seeded per request.
+
+A step draws one uniform number for each sampling row from the request's own generator (draw_uniforms),
+before the forward: a draw is the inverse transform of that number, here from the step's logits
+(sample) or in the CPU decode step itself (kvtool.cpu_kernels.decoder.CpuDecoder.decode_picks), the same
+number either way.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvtool.config import SamplingParams
 
 
-def make_generator(params: SamplingParams, request_id: int, device: torch.device) -> torch.Generator | None:
-    """A request's own random stream: seeded runs repeat whatever else is in the batch."""
+def make_generator(params: SamplingParams, request_id: int) -> torch.Generator | None:
+    """A request's own random stream: seeded runs repeat whatever else is in the batch, on any device
+    (a CPU generator: a step's numbers are drawn on the host whatever runs the model)."""
     if params.greedy:
         return None
-    generator = torch.Generator(device=device)
+    generator = torch.Generator()
     generator.manual_seed(params.seed if params.seed is not None else torch.seed() ^ request_id)
     return generator
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def draw_uniforms(params: list[SamplingParams], generators: list[torch.Generator | None]) -> np.ndarray:
+    """A step's random numbers: float64 [num_seqs] in [0, 1), one from each sampling row's generator (a
+    greedy row's is 0 and takes none from its stream)."""
+    uniforms = np.zeros(len(params))
+    for i, (p, generator) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator).item()
+    return uniforms
+
+
+def step_temperatures(params: list[SamplingParams]) -> np.ndarray | None:
+    """The rows' temperatures, float32 [num_seqs] (0: greedy), where a step can draw its tokens itself:
+    no row has a top_k or top_p. None otherwise."""
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
+        return None
+    return np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: np.ndarray) -> list[int]:
     """Picks one token per row of logits [num_seqs, vocab_size] (float32): a greedy row its first
     largest logit, any other a draw from softmax(logits / temperature) over its ``top_k`` largest logits
-    and then the fewest of those whose probability reaches ``top_p`` (the largest always stays)."""
+    and then the fewest of those whose probability reaches ``top_p`` (the largest always stays), by
+    inverse transform of its number of ``uniforms`` [num_seqs] (draw_uniforms)."""
     if all(p.greedy for p in params):
         if logits.is_cpu:
             # NumPy's argmax (the first maximum, as torch's): 18 us for SmolLM2's 49,152 logits after a
             # decode step, where torch's (its threads woken after the step's kernels) took 60.
             return logits.numpy().argmax(axis=-1).tolist()
         return logits.argmax(dim=-1).tolist()
-    return [int(row.argmax()) if p.greedy else draw(row, p, generator)
-            for row, p, generator in zip(logits, params, generators)]
+    return [int(row.argmax()) if p.greedy else draw(row, p, float(u)) for row, p, u in zip(logits, params, uniforms)]
 
 
-def draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from a row of logits [vocab_size] as ``sample`` draws it."""
+def draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """One token from a row of logits [vocab_size] as ``sample`` draws it with the uniform number u."""
     probs = torch.softmax(row / params.temperature, dim=-1)  # [vocab_size]
     vocab_size = probs.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
     if top_k == vocab_size and params.top_p >= 1.0:
-        return pick(probs, generator)
+        return inverse_transform(probs, u)
     candidates, token_ids = top_candidates(probs, top_k, params.top_p)
-    return int(token_ids[pick(candidates, generator)])
+    return int(token_ids[inverse_transform(candidates, u)])
 
 
 def top_candidates(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The top_k largest of probs [vocab_size] in descending order (ties at the k-th taken in torch.topk's
-    order), cut to the fewest whose mass reaches top_p of theirs; returns them and their token ids.
-
-    Without a top_k the candidates are found among the largest 64, 512, ... until the cut falls inside:
-    a top_p keeps few tokens as a rule, and sorting SmolLM2's 49,152 probabilities took ~4 ms.
-    """
+    order), cut to the fewest whose mass reaches top_p of theirs; returns them and their token ids."""
     vocab_size = probs.shape[-1]
-    num_candidates = top_k if top_p >= 1.0 or top_k < vocab_size else min(64, vocab_size)
-    while True:
-        values, token_ids = torch.topk(probs, num_candidates)  # descending
-        if top_p >= 1.0:
-            return values, token_ids
-        total = values.sum() if top_k < vocab_size else probs.sum()
-        # Kept: the candidates whose mass before them is short of top_p (the largest always is).
-        num_kept = max(1, int((values.cumsum(-1) - values < top_p * total).sum()))
-        if num_kept < num_candidates or num_candidates == top_k:
-            return values[:num_kept], token_ids[:num_kept]
-        num_candidates = min(8 * num_candidates, top_k)
+    if top_p >= 1.0 or top_k < vocab_size:
+        values, token_ids = torch.topk(probs, top_k)  # descending
+        return _cut(values, token_ids, top_p * float(values.sum()))
+    # top_p alone. Sorting SmolLM2's 49,152 probabilities took ~1.8 ms, where a top_p keeps few as a rule
+    # (the largest 64: ~0.08 ms); else those above a threshold lowered 16-fold until their mass reaches
+    # top_p (a masked sum, ~0.05 ms each) are sorted: a flat row kept 10,327 tokens at top_p 0.9.
+    needed = top_p * float(probs.sum())
+    values, token_ids = torch.topk(probs, min(64, vocab_size))
+    if float(values.sum()) < needed:
+        threshold = float(values[-1])
+        while True:
+            threshold /= 16
+            above = probs >= threshold
+            if threshold == 0.0 or float(probs[above].sum()) >= needed:
+                break
+        token_ids = above.nonzero().squeeze(1)
+        values, order = torch.sort(probs[token_ids], descending=True)
+        token_ids = token_ids[order]
+    kept_values, kept_ids = _cut(values, token_ids, needed)
+    if len(kept_ids) == len(token_ids) < vocab_size:  # the sums' rounding left the cut at the edge: sort all
+        values, token_ids = torch.sort(probs, descending=True)
+        return _cut(values, token_ids, needed)
+    return kept_values, kept_ids
 
 
-def pick(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """An index drawn with probability proportional to probs [n] (non-negative, not all zero): one
-    uniform number from ``generator``, then ``inverse_transform``.
+def _cut(values: torch.Tensor, token_ids: torch.Tensor, needed: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leading candidates (values descending) whose mass before them is short of ``needed`` (the
+    first always)."""
+    num_kept = max(1, int((values.cumsum(-1) - values < needed).sum()))
+    return values[:num_kept], token_ids[:num_kept]
+
+
+def inverse_transform(probs: torch.Tensor, u: float) -> int:
+    """The first index of probs [n] (non-negative, not all zero) whose running sum exceeds u (in [0, 1))
+    times their total: a draw with probability proportional to probs from one uniform number. An index
+    of zero probability is never the one: its running sum equals its predecessor's.
 
     One random number a draw: torch.multinomial took ~1 ms for SmolLM2's 49,152 probabilities on the
     CPU (it draws a number per token), where a whole decode step takes ~7 ms; this takes ~0.1 ms.
     """
-    return inverse_transform(probs, torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device))
-
-
-def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> int:
-    """The first index of probs [n] whose running sum exceeds u [1] (in [0, 1)) times their total. An
-    index of zero probability is never the one: its running sum equals its predecessor's."""
     cdf = probs.cumsum(-1, dtype=torch.float64)  # [n]; float64: the sum of 49k float32s keeps its tail
     # u <= 1 - 2^-53 keeps u * total below the total once rounded, so some index's sum exceeds it.
-    return int(torch.searchsorted(cdf, u * cdf[-1:], right=True))
+    return int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))

@@ -14,7 +14,7 @@ from kvtool.cpu_kernels import supported_isas
 from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.errors import KvtoolError
 from kvtool.layers.attention_metadata import AttentionMetadata
-from kvtool.layers.sampler import make_generator, sample
+from kvtool.layers.sampler import draw_uniforms, make_generator, sample, step_temperatures
 from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
 from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs, MixedGraphs
 from kvtool.runtime.device import available_host_memory_bytes, free_device_memory_bytes
@@ -23,6 +23,14 @@ from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, HostStep, flatten_step
 from kvtool.runtime.tier3_store import Tier3Store, run_copies
+
+
+class StepPicks(NamedTuple):
+    """How a step may pick its rows' tokens itself (kvtool.layers.sampler): each row's temperature,
+    float32 [num_rows] (0: greedy), and uniform number, float64 [num_rows]."""
+
+    temperatures: np.ndarray
+    uniforms: np.ndarray
 
 
 class StepRequest(NamedTuple):
@@ -99,16 +107,18 @@ class ModelRunner:
     def execute_step(self, batch, requests, generators) -> list[int] | None:
         """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
         params = [r.sampling_params for r in requests]
-        output = self.execute_batch(batch, greedy=all(p.greedy for p in params))
+        uniforms = draw_uniforms(params, generators)
+        temperatures = step_temperatures(params)
+        output = self.execute_batch(batch, picks=None if temperatures is None else StepPicks(temperatures, uniforms))
         if output is None:
             return None
-        if isinstance(output, np.ndarray):  # the step's own greedy picks
+        if isinstance(output, np.ndarray):  # the step's own picks
             return output.tolist()
         # sample() syncs: the tokens are on the host.
-        return sample(output, params, generators)
+        return sample(output, params, uniforms)
 
     def make_generator(self, params, request_id: int) -> torch.Generator | None:
-        return make_generator(params, request_id, self.device)
+        return make_generator(params, request_id)
 
     def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int,
                            max_num_tokens: int = MAX_GRAPH_TOKENS) -> None:
@@ -174,10 +184,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def execute_batch(self, batch, *, greedy: bool = False) -> torch.Tensor | np.ndarray | None:
+    def execute_batch(self, batch, *, picks: StepPicks | None = None) -> torch.Tensor | np.ndarray | None:
         """Runs a kvtool._core.ScheduledBatch: its block copies, then the forward of its requests;
-        returns what execute does, or None when no request was scheduled. ``greedy`` (every sampling
-        request is): a CPU decode step taken in one call returns its picks instead, int64 [num_rows]."""
+        returns what execute does, or None when no request was scheduled. With ``picks`` (a row each, in
+        batch order), a CPU decode step taken in one call returns its tokens instead, int64 [num_rows]."""
         # A step's copies never fetch from the third tier (stagings do, before the step): its ops are spills.
         self.run_copies(batch.copy_ops)
         if len(batch.requests) == 0:
@@ -190,10 +200,12 @@ class ModelRunner:
                 # A decode step on the CPU: the scheduler's arrays straight into one C++ call. The general
                 # path (flatten_step, inference mode, the sampled rows) took ~0.2 ms of a ~7 ms step: the
                 # step's weights stream leaves the host's own code and data cold, so each Python operation
-                # between two steps costs several times what it costs warm (greedy picks too: NumPy's
-                # argmax of the logits after the step).
-                decode = decoder.decode_greedy if greedy else decoder.decode
-                return decode(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches)
+                # between two steps costs several times what it costs warm (the picks too: NumPy's argmax
+                # of the logits after the step, or the sampler's draws, ~0.5 ms cold).
+                if picks is not None and len(picks.temperatures) == len(rows.token_ids):
+                    return decoder.decode_picks(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches,
+                                                picks.temperatures, picks.uniforms)
+                return decoder.decode(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches)
         return self.execute(batch.requests)
 
     @torch.inference_mode()
