@@ -14,7 +14,7 @@ import torch
 
 from kvtool.config import SamplingParams
 from kvtool.cpu_kernels.decoder import MAX_ROW_PRODUCT_ROWS, CpuDecoder
-from kvtool.layers.sampler import sample
+from kvtool.layers.sampler import sample, step_picks
 from hf_checkpoints import TEST_TOKENS_PER_BLOCK as T
 from paged_driver import PagedDriver
 from test_model_vs_transformers import random_prompt
@@ -134,13 +134,14 @@ def test_a_decode_step_in_one_call_gives_the_logits_and_kv_of_forward_and_the_lm
             picks = decoder.decode_picks(*decode_arrays(step), driver.kv_caches)
             assert picks.dtype == np.int64 and picks.tolist() == logits.numpy().argmax(axis=-1).tolist()
             torch.testing.assert_close(driver.pool, expected_pool, rtol=0, atol=0, equal_nan=True)
-            # Sampled rows, and a greedy one beside a sampled one, at a few uniform numbers and temperatures.
-            for u, temperatures in ((0.02, (0.7, 0.0)), (0.5, (1.5, 0.9)), (0.97, (1.0, 0.0))):
-                params = [SamplingParams(temperature=t) for t in temperatures[:len(step)]]
-                uniforms, temperatures = np.array([u] * len(step)), np.array(temperatures[:len(step)], np.float32)
+            # Sampled rows, a greedy one beside a sampled one, top_k and top_p, at a few uniform numbers.
+            for u, rows in ((0.02, ((0.7, 0, 1.0), (0.0, 0, 1.0))), (0.5, ((1.5, 0, 1.0), (0.9, 3, 1.0))),
+                            (0.97, ((1.0, 0, 0.8), (0.6, 20, 0.5))), (0.3, ((0.0, 0, 1.0), (1.0, 0, 0.3)))):
+                params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in rows[:len(step)]]
+                sampling = step_picks(params, [None] * len(step))._replace(uniforms=np.array([u] * len(step)))
                 driver.pool.copy_(pool)
-                drawn = decoder.decode_picks(*decode_arrays(step), driver.kv_caches, temperatures, uniforms)
-                assert drawn.tolist() == sample(logits, params, uniforms)
+                drawn = decoder.decode_picks(*decode_arrays(step), driver.kv_caches, sampling)
+                assert drawn.tolist() == sample(logits, params, sampling.uniforms), rows
             for seq, token_id in zip(step, picks.tolist()):
                 seq.num_computed += 1
                 seq.append(token_id)

@@ -5,7 +5,7 @@ CPU runs, for float32 and bfloat16 (and a bfloat16 cache under float32 activatio
 - silu_mul against F.silu(gate) * up;
 - linear (a few rows' projection) against F.linear in float32;
 - argmax against NumPy's argmax (ties, infinities, NaNs);
-- draw against the inverse transform of a float64 softmax;
+- draw against the inverse transform of a float64 softmax cut to top_k and top_p;
 - rope_store_kv against kvtool.models.llama's apply_rope (after F.rms_norm for Qwen3's q/k norm)
   and write_kv_cache;
 - attention against TorchPagedAttention on mixed steps (whole prompts, chunks after a cached
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvtool.cpu_kernels import CpuKernels, ops, supported_isas
@@ -149,22 +149,41 @@ def test_argmax_picks_the_first_largest_or_the_first_nan_as_numpy_does(isa, dtyp
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @settings(max_examples=40, deadline=None)
-@given(size=st.integers(1, 300), temperature=st.sampled_from([0.05, 0.7, 1.0, 3.0]), seed=st.integers(0, 2**31),
-       masked=st.floats(0.0, 0.9), u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2.0**-53)))
-def test_draw_is_the_inverse_transform_of_a_float64_softmax(isa, dtype, size, temperature, seed, masked, u):
-    # The first index whose running sum of weights exp((x - max) / temperature) exceeds u times their
-    # total, in float64 from the same values; -inf logits (a share `masked` of them) weigh nothing and
-    # are never drawn. Rows of any length: whole vectors and a tail, or the tail alone.
+@given(size=st.integers(1, 3000), temperature=st.sampled_from([0.05, 0.7, 1.0, 3.0]), seed=st.integers(0, 2**31),
+       masked=st.floats(0.0, 0.9), top_k=st.sampled_from([0, 1, 5, 100]), top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]),
+       spread=st.sampled_from([0.02, 3.0]), u=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2.0**-53)))
+def test_draw_is_the_inverse_transform_of_a_float64_softmax_cut_to_top_k_and_top_p(isa, dtype, size, temperature,
+                                                                                   seed, masked, top_k, top_p, spread,
+                                                                                   u):
+    # Kept: the top_k largest weights exp((x - max) / temperature) (ties with the k-th too), then of those
+    # the fewest largest whose mass reaches top_p of theirs; the pick is the first kept index whose
+    # running sum of kept weights exceeds u times their total, in float64 from the same values. -inf
+    # logits (a share `masked` of them) weigh nothing and are never drawn. Rows of any length: whole
+    # vectors and a tail, or the tail alone; flat rows (spread 0.02) put many weights in the bucket
+    # where the cut falls.
     generator = torch.Generator().manual_seed(seed)
-    row = (torch.randn(size, generator=generator) * 3).to(dtype)
+    row = (torch.randn(size, generator=generator) * spread).to(dtype)
     row[torch.rand(size, generator=generator) < masked] = float("-inf")
     row[int(torch.randint(size, (1,), generator=generator))] = 1.0  # one finite logit at least
-    pick = ops.draw(CpuKernels(isa, 1), row, temperature, u)
     x = row.double()
     weights = torch.exp((x - x.max()) / temperature)
-    cdf = weights.cumsum(0)
+    ordered = torch.sort(weights, descending=True).values
+    kept = weights > 0
+    if 0 < top_k < size:
+        # Rounding (float32 weights here against float64) may order near-equal weights either way.
+        assume(ordered[top_k - 1] - ordered[top_k] > 1e-5 * ordered[top_k - 1])
+        kept &= weights >= ordered[top_k - 1]
+    if top_p < 1.0:
+        values = torch.sort(weights[kept], descending=True).values
+        needed = top_p * float(values.sum())
+        before = values.cumsum(0) - values
+        num_kept = max(1, int((before < needed).sum()))
+        assume(all(abs(float(b) - needed) > 1e-5 * needed for b in before[max(0, num_kept - 1):num_kept + 1]))
+        kept &= weights >= values[num_kept - 1]
+    pick = ops.draw(CpuKernels(isa, 1), row, temperature, u, top_k=top_k, top_p=top_p)
+    assert kept[pick]
+    cdf = (weights * kept).cumsum(0)
     target = u * float(cdf[-1])
-    assert weights[pick] > 0
     # Float32 weights against float64: the pick may move past a token whose edge lies within rounding.
     tolerance = 1e-5 * float(cdf[-1])
     before = float(cdf[pick - 1]) if pick > 0 else 0.0
@@ -175,9 +194,15 @@ def test_draw_falls_back_to_the_argmax_where_a_draw_means_nothing_and_refuses_ba
     row = torch.tensor([0.5, float("inf"), 2.0, float("nan"), 1.0])
     assert ops.draw(kernels, row, 1.0, 0.5) == 3  # a NaN, the first: argmax's pick
     assert ops.draw(kernels, row[:3].clone(), 1.0, 0.5) == 1  # +inf
-    for temperature, u in ((0.0, 0.5), (-1.0, 0.5), (1.0, 1.0), (1.0, -0.1), (float("nan"), 0.5)):
-        with pytest.raises(ValueError, match="temperature"):
-            ops.draw(kernels, row, temperature, u)
+    bad = [({"temperature": 0.0}, "temperature"), ({"temperature": -1.0}, "temperature"),
+           ({"temperature": float("nan")}, "temperature"), ({"u": 1.0}, "uniform number"),
+           ({"u": -0.1}, "uniform number"), ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"),
+           ({"top_p": 1.5}, "top_p")]
+    for change, named in bad:
+        args = {"temperature": 1.0, "u": 0.5, "top_k": 0, "top_p": 1.0, **change}
+        with pytest.raises(ValueError, match=named):
+            ops.draw(kernels, row[:3].clone(), args["temperature"], args["u"], top_k=args["top_k"],
+                     top_p=args["top_p"])
 
 
 @pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)

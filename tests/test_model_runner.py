@@ -112,13 +112,14 @@ def test_a_decode_steps_rows_come_from_the_scheduler_as_flatten_step_gives_them(
     assert min(num_steps.values()) >= 1, num_steps
 
 
-@pytest.mark.parametrize("temperature, top_k, method", [(0.0, 0, "decode_picks"), (0.8, 0, "decode_picks"),
-                                                       (0.8, 5, "decode")])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 5, 0.9)])
 def test_an_engine_decode_step_on_the_cpu_is_one_call_from_the_schedulers_arrays(tiny_llama_plan, monkeypatch,
-                                                                                  temperature, top_k, method):
-    # Greedy and temperature requests take their tokens from the step itself (decode_picks, drawn from the
-    # same uniform numbers as the sampler's), top-k ones its logits.
+                                                                                  temperature, top_k, top_p):
+    # Requests take their tokens from the step itself (decode_picks: greedy, or drawn from the same uniform
+    # numbers as the sampler draws from the general path's logits).
     from kvtool.config import SamplingParams
+
+    method = "decode_picks"
 
     def generate(one_call: bool) -> tuple[list[list[int]], list[list[int]]]:
         """The outputs of two prompts, and the positions of each one-call step."""
@@ -129,8 +130,8 @@ def test_an_engine_decode_step_on_the_cpu_is_one_call_from_the_schedulers_arrays
             if not one_call:  # flatten_step, the forward and the LM head apart
                 monkeypatch.setattr(decoder, "decodes", lambda num_rows: False)
             outputs = llm.generate([list(range(10, 19)), list(range(30, 36))],
-                                   SamplingParams(max_tokens=6, temperature=temperature, top_k=top_k, seed=7,
-                                                  ignore_eos=True))
+                                   SamplingParams(max_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                  seed=7, ignore_eos=True))
             return [output.outputs[0].token_ids for output in outputs], calls
 
     outputs, calls = generate(one_call=True)

@@ -25,7 +25,7 @@ from serve_helpers import tiny_llm
 from test_scheduler_fake_model import add, distinct_prompt, make_scheduler, run_steps
 
 from kvtool import KvCacheConfig, SamplingParams, SchedulerConfig, _core
-from kvtool.layers.sampler import draw_uniforms, make_generator, sample
+from kvtool.layers.sampler import make_generator, sample, step_picks
 from kvtool.runtime.engine import Engine
 from kvtool.runtime.request import Request
 from kvtool.serve import create_app
@@ -140,7 +140,7 @@ class _ArgmaxZeroRunner:
         if not len(batch):
             return None
         params = [r.sampling_params for r in requests]
-        return sample(torch.zeros(len(requests), self.vocab_size), params, draw_uniforms(params, generators))
+        return sample(torch.zeros(len(requests), self.vocab_size), params, step_picks(params, generators).uniforms)
 
     def make_generator(self, params, request_id: int):
         return make_generator(params, request_id)

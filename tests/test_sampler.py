@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.config import SamplingParams
-from kvtool.layers.sampler import draw_uniforms, inverse_transform, sample, step_temperatures, top_candidates
+from kvtool.layers.sampler import inverse_transform, sample, step_picks, top_candidates
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)
 
@@ -21,7 +21,7 @@ def test_greedy_rows_take_the_first_maximum_as_torch_does():
     logits[1, 10] = logits[1, 900] = 50.0           # a tie: the first one
     logits[2, 3] = float("nan")                     # NaN counts as the maximum, as in torch
     expected = logits.argmax(dim=-1).tolist()
-    assert sample(logits, [GREEDY] * 5, draw_uniforms([GREEDY] * 5, [None] * 5)) == expected
+    assert sample(logits, [GREEDY] * 5, step_picks([GREEDY] * 5, [None] * 5).uniforms) == expected
     assert expected[1] == 10 and expected[2] == 3
 
 
@@ -39,7 +39,7 @@ def draws(logits: list[float], params: SamplingParams, num_draws: int, seed: int
     generator = torch.Generator().manual_seed(seed)
     counts = [0] * len(logits)
     for _ in range(num_draws):
-        counts[sample(row, [params], draw_uniforms([params], [generator]))[0]] += 1
+        counts[sample(row, [params], step_picks([params], [generator]).uniforms)[0]] += 1
     return counts
 
 
@@ -130,18 +130,28 @@ def test_a_seed_repeats_its_draws_whatever_rows_share_the_step():
     def row_one_draws(others: list[SamplingParams]) -> list[int]:
         generators = [torch.Generator().manual_seed(s) for s in (1, 7, 3)]
         step_params = [others[0], params, others[1]]
-        return [sample(logits, step_params, draw_uniforms(step_params, generators))[1] for _ in range(20)]
+        return [sample(logits, step_params, step_picks(step_params, generators).uniforms)[1] for _ in range(20)]
 
     assert row_one_draws([GREEDY, GREEDY]) == row_one_draws([SamplingParams(top_k=5), SamplingParams(top_p=0.5)])
 
 
-def test_greedy_rows_take_no_number_from_their_stream_and_a_step_draws_itself_without_top_k_or_top_p():
+def test_a_steps_picks_hold_each_rows_sampling_and_greedy_rows_take_no_number_from_their_stream():
     generator = torch.Generator().manual_seed(3)
-    uniforms = draw_uniforms([GREEDY, SamplingParams(temperature=0.5)], [None, generator])
-    assert uniforms[0] == 0.0 and uniforms[1] == torch.rand(1, dtype=torch.float64,
-                                                            generator=torch.Generator().manual_seed(3)).item()
-    assert step_temperatures([GREEDY, SamplingParams(temperature=0.5)]).tolist() == [0.0, 0.5]
-    assert step_temperatures([GREEDY, SamplingParams(top_k=4)]) is None
-    assert step_temperatures([SamplingParams(top_p=0.9), GREEDY]) is None
-    # A greedy row's top_k or top_p means nothing.
-    assert step_temperatures([SamplingParams(temperature=0, top_k=4)]).tolist() == [0.0]
+    params = [GREEDY, SamplingParams(temperature=0.5, top_k=4, top_p=0.9)]
+    picks = step_picks(params, [None, generator])
+    expected_u = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).item()
+    assert picks.uniforms.tolist() == [0.0, expected_u]
+    assert picks.temperatures.tolist() == [0.0, 0.5] and picks.temperatures.dtype == np.float32
+    assert picks.top_ks.tolist() == [0, 4] and picks.top_ks.dtype == np.int64
+    assert picks.top_ps.tolist() == [1.0, np.float32(0.9)] and picks.top_ps.dtype == np.float32
+
+
+def test_top_k_and_top_p_draws_go_through_the_kept_tokens_in_vocabulary_order():
+    # The CPU step draws over the kept tokens in vocabulary order; the sampler must too, so that one
+    # uniform number gives one token on both paths. Kept here: tokens 1 and 4 (the two largest).
+    logits = torch.tensor([[1.0, 2.5, -0.5, 0.0, 3.0, 1.5, -2.0, 0.5]])
+    p1, p4 = reference_probs(LOGITS, 1.0, keep=[1, 4])[1], reference_probs(LOGITS, 1.0, keep=[1, 4])[4]
+    params = [SamplingParams(temperature=1.0, top_k=2)]
+    assert sample(logits, params, np.array([p1 * 0.99])) == [1]
+    assert sample(logits, params, np.array([p1 * 1.01])) == [4]
+    assert p4 > p1

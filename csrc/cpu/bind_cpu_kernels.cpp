@@ -22,8 +22,8 @@ using Int64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::dev
 using BlockTables = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Logits = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using TokenIds = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Temperatures = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Uniforms = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using FloatRow = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using DoubleRow = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 template <typename T>
 T* ptr(uintptr_t address) {
@@ -131,18 +131,27 @@ NB_MODULE(_kernels, m) {
              BlockTables block_tables, int64_t num_blocks, uintptr_t rope_cache, int64_t max_positions,
              Int64Array kv_caches, int64_t block_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,
              int32_t tokens_per_block, DType cache_dtype, int64_t sliding_window, std::optional<Logits> logits,
-             std::optional<TokenIds> picked_token_ids, std::optional<Temperatures> temperatures,
-             std::optional<Uniforms> uniforms) {
+             std::optional<TokenIds> picked_token_ids, std::optional<FloatRow> temperatures,
+             std::optional<Int64Array> top_ks, std::optional<FloatRow> top_ps, std::optional<DoubleRow> uniforms) {
             const size_t n = token_ids.shape(0);
             if (positions.shape(0) != n || block_tables.shape(0) != n || (logits && logits->shape(0) != n) ||
-                (picked_token_ids && picked_token_ids->shape(0) != n) ||
-                (temperatures && temperatures->shape(0) != n) || (uniforms && uniforms->shape(0) != n)) {
+                (picked_token_ids && picked_token_ids->shape(0) != n)) {
               throw std::invalid_argument("DecoderStack.decode: token_ids [n], positions [n], block_tables [n, "
-                                          "max_blocks], logits [n, vocab_size], picked_token_ids [n], temperatures "
-                                          "[n] and uniforms [n] disagree");
+                                          "max_blocks], logits [n, vocab_size] and picked_token_ids [n] disagree");
             }
-            if (temperatures && !picked_token_ids) {
-              throw std::invalid_argument("DecoderStack.decode: temperatures without picked_token_ids to draw into");
+            // A row's sampling from the four arrays, all given or none.
+            std::vector<RowSampling> sampling;
+            if (temperatures || top_ks || top_ps || uniforms) {
+              if (!temperatures || !top_ks || !top_ps || !uniforms || !picked_token_ids ||
+                  temperatures->shape(0) != n || top_ks->shape(0) != n || top_ps->shape(0) != n ||
+                  uniforms->shape(0) != n) {
+                throw std::invalid_argument("DecoderStack.decode: a sampled step takes temperatures, top_ks, top_ps "
+                                            "and uniforms, [n] each, and picked_token_ids to draw into");
+              }
+              for (size_t r = 0; r < n; ++r) {
+                sampling.push_back(
+                    {temperatures->data()[r], top_ks->data()[r], top_ps->data()[r], uniforms->data()[r]});
+              }
             }
             if (logits && static_cast<int64_t>(logits->shape(1)) != stack.vocab_size()) {
               throw std::invalid_argument("DecoderStack.decode: logits of " + std::to_string(logits->shape(1)) +
@@ -152,7 +161,7 @@ NB_MODULE(_kernels, m) {
                                    static_cast<int64_t>(block_tables.shape(1)), num_blocks, sliding_window,
                                    logits ? logits->data() : nullptr,
                                    picked_token_ids ? picked_token_ids->data() : nullptr,
-                                   temperatures ? temperatures->data() : nullptr, uniforms ? uniforms->data() : nullptr,
+                                   sampling.empty() ? nullptr : sampling.data(),
                                    stack_caches(stack, "decode", rope_cache, max_positions, kv_caches, block_stride,
                                                 kv_stride, token_stride, head_stride, tokens_per_block,
                                                 cache_dtype)});
@@ -161,14 +170,15 @@ NB_MODULE(_kernels, m) {
           "max_positions"_a, "kv_caches"_a, "block_stride"_a, "kv_stride"_a, "token_stride"_a, "head_stride"_a,
           "tokens_per_block"_a, "cache_dtype"_a, "sliding_window"_a, "logits"_a.none(),
           "picked_token_ids"_a.none() = nb::none(), "temperatures"_a.none() = nb::none(),
-          "uniforms"_a.none() = nb::none(), nb::call_guard<nb::gil_scoped_release>(),
+          "top_ks"_a.none() = nb::none(), "top_ps"_a.none() = nb::none(), "uniforms"_a.none() = nb::none(),
+          nb::call_guard<nb::gil_scoped_release>(),
           "A decode step of one new token per row (token_ids and positions int64 [n], block_tables int32 [n, "
           "max_blocks], -1 where no block) in one call: the tokens' embeddings, every layer (writing each layer's "
           "KV), the final norm and the LM head into logits float32 [n, vocab_size], and/or each row's token into "
           "picked_token_ids int64 [n]: its greedy pick (the first largest logit, a NaN the largest, as NumPy's "
-          "argmax) where temperatures (float32 [n]) is None or its temperature 0, else a draw from "
-          "softmax(logits / temperature) by inverse transform of its uniforms (float64 [n]) number in [0, 1), as "
-          "CpuKernels.draw; sliding_window 0: none.");
+          "argmax) where temperatures (float32 [n]) is None or its temperature 0, else a draw as CpuKernels.draw's "
+          "at its temperature, top_ks (int64 [n]), top_ps (float32 [n]) and uniforms (float64 [n]); "
+          "sliding_window 0: none.");
 
   nb::class_<TileWeight>(m, "TileWeight",
                          "A bfloat16 weight laid out once for tile products (CpuKernels.tile_linear, amx).")
@@ -320,12 +330,17 @@ NB_MODULE(_kernels, m) {
           "taken, as NumPy's argmax), on the calling thread.")
       .def(
           "draw",
-          [](CpuKernels& k, uintptr_t data, DType dtype, int64_t size, float temperature, double u) {
+          [](CpuKernels& k, uintptr_t data, DType dtype, int64_t size, float temperature, int64_t top_k, float top_p,
+             double u) {
             const ArgMax best = k.argmax(ptr<const void>(data), dtype, 0, size);
-            return k.draw(ptr<const void>(data), dtype, size, best, temperature, u);
+            std::vector<float> scratch(draw_scratch_floats(size));
+            return k.draw(ptr<const void>(data), dtype, size, best, {temperature, top_k, top_p, u}, scratch.data());
           },
-          "data"_a, "dtype"_a, "size"_a, "temperature"_a, "u"_a, nb::call_guard<nb::gil_scoped_release>(),
-          "A draw from softmax(data[:size] / temperature) by inverse transform: the first index whose running sum "
-          "of exp((x - max) / temperature) exceeds u (in [0, 1)) times their total, on the calling thread; "
-          "argmax's index where the largest value is NaN or infinite.");
+          "data"_a, "dtype"_a, "size"_a, "temperature"_a, "top_k"_a, "top_p"_a, "u"_a,
+          nb::call_guard<nb::gil_scoped_release>(),
+          "A draw from softmax(data[:size] / temperature), cut to its top_k largest (0: all) and then the fewest "
+          "of those whose mass reaches top_p (1: all; ties with the last kept are kept), by inverse transform in "
+          "the order of data: the first index whose running sum of the kept exp((x - max) / temperature) exceeds "
+          "u (in [0, 1)) times their total, on the calling thread; argmax's index where the largest value is NaN "
+          "or infinite.");
 }

@@ -275,15 +275,26 @@ ArgMax CpuKernels::argmax(const void* data, DType dtype, int64_t begin, int64_t 
   return table_->argmax(data, dtype, begin, end);
 }
 
-int64_t CpuKernels::draw(const void* data, DType dtype, int64_t size, ArgMax best, float temperature,
-                         double u) const {
-  if (!(temperature > 0.0f) || !(u >= 0.0 && u < 1.0)) {
-    throw std::invalid_argument("draw: the temperature (" + std::to_string(temperature) + ") must be above 0 and u (" +
-                                std::to_string(u) + ") in [0, 1)");
+std::string sampling_problem(const RowSampling& s) {
+  if (!(s.temperature >= 0.0f)) return "the temperature (" + std::to_string(s.temperature) + ") must be 0 or above";
+  if (s.top_k < 0) return "top_k (" + std::to_string(s.top_k) + ") must be 0 (every token) or above";
+  if (!(s.top_p > 0.0f && s.top_p <= 1.0f)) return "top_p (" + std::to_string(s.top_p) + ") must be in (0, 1]";
+  if (s.temperature > 0.0f && !(s.u >= 0.0 && s.u < 1.0)) {
+    return "a draw's uniform number (" + std::to_string(s.u) + ") must be in [0, 1)";
   }
-  const float inv_temperature = 1.0f / temperature;
+  return "";
+}
+
+int64_t CpuKernels::draw(const void* data, DType dtype, int64_t size, ArgMax best, const RowSampling& sampling,
+                         float* scratch) const {
+  const std::string problem = sampling_problem(sampling);
+  if (!problem.empty() || !(sampling.temperature > 0.0f)) {
+    throw std::invalid_argument("draw: " + (problem.empty() ? "the temperature must be above 0" : problem));
+  }
+  const float inv_temperature = 1.0f / sampling.temperature;
   if (!std::isfinite(best.value) || !std::isfinite(inv_temperature)) return best.index;
-  return table_->draw(data, dtype, size, best.value, inv_temperature, u);
+  return table_->draw(data, dtype, size, {best.value, inv_temperature, sampling.top_k, sampling.top_p, sampling.u},
+                      scratch);
 }
 
 double CpuKernels::sum(const float* data, int64_t num_floats) {

@@ -16,6 +16,18 @@ namespace kvtool::cpu {
 // The instruction sets this CPU runs kernels for, best first ("amx", "avx512_bf16", "avx512", "avx2", "generic").
 std::vector<std::string> supported_isas();
 
+// How a row's token is sampled (DecoderStack::decode, CpuKernels::draw).
+struct RowSampling {
+  float temperature;  // 0: greedy
+  int64_t top_k;      // 0: every token
+  float top_p;        // in (0, 1]
+  double u;           // uniform in [0, 1): a draw's number
+};
+
+// What is wrong with a row's sampling ("" if nothing): a temperature below 0, a top_k below 0, a top_p
+// outside (0, 1], or a draw's u outside [0, 1).
+std::string sampling_problem(const RowSampling& sampling);
+
 class CpuKernels {
  public:
   // isa: "auto" (the best supported) or one of supported_isas(); std::invalid_argument otherwise.
@@ -48,10 +60,13 @@ class CpuKernels {
   double sum(const float* data, int64_t num_floats);
   // The largest of data[begin, end) and its first index (a NaN the largest), on the calling thread.
   ArgMax argmax(const void* data, DType dtype, int64_t begin, int64_t end) const;
-  // A row's sampled token: a draw from softmax(data[0, size) / temperature) by inverse transform of u in
-  // [0, 1) (draw.h), on the calling thread; best: argmax(data, dtype, 0, size). Where a draw means nothing
-  // (a NaN or infinite largest value, a temperature whose inverse overflows) it is best's index.
-  int64_t draw(const void* data, DType dtype, int64_t size, ArgMax best, float temperature, double u) const;
+  // A row's sampled token, on the calling thread: a draw from softmax(data[0, size) / temperature), cut
+  // to its top_k largest (0: all) and then the fewest of those whose mass reaches top_p (1: all), by
+  // inverse transform of u (draw.h); best: argmax(data, dtype, 0, size); scratch: draw_scratch_floats(size)
+  // floats. Where a draw means nothing (a NaN or infinite largest value, a temperature whose inverse
+  // overflows) it is best's index. std::invalid_argument: sampling_problem's.
+  int64_t draw(const void* data, DType dtype, int64_t size, ArgMax best, const RowSampling& sampling,
+               float* scratch) const;
 
   // The threads: a team of them runs the kernels' calls of a whole decoder stack step (DecoderStack).
   Parallel& parallel() { return pool_; }

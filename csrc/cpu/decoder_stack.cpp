@@ -121,14 +121,15 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
     throw std::invalid_argument("DecoderStack.decode: a step needs somewhere to put its logits or picked tokens");
   }
   const int64_t n = args.num_rows, hidden = shape_.hidden_size, vocab = vocab_.vocab_size;
-  for (int64_t r = 0; args.temperatures != nullptr && r < n; ++r) {
-    const float temperature = args.temperatures[r];
-    const double u = args.uniforms != nullptr ? args.uniforms[r] : -1.0;
-    if (!(temperature >= 0.0f) || (temperature > 0.0f && !(u >= 0.0 && u < 1.0))) {
-      throw std::invalid_argument("DecoderStack.decode: row " + std::to_string(r) + "'s temperature (" +
-                                  std::to_string(temperature) + ") must be 0 (greedy) or above, a draw's uniform "
-                                  "number (" + std::to_string(u) + ") in [0, 1)");
+  for (int64_t r = 0; args.sampling != nullptr && r < n; ++r) {
+    const std::string problem = sampling_problem(args.sampling[r]);
+    if (!problem.empty()) {
+      throw std::invalid_argument("DecoderStack.decode: row " + std::to_string(r) + ": " + problem);
     }
+  }
+  const int64_t draw_floats = draw_scratch_floats(vocab);
+  if (args.sampling != nullptr && static_cast<int64_t>(draw_scratch_.size()) < kernels.num_threads() * draw_floats) {
+    draw_scratch_.resize(kernels.num_threads() * draw_floats);
   }
   const DecoderStepArgs step{residual_.data(), hidden_out_.data(), n, args.positions, slot_mapping_.data(),
                              args.caches};
@@ -183,13 +184,14 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
     int64_t vocab, parts;
     ArgMax* picks;  // [n, parts]
     int64_t* token_ids;
-    const float* temperatures;
-    const double* uniforms;
+    const RowSampling* sampling;
+    float* draw_scratch;  // [threads, draw_floats]
+    int64_t draw_floats;
   };
   const int64_t parts = std::min<int64_t>(kernels.num_threads(), vocab);
   picks_.resize(n * parts);
   const Picking picking{&kernels, head, shape_.dtype, vocab, parts, picks_.data(), args.picked_token_ids,
-                        args.temperatures, args.uniforms};
+                        args.sampling, draw_scratch_.data(), draw_floats};
   auto body = [&] {
     run_layers(kernels, plan, step);
     project(kernels, {vocab_.lm_head, nullptr}, hidden_out_.data(), head, n, hidden, vocab);
@@ -216,7 +218,7 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
         &picking);
     kernels.parallel().run(
         n,
-        [](const void* context, int64_t row, int) {
+        [](const void* context, int64_t row, int thread) {
           const auto* p = static_cast<const Picking*>(context);
           // The first part's pick unless a later one holds a larger value or the first NaN.
           ArgMax best = p->picks[row * p->parts];
@@ -224,11 +226,13 @@ void DecoderStack::decode(CpuKernels& kernels, const DecodeArgs& args) {
             const ArgMax& pick = p->picks[row * p->parts + part];
             if (pick.value != pick.value || pick.value > best.value) best = pick;
           }
-          const float temperature = p->temperatures != nullptr ? p->temperatures[row] : 0.0f;
+          if (p->sampling == nullptr || !(p->sampling[row].temperature > 0.0f)) {
+            p->token_ids[row] = best.index;
+            return;
+          }
           const char* values = static_cast<const char*>(p->head) + row * p->vocab * element_bytes(p->dtype);
-          p->token_ids[row] = temperature > 0.0f ? p->kernels->draw(values, p->dtype, p->vocab, best, temperature,
-                                                                    p->uniforms[row])
-                                                 : best.index;
+          p->token_ids[row] = p->kernels->draw(values, p->dtype, p->vocab, best, p->sampling[row],
+                                               p->draw_scratch + thread * p->draw_floats);
         },
         &picking);
   };

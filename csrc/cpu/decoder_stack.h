@@ -78,12 +78,10 @@ struct DecodeArgs {
   int64_t sliding_window;  // 0: none
   // The step's outputs, one or both: the LM head's float32 logits [num_rows, vocab_size], and each row's
   // token [num_rows] (nullptr: none): its greedy pick (the first largest logit, as NumPy's argmax picks)
-  // where its temperature is 0 or temperatures is nullptr, else a draw from softmax(logits / temperature)
-  // by inverse transform of its uniform number (temperatures [num_rows], uniforms [num_rows] in [0, 1)).
+  // where sampling is nullptr or its temperature 0, else its draw (CpuKernels::draw; sampling [num_rows]).
   float* logits;
   int64_t* picked_token_ids;
-  const float* temperatures;
-  const double* uniforms;
+  const RowSampling* sampling;
   StackCaches caches;
 };
 
@@ -107,9 +105,8 @@ class DecoderStack {
   // SmolLM2-135M step: metadata tensors, checks, the plan's and the embedding's calls, the logits'
   // widening); its tokens are picked (greedy or drawn) on the threads that computed the logits, where
   // NumPy's argmax or the sampler after the step read them cold. std::invalid_argument: no output, more
-  // rows than max_rows, a temperature below 0 or a uniform number outside [0, 1), a token outside the
-  // vocabulary, a position without a block in its table or outside the RoPE table, or a block outside
-  // the pool.
+  // rows than max_rows, a row's sampling_problem, a token outside the vocabulary, a position without a
+  // block in its table or outside the RoPE table, or a block outside the pool.
   void decode(CpuKernels& kernels, const DecodeArgs& args);
 
  private:
@@ -134,6 +131,9 @@ class DecoderStack {
   ActivationBuffer head_out_;
   // The largest logit of each part of each row [num_rows, parts] (the threads' shares of the vocabulary).
   std::vector<ArgMax> picks_;
+  // Each thread's room for its rows' draws [num_threads, draw_scratch_floats(vocab_size)], sized at the
+  // first sampled step.
+  std::vector<float> draw_scratch_;
   // A decode step's metadata: query_start_loc [max_rows + 1], seq_lens [max_rows], slot_mapping [max_rows].
   std::vector<int32_t> query_start_loc_, seq_lens_;
   std::vector<int64_t> slot_mapping_;

@@ -156,6 +156,19 @@ struct ArgMax {
   int64_t index;
 };
 
+// How a row's token is drawn from its logits (draw.h).
+struct DrawParams {
+  float largest;          // the row's largest logit (finite)
+  float inv_temperature;  // finite, > 0
+  int64_t top_k;          // 0 or >= the row's size: every token
+  float top_p;            // in (0, 1]; 1: every token
+  double u;               // uniform in [0, 1)
+};
+
+// The floats of scratch a draw from a row of `size` logits takes: its weights (padded to whole vectors
+// of the widest instruction set), then the one bucket of them the top-p cut sorts.
+inline int64_t draw_scratch_floats(int64_t size) { return 2 * ((size + 15) / 16 * 16); }
+
 // Keys are taken this many at a time (a tile of scores per query row).
 inline constexpr int kKeyTile = 32;
 
@@ -177,9 +190,9 @@ struct KernelTable {
   void (*linear)(const LinearArgs&, int64_t feature_begin, int64_t feature_end);
   // Of data[begin, end) (float32 or bfloat16 elements, begin < end).
   ArgMax (*argmax)(const void* data, DType dtype, int64_t begin, int64_t end);
-  // A draw from softmax(data[0, size) * inv_temperature) by inverse transform of u in [0, 1) (draw.h);
-  // largest: the largest of data (finite).
-  int64_t (*draw)(const void* data, DType dtype, int64_t size, float largest, float inv_temperature, double u);
+  // A draw from softmax(data[0, size) * inv_temperature), cut to top_k and top_p, by inverse transform
+  // of u (draw.h); scratch holds draw_scratch_floats(size).
+  int64_t (*draw)(const void* data, DType dtype, int64_t size, const DrawParams& params, float* scratch);
   // Task `task` of a tile product; rows_scratch holds 32 * in_features elements (a last group of fewer
   // than 32 rows, padded). nullptr where the build has no tiles (every one but amx).
   void (*tile_linear)(const TileLinearArgs&, int64_t task, uint16_t* rows_scratch);

@@ -422,11 +422,9 @@ ArgMax argmax(const void* data, DType dtype, int64_t begin, int64_t end) {
   return result;
 }
 
-int64_t draw(const void* data, DType dtype, int64_t size, float largest, float inv_temperature, double u) {
+int64_t draw(const void* data, DType dtype, int64_t size, const DrawParams& params, float* scratch) {
   int64_t index = 0;
-  with_type(dtype, [&](auto t) {
-    index = draw_typed(static_cast<const decltype(t)*>(data), size, largest, inv_temperature, u);
-  });
+  with_type(dtype, [&](auto t) { index = draw_typed(static_cast<const decltype(t)*>(data), size, params, scratch); });
   return index;
 }
 

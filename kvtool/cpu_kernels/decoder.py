@@ -51,6 +51,7 @@ from kvtool.cpu_kernels.step_buffers import StepBuffers
 from kvtool.cpu_kernels.tile_products import tile_product, tile_weight
 from kvtool.layers.attention_metadata import AttentionMetadata
 from kvtool.layers.cpu_linear import PackedLinear, can_pack_dtype, packed_row_limit
+from kvtool.layers.sampler import StepPicks
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 MAX_ROW_PRODUCT_ROWS = 8  # products of more rows run oneDNN's (see the module docstring)
@@ -326,29 +327,27 @@ class CpuDecoder:
         return logits
 
     def decode_picks(self, input_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
-                     kv_caches: list[torch.Tensor], temperatures: np.ndarray | None = None,
-                     uniforms: np.ndarray | None = None) -> np.ndarray:
+                     kv_caches: list[torch.Tensor], picks: StepPicks | None = None) -> np.ndarray:
         """``decode``'s step, each row's token instead of its logits: int64 [n]. A row of temperature 0 (or
-        all, temperatures None) its greedy pick, what NumPy's argmax of decode's logits picks (the first
-        largest; a NaN the largest); any other a draw from softmax(logits / temperature) by inverse
-        transform of its number of uniforms (float64 [n] in [0, 1)), what kvtool.layers.sampler.sample
-        draws from decode's logits with that number (but for rounding at the edge of two tokens).
-        Picked in the step, by the threads that computed the logits: after the step NumPy's argmax found
-        them cold (~0.1 ms of a ~7 ms bfloat16 SmolLM2-135M step), the sampler ~0.5 ms."""
+        all, picks None) its greedy pick, what NumPy's argmax of decode's logits picks (the first largest;
+        a NaN the largest); any other a draw from softmax(logits / temperature) cut to its top_k and
+        top_p, by inverse transform of its uniform number: what kvtool.layers.sampler.sample draws from
+        decode's logits with that number (but for rounding at the edge of two tokens, and ties at the
+        top-k's edge, all kept here). Picked in the step, by the threads that computed the logits: after
+        the step NumPy's argmax found them cold (~0.1 ms of a ~7 ms bfloat16 SmolLM2-135M step), the
+        sampler ~0.5 ms at a temperature and ~1.7 with top_p 0.9."""
         token_ids = np.empty(len(input_ids), dtype=np.int64)
-        self._decode(input_ids, positions, block_tables, kv_caches, picked_token_ids=token_ids,
-                     temperatures=temperatures, uniforms=uniforms)
+        self._decode(input_ids, positions, block_tables, kv_caches, picked_token_ids=token_ids, picks=picks)
         return token_ids
 
     def _decode(self, input_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
                 kv_caches: list[torch.Tensor], *, logits: np.ndarray | None = None,
-                picked_token_ids: np.ndarray | None = None, temperatures: np.ndarray | None = None,
-                uniforms: np.ndarray | None = None) -> None:
+                picked_token_ids: np.ndarray | None = None, picks: StepPicks | None = None) -> None:
         caches = self._cache_layout(kv_caches)
         cos_sin = self._rope_table(int(positions.max()) + 1)
         self.stack.decode(self.kernels, input_ids, positions, block_tables, caches.num_blocks, cos_sin.data_ptr(),
                           cos_sin.shape[0], caches.addresses, *caches.strides, caches.tokens_per_block, caches.dtype,
-                          self.model.sliding_window or 0, logits, picked_token_ids, temperatures, uniforms)
+                          self.model.sliding_window or 0, logits, picked_token_ids, *(picks or (None,) * 4))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""

@@ -76,15 +76,17 @@ def argmax(kernels: CpuKernels, values: torch.Tensor) -> ArgMax:
     return kernels.argmax(values.data_ptr(), kernel_dtype(values), 0, values.numel())
 
 
-def draw(kernels: CpuKernels, values: torch.Tensor, temperature: float, u: float) -> int:
-    """A draw from softmax(values / temperature) (values [n] float32 or bfloat16, n >= 1) by inverse
-    transform of u in [0, 1): the first index whose running sum of exp((x - max) / temperature) exceeds
-    u times their total (what a sampled decode step picks in C++); argmax's index where the largest
-    value is NaN or infinite."""
+def draw(kernels: CpuKernels, values: torch.Tensor, temperature: float, u: float, *, top_k: int = 0,
+         top_p: float = 1.0) -> int:
+    """A draw from softmax(values / temperature) (values [n] float32 or bfloat16, n >= 1), cut to its
+    top_k largest (0: all) and then the fewest of those whose mass reaches top_p (ties with the last kept
+    kept too), by inverse transform of u in [0, 1) in the order of values: the first index whose running
+    sum of the kept exp((x - max) / temperature) exceeds u times their total (what a sampled decode step
+    picks in C++); argmax's index where the largest value is NaN or infinite."""
     if values.dim() != 1 or values.numel() == 0 or not values.is_contiguous():
         raise ValueError(f"draw: values must be one contiguous row of at least one value, got shape "
                          f"{tuple(values.shape)}")
-    return kernels.draw(values.data_ptr(), kernel_dtype(values), values.numel(), temperature, u)
+    return kernels.draw(values.data_ptr(), kernel_dtype(values), values.numel(), temperature, top_k, top_p, u)
 
 
 def rope_cache(inv_freq: torch.Tensor, max_positions: int, scale: float = 1.0) -> torch.Tensor:

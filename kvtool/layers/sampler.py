@@ -1,12 +1,16 @@
 """Token sampling: greedy, temperature, top-k, top-p, seeded per request.
 
-A step draws one uniform number for each sampling row from the request's own generator (draw_uniforms),
-before the forward: a draw is the inverse transform of that number, here from the step's logits
-(sample) or in the CPU decode step itself (kvtool.cpu_kernels.decoder.CpuDecoder.decode_picks), the same
-number either way.
+A step draws one uniform number for each sampling row from the request's own generator (step_picks),
+before the forward: a draw is the inverse transform of that number over the kept tokens in vocabulary
+order, here from the step's logits (sample) or in the CPU decode step itself
+(kvtool.cpu_kernels.decoder.CpuDecoder.decode_picks, csrc/cpu/draw.h), the same number either way, so
+a seed gives the same tokens on both paths (but where rounding puts the number at the edge of two
+tokens, or a tie at the top-k's edge).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,29 +28,33 @@ def make_generator(params: SamplingParams, request_id: int) -> torch.Generator |
     return generator
 
 
-def draw_uniforms(params: list[SamplingParams], generators: list[torch.Generator | None]) -> np.ndarray:
-    """A step's random numbers: float64 [num_seqs] in [0, 1), one from each sampling row's generator (a
-    greedy row's is 0 and takes none from its stream)."""
+class StepPicks(NamedTuple):
+    """How a step picks its rows' tokens, a row each: temperatures float32 (0: greedy), top_ks int64 (0:
+    every token), top_ps float32, and uniforms float64 in [0, 1) (0 for a greedy row)."""
+
+    temperatures: np.ndarray
+    top_ks: np.ndarray
+    top_ps: np.ndarray
+    uniforms: np.ndarray
+
+
+def step_picks(params: list[SamplingParams], generators: list[torch.Generator | None]) -> StepPicks:
+    """A step's sampling, with its random numbers: one from each sampling row's generator (a greedy row
+    takes none from its stream)."""
     uniforms = np.zeros(len(params))
     for i, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
             uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator).item()
-    return uniforms
-
-
-def step_temperatures(params: list[SamplingParams]) -> np.ndarray | None:
-    """The rows' temperatures, float32 [num_seqs] (0: greedy), where a step can draw its tokens itself:
-    no row has a top_k or top_p. None otherwise."""
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy):
-        return None
-    return np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32)
+    return StepPicks(np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32),
+                     np.array([p.top_k for p in params], dtype=np.int64),
+                     np.array([p.top_p for p in params], dtype=np.float32), uniforms)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: np.ndarray) -> list[int]:
     """Picks one token per row of logits [num_seqs, vocab_size] (float32): a greedy row its first
     largest logit, any other a draw from softmax(logits / temperature) over its ``top_k`` largest logits
     and then the fewest of those whose probability reaches ``top_p`` (the largest always stays), by
-    inverse transform of its number of ``uniforms`` [num_seqs] (draw_uniforms)."""
+    inverse transform of its number of ``uniforms`` [num_seqs] (step_picks)."""
     if all(p.greedy for p in params):
         if logits.is_cpu:
             # NumPy's argmax (the first maximum, as torch's): 18 us for SmolLM2's 49,152 logits after a
@@ -64,7 +72,8 @@ def draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:
     if top_k == vocab_size and params.top_p >= 1.0:
         return inverse_transform(probs, u)
     candidates, token_ids = top_candidates(probs, top_k, params.top_p)
-    return int(token_ids[inverse_transform(candidates, u)])
+    token_ids, order = torch.sort(token_ids)  # vocabulary order, as the CPU step draws
+    return int(token_ids[inverse_transform(candidates[order], u)])
 
 
 def top_candidates(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:

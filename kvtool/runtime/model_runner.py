@@ -14,7 +14,7 @@ from kvtool.cpu_kernels import supported_isas
 from kvtool.config import EngineConfig, KvCacheConfig
 from kvtool.errors import KvtoolError
 from kvtool.layers.attention_metadata import AttentionMetadata
-from kvtool.layers.sampler import draw_uniforms, make_generator, sample, step_temperatures
+from kvtool.layers.sampler import StepPicks, make_generator, sample, step_picks
 from kvtool.runtime.assemble import PoolBudget, RuntimeLimits
 from kvtool.runtime.cuda_graphs import DecodeBatch, DecodeGraphs, MixedGraphs
 from kvtool.runtime.device import available_host_memory_bytes, free_device_memory_bytes
@@ -23,14 +23,6 @@ from kvtool.runtime.kv_pool import BlockShape, KvCachePools
 from kvtool.runtime.pool_sizes import PoolSizes
 from kvtool.runtime.step_batch import MAX_GRAPH_TOKENS, HostStep, flatten_step
 from kvtool.runtime.tier3_store import Tier3Store, run_copies
-
-
-class StepPicks(NamedTuple):
-    """How a step may pick its rows' tokens itself (kvtool.layers.sampler): each row's temperature,
-    float32 [num_rows] (0: greedy), and uniform number, float64 [num_rows]."""
-
-    temperatures: np.ndarray
-    uniforms: np.ndarray
 
 
 class StepRequest(NamedTuple):
@@ -107,15 +99,14 @@ class ModelRunner:
     def execute_step(self, batch, requests, generators) -> list[int] | None:
         """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
         params = [r.sampling_params for r in requests]
-        uniforms = draw_uniforms(params, generators)
-        temperatures = step_temperatures(params)
-        output = self.execute_batch(batch, picks=None if temperatures is None else StepPicks(temperatures, uniforms))
+        picks = step_picks(params, generators)
+        output = self.execute_batch(batch, picks=picks)
         if output is None:
             return None
         if isinstance(output, np.ndarray):  # the step's own picks
             return output.tolist()
         # sample() syncs: the tokens are on the host.
-        return sample(output, params, uniforms)
+        return sample(output, params, picks.uniforms)
 
     def make_generator(self, params, request_id: int) -> torch.Generator | None:
         return make_generator(params, request_id)
@@ -204,7 +195,7 @@ class ModelRunner:
                 # of the logits after the step, or the sampler's draws, ~0.5 ms cold).
                 if picks is not None and len(picks.temperatures) == len(rows.token_ids):
                     return decoder.decode_picks(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches,
-                                                picks.temperatures, picks.uniforms)
+                                                picks)
                 return decoder.decode(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches)
         return self.execute(batch.requests)
 
