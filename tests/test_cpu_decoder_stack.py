@@ -138,10 +138,12 @@ def test_a_decode_step_in_one_call_gives_the_logits_and_kv_of_forward_and_the_lm
             for u, rows in ((0.02, ((0.7, 0, 1.0), (0.0, 0, 1.0))), (0.5, ((1.5, 0, 1.0), (0.9, 3, 1.0))),
                             (0.97, ((1.0, 0, 0.8), (0.6, 20, 0.5))), (0.3, ((0.0, 0, 1.0), (1.0, 0, 0.3)))):
                 params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in rows[:len(step)]]
-                sampling = step_picks(params, [None] * len(step))._replace(uniforms=np.array([u] * len(step)))
+                sampling = step_picks(params, [None] * len(step))  # None: every row greedy
+                if sampling is not None:
+                    sampling = sampling._replace(uniforms=np.array([u] * len(step)))
                 driver.pool.copy_(pool)
                 drawn = decoder.decode_picks(*decode_arrays(step), driver.kv_caches, sampling)
-                assert drawn.tolist() == sample(logits, params, sampling.uniforms), rows
+                assert drawn.tolist() == sample(logits, params, sampling and sampling.uniforms), rows
             for seq, token_id in zip(step, picks.tolist()):
                 seq.num_computed += 1
                 seq.append(token_id)

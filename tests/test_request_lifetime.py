@@ -140,7 +140,8 @@ class _ArgmaxZeroRunner:
         if not len(batch):
             return None
         params = [r.sampling_params for r in requests]
-        return sample(torch.zeros(len(requests), self.vocab_size), params, step_picks(params, generators).uniforms)
+        picks = step_picks(params, generators)
+        return sample(torch.zeros(len(requests), self.vocab_size), params, picks and picks.uniforms)
 
     def make_generator(self, params, request_id: int):
         return make_generator(params, request_id)

@@ -21,7 +21,8 @@ def test_greedy_rows_take_the_first_maximum_as_torch_does():
     logits[1, 10] = logits[1, 900] = 50.0           # a tie: the first one
     logits[2, 3] = float("nan")                     # NaN counts as the maximum, as in torch
     expected = logits.argmax(dim=-1).tolist()
-    assert sample(logits, [GREEDY] * 5, step_picks([GREEDY] * 5, [None] * 5).uniforms) == expected
+    assert step_picks([GREEDY] * 5, [None] * 5) is None  # a greedy step draws nothing
+    assert sample(logits, [GREEDY] * 5, None) == expected
     assert expected[1] == 10 and expected[2] == 3
 
 

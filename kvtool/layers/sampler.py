@@ -38,9 +38,12 @@ class StepPicks(NamedTuple):
     uniforms: np.ndarray
 
 
-def step_picks(params: list[SamplingParams], generators: list[torch.Generator | None]) -> StepPicks:
+def step_picks(params: list[SamplingParams], generators: list[torch.Generator | None]) -> StepPicks | None:
     """A step's sampling, with its random numbers: one from each sampling row's generator (a greedy row
-    takes none from its stream)."""
+    takes none from its stream). None: every row is greedy (a step picks greedily without the arrays,
+    which after a CPU step's weight stream cost as much cold as the picks themselves)."""
+    if all(p.greedy for p in params):
+        return None
     uniforms = np.zeros(len(params))
     for i, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
@@ -50,11 +53,11 @@ def step_picks(params: list[SamplingParams], generators: list[torch.Generator | 
                      np.array([p.top_p for p in params], dtype=np.float32), uniforms)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: np.ndarray) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: np.ndarray | None) -> list[int]:
     """Picks one token per row of logits [num_seqs, vocab_size] (float32): a greedy row its first
     largest logit, any other a draw from softmax(logits / temperature) over its ``top_k`` largest logits
     and then the fewest of those whose probability reaches ``top_p`` (the largest always stays), by
-    inverse transform of its number of ``uniforms`` [num_seqs] (step_picks)."""
+    inverse transform of its number of ``uniforms`` [num_seqs] (step_picks; None: every row greedy)."""
     if all(p.greedy for p in params):
         if logits.is_cpu:
             # NumPy's argmax (the first maximum, as torch's): 18 us for SmolLM2's 49,152 logits after a
