@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.config import SamplingParams
-from kvtool.layers.sampler import inverse_transform, sample, step_picks, top_candidates
+from kvtool.layers.sampler import draw, draw_rows, inverse_transform, sample, step_picks, top_candidates
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)
 
@@ -101,7 +102,7 @@ def test_top_candidates_are_those_of_a_full_sort(vocab_size, top_k, top_p, seed,
     mass = sum(float(probs[i]) for i in ordered)
     expected, before = [], 0.0
     for i in ordered:
-        if expected and before >= top_p * mass:
+        if expected and before >= top_p * mass and top_p < 1.0:  # top_p 1 cuts nothing, however the sums round
             break
         expected.append(i)
         before += float(probs[i])
@@ -156,3 +157,31 @@ def test_top_k_and_top_p_draws_go_through_the_kept_tokens_in_vocabulary_order():
     assert sample(logits, params, np.array([p1 * 0.99])) == [1]
     assert sample(logits, params, np.array([p1 * 1.01])) == [4]
     assert p4 > p1
+
+
+def rows_and_params(seed: int, num_rows: int = 24, vocab_size: int = 3000):
+    """Rows of flat and peaked logits, and each row's sampling: greedy, a temperature, top_k, top_p, both."""
+    generator = torch.Generator().manual_seed(seed)
+    spreads = torch.tensor([0.1, 1.0, 4.0]).repeat(num_rows)[:num_rows, None]
+    logits = torch.randn(num_rows, vocab_size, generator=generator) * spreads
+    choices = [GREEDY, SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=40),
+               SamplingParams(temperature=1.2, top_p=0.8), SamplingParams(temperature=0.9, top_k=500, top_p=0.5)]
+    params = [choices[i % len(choices)] for i in range(num_rows)]
+    uniforms = torch.rand(num_rows, dtype=torch.float64, generator=generator).numpy()
+    return logits, params, uniforms
+
+
+def test_the_batched_draws_a_device_takes_are_the_row_by_row_draws():
+    # draw_rows (a GPU's path: no sync a row) keeps the same tokens and draws the same one from the same
+    # uniform number as draw (the CPU's path and the CPU step's): run here on the CPU's tensors.
+    for seed in range(4):
+        logits, params, uniforms = rows_and_params(seed)
+        expected = [int(row.argmax()) if p.greedy else draw(row, p, float(u))
+                    for row, p, u in zip(logits, params, uniforms)]
+        assert draw_rows(logits, params, uniforms).tolist() == expected, seed
+
+
+@pytest.mark.gpu
+def test_a_devices_batched_draws_are_the_cpus():
+    logits, params, uniforms = rows_and_params(7)
+    assert sample(logits.cuda(), params, uniforms) == sample(logits, params, uniforms)

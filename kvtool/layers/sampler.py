@@ -64,7 +64,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: np.ndar
             # decode step, where torch's (its threads woken after the step's kernels) took 60.
             return logits.numpy().argmax(axis=-1).tolist()
         return logits.argmax(dim=-1).tolist()
-    return [int(row.argmax()) if p.greedy else draw(row, p, float(u)) for row, p, u in zip(logits, params, uniforms)]
+    if logits.is_cpu:
+        return [int(row.argmax()) if p.greedy else draw(row, p, float(u)) for row, p, u in zip(logits, params, uniforms)]
+    # On a device, every row at once: ``draw``'s host sync a row would leave the device idle between rows.
+    return draw_rows(logits, params, uniforms).tolist()
 
 
 def draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:
@@ -79,13 +82,39 @@ def draw(row: torch.Tensor, params: SamplingParams, u: float) -> int:
     return int(token_ids[inverse_transform(candidates[order], u)])
 
 
+def draw_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: np.ndarray) -> torch.Tensor:
+    """``sample``'s tokens for every row at once, int64 [num_seqs] on the logits' device: batched ops and no
+    host sync. Each row's kept tokens come from one sort of its probabilities (``top_candidates`` looks
+    among the largest first, which a CPU's sort needs; a device's sorts all rows at once)."""
+    device = logits.device
+    vocab_size = logits.shape[-1]
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temperatures = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)  # [num_seqs, vocab_size]
+    if any(not p.greedy and (0 < p.top_k < vocab_size or p.top_p < 1.0) for p in params):
+        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        top_ks = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+        sorted_probs = sorted_probs * (torch.arange(vocab_size, device=device) < top_ks[:, None])
+        top_ps = torch.tensor([p.top_p for p in params], device=device)
+        needed = top_ps[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+        # top_p 1 cuts nothing (rounding in the sums could cut the tail's tiniest); the largest is always kept.
+        kept = (sorted_probs.cumsum(dim=-1) - sorted_probs < needed) | (top_ps[:, None] >= 1.0)
+        kept[:, 0] = True
+        probs = torch.zeros_like(probs).scatter_(1, sorted_ids, sorted_probs * kept)  # vocabulary order
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [num_seqs, vocab_size]
+    u = torch.from_numpy(np.asarray(uniforms, dtype=np.float64)).to(device)[:, None]
+    drawn = torch.searchsorted(cdf, cdf[:, -1:] * u, right=True).squeeze(1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
 def top_candidates(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The top_k largest of probs [vocab_size] in descending order (ties at the k-th taken in torch.topk's
     order), cut to the fewest whose mass reaches top_p of theirs; returns them and their token ids."""
     vocab_size = probs.shape[-1]
     if top_p >= 1.0 or top_k < vocab_size:
         values, token_ids = torch.topk(probs, top_k)  # descending
-        return _cut(values, token_ids, top_p * float(values.sum()))
+        # top_p 1 cuts nothing (rounding in the sums could cut the tail's tiniest).
+        return (values, token_ids) if top_p >= 1.0 else _cut(values, token_ids, top_p * float(values.sum()))
     # top_p alone. Sorting SmolLM2's 49,152 probabilities took ~1.8 ms, where a top_p keeps few as a rule
     # (the largest 64: ~0.08 ms); else those above a threshold lowered 16-fold until their mass reaches
     # top_p (a masked sum, ~0.05 ms each) are sorted: a flat row kept 10,327 tokens at top_p 0.9.
