@@ -6,6 +6,7 @@
 # target of issue 21 with its measured value, the target and met / missed. Everything lands in $OUT:
 #   install.log, nvidia-smi.txt, env.txt, pytest_gpu.log          (install info test)
 #   gpu_suite.log, gpu_suite/gpu_suite.{csv,md}                     (bench: the kernel sections)
+#   gpu_sampler.log, gpu_sampler/gpu_sampler.{csv,md}               (bench: a step's draws at once vs row by row)
 #   plan.log                                                        (plan: builds $GPU_MODEL once)
 #   gpu_e2e.log, gpu_e2e/gpu_e2e.{csv,md}, gpu_e2e/gpu_steps.{csv,md}  (e2e: TTFT/TPOT, floors, launches per step)
 #   peer.log, peer/gpu_peer.csv                                     (peer: transformers' continuous batching)
@@ -168,6 +169,10 @@ if has_step bench; then
     2>&1 | tee "$OUT/gpu_suite.log"
   rc=${PIPESTATUS[0]}
   [[ $rc -eq 0 ]] || { note "gpu suite reported errors (rc $rc)"; status=1; }
+  note "bench/gpu_sampler.py: a step's rows drawn at once vs row by row"
+  "$PY" bench/gpu_sampler.py --output "$OUT/gpu_sampler" --reps 10 2>&1 | tee "$OUT/gpu_sampler.log"
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || { note "gpu sampler failed (rc $rc)"; status=1; }
 fi
 
 if has_step profile; then

@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import gpu_e2e  # noqa: E402 - bench/ scripts import each other as top-level modules
+import gpu_sampler  # noqa: E402
 import gpu_simulate_check  # noqa: E402
 import gpu_steps  # noqa: E402
 import gpu_summary  # noqa: E402
@@ -191,6 +192,16 @@ def test_a_figure_the_summary_cannot_read_costs_one_line_not_the_summary(tmp_pat
              if line.startswith("| ")}
     assert "could not read the files: TypeError" in lines["7. simulate"] and lines["7. simulate"].endswith("| missed |")
     assert lines["   A,B,A,B: TTFT recompute / onboard"].endswith("| met |")
+
+
+def test_the_sampler_bench_times_both_paths_and_writes_its_table(tmp_path, monkeypatch):
+    # On the CPU here (the GPU check runs it on the device): both paths draw, the table has a row a case.
+    monkeypatch.setattr(sys, "argv", ["gpu_sampler.py", "--output", str(tmp_path), "--device", "cpu",
+                                      "--vocab_size", "500", "--batch_sizes", "1", "3", "--reps", "1", "--warmup", "0"])
+    gpu_sampler.main()
+    table = (tmp_path / "gpu_sampler.md").read_text()
+    assert table.count("\n| ") == 1 + len(gpu_sampler.SAMPLINGS) * 2  # the header and a row a case
+    assert "| top_p 0.9 | 3 |" in table and (tmp_path / "gpu_sampler.csv").exists()
 
 
 def test_gpu_check_packs_its_output_after_each_step_and_starts_none_past_its_deadline(tmp_path):
