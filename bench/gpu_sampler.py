@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from gpu_reports import write_rows_csv
