@@ -47,11 +47,12 @@ float draw_cut(const float* weights, int64_t size, int64_t top_k, float top_p, f
     h.masses[b] += weights[i];
   }
   // The top-k: the bucket where the count from the top reaches k, then its values in order.
-  float floor = 0.0f;  // the smallest weight kept so far
-  double kept_mass = 0.0;
-  for (int b = kNumBuckets - 1; b >= 0; --b) kept_mass += h.masses[b];
-  int floor_bucket = 0;  // the bucket `floor` lies in
-  if (cut_k) {
+  float floor = 0.0f;      // the smallest weight kept so far
+  double kept_mass = 0.0;  // of the weights >= floor
+  int floor_bucket = 0;    // the bucket `floor` lies in
+  if (!cut_k) {
+    for (int b = kNumBuckets - 1; b >= 0; --b) kept_mass += h.masses[b];
+  } else {
     int64_t count = 0;
     double mass = 0.0;
     int b = kNumBuckets - 1;

@@ -100,7 +100,7 @@ class ModelRunner:
         """Runs the batch (execute_batch) and samples a token for each of ``requests``."""
         params = [r.sampling_params for r in requests]
         picks = step_picks(params, generators)
-        output = self.execute_batch(batch, pick_tokens=True, picks=picks)
+        output = self.execute_batch(batch, picks)
         if output is None:
             return None
         if isinstance(output, np.ndarray):  # the step's own picks
@@ -175,12 +175,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def execute_batch(self, batch, *, pick_tokens: bool = False,
-                      picks: StepPicks | None = None) -> torch.Tensor | np.ndarray | None:
+    def execute_batch(self, batch, picks: StepPicks | None) -> torch.Tensor | np.ndarray | None:
         """Runs a kvtool._core.ScheduledBatch: its block copies, then the forward of its requests;
-        returns what execute does, or None when no request was scheduled. With ``pick_tokens``, a CPU
-        decode step taken in one call returns its tokens instead, int64 [num_rows]: each row's greedy pick,
-        or its draw as ``picks`` (a row each, in batch order) says."""
+        returns what execute does, or None when no request was scheduled. A CPU decode step taken in one
+        call returns its tokens instead, int64 [num_rows]: each row's greedy pick, or its draw as
+        ``picks`` (a row each, in batch order: a decode step's rows all sample; None: all greedy) says."""
         # A step's copies never fetch from the third tier (stagings do, before the step): its ops are spills.
         self.run_copies(batch.copy_ops)
         if len(batch.requests) == 0:
@@ -195,10 +194,7 @@ class ModelRunner:
                 # step's weights stream leaves the host's own code and data cold, so each Python operation
                 # between two steps costs several times what it costs warm (the picks too: NumPy's argmax
                 # of the logits after the step, or the sampler's draws, ~0.5 ms cold).
-                if pick_tokens and (picks is None or len(picks.temperatures) == len(rows.token_ids)):
-                    return decoder.decode_picks(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches,
-                                                picks)
-                return decoder.decode(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches)
+                return decoder.decode_picks(rows.token_ids, rows.positions, rows.block_tables, self.kv_caches, picks)
         return self.execute(batch.requests)
 
     @torch.inference_mode()
