@@ -9,6 +9,7 @@ runtime, whose own defaults a test checks against them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -417,7 +418,12 @@ MODES = ("offline", "sequential", "trace")
 @dataclass(frozen=True)
 class ReplayOptions:
     """How a bench run hands its dataset to the engine (kvtool.bench.replay), and which lines it
-    measures: the first ``warmup`` run first, uncounted, then at most ``num_requests``."""
+    measures: the first ``warmup`` run first, uncounted, then at most ``num_requests``.
+
+    Every request generates exactly its line's output tokens, greedily (``temperature`` 0, as
+    trtllm-bench's) or sampled at ``temperature`` among the ``top_k`` largest logits and the ``top_p``
+    of the probability, each request drawing from its own stream seeded by ``seed`` and its line
+    (kvtool.workloads.requests.request_seed): a sampled run repeats token for token."""
 
     mode: str = "offline"
     concurrency: int | None = None
@@ -427,8 +433,12 @@ class ReplayOptions:
     warmup_counts_in_stats: bool = False  # keep the warm-up's cache counters
     num_requests: int | None = None
     time_scale: float = 1.0  # arrival times are multiplied by it
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: no nucleus cut
+    top_k: int = 0  # 0: every token
 
     def __post_init__(self) -> None:
+        self._check_sampling()
         mode = str(self.mode).lower()
         check(mode in MODES, self, "mode", f"{self.mode!r} is unknown: use one of {list(MODES)} "
               "(and --concurrency N / --request_rate R for the other replay patterns)")
@@ -453,6 +463,25 @@ class ReplayOptions:
         check(self.num_requests is None or self.num_requests >= 1, self, "num_requests",
               f"must be a positive integer, got {self.num_requests}")
 
+    def _check_sampling(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), self,
+                  name, f"must be a number, got {value!r}")
+        check(self.temperature >= 0, self, "temperature", f"must be >= 0 (0: greedy), got {self.temperature}")
+        check(0 < self.top_p <= 1, self, "top_p", f"must be in (0, 1] (1: no cut), got {self.top_p}")
+        check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0, self, "top_k",
+              f"must be an integer >= 0 (0: every token), got {self.top_k!r}")
+        for name, cuts in (("top_p", self.top_p != 1), ("top_k", self.top_k > 1)):
+            check(self.temperature > 0 or not cuts, self, name,
+                  f"{getattr(self, name)} cuts the tokens a sampled request draws from, but temperature is 0 "
+                  "(greedy, the default): give a temperature > 0 too (1.0: the model's own distribution)")
+
+    @property
+    def sampled(self) -> bool:
+        """Whether requests draw their tokens (top_k 1 is greedy at any temperature)."""
+        return self.temperature > 0 and self.top_k != 1
+
     @property
     def max_in_flight(self) -> int | None:
         """The in-flight limit (None: unlimited)."""
@@ -473,4 +502,7 @@ class ReplayOptions:
             parts.append(f"rate={self.request_rate:g}/s")
         if self.time_scale != 1:
             parts.append(f"time_scale={self.time_scale:g}")
+        if self.sampled:
+            parts.append(f"temperature={self.temperature:g}")
+            parts += [f"top_p={self.top_p:g}"] * (self.top_p != 1) + [f"top_k={self.top_k}"] * (self.top_k > 0)
         return ",".join(parts)

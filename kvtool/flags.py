@@ -22,8 +22,8 @@ from typing import Any
 from kvtool.config import ConfigError, EngineConfig, KvCacheConfig, ReplayOptions, SchedulerConfig
 from kvtool.units import parse_bytes
 
-MODEL, KV_CACHE, SCHEDULER, WORKLOAD, OUTPUT, REPORT, FLEET = (
-    "Model and plan", "KV cache", "Scheduler", "Workload", "Output", "Report", "Fleet")
+MODEL, KV_CACHE, SCHEDULER, WORKLOAD, SAMPLING, OUTPUT, REPORT, FLEET = (
+    "Model and plan", "KV cache", "Scheduler", "Workload", "Sampling", "Output", "Report", "Fleet")
 # Where a flag's value goes: a configuration object (its type names it in ConfigError), or None: the command.
 KV, SCHED, ENGINE, REPLAY = "kv_cache_config", "scheduler_config", "engine", "replay"
 _OWNERS = MappingProxyType({KV: "KvCacheConfig", SCHED: "SchedulerConfig", ENGINE: "EngineConfig",
@@ -103,7 +103,8 @@ FLAGS: tuple[Flag, ...] = (
          "arrival_time_s).", WORKLOAD, str, REPLAY, "mode"),
     Flag("concurrency", "Keep N requests in flight.", WORKLOAD, int, REPLAY, "concurrency"),
     Flag("request_rate", "Poisson arrivals at R requests/s (seeded).", WORKLOAD, float, REPLAY, "request_rate"),
-    Flag("seed", "Seed of the Poisson arrivals (default 0).", WORKLOAD, int, REPLAY, "seed"),
+    Flag("seed", "Seed of the Poisson arrivals and of sampled requests' draws (default 0).", WORKLOAD, int, REPLAY,
+         "seed"),
     Flag("warmup", "Run the first N dataset requests first, uncounted.", WORKLOAD, int, REPLAY, "warmup"),
     Flag("time_scale", "Multiply the dataset's arrival times (0.5: twice as fast).", WORKLOAD, float, REPLAY,
          "time_scale"),
@@ -112,6 +113,14 @@ FLAGS: tuple[Flag, ...] = (
     # 'num_requests' is the column of the requests that finished.
     Flag("num_requests", "Measure at most N requests.", WORKLOAD, int, REPLAY, "num_requests",
          column="num_requests_limit"),
+    Flag("temperature", "Sample every request at this temperature (default 0: greedy, as trtllm-bench); each request "
+         "draws from its own stream, seeded by --seed and its line, so a run repeats. Requests still generate "
+         "exactly their output tokens. --endpoint: sent to the server, which draws with its own seeds.", SAMPLING,
+         float, REPLAY, "temperature"),
+    Flag("top_p", "Draw from the smallest set of tokens holding this much probability (default 1: every token; "
+         "needs --temperature).", SAMPLING, float, REPLAY, "top_p"),
+    Flag("top_k", "Draw from the K most likely tokens (default 0: every token; needs --temperature).", SAMPLING,
+         int, REPLAY, "top_k"),
     Flag("output", "Output directory or summary .csv path (default out/<dataset or scenario>-<time>).", OUTPUT, Path),
     Flag("label", "Variant name in the reports (default: the plan/preset name).", OUTPUT),
     Flag("percentiles", "More latency percentiles: --percentiles 95,99.9 (p50, p90 and p99 are always reported).",
@@ -141,7 +150,8 @@ CONFIG_FLAGS: tuple[Flag, ...] = tuple(FLAG_BY_NAME[name] for name in (
     "kv_remote_cache_bytes", "max_tokens_in_paged_kv_cache", "kv_cache_free_gpu_mem_fraction",
     "max_attention_window_size", "scheduler_policy", "context_chunking_policy", "enable_chunked_context",
     "max_batch_size", "max_num_tokens", "max_seq_len", "enforce_eager", "tokens_per_block", "mode", "concurrency",
-    "request_rate", "seed", "warmup", "warmup_counts_in_stats", "time_scale", "num_requests", "cpu_kernels_isa"))
+    "request_rate", "seed", "warmup", "warmup_counts_in_stats", "time_scale", "num_requests", "cpu_kernels_isa",
+    "temperature", "top_p", "top_k"))
 FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS)
 # A simulated engine's only: a remote store's size is a simulation's (a real one's is its server's maxmemory).
 SIMULATION_ONLY_FLAGS = ("kv_remote_cache_bytes",)
@@ -163,7 +173,7 @@ def names_in(*panels: str) -> tuple[str, ...]:
 SIMULATED_ENGINE_FLAGS = tuple(name for name in names_in(MODEL, KV_CACHE, SCHEDULER)
                                if name not in REAL_ENGINE_ONLY_FLAGS)
 ENGINE_FLAGS = tuple(name for name in names_in(MODEL, KV_CACHE, SCHEDULER) if name not in SIMULATION_ONLY_FLAGS)
-RUN_FLAGS = names_in(WORKLOAD, OUTPUT, REPORT)
+RUN_FLAGS = names_in(WORKLOAD, SAMPLING, OUTPUT, REPORT)
 # A fleet's: simulate takes them all, bench --endpoint the router's (its replicas are the servers given).
 FLEET_FLAGS = names_in(FLEET)
 ROUTER_FLAGS = ("router", "router_block_size")

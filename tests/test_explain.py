@@ -22,8 +22,7 @@ def profile(tmp_path):
     return path
 
 
-@pytest.fixture
-def abab_report(tmp_path, tiny_llama_plan):
+def bench_abab(tmp_path, plan, *flags):
     """A, B, A, B, A, B sequential through a primary pool that holds one of them: B evicts A, and A
     evicts B, so every revisit misses blocks evicted from the primary pool (no host cache)."""
     a, b = [list(range(1, 129)), list(range(300, 428))]
@@ -31,10 +30,15 @@ def abab_report(tmp_path, tiny_llama_plan):
              for i in range(3) for name, prompt in (("A", a), ("B", b))]
     dataset = write_jsonl(tmp_path / "abab.jsonl", lines)
     out = tmp_path / "report"
-    result = invoke("bench", "--plan", tiny_llama_plan, "--dataset", dataset, "--mode", "sequential",
-                    "--max_tokens_in_paged_kv_cache", 160, "--output", out)
+    result = invoke("bench", "--plan", plan, "--dataset", dataset, "--mode", "sequential",
+                    "--max_tokens_in_paged_kv_cache", 160, "--output", out, *flags)
     assert result.exit_code == 0, result.output
     return out
+
+
+@pytest.fixture
+def abab_report(tmp_path, tiny_llama_plan):
+    return bench_abab(tmp_path, tiny_llama_plan)
 
 
 def test_explain_splits_the_misses_and_simulates_a_host_cache(abab_report, profile):
@@ -58,6 +62,15 @@ def test_explain_splits_the_misses_and_simulates_a_host_cache(abab_report, profi
     assert before == round(float(row["cache_hit_rate"]), 2) and after > 0.5  # the simulated baseline is the run
     assert int(match.group(4).replace(",", "")) < int(match.group(3).replace(",", ""))
     assert "primary pool twice as large" in text and "cpu-test (calibrated) step cost model" in text
+
+
+def test_a_sampled_run_is_explained_by_its_greedy_twin(tmp_path, tiny_llama_plan, profile):
+    # The cost model times greedy steps (simulate refuses --temperature): the what-ifs simulate the run
+    # greedily, each against the same simulated baseline.
+    report = bench_abab(tmp_path, tiny_llama_plan, "--temperature", 0.9, "--top_k", 50)
+    result = invoke("explain", report, "--profile", profile)
+    assert result.exit_code == 0, result.output
+    assert "(simulated), the hit rate goes from" in " ".join(result.output.split())
 
 
 def test_explain_names_a_report_without_the_split_and_a_missing_one(tmp_path, abab_report, profile):

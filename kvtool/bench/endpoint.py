@@ -280,6 +280,11 @@ class EndpointEngine:
         body: dict[str, Any] = {"model": self.served_model, "max_tokens": params.max_tokens,
                                 "temperature": params.temperature, "ignore_eos": params.ignore_eos, "stream": True,
                                 "stream_options": {"include_usage": True}}
+        # A sampled run's cuts (the server's defaults are none); no seed: a seeded request costs vLLM more per step.
+        if params.top_p != 1:
+            body["top_p"] = params.top_p
+        if params.top_k > 0:
+            body["top_k"] = params.top_k
         if params.cache_salt:
             body["cache_salt"] = params.cache_salt
         if self.returns_token_ids:

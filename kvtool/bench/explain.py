@@ -106,6 +106,10 @@ def simulate_row(row: Mapping, overrides: Mapping[str, object], *, report_dir: P
     from kvtool.simulate.shapes import is_preset
 
     flags = {**flags_from_row(row), **overrides}
+    # The cost model times greedy steps: a sampled run's what-ifs are its greedy twin's (each held to the
+    # twin's simulated baseline, as every what-if is to its own).
+    for name in ("temperature", "top_p", "top_k"):
+        flags.pop(name, None)
     plan = str(row.get("plan_path") or "")
     if is_built_plan(plan):
         flags.pop("tokens_per_block", None)  # a built plan's own (a model simulated from its shapes needs it)

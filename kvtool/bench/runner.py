@@ -147,7 +147,7 @@ def run_bench(target: Target, dataset: Dataset, replay: ReplayOptions, *, label:
     """
     console = console or Console(stderr=True)
     engine, engine_name, endpoint = target.engine, target.engine_name, target.endpoint
-    warmup, measured = replay.split(dataset_requests(dataset, tokenizer=target.tokenizer))
+    warmup, measured = replay.split(dataset_requests(dataset, tokenizer=target.tokenizer, replay=replay))
     check_arrival_times(replay, measured)
     if not measured:
         raise ValueError(f"nothing to measure: the dataset {dataset.path} has {len(dataset)} requests and --warmup "

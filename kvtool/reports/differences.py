@@ -117,6 +117,9 @@ FLAG_FIELDS: tuple[ConfigField, ...] = (
     _flag("seed", short=lambda v: f"seed {v}"),
     _flag("warmup", short=lambda v: f"warmup {v}"),
     _flag("warmup_counts_in_stats", _on_off, lambda v: f"warm-up counted {_on_off(v)}"),
+    _flag("temperature", short=lambda v: "greedy" if v in ("0", "0.0") else f"temperature {v}"),
+    _flag("top_p", short=lambda v: f"top_p {v}"),
+    _flag("top_k", short=lambda v: f"top_k {v}"),
     ConfigField("num_requests_limit", "--num_requests", _count, lambda v: f"{_count(v)} requests", "default"),
 )
 

@@ -128,6 +128,10 @@ def create_simulated_llm(model, engine, replay=None, dataset=None, *, profile: s
     from kvtool.simulate.simulated_llm import SimulatedLLM
     from kvtool.workloads.blocks import workload_blocks
 
+    if replay is not None and replay.sampled:
+        raise ValueError(f"--temperature {replay.temperature:g}: kvtool simulate's cost model times greedy steps, and "
+                         "sampling is not in it (on a CPU it adds 2-6% to a decode step: results/sampled_decode.md); "
+                         "drop --temperature, --top_p and --top_k, or measure sampled runs with kvtool bench")
     if isinstance(model, ModelShapes):
         plan = model
     elif is_built_plan(model):
