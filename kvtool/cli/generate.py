@@ -26,12 +26,24 @@ def generate(
                                           "template.", PROMPT)] = False,
     max_tokens: Annotated[int, flag("max_tokens", "Tokens to generate at most.", PROMPT)] = 32,
     temperature: Annotated[float, flag("temperature", "0 is greedy.", PROMPT)] = 0.0,
+    top_p: Annotated[float, flag("top_p", "Draw from the smallest set of tokens holding this much probability (1: "
+                                 "every token).", PROMPT)] = 1.0,
+    top_k: Annotated[int, flag("top_k", "Draw from the K most likely tokens (0: every token).", PROMPT)] = 0,
+    seed: Annotated[int | None, flag("seed", "Seed of the draws: the same seed gives the same answer (default: "
+                                     "a new one each run).", PROMPT)] = None,
 ) -> None:
     """Generate an answer to one prompt and print it."""
     with user_errors():
         if (plan is None) == (model is None):
             raise KvtoolError("give one of --plan DIR or --model NAME")
         from kvtool import LLM, SamplingParams
+        from kvtool.config import ConfigError
+
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed)
+        except ConfigError as error:
+            raise KvtoolError(f"--{error.field} {error.problem}") from None
 
         with LLM(model=str(plan) if plan is not None else model, max_batch_size=1) as llm:
             tokenizer = llm.tokenizer
@@ -40,7 +52,7 @@ def generate(
                                   "checkpoint or GGUF file); drop --chat_template to send the text as is")
             source = (tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat_template
                       else prompt)
-            out = llm.generate(source, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+            out = llm.generate(source, params)
         if out.error is not None:
             raise KvtoolError(f"the prompt could not run: {out.error}")
         typer.echo(out.outputs[0].text.strip())
