@@ -433,6 +433,7 @@ class ReplayOptions:
     warmup_counts_in_stats: bool = False  # keep the warm-up's cache counters
     num_requests: int | None = None
     time_scale: float = 1.0  # arrival times are multiplied by it
+    burstiness: float = 1.0  # the shape of request_rate's gamma-distributed gaps (1: exponential, Poisson)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # 1: no nucleus cut
     top_k: int = 0  # 0: every token
@@ -459,6 +460,11 @@ class ReplayOptions:
         check(self.time_scale == 1 or self.request_rate is None, self, "time_scale",
               f"scales the dataset's arrival times, but request_rate {self.request_rate} draws its own: drop one of "
               "them")
+        check(isinstance(self.burstiness, (int, float)) and not isinstance(self.burstiness, bool)
+              and 0 < self.burstiness < float("inf"), self, "burstiness",
+              f"must be a number > 0 (1: Poisson arrivals; 0.5 burstier, 2 more even), got {self.burstiness!r}")
+        check(self.burstiness == 1 or self.request_rate is not None, self, "burstiness",
+              f"{self.burstiness:g} shapes the gaps of request_rate's arrivals: give a request_rate too")
         check(self.warmup >= 0, self, "warmup", f"must be >= 0 requests, got {self.warmup}")
         check(self.num_requests is None or self.num_requests >= 1, self, "num_requests",
               f"must be a positive integer, got {self.num_requests}")
@@ -500,9 +506,14 @@ class ReplayOptions:
             parts.insert(0, "trace")
         if self.request_rate is not None:
             parts.append(f"rate={self.request_rate:g}/s")
+        if self.burstiness != 1:
+            parts.append(f"burstiness={self.burstiness:g}")
         if self.time_scale != 1:
             parts.append(f"time_scale={self.time_scale:g}")
         if self.sampled:
             parts.append(f"temperature={self.temperature:g}")
-            parts += [f"top_p={self.top_p:g}"] * (self.top_p != 1) + [f"top_k={self.top_k}"] * (self.top_k > 0)
+            if self.top_p != 1:
+                parts.append(f"top_p={self.top_p:g}")
+            if self.top_k > 0:
+                parts.append(f"top_k={self.top_k}")
         return ",".join(parts)

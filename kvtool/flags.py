@@ -103,8 +103,11 @@ FLAGS: tuple[Flag, ...] = (
          "arrival_time_s).", WORKLOAD, str, REPLAY, "mode"),
     Flag("concurrency", "Keep N requests in flight.", WORKLOAD, int, REPLAY, "concurrency"),
     Flag("request_rate", "Poisson arrivals at R requests/s (seeded).", WORKLOAD, float, REPLAY, "request_rate"),
-    Flag("seed", "Seed of the Poisson arrivals and of sampled requests' draws (default 0).", WORKLOAD, int, REPLAY,
-         "seed"),
+    Flag("burstiness", "With --request_rate: gaps between arrivals from a gamma distribution of this shape, as vllm "
+         "bench serve's --burstiness: 1 is Poisson (the default), below 1 burstier, above 1 more even.", WORKLOAD,
+         float, REPLAY, "burstiness"),
+    Flag("seed", "Seed of --request_rate's arrivals and of sampled requests' draws (default 0).", WORKLOAD, int,
+         REPLAY, "seed"),
     Flag("warmup", "Run the first N dataset requests first, uncounted.", WORKLOAD, int, REPLAY, "warmup"),
     Flag("time_scale", "Multiply the dataset's arrival times (0.5: twice as fast).", WORKLOAD, float, REPLAY,
          "time_scale"),
@@ -151,7 +154,7 @@ CONFIG_FLAGS: tuple[Flag, ...] = tuple(FLAG_BY_NAME[name] for name in (
     "max_attention_window_size", "scheduler_policy", "context_chunking_policy", "enable_chunked_context",
     "max_batch_size", "max_num_tokens", "max_seq_len", "enforce_eager", "tokens_per_block", "mode", "concurrency",
     "request_rate", "seed", "warmup", "warmup_counts_in_stats", "time_scale", "num_requests", "cpu_kernels_isa",
-    "temperature", "top_p", "top_k"))
+    "temperature", "top_p", "top_k", "burstiness"))
 FLAG_NAMES: tuple[str, ...] = tuple(flag.name for flag in CONFIG_FLAGS)
 # A simulated engine's only: a remote store's size is a simulation's (a real one's is its server's maxmemory).
 SIMULATION_ONLY_FLAGS = ("kv_remote_cache_bytes",)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from kvtool import KvCacheConfig
 from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.endpoint import EndpointLLM, EndpointOptions
-from kvtool.bench.replay import poisson_due_times
+from kvtool.bench.replay import rate_due_times
 from kvtool.bench.runner import run_bench
 from kvtool.cli import app
 from kvtool.config import ReplayOptions, SamplingParams
@@ -241,7 +241,7 @@ def test_poisson_arrivals_are_sent_when_due(tiny_llama_plan, tmp_path):
                         "--output", tmp_path / "rate")
     assert result.exit_code == 0, result.output
     rows = sorted(read_rows(tmp_path / "rate" / "requests.csv"), key=lambda r: int(r["request_id"]))
-    due = poisson_due_times(6, 20.0, 3)
+    due = rate_due_times(6, 20.0, 3)
     # Arrival is the due time of a seeded Poisson process (TTFT counts from it), as in-process.
     assert [float(r["arrival_s"]) for r in rows] == pytest.approx(due, abs=1e-3)
     assert all(not r["error"] and float(r["ttft_ms"]) > 0 for r in rows)

@@ -60,7 +60,7 @@ def test_every_flag_sets_its_field():
               "enforce_eager": True, "tokens_per_block": 8, "mode": "offline", "concurrency": 2,
               "request_rate": 4.0, "seed": 9, "warmup": 1, "warmup_counts_in_stats": True, "num_requests": 5,
               "time_scale": 1.0, "cpu_kernels_isa": "avx2", "temperature": 0.7, "top_p": 0.9,
-              "top_k": 40}  # (other time scales contradict request_rate:
+              "top_k": 40, "burstiness": 0.5}  # (other time scales contradict request_rate:
     # tests/test_trace_replay.py)
     # The remote tier's flags exclude the disk tier's: test_the_remote_tier_flag_sets_its_url.
     assert set(values) | {"kv_remote_cache", "kv_remote_cache_bytes"} == {flag.name for flag in CONFIG_FLAGS}
@@ -74,7 +74,7 @@ def test_every_flag_sets_its_field():
         max_batch_size=3, max_num_tokens=100, max_seq_len=200, tokens_per_block=8, enforce_eager=True,
         cpu_kernels_isa="avx2")
     assert replay == ReplayOptions(concurrency=2, request_rate=4.0, seed=9, warmup=1, warmup_counts_in_stats=True,
-                                   num_requests=5, temperature=0.7, top_p=0.9, top_k=40)
+                                   num_requests=5, temperature=0.7, top_p=0.9, top_k=40, burstiness=0.5)
     # The summary columns keep the flags' names (and spellings), so older reports still compare.
     row = as_row(engine, replay)
     assert row == {**{name: value for name, value in values.items() if name not in (

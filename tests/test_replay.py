@@ -14,7 +14,7 @@ from bench_fakes import FakeClock, FakeEngine, FakeLLM, FakeTokenizer
 
 from kvtool.workloads.datasets import load_dataset, write_jsonl
 from kvtool.bench.precheck import request_problems
-from kvtool.bench.replay import Replayer, poisson_due_times, session_key
+from kvtool.bench.replay import Replayer, rate_due_times, session_key
 from kvtool.bench.runner import run_bench
 from kvtool.config import ReplayOptions
 from kvtool.errors import DatasetError
@@ -98,19 +98,46 @@ def test_concurrency_keeps_n_requests_in_flight(tmp_path):
 def test_request_rate_issues_requests_on_a_seeded_poisson_schedule(tmp_path):
     h = Harness(ReplayOptions(request_rate=20.0, seed=5))
     start = h.run(dataset_of(tmp_path, [req([10 + i] * 8) for i in range(6)]))
-    due = poisson_due_times(6, 20.0, 5)
+    due = rate_due_times(6, 20.0, 5)
     by_index = sorted(h.finished, key=lambda f: index(f))
     assert [f.arrival_time - start for f in by_index] == pytest.approx(due)
     # No request reaches the engine before it is due.
     for done in by_index:
         assert h.engine.add_times[done.request_id] >= done.arrival_time - 1e-12
     assert due[0] == 0.0 and all(b > a for a, b in zip(due, due[1:]))
-    assert poisson_due_times(6, 20.0, 5) == due and poisson_due_times(6, 20.0, 6) != due
+    assert rate_due_times(6, 20.0, 5) == due and rate_due_times(6, 20.0, 6) != due
 
 
 def test_poisson_gaps_have_the_requested_mean():
-    due = poisson_due_times(20001, 4.0, 0)
+    due = rate_due_times(20001, 4.0, 0)
     assert due[-1] / 20000 == pytest.approx(0.25, rel=0.03)
+
+
+def test_burstiness_shapes_the_gaps_as_a_gamma_distribution_with_the_same_mean(tmp_path):
+    # vllm bench serve's --burstiness: gamma gaps of shape b and mean 1/rate, so their coefficient of
+    # variation is 1/sqrt(b); 1 is the Poisson schedule itself.
+    assert rate_due_times(50, 4.0, 3, burstiness=1.0) == rate_due_times(50, 4.0, 3)
+    for burstiness in (0.25, 4.0):
+        due = rate_due_times(40001, 4.0, 0, burstiness)
+        gaps = [b - a for a, b in zip(due, due[1:])]
+        mean = sum(gaps) / len(gaps)
+        spread = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+        assert mean == pytest.approx(0.25, rel=0.03)
+        assert spread / mean == pytest.approx(burstiness ** -0.5, rel=0.05)
+    h = Harness(ReplayOptions(request_rate=20.0, seed=5, burstiness=0.5))
+    start = h.run(dataset_of(tmp_path, [req([10 + i] * 8) for i in range(6)]))
+    by_index = sorted(h.finished, key=lambda f: index(f))
+    assert [f.arrival_time - start for f in by_index] == pytest.approx(rate_due_times(6, 20.0, 5, 0.5))
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"burstiness": 0.5}, "--burstiness 0.5 shapes the gaps of request_rate's arrivals: give a request_rate too"),
+    ({"burstiness": 0, "request_rate": 2.0}, r"--burstiness must be a number > 0 \(1: Poisson arrivals"),
+    ({"burstiness": "x", "request_rate": 2.0}, "--burstiness must be a number > 0 .* got 'x'"),
+])
+def test_a_bad_burstiness_is_named(values, message):
+    with pytest.raises(ValueError, match=message):
+        flags(**values)
 
 
 def test_dataset_arrival_times_are_honoured(tmp_path):

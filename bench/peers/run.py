@@ -51,7 +51,7 @@ DTYPES = ("float32", "bfloat16")
 def prepare(work: Path, args) -> tuple[dict[str, Path], Path, dict[str, Path]]:
     """(plans by dtype, checkpoint, datasets: 'fixed' and 'poisson') under ``work``, each made once."""
     from kvtool.workloads.generators import GeneratorOptions
-    from kvtool.bench.replay import poisson_due_times
+    from kvtool.bench.replay import rate_due_times
     from kvtool.workloads.text import TextSource, text_system_prompt
     from kvtool.models.gguf import dequantize_gguf, resolve_gguf
     from kvtool.plan import BuildOptions, build_plan, load_plan
@@ -83,7 +83,7 @@ def prepare(work: Path, args) -> tuple[dict[str, Path], Path, dict[str, Path]]:
         sys.exit(f"{dataset} was made for other --num_groups/--prompts_per_group/--output_len: remove it (or pass "
                  "another --work) to make it anew")
     # The measured lines' due times (kvtool's seeded Poisson schedule), read by every engine.
-    due = poisson_due_times(len(lines) - 1, args.request_rate, seed=0)
+    due = rate_due_times(len(lines) - 1, args.request_rate, seed=0)
     for line, due_s in zip(lines[1:], due):
         line["arrival_time_s"] = round(due_s, 4)
     poisson.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -280,7 +280,8 @@ class EndpointEngine:
         body: dict[str, Any] = {"model": self.served_model, "max_tokens": params.max_tokens,
                                 "temperature": params.temperature, "ignore_eos": params.ignore_eos, "stream": True,
                                 "stream_options": {"include_usage": True}}
-        # A sampled run's cuts (the server's defaults are none); no seed: a seeded request costs vLLM more per step.
+        # A sampled run's cuts (the servers' defaults are none). No seed: vLLM draws a seeded request's noise
+        # on its own, one request after another, and off FlashInfer's sampler.
         if params.top_p != 1:
             body["top_p"] = params.top_p
         if params.top_k > 0:

@@ -26,13 +26,16 @@ from kvtool.runtime.clock import WALL_CLOCK, Clock
 from kvtool.runtime.request import Request
 
 
-def poisson_due_times(num_requests: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds after the start: 0, then exponential gaps of mean 1/request_rate."""
+def rate_due_times(num_requests: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Seconds after the start: 0, then gaps of mean 1/request_rate, exponential (a Poisson process) or,
+    with ``burstiness`` other than 1, gamma-distributed of that shape, as vllm bench serve draws them:
+    their coefficient of variation is 1/sqrt(burstiness), burstier below 1 and more even above."""
     rng = random.Random(seed)
     due, now = [], 0.0
     for position in range(num_requests):
         if position:
-            now += rng.expovariate(request_rate)
+            now += (rng.expovariate(request_rate) if burstiness == 1 else
+                    rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
         due.append(now)
     return due
 
@@ -145,7 +148,8 @@ class Replayer:
         if not timed:
             return [None] * len(entries)
         if self.options.request_rate is not None:
-            return poisson_due_times(len(entries), self.options.request_rate, self.options.seed)
+            return rate_due_times(len(entries), self.options.request_rate, self.options.seed,
+                                     self.options.burstiness)
         arrivals = [None if r.line is None else r.line.arrival_time_s for r in entries]
         if all(arrival is None for arrival in arrivals):
             return arrivals

@@ -113,6 +113,7 @@ FLAG_FIELDS: tuple[ConfigField, ...] = (
     _flag("mode", short=str),
     _flag("concurrency", short=lambda v: f"concurrency {v}"),
     _flag("request_rate", short=lambda v: f"{v} req/s"),
+    _flag("burstiness", short=lambda v: f"burstiness {v}"),
     _flag("time_scale", short=lambda v: f"time x{v}"),
     _flag("seed", short=lambda v: f"seed {v}"),
     _flag("warmup", short=lambda v: f"warmup {v}"),
