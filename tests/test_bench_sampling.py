@@ -83,9 +83,9 @@ def test_bad_sampling_flags_name_the_flag_and_the_fix(flags, message):
         configs(flags)
 
 
-def test_top_k_one_and_greedy_cuts_are_accepted():
+def test_top_k_one_is_greedy_and_needs_no_temperature():
     assert not configs({"top_k": 1})[1].sampled
-    assert configs({"temperature": 0.5, "top_k": 1})[1].sampled is False
+    assert not configs({"temperature": 0.5, "top_k": 1})[1].sampled
     assert configs({"temperature": 0.5})[1].sampled
 
 

@@ -144,7 +144,7 @@ class _ArgmaxZeroRunner:
         return sample(torch.zeros(len(requests), self.vocab_size), params, picks and picks.uniforms)
 
     def make_generator(self, params, request_id: int):
-        return make_generator(params, request_id)
+        return make_generator(params)
 
 
 def _engine_with_a_free_forward(vocab_size: int = 64) -> Engine:

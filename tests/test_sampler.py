@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtool.config import SamplingParams
-from kvtool.layers.sampler import draw, draw_rows, inverse_transform, sample, step_picks, top_candidates
+from kvtool.layers.sampler import (draw, draw_rows, inverse_transform, make_generator, sample, step_picks,
+                                   top_candidates)
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0)
 
@@ -135,6 +136,19 @@ def test_a_seed_repeats_its_draws_whatever_rows_share_the_step():
         return [sample(logits, step_params, step_picks(step_params, generators).uniforms)[1] for _ in range(20)]
 
     assert row_one_draws([GREEDY, GREEDY]) == row_one_draws([SamplingParams(top_k=5), SamplingParams(top_p=0.5)])
+
+
+def test_an_unseeded_request_leaves_torchs_default_generator_as_the_caller_set_it():
+    # A user of kvtool.LLM who seeds torch for their own work keeps that stream: an unseeded request's
+    # generator is seeded from the system's entropy (torch.seed() reseeded the default generator).
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    first, second = make_generator(SamplingParams(temperature=1.0)), make_generator(SamplingParams(temperature=1.0))
+    assert torch.equal(torch.rand(4), expected)
+    assert first.initial_seed() != second.initial_seed()
+    assert make_generator(SamplingParams(temperature=1.0, seed=9)).initial_seed() == 9
+    assert make_generator(GREEDY) is None
 
 
 def test_a_steps_picks_hold_each_rows_sampling_and_greedy_rows_take_no_number_from_their_stream():

@@ -18,13 +18,17 @@ import torch
 from kvtool.config import SamplingParams
 
 
-def make_generator(params: SamplingParams, request_id: int) -> torch.Generator | None:
+def make_generator(params: SamplingParams) -> torch.Generator | None:
     """A request's own random stream: seeded runs repeat whatever else is in the batch, on any device
-    (a CPU generator: a step's numbers are drawn on the host whatever runs the model)."""
+    (a CPU generator: a step's numbers are drawn on the host whatever runs the model). Unseeded, it is
+    seeded from the system's entropy, leaving torch's default generator as the caller set it."""
     if params.greedy:
         return None
     generator = torch.Generator()
-    generator.manual_seed(params.seed if params.seed is not None else torch.seed() ^ request_id)
+    if params.seed is not None:
+        generator.manual_seed(params.seed)
+    else:
+        generator.seed()
     return generator
 
 

@@ -109,7 +109,7 @@ class ModelRunner:
         return sample(output, params, None if picks is None else picks.uniforms)
 
     def make_generator(self, params, request_id: int) -> torch.Generator | None:
-        return make_generator(params, request_id)
+        return make_generator(params)
 
     def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int,
                            max_num_tokens: int = MAX_GRAPH_TOKENS) -> None:
