@@ -137,6 +137,13 @@ def test_the_official_openai_client_streaming_and_not(server):
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_top_k_minus_one_is_every_token_as_vllm_and_sglang_spell_it(server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 1.0, "seed": 4, "ignore_eos": True}
+    answers = [post(server, "/v1/completions", {**body, "top_k": top_k}) for top_k in (-1, 0)]
+    assert [answer.status_code for answer in answers] == [200, 200]
+    assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+
+
 def test_a_cache_salt_keeps_tenants_apart_and_a_priority_is_accepted(server):
     base = {"prompt": [7] * 48, "max_tokens": 1, "temperature": 0}
     assert post(server, "/v1/completions", {**base, "cache_salt": "tenant-a", "priority": 90}).status_code == 200

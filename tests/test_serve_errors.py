@@ -31,6 +31,7 @@ BAD_REQUESTS = [
     ({"prompt": [5, 6, 7], "max_tokens": 0}, "max_tokens", "must be >= 1, got 0"),
     ({"prompt": [5, 6, 7], "temperature": -1.0}, "temperature", "must be >= 0"),
     ({"prompt": [5, 6, 7], "top_p": 0.0}, "top_p", "must be in (0, 1]"),
+    ({"prompt": [5, 6, 7], "top_k": -2}, "top_k", "must be >= 0, or -1 (0 and -1: every token), got -2"),
     ({"prompt": [5, 6, 7], "priority": 101}, "priority", "must be in 0..100"),
     ({"prompt": [5, 6, 7], "n": 2}, "n", "one choice per request"),
     ({"prompt": ""}, "prompt", "empty"),

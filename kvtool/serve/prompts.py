@@ -93,10 +93,13 @@ class PromptBuilder:
                 extra["kv_cache_retention_config"] = retention_from_json(body.kv_cache_retention_config)
             except ValueError as error:
                 raise ApiError(str(error), param=RETENTION_FIELD) from None
+        # -1: no top-k, as vLLM's and SGLang's clients send it (kvtool's own spelling is 0).
+        if body.top_k < -1:
+            raise ApiError(f"top_k must be >= 0, or -1 (0 and -1: every token), got {body.top_k}", param="top_k")
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                    top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, stop=body.stop,
-                                    cache_salt=body.cache_salt or None, **extra)
+                                    top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos,
+                                    stop=body.stop, cache_salt=body.cache_salt or None, **extra)
         except ConfigError as error:
             raise ApiError(f"{error.field} {error.problem}", param=error.field) from None
         return Request(token_ids, params, arrival_time=arrival)
