@@ -33,6 +33,12 @@ BAD_REQUESTS = [
     ({"prompt": [5, 6, 7], "top_p": 0.0}, "top_p", "must be in (0, 1]"),
     ({"prompt": [5, 6, 7], "top_k": -2}, "top_k", "must be >= 0, or -1 (0 and -1: every token), got -2"),
     ({"prompt": [5, 6, 7], "priority": 101}, "priority", "must be in 0..100"),
+    ({"prompt": [5, 6, 7], "presence_penalty": 0.5}, "presence_penalty",
+     "presence_penalty=0.5: kvtool serve does not apply it (it samples by temperature, top_p and top_k); leave it "
+     "out or send 0.0"),
+    ({"prompt": [5, 6, 7], "repetition_penalty": 1.1}, "repetition_penalty", "leave it out or send 1.0"),
+    ({"prompt": [5, 6, 7], "min_p": 0.05}, "min_p", "min_p=0.05: kvtool serve does not apply it"),
+    ({"prompt": [5, 6, 7], "logit_bias": {"5": 10}}, "logit_bias", "leave it out or send null"),
     ({"prompt": [5, 6, 7], "n": 2}, "n", "one choice per request"),
     ({"prompt": ""}, "prompt", "empty"),
 ]
@@ -52,6 +58,13 @@ def test_each_bad_request_gets_its_400_and_the_next_is_served(server, body, fiel
 
     good = httpx.post(server.url + "/v1/completions", json=GOOD, timeout=TIMEOUT_S)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_other_engines_sampling_controls_are_accepted_where_they_change_nothing(server):
+    body = {**GOOD, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "min_p": 0,
+            "logit_bias": {}}
+    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT_S)
+    assert answer.status_code == 200, answer.text
 
 
 def test_malformed_bodies_and_chat_messages(server):

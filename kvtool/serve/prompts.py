@@ -7,12 +7,13 @@ outside the vocabulary, max_tokens < 1, sampling values out of range.
 
 from __future__ import annotations
 
+import json
 import time
 
 from kvtool.config import RETENTION_FIELD, ConfigError, SamplingParams, retention_from_json
 from kvtool.runtime.request import Request
-from kvtool.serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
-                                   SamplingFields)
+from kvtool.serve.protocol import (DEFAULT_COMPLETION_MAX_TOKENS, UNAPPLIED_CONTROLS, ChatCompletionRequest,
+                                   CompletionRequest, SamplingFields)
 
 
 class ApiError(Exception):
@@ -76,6 +77,11 @@ class PromptBuilder:
         arrival = time.perf_counter()
         if body.n != 1:
             raise ApiError(f"n={body.n}: kvtool serve generates one choice per request; send n=1", param="n")
+        for name in UNAPPLIED_CONTROLS:
+            value, off = getattr(body, name), SamplingFields.model_fields[name].default
+            if value != off and value != {}:
+                raise ApiError(f"{name}={json.dumps(value)}: kvtool serve does not apply it (it samples by "
+                               f"temperature, top_p and top_k); leave it out or send {json.dumps(off)}", param=name)
         if not token_ids:
             raise ApiError("the prompt is empty: give at least one token", param="prompt")
         room = self.max_seq_len - len(token_ids)

@@ -27,6 +27,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# SamplingFields' controls of other engines that kvtool takes only at their defaults.
+UNAPPLIED_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias")
+
+
 class SamplingFields(BaseModel):
     """What both routes accept besides the prompt."""
 
@@ -43,6 +47,13 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    # Other engines' sampling controls, taken at the value that leaves them off only (kvtool samples by
+    # temperature, top_p and top_k): another value is refused, never silently ignored.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
     # kvtool's (and vLLM's) extra fields.
     priority: int | None = None
     cache_salt: str | None = None
