@@ -1,7 +1,6 @@
 """What sampling adds to a decode step: requests of one prompt length at temperature 0 (greedy), at a
-temperature (drawn in the CPU step itself), with top_p and with top_k (drawn by the Python sampler from
-the step's logits), in turn in one process through the LLM API, as a user's requests run: --batch
-requests at a time, each its own prompt.
+temperature, with top_p and with top_k (each drawn in the CPU decode step itself), in turn in one
+process through the LLM API, as a user's requests run: --batch requests at a time, each its own prompt.
 
 Each round runs every variant once, in an order that turns every round; a variant's TPOT is the median
 over its requests of each one's median token-to-token interval, and each sampled variant is reported

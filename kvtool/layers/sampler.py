@@ -69,7 +69,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: np.ndar
             return logits.numpy().argmax(axis=-1).tolist()
         return logits.argmax(dim=-1).tolist()
     if logits.is_cpu:
-        return [int(row.argmax()) if p.greedy else draw(row, p, float(u)) for row, p, u in zip(logits, params, uniforms)]
+        return [int(row.argmax()) if p.greedy else draw(row, p, float(u))
+                for row, p, u in zip(logits, params, uniforms)]
     # On a device, every row at once: ``draw``'s host sync a row would leave the device idle between rows.
     return draw_rows(logits, params, uniforms).tolist()
 
