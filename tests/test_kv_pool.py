@@ -18,6 +18,20 @@ PRIMARY, SECONDARY = PoolKind.PRIMARY.value, PoolKind.SECONDARY.value
 SHAPE = BlockShape(num_layers=2, tokens_per_block=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
+def test_cpu_primary_pool_lies_layer_by_layer_and_moves_whole_blocks():
+    # Decode attention reads a layer's blocks of a sequence: on the CPU they lie side by side.
+    pools = KvCachePools(SHAPE, num_primary_blocks=4, num_secondary_blocks=4, device=torch.device("cpu"))
+    layers = pools.layer_caches()
+    assert all(layer.is_contiguous() and layer.shape == (4, *SHAPE.dims[1:]) for layer in layers)
+    assert layers[1].data_ptr() == layers[0].data_ptr() + 4 * SHAPE.num_bytes // SHAPE.num_layers
+    block = torch.arange(SHAPE.num_bytes // 4, dtype=torch.float32).view(SHAPE.dims)
+    pools.primary[2] = block
+    assert torch.equal(layers[1][2], block[1])
+    offload_then_onboard = [(PRIMARY, 2, SECONDARY, 3, 4), (SECONDARY, 3, PRIMARY, 0, 4)]
+    pools.execute_copies(*(np.array(column) for column in zip(*offload_then_onboard)))
+    assert torch.equal(pools.host.block(3), block) and torch.equal(pools.primary[0], block)
+
+
 def test_host_pool_is_allocated_only_as_blocks_are_offloaded():
     pools = KvCachePools(SHAPE, num_primary_blocks=4, num_secondary_blocks=1_000_000, device=torch.device("cpu"))
     assert pools.host.num_allocated_bytes == 0
