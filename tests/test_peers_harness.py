@@ -93,6 +93,18 @@ def test_each_core_is_probed_alone_and_the_process_keeps_its_cores_and_threads()
     assert os.sched_getaffinity(0) == cpus and torch.get_num_threads() == threads
 
 
+def test_a_probe_of_two_buffers_reads_each_once_in_turn():
+    # A buffer read twice in a row is partly still in the last-level cache: its second read is not memory's.
+    from floors import BandwidthProbe
+
+    probe = BandwidthProbe(1, 1 << 20, num_buffers=2)
+    read = []
+    probe.kernels = type("Kernels", (), {"sum": lambda self, address, count: read.append(address)})()
+    assert probe.read(2) > 0 and probe.read(2) > 0
+    first, second = (buffer.data_ptr() for buffer in probe.buffers)
+    assert read == [first, second, first, second]
+
+
 def test_the_compute_floor_takes_kvtools_tile_product_where_the_decoder_runs_one():
     import torch
     from floors import tile_gemm_rate
