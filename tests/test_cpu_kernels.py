@@ -282,17 +282,31 @@ def shared_prefix_metadata(seqs: list[tuple[int | None, int, int, int]], tokens_
         max_query_len=int(query_lens.max()), max_seq_len=max(lens))
 
 
+def cache_layer(layout: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A random layer of a KV cache, [num_blocks, 2, tokens_per_block, kv_heads, head_dim] as the kernels
+    index it, over memory laid out as a pool lays it out: "contiguous"; "block-major" (every third block
+    of a larger pool, as a layer of a pool whose blocks hold every layer); "head-major" (in a block,
+    each head's tokens one after another, as kvtool.runtime.kv_pool.layer_major_zeros lays it out)."""
+    num_blocks, kv, tokens, heads, head_dim = shape
+    if layout == "contiguous":
+        return torch.randn(shape).to(dtype)
+    if layout == "block-major":
+        return torch.randn(num_blocks, 3, *shape[1:]).to(dtype)[:, 1]
+    if layout == "head-major":
+        return torch.randn(num_blocks, kv, heads, tokens, head_dim).to(dtype).transpose(2, 3)
+    raise ValueError(f"unknown cache layout {layout!r}")
+
+
 def attention_and_reference(kernels, meta: AttentionMetadata, dtype, cache_dtype, heads: int, kv_heads: int,
-                            num_blocks: int, window: int | None, head_dim: int = 64, strided: bool = False,
+                            num_blocks: int, window: int | None, head_dim: int = 64, layout: str = "contiguous",
                             poison_unused: bool = False):
     """(plan, kvtool's output, torch's paged attention's) for random queries, keys and values of the
-    step's new tokens over a random cache of num_blocks blocks (``strided``: a view of every third
-    block of a larger pool, as a block-major pool's layer is; ``poison_unused``: every slot no
-    sequence's token holds NaN, as a block's slots past its sequence's last token may)."""
+    step's new tokens over a random cache of num_blocks blocks, laid out as ``layout`` says
+    (cache_layer); ``poison_unused``: every slot no sequence's token holds NaN, as a block's slots
+    past its sequence's last token may."""
     query = torch.randn(meta.num_tokens, heads, head_dim).to(dtype)
     key, value = (torch.randn(meta.num_tokens, kv_heads, head_dim).to(dtype) for _ in range(2))
-    shape = (num_blocks, 3 if strided else 1, 2, meta.tokens_per_block, kv_heads, head_dim)
-    cache = torch.randn(shape).to(cache_dtype)[:, shape[1] // 2]
+    cache = cache_layer(layout, (num_blocks, 2, meta.tokens_per_block, kv_heads, head_dim), cache_dtype)
     scale = head_dim ** -0.5
     expected = TorchPagedAttention().forward(query, key, value, cache.clone(), meta, scale=scale, sliding_window=window)
     write_kv_cache(key, value, cache, meta.slot_mapping, meta.tokens_per_block)
@@ -330,7 +344,26 @@ def test_attention_matches_torch_paged_attention(kernels, dtype, cache_dtype, to
     meta = step_metadata([(0, 70), (40, 150), (64, 2), (3, 33), (100, 1), (5, 1), (17, 1), (59, 10)],
                          tokens_per_block, num_blocks, seed=head_dim)
     _, out, expected = attention_and_reference(kernels, meta, dtype, cache_dtype, heads, kv_heads, num_blocks, window,
-                                               head_dim, strided=True)
+                                               head_dim, layout="block-major")
+    assert relative_error(out, expected) <= tolerance
+
+
+@pytest.mark.parametrize("dtype, cache_dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tokens_per_block", [(9, 3, 64, 32), (8, 2, 128, 8),
+                                                                          (6, 2, 40, 16)])
+def test_attention_over_a_head_major_cache_matches_torch(kernels, dtype, cache_dtype, tolerance, heads, kv_heads,
+                                                         head_dim, tokens_per_block):
+    # The CPU pool's layout: every kernel reads a head's rows at the token stride, and asks for them so.
+    # A prompt, a chunk after a cached prefix, eight decode rows sharing a prefix, a long decode row
+    # (split by keys) and a short one; slots past a sequence's last token hold NaN.
+    torch.manual_seed(heads + head_dim)
+    prefix_blocks = 160 // tokens_per_block
+    seqs = [(None, 0, 0, 70), (None, 0, 40, 50), (None, 0, 500, 1), (None, 0, 17, 1)] + \
+        [(0, prefix_blocks, prefix_blocks * tokens_per_block + 3 * i + 1, 1) for i in range(8)]
+    meta = shared_prefix_metadata(seqs, tokens_per_block, num_blocks=200, seed=head_dim)
+    plan, out, expected = attention_and_reference(kernels, meta, dtype, cache_dtype, heads, kv_heads, 200, None,
+                                                  head_dim, layout="head-major", poison_unused=True)
+    assert plan.num_shared_prefixes == 1
     assert relative_error(out, expected) <= tolerance
 
 

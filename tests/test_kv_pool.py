@@ -18,11 +18,14 @@ PRIMARY, SECONDARY = PoolKind.PRIMARY.value, PoolKind.SECONDARY.value
 SHAPE = BlockShape(num_layers=2, tokens_per_block=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
-def test_cpu_primary_pool_lies_layer_by_layer_and_moves_whole_blocks():
-    # Decode attention reads a layer's blocks of a sequence: on the CPU they lie side by side.
+def test_cpu_primary_pool_lies_layer_by_layer_each_head_after_the_other():
+    # Decode attention reads a layer's blocks of a sequence a KV head at a time: on the CPU, in that order.
     pools = KvCachePools(SHAPE, num_primary_blocks=4, num_secondary_blocks=4, device=torch.device("cpu"))
     layers = pools.layer_caches()
-    assert all(layer.is_contiguous() and layer.shape == (4, *SHAPE.dims[1:]) for layer in layers)
+    _, kv, tokens, heads, head_dim = SHAPE.dims
+    # [num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]: block, keys to values, token, head.
+    assert layers[0].stride() == (kv * tokens * heads * head_dim, tokens * heads * head_dim, head_dim,
+                                  tokens * head_dim, 1)
     assert layers[1].data_ptr() == layers[0].data_ptr() + 4 * SHAPE.num_bytes // SHAPE.num_layers
     block = torch.arange(SHAPE.num_bytes // 4, dtype=torch.float32).view(SHAPE.dims)
     pools.primary[2] = block
@@ -81,29 +84,32 @@ def test_a_steps_copies_give_the_same_blocks_whole_or_layer_by_layer(layered):
 
 
 class RecordCopies(torch.overrides.TorchFunctionMode):
-    """Records (destination contiguous, source contiguous) for every Tensor.copy_."""
+    """Records (destination, source) for every Tensor.copy_."""
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple[bool, bool]] = []
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.copy_:
-            self.calls.append((args[0].is_contiguous(), args[1].is_contiguous()))
+            self.calls.append((args[0], args[1]))
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("layered", [False, True])
-def test_partial_copies_move_contiguous_pieces_only(layered):
+def test_partial_copies_move_contiguous_pieces_of_host_memory_only(layered):
     # A strided view of host memory would be gathered on the CPU at call time: on a GPU, before
-    # an offload queued earlier in the step has written that host block.
+    # an offload queued earlier in the step has written that host block. (The CPU's primary pool is
+    # itself strided, and its copies synchronous.)
     pools = KvCachePools(SHAPE, num_primary_blocks=4, num_secondary_blocks=4, device=torch.device("cpu"))
     pools.layered_copy_min_bytes = 0 if layered else None
     pools.primary[3] = 5.0
     ops = [(PRIMARY, 3, SECONDARY, 0, 4), (SECONDARY, 0, PRIMARY, 1, 3)]  # offload, then a partial onboard
     with RecordCopies() as recorder:
         pools.execute_copies(*(np.array(column) for column in zip(*ops)))
-    assert recorder.calls and all(dst and src for dst, src in recorder.calls)
+    primary = pools.primary.untyped_storage().data_ptr()
+    host_pieces = [t for call in recorder.calls for t in call if t.untyped_storage().data_ptr() != primary]
+    assert len(host_pieces) == len(recorder.calls) > 0 and all(t.is_contiguous() for t in host_pieces)
     assert torch.all(pools.primary[1][:, :, :3] == 5.0) and torch.all(pools.primary[1][:, :, 3:] == 0.0)
 
 

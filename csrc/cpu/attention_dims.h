@@ -337,7 +337,7 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
   // 17 EPYC at 44-66 GB/s, results/cpu_attention.md).
   KeyTile<C> tiles[2];
   TileAhead<C> ahead;
-  ahead.bytes = task_row_bytes<C>(a, t);
+  ahead.rows = task_rows<C>(a, t);
   int current = 0;
   find_tile<kAheadTileAsk>(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)),
                            tiles[current]);

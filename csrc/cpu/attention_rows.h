@@ -104,7 +104,7 @@ constexpr int kValueRows = kBlockRows;  // rows_tile_steps counts both products'
 template <typename C>
 class TilesAhead {
  public:
-  TilesAhead(const AttentionArgs& a, const AttentionTask& t) : a_(a), t_(t) { ahead_.bytes = task_row_bytes<C>(a, t); }
+  TilesAhead(const AttentionArgs& a, const AttentionTask& t) : a_(a), t_(t) { ahead_.rows = task_rows<C>(a, t); }
   // The tile at k0, its lines asked for into L1 now (from L2 after the first tile), and the next
   // tile's to be asked for over about num_steps steps.
   const KeyTile<C>& start(int64_t k0, int64_t num_steps) {

@@ -169,6 +169,25 @@ static inline void ask_for_line(const void* line) {
 // Where the lines of tiles asked for a tile ahead go (TileAhead, and a decode task's first tile).
 constexpr TileAsk kAheadTileAsk = TileAsk::kIntoL2;
 
+// Where a task's part of one key's (or value's) row lies, from the row's pointer (its first KV
+// head): num_pieces runs of piece_bytes, piece_stride bytes apart. A token-major block ([tokens,
+// heads, head_dim]: the heads of a token follow each other) makes it one run; a head-major one
+// ([heads, tokens, head_dim]: a head's rows of consecutive tokens follow each other) a run a head.
+struct TaskRows {
+  int num_pieces = 1;
+  int64_t piece_bytes = 0;
+  int64_t piece_stride = 0;
+};
+
+template <typename C>
+static inline TaskRows task_rows(const AttentionArgs& a, const AttentionTask& t) {
+  const int64_t element = static_cast<int64_t>(sizeof(C));
+  if (t.num_kv_heads == 1 || a.head_stride == a.head_dim) {
+    return {1, ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * element, 0};
+  }
+  return {static_cast<int>(t.num_kv_heads), a.head_dim * element, a.head_stride * element};
+}
+
 // The cache lines of the next key tile (its keys' rows, then its values'), asked for a few lines at
 // a time while the current tile's products run: a step at each key of each scores and values call
 // (decode layout) or after each register block of the products (prompt layout, TilesAhead), in the
@@ -188,29 +207,40 @@ struct TileAhead {
     const char* end = nullptr;
     int run = 0;
   };
+  static constexpr int kMaxRuns = 2 * kKeyTile;
 
-  const char* run_begin[2 * kKeyTile];
-  const char* run_end[2 * kKeyTile];
+  const char* run_begin[kMaxRuns];
+  const char* run_end[kMaxRuns];
   int num_runs = 0;
-  int64_t bytes = 0;       // of a row: every KV head of the task
+  TaskRows rows;           // how the task's part of a row lies
   int lines_per_step = 0;  // asked for at each step()
   Cursor cursor;           // between scores calls (a call steps a copy of it, in registers)
 
-  // Starts on `next` with every line asked for within `num_steps` steps.
+  // Starts on `next` with every line asked for within `num_steps` steps: its keys' rows, then its
+  // values', each a piece (KV head) at a time, so that runs of rows that follow each other merge.
+  // A tile scattered into more than kMaxRuns runs (blocks of a few tokens, heads apart) has the rest
+  // left to the hardware: asking is a hint.
   inline void begin(const KeyTile<C>* next, int64_t num_steps) {
     num_runs = 0;
-    auto add_row = [&](const C* row) {
-      const char* first = reinterpret_cast<const char*>(row);
+    int64_t lines = 0;
+    auto add_piece = [&](const char* first) {
       if (num_runs > 0 && run_end[num_runs - 1] == first) {
-        run_end[num_runs - 1] = first + bytes;
-      } else {
+        run_end[num_runs - 1] = first + rows.piece_bytes;
+      } else if (num_runs < kMaxRuns) {
         run_begin[num_runs] = first;
-        run_end[num_runs++] = first + bytes;
+        run_end[num_runs++] = first + rows.piece_bytes;
+      } else {
+        return;
       }
+      lines += (rows.piece_bytes + 63) / 64;
     };
-    for (int j = 0; j < next->num_keys; ++j) add_row(next->key[j]);
-    for (int j = 0; j < next->num_keys; ++j) add_row(next->value[j]);
-    const int64_t lines = 2 * next->num_keys * ((bytes + 63) / 64);
+    for (const C* const* part : {next->key, next->value}) {
+      for (int p = 0; p < rows.num_pieces; ++p) {
+        for (int j = 0; j < next->num_keys; ++j) {
+          add_piece(reinterpret_cast<const char*>(part[j]) + p * rows.piece_stride);
+        }
+      }
+    }
     lines_per_step = static_cast<int>((lines + num_steps - 1) / num_steps);
     cursor = {run_begin[0], run_end[0], 0};
   }
@@ -249,12 +279,6 @@ struct KeyTile {
   TileAhead<C>* ahead = nullptr;
 };
 
-// The bytes of one key's (or value's) row for a task: every KV head of the task.
-template <typename C>
-static inline int64_t task_row_bytes(const AttentionArgs& a, const AttentionTask& t) {
-  return ((t.num_kv_heads - 1) * a.head_stride + a.head_dim) * static_cast<int64_t>(sizeof(C));
-}
-
 // Finds a tile's rows and asks for their cache lines at once (Ask: where to; the decode layout
 // spreads the asking for its next tiles over the products instead: TileAhead). A task's keys and
 // values are many short runs (a token's heads, keys and values apart, blocks wherever the block
@@ -264,7 +288,7 @@ static inline int64_t task_row_bytes(const AttentionArgs& a, const AttentionTask
 template <TileAsk Ask = TileAsk::kIntoL1, typename C>
 static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0, int num_keys, KeyTile<C>& tile) {
   const int32_t* table = a.block_tables + t.seq * a.block_table_stride;
-  const int64_t bytes = task_row_bytes<C>(a, t);
+  const TaskRows rows = task_rows<C>(a, t);
   // Block and offset advance with the position (no division per key).
   int64_t block = k0 / a.tokens_per_block, offset = k0 % a.tokens_per_block;
   const C* base = static_cast<const C*>(a.kv_cache) + t.kv_head * a.head_stride;
@@ -275,9 +299,13 @@ static void find_tile(const AttentionArgs& a, const AttentionTask& t, int64_t k0
     }
     tile.key[j] = base + table[block] * a.block_stride + offset * a.token_stride;
     tile.value[j] = tile.key[j] + a.kv_stride;
-    for (int64_t line = 0; Ask != TileAsk::kNone && line < bytes; line += 64) {
-      ask_for_line<Ask>(reinterpret_cast<const char*>(tile.key[j]) + line);
-      ask_for_line<Ask>(reinterpret_cast<const char*>(tile.value[j]) + line);
+    for (int p = 0; Ask != TileAsk::kNone && p < rows.num_pieces; ++p) {
+      const char* key = reinterpret_cast<const char*>(tile.key[j]) + p * rows.piece_stride;
+      const char* value = reinterpret_cast<const char*>(tile.value[j]) + p * rows.piece_stride;
+      for (int64_t line = 0; line < rows.piece_bytes; line += 64) {
+        ask_for_line<Ask>(key + line);
+        ask_for_line<Ask>(value + line);
+      }
     }
   }
   tile.num_keys = num_keys;

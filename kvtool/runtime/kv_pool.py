@@ -358,11 +358,7 @@ class KvCachePools:
             dst = self._block(batch.dst_pool, dst_id)
             if count >= self.shape.tokens_per_block:
                 src, dst = (src, dst) if layer is None else (src[layer], dst[layer])
-                if src.is_contiguous() and dst.is_contiguous():
-                    dst.copy_(src, non_blocking=non_blocking)
-                else:  # a CPU primary block, laid out layer by layer (layer_major_zeros): a piece a layer
-                    for src_layer, dst_layer in zip(src, dst):
-                        dst_layer.copy_(src_layer, non_blocking=non_blocking)
+                dst.copy_(src, non_blocking=non_blocking)  # a CPU primary block is strided: torch gathers it
                 continue
             # A partially matching block: only its first `count` token slots are valid. Copied as
             # contiguous [count, kvh, hd] pieces: torch would gather a strided host view on the CPU
@@ -379,17 +375,21 @@ class KvCachePools:
 
 def layer_major_zeros(num_blocks: int, shape: BlockShape) -> torch.Tensor:
     """A CPU primary pool: [num_blocks, num_layers, 2, tokens_per_block, num_kv_heads, head_dim] as every
-    pool is indexed, over memory laid out layer by layer (each layer's blocks one after another, as
-    vLLM and SGLang hold a tensor a layer) in huge pages (kvtool.runtime.host_allocator).
+    pool is indexed, over memory laid out [num_layers, num_blocks, 2, num_kv_heads, tokens_per_block,
+    head_dim] (a permuted view) in huge pages (kvtool.runtime.host_allocator): each layer's blocks one
+    after another (as vLLM and SGLang hold a tensor a layer), and in a block each head's keys (values)
+    one after another (as TensorRT-LLM lays out a block).
 
     Decode attention reads a layer's blocks of a sequence, which the cache manager often hands out in
-    order (a released sequence's blocks go back to the free list last first): side by side, the
-    hardware prefetcher streams them, where block-major put a layer's blocks num_layers slabs apart. SmolLM2-135M, a decode step after 1,056 cached tokens, the two layouts
-    alternated in one process on the family 25 model 17 EPYC: 0.973-0.992x in bfloat16 and 0.981-0.999x
-    in float32 (medians of 12 rounds at ~35 and ~58 GB/s; results/cpu_attention.md). A block moved
-    between tiers is then num_layers pieces of a layer's block (24 KB for that model), still one copy_."""
-    layer_first = huge_page_zeros((shape.num_layers, num_blocks, *shape.dims[1:]), shape.dtype)
-    return layer_first.transpose(0, 1)
+    order (a released sequence's blocks go back to the free list last first), and a tile of them a KV
+    head at a time: so it reads them in the order they lie, which the hardware prefetcher streams.
+    Block-major put a layer's blocks num_layers slabs apart; token-major blocks had a head's rows of a
+    tile 3 heads' width apart (SmolLM2-135M). Decode steps after 1,056 cached tokens, layouts alternated
+    in one process on the family 25 model 17 EPYC: results/cpu_attention.md. A block moved between tiers
+    is num_layers strided pieces (torch copies them)."""
+    dims = shape.dims
+    physical = huge_page_zeros((dims[0], num_blocks, dims[1], dims[3], dims[2], dims[4]), shape.dtype)
+    return physical.permute(1, 0, 2, 4, 3, 5)
 
 
 def layer_slices(num_layers: int, num_slices: int) -> list[tuple[int, int]]:
