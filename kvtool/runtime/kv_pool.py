@@ -385,8 +385,8 @@ def layer_major_zeros(num_blocks: int, shape: BlockShape) -> torch.Tensor:
     head at a time: so it reads them in the order they lie, which the hardware prefetcher streams.
     Block-major put a layer's blocks num_layers slabs apart; token-major blocks had a head's rows of a
     tile 3 heads' width apart (SmolLM2-135M). Decode steps after 1,056 cached tokens, layouts alternated
-    in one process on the family 25 model 17 EPYC: results/cpu_attention.md. A block moved between tiers
-    is num_layers strided pieces (torch copies them)."""
+    in one process on the family 25 model 17 EPYC: 0.97-0.99x a step each (results/cpu_attention.md). A
+    block moved between tiers is a transposing copy (torch's; ~1.6x a contiguous one's time)."""
     dims = shape.dims
     physical = huge_page_zeros((dims[0], num_blocks, dims[1], dims[3], dims[2], dims[4]), shape.dtype)
     return physical.permute(1, 0, 2, 4, 3, 5)
