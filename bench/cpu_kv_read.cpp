@@ -174,8 +174,9 @@ int main(int argc, char** argv) {
           us.push_back(total / kLayers * 1e6);
         }
         std::sort(us.begin(), us.end());
-        printf("  %-12s %-28s %6.1f us a layer  %5.1f GB/s\n", placement == &side_by_side ? "side by side" : "scattered",
-               v.name, us[2], kBlocksPerLayer * kBlockBytes / us[2] / 1e3);
+        const char* where = placement == &side_by_side ? "side by side" : "scattered";
+        printf("  %-12s %-28s %6.1f us a layer  %5.1f GB/s\n", where, v.name, us[2],
+               kBlocksPerLayer * kBlockBytes / us[2] / 1e3);
       }
     }
   }

@@ -4,7 +4,7 @@ The C++ cache manager decides which block lives where and emits copy operations;
 only holds the memory and executes those copies (docs/architecture.md#layers). Every pool is indexed
 [block, layer, ...]. On a GPU and in the host tier a block is one contiguous slab across all layers
 (block-major), so moving a block between tiers is a single copy; the CPU's primary pool lies layer by
-layer instead (``layer_major_zeros``), where decode attention reads it.
+layer, and head by head in a block, instead (``layer_major_zeros``): in the order decode attention reads it.
 """
 
 from __future__ import annotations
