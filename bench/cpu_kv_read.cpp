@@ -42,18 +42,19 @@ constexpr size_t kWeightBytes = 8 << 20;
 enum class Order { kInOrder, kByHead };
 enum class Ask { kNone, kNextT0, kNextT1, kNextT2, kNextNta, kNextAtOnceT1, kAfterNextT1 };
 
+using ReadLayer = __m512 (*)(const char* pool, const int* ids, int n);
 struct Variant {
   const char* name;
-  Order order;
-  Ask ask;
+  ReadLayer read;
 };
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 __m512 line(const char* p) { return _mm512_load_ps(reinterpret_cast<const float*>(p)); }
 
-void ask_for(Ask ask, const char* p) {
-  switch (ask) {
+template <Ask A>
+inline void ask_for(const char* p) {
+  switch (A) {  // a constant: the variants are compiled apart, so that none pays for choosing
     case Ask::kNextT0: _mm_prefetch(p, _MM_HINT_T0); break;
     case Ask::kNextT2: _mm_prefetch(p, _MM_HINT_T2); break;
     case Ask::kNextNta: _mm_prefetch(p, _MM_HINT_NTA); break;
@@ -62,23 +63,24 @@ void ask_for(Ask ask, const char* p) {
   }
 }
 
-// Reads n blocks of a layer (pool + ids[b] * kBlockBytes) in the variant's order, asking as it says.
-__m512 read_layer(const Variant& v, const char* pool, const int* ids, int n) {
+// Reads n blocks of a layer (pool + ids[b] * kBlockBytes) in order O, asking as A says.
+template <Order O, Ask A>
+__m512 read_layer(const char* pool, const int* ids, int n) {
   __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
   for (int i = 0; i < n; ++i) {
     const char* block = pool + size_t(ids[i]) * kBlockBytes;
-    const int ahead = v.ask == Ask::kAfterNextT1 ? 2 : 1;
-    const char* next = i + ahead < n && v.ask != Ask::kNone ? pool + size_t(ids[i + ahead]) * kBlockBytes : nullptr;
-    if (v.ask == Ask::kNextAtOnceT1 && next != nullptr) {
-      for (size_t l = 0; l < kBlockBytes; l += 64) ask_for(v.ask, next + l);
+    const int ahead = A == Ask::kAfterNextT1 ? 2 : 1;
+    const char* next = i + ahead < n && A != Ask::kNone ? pool + size_t(ids[i + ahead]) * kBlockBytes : nullptr;
+    if (A == Ask::kNextAtOnceT1 && next != nullptr) {
+      for (size_t l = 0; l < kBlockBytes; l += 64) ask_for<A>(next + l);
       next = nullptr;
     }
     size_t asked = 0;  // a step per two lines read, whatever the order
-    if (v.order == Order::kInOrder) {
+    if (O == Order::kInOrder) {
       for (size_t l = 0; l < kBlockBytes; l += 128, asked += 128) {
         if (next != nullptr) {
-          ask_for(v.ask, next + asked);
-          ask_for(v.ask, next + asked + 64);
+          ask_for<A>(next + asked);
+          ask_for<A>(next + asked + 64);
         }
         a = _mm512_fmadd_ps(line(block + l), line(block + l), a);
         b = _mm512_fmadd_ps(line(block + l + 64), line(block + l + 64), b);
@@ -89,8 +91,8 @@ __m512 read_layer(const Variant& v, const char* pool, const int* ids, int n) {
           for (size_t t = 0; t < 32; ++t, asked += 128) {
             const char* p = block + kv * kHalfBytes + t * kTokenBytes + h * kHeadBytes;
             if (next != nullptr) {
-              ask_for(v.ask, next + asked);
-              ask_for(v.ask, next + asked + 64);
+              ask_for<A>(next + asked);
+              ask_for<A>(next + asked + 64);
             }
             a = _mm512_fmadd_ps(line(p), line(p), a);
             b = _mm512_fmadd_ps(line(p + 64), line(p + 64), b);
@@ -124,16 +126,16 @@ int main(int argc, char** argv) {
       scattered[l * kBlocksPerLayer + b] = shuffled[l * kBlocksPerLayer + b];
     }
   const Variant variants[] = {
-      {"in order, nothing asked", Order::kInOrder, Ask::kNone},
-      {"by head, nothing asked", Order::kByHead, Ask::kNone},
-      {"by head, next t1", Order::kByHead, Ask::kNextT1},
-      {"by head, next t0", Order::kByHead, Ask::kNextT0},
-      {"in order, next t1", Order::kInOrder, Ask::kNextT1},
-      {"in order, next t0", Order::kInOrder, Ask::kNextT0},
-      {"in order, next t2", Order::kInOrder, Ask::kNextT2},
-      {"in order, next nta", Order::kInOrder, Ask::kNextNta},
-      {"in order, next at once t1", Order::kInOrder, Ask::kNextAtOnceT1},
-      {"in order, after next t1", Order::kInOrder, Ask::kAfterNextT1},
+      {"in order, nothing asked", read_layer<Order::kInOrder, Ask::kNone>},
+      {"by head, nothing asked", read_layer<Order::kByHead, Ask::kNone>},
+      {"by head, next t1", read_layer<Order::kByHead, Ask::kNextT1>},
+      {"by head, next t0", read_layer<Order::kByHead, Ask::kNextT0>},
+      {"in order, next t1", read_layer<Order::kInOrder, Ask::kNextT1>},
+      {"in order, next t0", read_layer<Order::kInOrder, Ask::kNextT0>},
+      {"in order, next t2", read_layer<Order::kInOrder, Ask::kNextT2>},
+      {"in order, next nta", read_layer<Order::kInOrder, Ask::kNextNta>},
+      {"in order, next at once t1", read_layer<Order::kInOrder, Ask::kNextAtOnceT1>},
+      {"in order, after next t1", read_layer<Order::kInOrder, Ask::kAfterNextT1>},
   };
   float sink = 0;
   for (int round = 0; round < rounds; ++round) {
@@ -167,7 +169,7 @@ int main(int argc, char** argv) {
 #pragma omp parallel num_threads(2) reduction(+ : sink)
             {
               const int* ids = placement->data() + l * kBlocksPerLayer + omp_get_thread_num() * (kBlocksPerLayer / 2);
-              sink += _mm512_reduce_add_ps(read_layer(v, pool, ids, kBlocksPerLayer / 2));
+              sink += _mm512_reduce_add_ps(v.read(pool, ids, kBlocksPerLayer / 2));
             }
             total += now() - layer_start;
           }
