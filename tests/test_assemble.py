@@ -37,7 +37,7 @@ class RecordingExecutor:
         self.events.append(("step", len(batch.requests)))
         return [7] * len(requests) if len(batch.requests) else None
 
-    def make_generator(self, params, request_id):
+    def make_generator(self, params):
         return None
 
 

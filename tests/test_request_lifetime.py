@@ -143,7 +143,7 @@ class _ArgmaxZeroRunner:
         picks = step_picks(params, generators)
         return sample(torch.zeros(len(requests), self.vocab_size), params, picks and picks.uniforms)
 
-    def make_generator(self, params, request_id: int):
+    def make_generator(self, params):
         return make_generator(params)
 
 

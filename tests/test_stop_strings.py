@@ -115,7 +115,7 @@ class _LetterRunner:
             return None
         return [ord("a") + (r.num_cached_tokens + r.num_tokens) % 26 for r in batch.requests if r.samples]
 
-    def make_generator(self, params, request_id: int):
+    def make_generator(self, params):
         return None
 
 

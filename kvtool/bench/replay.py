@@ -149,7 +149,7 @@ class Replayer:
             return [None] * len(entries)
         if self.options.request_rate is not None:
             return rate_due_times(len(entries), self.options.request_rate, self.options.seed,
-                                     self.options.burstiness)
+                                  self.options.burstiness)
         arrivals = [None if r.line is None else r.line.arrival_time_s for r in entries]
         if all(arrival is None for arrival in arrivals):
             return arrivals

@@ -56,7 +56,7 @@ class Executor(Protocol):
         ``requests`` (those of the batch that sample, in batch order; ``generators``: theirs), or None
         when the batch has no request."""
 
-    def make_generator(self, params: SamplingParams, request_id: int):
+    def make_generator(self, params: SamplingParams):
         """The random generator a request samples with (None: greedy, or no sampling)."""
 
 

@@ -81,7 +81,7 @@ class Engine:
         if request.detokenizer is None and params.stop and not params.ignore_eos and self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)  # to find them
         self._running[request_id] = request
-        self._generators[request_id] = self._make_generator(params, request_id)
+        self._generators[request_id] = self.executor.make_generator(params)
         if not params.ignore_eos or request.detokenizer is not None:
             self._may_stop.add(request_id)
         if self.tier3 is not None:
@@ -250,9 +250,6 @@ class Engine:
         """Runs the batch's copies and forward and samples: a token per request of ``sampling`` (in
         batch order), or None when the batch has no request."""
         return self.executor.execute_step(batch, sampling, [self._generators[r.request_id] for r in sampling])
-
-    def _make_generator(self, params, request_id: int) -> torch.Generator | None:
-        return self.executor.make_generator(params, request_id)
 
     def _first_token(self, request: Request, now: float) -> None:
         """The first token's time, and the reuse figures of the request's first admission."""

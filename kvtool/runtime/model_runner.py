@@ -108,7 +108,7 @@ class ModelRunner:
         # sample() syncs: the tokens are on the host.
         return sample(output, params, None if picks is None else picks.uniforms)
 
-    def make_generator(self, params, request_id: int) -> torch.Generator | None:
+    def make_generator(self, params) -> torch.Generator | None:
         return make_generator(params)
 
     def enable_cuda_graphs(self, max_batch_size: int, max_seq_len: int,

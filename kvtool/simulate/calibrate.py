@@ -69,8 +69,8 @@ class _StepRecorder:
         self.last_shape = step_shape(batch.requests, batch.copy_ops.num_tokens, self._bytes_per_token)
         return self.runner.execute_step(batch, requests, generators)
 
-    def make_generator(self, params, request_id: int):
-        return self.runner.make_generator(params, request_id)
+    def make_generator(self, params):
+        return self.runner.make_generator(params)
 
 
 @dataclass

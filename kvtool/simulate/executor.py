@@ -147,7 +147,7 @@ class CostModelExecutor:
                 self.tier3_store.write(int(ops.dst_block_ids[i]), key)
         return np.asarray(ops.num_tokens)[~third], failed
 
-    def make_generator(self, params, request_id: int) -> None:
+    def make_generator(self, params) -> None:
         return None
 
     def execute_step(self, batch, requests: list[Request], generators: list) -> list[int] | None:
