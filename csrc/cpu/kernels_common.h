@@ -244,6 +244,25 @@ struct TileAhead {
     lines_per_step = static_cast<int>((lines + num_steps - 1) / num_steps);
     cursor = {run_begin[0], run_end[0], 0};
   }
+  // Whether the runs begun on fill the bytes from `from` on, one after the other in some order: the
+  // tile lies straight on from the one read before it (the next block of the pool, as a sequence's
+  // blocks lie taken from a fresh pool). False when runs were left out (kMaxRuns).
+  inline bool follows(const char* from) const {
+    if (num_runs == 0 || num_runs == kMaxRuns) return false;
+    const char* lowest = run_begin[0];
+    int64_t num_bytes = 0;
+    for (int r = 0; r < num_runs; ++r) {
+      lowest = std::min(lowest, run_begin[r]);
+      num_bytes += run_end[r] - run_begin[r];
+    }
+    return lowest == from && end() - lowest == num_bytes;
+  }
+  // Where the highest run ends.
+  inline const char* end() const {
+    const char* last = run_end[0];
+    for (int r = 1; r < num_runs; ++r) last = std::max(last, run_end[r]);
+    return last;
+  }
   // Asks for the next lines_per_step lines from c.
   inline void step(Cursor& c) const {
     for (int n = 0; n < lines_per_step; ++n) {
