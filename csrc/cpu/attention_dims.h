@@ -346,7 +346,7 @@ static void run_decode_task(const AttentionArgs& a, const AttentionTask& t, floa
   int current = 0;
   find_tile<kAheadTileAsk>(a, t, t.key_begin, static_cast<int>(min64(kKeyTile, t.key_end - t.key_begin)),
                            tiles[current]);
-  ahead.begin(&tiles[current], 1);
+  ahead.begin(&tiles[current], 1);  // only for where the first tile ends (its lines are asked for)
   const char* tile_end = ahead.end();
   for (int64_t k0 = t.key_begin; k0 < t.key_end; k0 += kKeyTile) {
     KeyTile<C>& tile = tiles[current];

@@ -246,7 +246,7 @@ struct TileAhead {
   }
   // Whether the runs begun on fill the bytes from `from` on, one after the other in some order: the
   // tile lies straight on from the one read before it (the next block of the pool, as a sequence's
-  // blocks lie taken from a fresh pool). False when runs were left out (kMaxRuns).
+  // blocks lie taken from a fresh pool). False when the runs reached kMaxRuns (some may be left out).
   inline bool follows(const char* from) const {
     if (num_runs == 0 || num_runs == kMaxRuns) return false;
     const char* lowest = run_begin[0];
@@ -257,8 +257,9 @@ struct TileAhead {
     }
     return lowest == from && end() - lowest == num_bytes;
   }
-  // Where the highest run ends.
+  // Where the highest run ends (nullptr: no runs).
   inline const char* end() const {
+    if (num_runs == 0) return nullptr;
     const char* last = run_end[0];
     for (int r = 1; r < num_runs; ++r) last = std::max(last, run_end[r]);
     return last;
