@@ -133,7 +133,7 @@ static void decode_task_pairs(const AttentionArgs& a, const AttentionTask& t, fl
         if (!scores) round_weights_in_place(rows, tile.num_keys);
         pair_tile_products(rows, tile, a.scale, scores);
       },
-      values_lane);
+      [](int64_t e) { return values_lane(e); });
 }
 
 #endif  // __AVX512BF16__
