@@ -137,21 +137,21 @@ static void write_task_output(const AttentionArgs& a, const AttentionTask& t, co
   // A vector at a time: element by element (a bfloat16 output rounded in scalar code) the writing
   // took longer than a whole key tile's products in a decode task of SmolLM2-135M's 9 rows.
   alignas(64) float chunk[W];
+  auto write = [&](int64_t m, auto* out, float scale) {
+    for (int64_t e0 = 0; e0 < d; e0 += W) {
+      const int64_t n = min64(W, d - e0);
+      for (int64_t i = 0; i < n; ++i) chunk[i] = output(m, e0 + i);
+      store_part(load_part(chunk, n) * Vec::set1(scale), out + e0, n);
+    }
+  };
   for (int64_t m = 0; m < rows; ++m) {
-    auto write = [&](auto* out, float scale) {
-      for (int64_t e0 = 0; e0 < d; e0 += W) {
-        const int64_t n = min64(W, d - e0);
-        for (int64_t i = 0; i < n; ++i) chunk[i] = output(m, e0 + i);
-        store_part(load_part(chunk, n) * Vec::set1(scale), out + e0, n);
-      }
-    };
     if (t.partial >= 0) {
       const PartialRow partial = partial_row(a, t, rows, m);
-      write(partial.out, 1.0f);
+      write(m, partial.out, 1.0f);
       partial.stats[0] = row_max[m];
       partial.stats[1] = row_sum[m];
     } else {
-      write(task_output<A>(a, t, m), 1.0f / row_sum[m]);
+      write(m, task_output<A>(a, t, m), 1.0f / row_sum[m]);
     }
   }
 }
