@@ -212,3 +212,24 @@ def test_identity_reports_where_each_request_first_differs():
     assert "- vllm reuse-on cycle 0 vs transformers no-cache: 1 of 2 differ (first differing token at [2])" in lines
     # bfloat16 runs are held to kvtool's bfloat16 run: rounding differs from float32's.
     assert "- vllm bf16 reuse-on cycle 0 vs kvtool bf16 reuse-on: 1 of 2 differ (first differing token at [3])" in lines
+
+
+@pytest.mark.parametrize("onednn_isa, hidden", [
+    ("AVX2", {"avx512", "avx512_bf16", "amx_tile"}),
+    ("SSE41", {"avx512", "avx512_bf16", "amx_tile"}),
+    ("AVX512_CORE", {"avx512_bf16", "amx_tile"}),
+    ("AVX512_CORE_BF16", {"amx_tile"}),
+    (None, set()),
+])
+def test_a_run_limited_to_an_isa_has_vllm_load_the_kernels_of_a_cpu_with_only_it(onednn_isa, hidden):
+    # vLLM picks its kernel build and attention ISA from these queries; the others keep the CPU's answer.
+    code = ("import json, torch; from peer_isa import limit_torch_cpu_queries\n"
+            "ask = lambda: {f: getattr(torch.cpu, f'_is_{f}_supported')() for f in ('avx512', 'avx512_bf16', "
+            "'amx_tile')}\nbefore = ask(); limit_torch_cpu_queries(); print(json.dumps([before, ask()]))")
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    if onednn_isa:
+        env["ONEDNN_MAX_CPU_ISA"] = onednn_isa
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(PEERS)), capture_output=True,
+                         text=True, check=True).stdout
+    before, after = json.loads(out)
+    assert after == {feature: False if feature in hidden else answer for feature, answer in before.items()}

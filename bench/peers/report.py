@@ -102,8 +102,10 @@ def table(rows, requests, outputs, samples, floors, cpu, dataset: Path, args) ->
                   f"and oneDNN's code limited to it for every engine and the floors (ATEN_CPU_CAPABILITY="
                   f"{os.environ.get('ATEN_CPU_CAPABILITY')}, "
                   f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}). "
-                  "vLLM's own compiled kernels keep the instruction set they were built for; the memory, caches and "
-                  "clock are this machine's. A stand-in for a CPU with only that set, not a measurement of one.", ""]
+                  "vLLM loads the build of its compiled kernels that such a CPU gets (torch.cpu's feature queries "
+                  "answer as that CPU would, bench/peers/peer_isa.py; the build it loaded is named below); the "
+                  "memory, caches and clock are this machine's. A stand-in for a CPU with only that set, not a "
+                  "measurement of one.", ""]
     if loaded:
         lines += [f"**LOADED RUN**: other processes used more than {OTHER_CPU_LIMIT_PCT:.0f}% of the CPU while "
                   f"{len(loaded)} variant(s) ran ({', '.join(loaded)}): their timings are not the machine's.", ""]

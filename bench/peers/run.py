@@ -171,8 +171,8 @@ def main() -> None:
     parser.add_argument("--isa", choices=tuple(LIBRARY_ISA), default=None,
                         help="as on a CPU with only this instruction set: kvtool's CPU kernels in it "
                              "(--cpu_kernels_isa), and torch's and oneDNN's own code limited to it for every engine "
-                             "and the floors (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA); vLLM's own compiled "
-                             "kernels keep what they were built for, and the memory and clock stay this machine's. "
+                             "and the floors (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), vLLM's compiled kernels the "
+                             "build such a CPU loads (peer_isa.py); the memory and clock stay this machine's. "
                              "Results in results/peers/<cpu kind>-as-<isa>")
     args = parser.parse_args()
 

@@ -22,6 +22,10 @@ import time
 
 from common import RunReport, load_requests, replay_arguments, replay_mode, request_row
 from machine import read_cpu_info
+from peer_isa import limit_torch_cpu_queries, loaded_vllm_kernels
+
+# Before vLLM is imported, here and in the engine processes that import this file again (peer_isa.py).
+limit_torch_cpu_queries()
 
 ENGINE = "vllm"
 
@@ -39,15 +43,13 @@ def prefix_cache_counters() -> dict[str, float]:
 
 
 def kernel_builds(dtype: str, block_size: int, head_dim: int) -> dict[str, str]:
-    """Which of vLLM's kernel builds this CPU gets (vllm.platforms.cpu.import_kernels' choice) and
+    """Which of vLLM's kernel builds this process loaded (vllm.platforms.cpu.import_kernels' choice) and
     its CPU attention ISA."""
     import torch
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    if torch.cpu._is_avx512_supported():
-        build = "_C (AVX512-BF16/AMX)" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
-    else:
-        build = "_C_AVX2"
+    build = (loaded_vllm_kernels() or "none").split(".")[0]  # '_C', '_C_AVX512' or '_C_AVX2'
+    build = "_C (AVX512-BF16/AMX)" if build == "_C" else build
     return {"vllm_kernels": build,
             "vllm_attention_isa": _get_attn_isa(getattr(torch, dtype), block_size, head_dim),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
