@@ -94,7 +94,8 @@ def test_silu_mul_is_silu_of_gate_times_up(kernels, dtype, _, tolerance, num_row
 @pytest.mark.parametrize("num_rows, in_features, out_features", [(1, 576, 960), (1, 1536, 576), (2, 64, 3),
                                                                   (3, 37, 129), (1, 130, 40_000), (8, 576, 131),
                                                                   (5, 100, 33), (4, 1536, 576), (7, 64, 1),
-                                                                  (12, 70, 19), (1, 576, 963), (3, 1536, 577)])
+                                                                  (12, 70, 19), (1, 576, 963), (3, 1536, 577),
+                                                                  (2, 4100, 9)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_is_x_times_the_transposed_weight(kernels, dtype, _, tolerance, num_rows, in_features, out_features,
                                                  with_bias):

@@ -246,10 +246,15 @@ static inline void ask_row_ahead(const T* w, int64_t k) {
 #endif
 }
 
-// w . x over d elements, four accumulators in flight (bfloat16: split into even and odd elements,
-// or with AVX512-BF16 in dot products of the pairs as they lie).
+// Whether bfloat16 rows take split_dot_rows: a build without native pair products (AVX2, AVX-512
+// without AVX512-BF16, the portable one), where each element is widened before its multiply-add.
+static constexpr bool kSplitBf16Rows = !Vec::has_bf16_pairs;
+
+// w . x over d elements, four accumulators in flight: float32, or bfloat16 with AVX512-BF16 in dot
+// products of the pairs as they lie (without them split_dot_rows).
 template <typename T>
 static inline float dot_row(const T* w, const T* x, int64_t d) {
+  static_assert(sizeof(T) == sizeof(float) || !kSplitBf16Rows, "bfloat16 rows without pair products: split_dot_rows");
   Vec acc[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
   int64_t k = 0;
 #if defined(__AVX512BF16__)
@@ -270,19 +275,7 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
     }
   }
 #endif
-  if constexpr (sizeof(T) == sizeof(uint16_t)) {
-    for (; k + 4 * W <= d; k += 4 * W) {
-      Vec xe, xo, we, wo;
-      Vec::load_pairs(x + k, xe, xo);
-      Vec::load_pairs(w + k, we, wo);
-      acc[0] = Vec::fma(we, xe, acc[0]);
-      acc[1] = Vec::fma(wo, xo, acc[1]);
-      Vec::load_pairs(x + k + 2 * W, xe, xo);
-      Vec::load_pairs(w + k + 2 * W, we, wo);
-      acc[2] = Vec::fma(we, xe, acc[2]);
-      acc[3] = Vec::fma(wo, xo, acc[3]);
-    }
-  } else {
+  if constexpr (sizeof(T) == sizeof(float)) {
     for (; k + 4 * W <= d; k += 4 * W) {
       ask_row_ahead(w, k);
       for (int u = 0; u < 4; ++u) acc[u] = Vec::fma(Vec::load(w + k + u * W), Vec::load(x + k + u * W), acc[u]);
@@ -290,6 +283,58 @@ static inline float dot_row(const T* w, const T* x, int64_t d) {
   }
   for (; k < d; k += W) acc[0] = Vec::fma(load_part(w + k, d - k), load_part(x + k, d - k), acc[0]);
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add();
+}
+
+// Input features up to which split_dot_rows takes x split once (on the stack, a float each); longer
+// rows split x again for each weight row.
+constexpr int64_t kMaxSplitX = 4096;
+
+// x's elements as Vec::load_pairs splits them, stored: each 2W-element chunk's even elements, then its
+// odd ones, for the chunks of whole 4W-element steps (what split_dot_rows' main loop reads).
+static inline void split_x(const uint16_t* x, int64_t d, float* xs) {
+  for (int64_t k = 0; k < d - d % (4 * W); k += 2 * W) {
+    Vec even, odd;
+    Vec::load_pairs(x + k, even, odd);
+    even.store(xs + k);
+    odd.store(xs + k + W);
+  }
+}
+
+// dots[n] = w[n] . x over d bfloat16 elements for weight rows n in [0, num_w_rows) (w_stride apart),
+// each element widened (split into even and odd elements) before its multiply-add, where no native
+// pair product is (kSplitBf16Rows). xs: x split once by split_x (nullptr: split here for each row).
+// A function of its own, never inlined, that walks the rows itself: inlined in linear a row at a time,
+// GCC kept three of the four accumulators on the stack in the AVX2 build, each multiply-add waiting on
+// a store and a load, and the widening made these products a bfloat16 decode step's limit: 2.16x its
+// memory floor at ~62 GB/s on the family 25 model 17 EPYC run as AVX2. One thread's 576 x 576 product
+// in its caches took 38.6-43.1 us there and takes 17.5 (through ops.linear, ~5 us of it the wrapper's
+// checks), 3 rows 100.5 -> 44.5 us; the avx512 build, whose 32 registers held them, 18.1 -> 17.0
+// (results/cpu_decode_rows.md). One weight row at a time, in order: two rows side by side (x split
+// once for both) took decode steps 1.5-2x the time, the hardware prefetcher losing on two interleaved
+// streams, and asking for the lines 4 KB ahead gained nothing (1.01x).
+[[gnu::noinline]] static void split_dot_rows(const uint16_t* w, int64_t w_stride, int64_t num_w_rows,
+                                             const uint16_t* x, const float* xs, int64_t d, float* dots) {
+  for (int64_t n = 0; n < num_w_rows; ++n) {
+    const uint16_t* row = w + n * w_stride;
+    Vec acc[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+    int64_t k = 0;
+    for (; k + 4 * W <= d; k += 4 * W) {
+      for (int h = 0; h < 2; ++h) {
+        Vec we, wo, xe, xo;
+        Vec::load_pairs(row + k + 2 * W * h, we, wo);
+        if (xs != nullptr) {
+          xe = Vec::load(xs + k + 2 * W * h);
+          xo = Vec::load(xs + k + 2 * W * h + W);
+        } else {
+          Vec::load_pairs(x + k + 2 * W * h, xe, xo);
+        }
+        acc[2 * h] = Vec::fma(we, xe, acc[2 * h]);
+        acc[2 * h + 1] = Vec::fma(wo, xo, acc[2 * h + 1]);
+      }
+    }
+    for (; k < d; k += W) acc[0] = Vec::fma(load_part(row + k, d - k), load_part(x + k, d - k), acc[0]);
+    dots[n] = ((acc[0] + acc[1]) + (acc[2] + acc[3])).reduce_add();
+  }
 }
 
 // out[m][n] for input rows m0..m0+M-1: each weight vector is loaded once for all M rows and
@@ -375,13 +420,41 @@ static void linear_typed(const LinearArgs& a, int64_t begin, int64_t end) {
     const T* bias = static_cast<const T*>(a.bias);
     // Features n, n + stream_rows, ...: a row of each stream in turn (one stream: n alone).
     const int64_t stream_rows = a.stream_rows > 0 ? a.stream_rows : a.out_features;
-    for (int64_t first = begin; first < end; ++first) {
-      for (int64_t n = first; n < a.out_features; n += stream_rows) {
-        const T* w = weight + n * a.weight_stride;
-        const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
-        for (int64_t m = 0; m < a.num_rows; ++m) {
-          const T* x = static_cast<const T*>(a.x) + m * a.x_stride;
-          store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n, dot_row(w, x, a.in_features) + b);
+    if constexpr (sizeof(T) == sizeof(uint16_t) && kSplitBf16Rows) {
+      // Each input row's x split once; weight rows a run at a time, every input row's dots while the
+      // run is in the caches (kSplitRun rows). Each stream's features of the range in turn.
+      constexpr int64_t kSplitRun = 16;
+      const int64_t d = a.in_features;
+      alignas(64) float xs[3][kMaxSplitX];
+      static_assert(kMinBlockRows - 1 <= 3, "a split x for each input row of a row product");
+      for (int64_t m = 0; m < a.num_rows && d <= kMaxSplitX; ++m) {
+        split_x(static_cast<const T*>(a.x) + m * a.x_stride, d, xs[m]);
+      }
+      for (int64_t stream = begin; stream < a.out_features; stream += stream_rows) {
+        const int64_t stream_end = min64(a.out_features, stream - begin + end);
+        for (int64_t n0 = stream; n0 < stream_end; n0 += kSplitRun) {
+          const int64_t run = min64(kSplitRun, stream_end - n0);
+          for (int64_t m = 0; m < a.num_rows; ++m) {
+            float dots[kSplitRun];
+            split_dot_rows(weight + n0 * a.weight_stride, a.weight_stride, run,
+                           static_cast<const T*>(a.x) + m * a.x_stride, d <= kMaxSplitX ? xs[m] : nullptr, d,
+                           dots);
+            for (int64_t r = 0; r < run; ++r) {
+              const float b = bias != nullptr ? load_scalar(bias + n0 + r) : 0.0f;
+              store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n0 + r, dots[r] + b);
+            }
+          }
+        }
+      }
+    } else {
+      for (int64_t first = begin; first < end; ++first) {
+        for (int64_t n = first; n < a.out_features; n += stream_rows) {
+          const T* w = weight + n * a.weight_stride;
+          const float b = bias != nullptr ? load_scalar(bias + n) : 0.0f;
+          for (int64_t m = 0; m < a.num_rows; ++m) {
+            const T* x = static_cast<const T*>(a.x) + m * a.x_stride;
+            store_scalar(static_cast<T*>(a.out) + m * a.out_stride + n, dot_row(w, x, a.in_features) + b);
+          }
         }
       }
     }
