@@ -14,12 +14,9 @@ from __future__ import annotations
 import os
 
 # ONEDNN_MAX_CPU_ISA (run.py's LIBRARY_ISA) -> the torch.cpu queries that answer False under it.
-HIDDEN_FEATURES = {
-    "SSE41": ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-    "AVX2": ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-    "AVX512_CORE": ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-    "AVX512_CORE_BF16": ("_is_amx_tile_supported",),
-}
+_ABOVE_AVX2 = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported")
+HIDDEN_FEATURES = {"SSE41": _ABOVE_AVX2, "AVX2": _ABOVE_AVX2, "AVX512_CORE": _ABOVE_AVX2[1:],
+                   "AVX512_CORE_BF16": _ABOVE_AVX2[2:]}
 
 
 def limit_torch_cpu_queries() -> tuple[str, ...]:
