@@ -212,6 +212,12 @@ def test_identity_reports_where_each_request_first_differs():
     assert "- vllm reuse-on cycle 0 vs transformers no-cache: 1 of 2 differ (first differing token at [2])" in lines
     # bfloat16 runs are held to kvtool's bfloat16 run: rounding differs from float32's.
     assert "- vllm bf16 reuse-on cycle 0 vs kvtool bf16 reuse-on: 1 of 2 differ (first differing token at [3])" in lines
+    # And each bfloat16 run against float32: how long its greedy ids follow float32's.
+    assert "- kvtool bf16 reuse-on cycle 0: 1 of 2 identical; the same ids for the first 2.5 tokens " \
+           "(median; mean 2.5)" in lines
+    assert "- vllm bf16 reuse-on cycle 0: 0 of 2 identical; the same ids for the first 2 tokens (median; mean 2.0)" in lines
+    only_bf16 = {name: runs for name, runs in outputs.items() if " bf16" in name}
+    assert not any("follows float32" in line for line in identity(only_bf16, num_requests=2, output_len=4))
 
 
 @pytest.mark.parametrize("onednn_isa, hidden", [

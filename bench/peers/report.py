@@ -291,7 +291,27 @@ def identity(outputs_by_variant, num_requests: int, output_len: int) -> list[str
                 f"{len(first_diffs)} of {len(reference)} differ (first differing token at {first_diffs[:6]})"
             lines.append(f"- {name} cycle {cycle} vs {ref_name}: {verdict}")
     total = sum(len(r) for r in outputs_by_variant.values())
-    return [f"{num_requests} requests x {output_len} tokens, {total} runs:", ""] + lines
+    return [f"{num_requests} requests x {output_len} tokens, {total} runs:", ""] + lines + \
+        _bf16_against_float32(outputs_by_variant, float_ref)
+
+
+def _bf16_against_float32(outputs_by_variant, float_ref: str) -> list[str]:
+    """How far each bfloat16 variant's greedy ids follow the float32 reference: bfloat16 paths round in
+    their own orders, so ids part somewhere; an engine whose ids part much sooner than its peer's rounds worse."""
+    if " bf16" in float_ref:  # a run of bfloat16 variants alone
+        return []
+    reference = outputs_by_variant[float_ref][0]
+    lines = []
+    for name, runs in outputs_by_variant.items():
+        if " bf16" not in name:
+            continue
+        agreed = [_first_difference(runs[0].get(rid, []), ids) for rid, ids in reference.items()]
+        same = sum(runs[0].get(rid) == ids for rid, ids in reference.items())
+        lines.append(f"- {name} cycle 0: {same} of {len(reference)} identical; the same ids for the first "
+                     f"{statistics.median(agreed):g} tokens (median; mean {statistics.fmean(agreed):.1f})")
+    if not lines:
+        return []
+    return ["", f"Bfloat16 runs against {float_ref} (float32): how long each follows float32's greedy ids", ""] + lines
 
 
 def _first_difference(ours: list[int], reference: list[int]) -> int:
