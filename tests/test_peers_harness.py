@@ -215,7 +215,8 @@ def test_identity_reports_where_each_request_first_differs():
     # And each bfloat16 run against float32: how long its greedy ids follow float32's.
     assert "- kvtool bf16 reuse-on cycle 0: 1 of 2 identical; the same ids for the first 2.5 tokens " \
            "(median; mean 2.5)" in lines
-    assert "- vllm bf16 reuse-on cycle 0: 0 of 2 identical; the same ids for the first 2 tokens (median; mean 2.0)" in lines
+    assert "- vllm bf16 reuse-on cycle 0: 0 of 2 identical; the same ids for the first 2 tokens " \
+           "(median; mean 2.0)" in lines
     only_bf16 = {name: runs for name, runs in outputs.items() if " bf16" in name}
     assert not any("follows float32" in line for line in identity(only_bf16, num_requests=2, output_len=4))
 
