@@ -53,11 +53,16 @@ def main() -> None:
     parser.add_argument("--isas", nargs="+", default=["auto"], help="kvtool kernel builds to check")
     parser.add_argument("--tokens_per_block", type=int, default=32)
     args = parser.parse_args()
+    outputs_path = args.work / "cycle-0" / "kvtool-reuse-on" / "outputs.jsonl"
+    for needed in (args.work / "plan", args.work / "plan-bf16", args.work / "checkpoint",
+                   args.work / "dataset.jsonl", outputs_path):
+        if not needed.exists():
+            parser.error(f"--work {args.work}: {needed} is missing; run `python bench/peers/run.py --work "
+                         f"{args.work} --engines kvtool --dtypes float32,bfloat16` first")
     torch.set_num_threads(2)
 
     lines = [json.loads(line) for line in (args.work / "dataset.jsonl").read_text().splitlines()]
     measured = [line for line in lines if line.get("request_id") != "warmup"][:args.requests]
-    outputs_path = args.work / "cycle-0" / "kvtool-reuse-on" / "outputs.jsonl"
     greedy = {row["request_id"]: row["output_token_ids"]
               for row in map(json.loads, outputs_path.read_text().splitlines())}
     float32 = load_plan(args.work / "plan").load_model("cpu", TorchPagedAttention())
