@@ -8,13 +8,15 @@ because of it. The edits are applied to a copy of the tree (--work_dir, default 
 working tree's tracked and unignored files), never to the tree itself. The C++ extension of the copy
 is built once with CMake and Ninja in a build directory that is kept between runs, so a C++ mutant
 recompiles its one source file and relinks. The copy's tests import the copy's kvtool (a
-sitecustomize.py on PYTHONPATH sets an editable install of the real tree aside).
+sitecustomize.py on PYTHONPATH sets an editable install of the real tree aside). A mutant of kernels
+only some CPUs run names them (``needs = "amx"``: a kvtool CPU kernel build): on a CPU without them its
+tests would skip and pass, so it is reported as not run here instead.
 
 First the tests of every mutant run on the unchanged copy (the baseline: they must pass). Then each
 mutant is applied, built and tested: killed when a test fails, survived when they all pass. A
 mutant whose ``find`` no longer occurs exactly once (the code moved) is stale; one that does not
 build was no rule break but a syntax error. The table goes to stdout and to --report; the exit
-status is 1 unless every mutant was killed, 2 for a bad mutant list.
+status is 1 unless every mutant run was killed, 2 for a bad mutant list.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__modu
 '''
 
 
+# kvtool's CPU kernel builds (kvtool.cpu_kernels.supported_isas names those this CPU runs).
+CPU_KERNEL_BUILDS = ("amx", "avx512_bf16", "avx512", "avx2")
+
+
 class MutantListError(ValueError):
     """The mutant list is malformed; the message names the file and the entry."""
 
@@ -61,6 +67,7 @@ class Mutant:
     find: str
     replace: str
     tests: tuple[str, ...]
+    needs: str = ""     # the kvtool CPU kernel build its tests run on, where only some CPUs have it
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", self.name):
@@ -71,6 +78,9 @@ class Mutant:
             raise ValueError(f"{self.name}: tests is empty: name the tests that must catch it")
         if Path(self.file).is_absolute() or not self.file.startswith(("csrc/", "kvtool/")):
             raise ValueError(f"{self.name}: file {self.file!r} is not under csrc/ or kvtool/")
+        if self.needs and self.needs not in CPU_KERNEL_BUILDS:
+            raise ValueError(f"{self.name}: needs {self.needs!r} is not a CPU kernel build: one of "
+                             f"{', '.join(CPU_KERNEL_BUILDS)}")
 
     @property
     def is_cpp(self) -> bool:
@@ -79,7 +89,7 @@ class Mutant:
 
 class Outcome(NamedTuple):
     mutant: Mutant
-    result: str         # killed | survived | stale | does not build | test error
+    result: str         # killed | survived | stale | does not build | test error | not run here
     detail: str         # the failing test, or what went wrong
     seconds: float
 
@@ -95,14 +105,16 @@ def load_mutants(path: Path) -> list[Mutant]:
         raise MutantListError(f"{path}: no [[mutant]] entries")
     mutants, names = [], set()
     fields = ("name", "rule", "file", "find", "replace", "tests")
+    optional = ("needs",)
     for index, entry in enumerate(entries, 1):
         where = f"{path}: mutant {index} ({entry.get('name', 'unnamed')})"
-        unknown = set(entry) - set(fields)
+        unknown = set(entry) - set(fields) - set(optional)
         missing = [f for f in fields if f not in entry]
         if unknown or missing:
             problems = ([f"unknown keys {', '.join(sorted(unknown))}"] if unknown else []) + \
                        ([f"missing {', '.join(missing)}"] if missing else [])
-            raise MutantListError(f"{where}: {'; '.join(problems)}: give exactly {', '.join(fields)}")
+            raise MutantListError(f"{where}: {'; '.join(problems)}: give exactly {', '.join(fields)} "
+                                  f"(and optionally {', '.join(optional)})")
         try:
             mutant = Mutant(**{**entry, "tests": tuple(entry["tests"])})
         except (TypeError, ValueError) as error:
@@ -178,6 +190,13 @@ class MutantTree:
         if done.returncode != 0 or len(paths) != 2 or not all(Path(p).is_relative_to(self.tree) for p in paths):
             raise RuntimeError(f"the copy in {self.tree} does not import its own kvtool: {done.stdout}{done.stderr}")
 
+    def supported_isas(self) -> list[str]:
+        """The CPU kernel builds this CPU runs, as the copy's kvtool says."""
+        code = "from kvtool.cpu_kernels import supported_isas; print(' '.join(supported_isas()))"
+        done = subprocess.run([sys.executable, "-c", code], cwd=self.tree, env=self.env(), capture_output=True,
+                              text=True, check=True)
+        return done.stdout.split()
+
     def run_tests(self, tests: list[str]) -> tuple[int, str]:
         """(pytest's exit code, its output) for the tests in the copy, stopping at the first failure."""
         command = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "--no-header", "-p", "no:cacheprovider",
@@ -243,13 +262,16 @@ def report(outcomes: list[Outcome], baseline_s: float, total_s: float, mutant_li
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
     killed = sum(o.result == "killed" for o in outcomes)
+    not_run = [o for o in outcomes if o.result == "not run here"]
+    skipped = f" ({len(not_run)} not run here: this CPU lacks the kernels their tests need)" if not_run else ""
     return "\n".join([
         "# Mutation check",
         "",
         f"`make mutants` (scripts/mutants.py): each mutant of {os.path.relpath(mutant_list, ROOT)} breaks one rule "
         "of csrc/ or kvtool/ in a copy of the tree; the tests named for it must then fail.",
         "",
-        f"{killed} of {len(outcomes)} mutants killed. Revision {revision}{' (with local changes)' if dirty else ''}, "
+        f"{killed} of {len(outcomes) - len(not_run)} mutants run killed{skipped}. "
+        f"Revision {revision}{' (with local changes)' if dirty else ''}, "
         f"{time.strftime('%Y-%m-%d')}, {cpu_name()}, {os.cpu_count()} cores: {total_s:.0f} s in all, of which "
         f"{baseline_s:.0f} s for the baseline (every mutant's tests on the unchanged copy) and the build.",
         "",
@@ -290,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the unchanged copy does not build:\n{built.stdout[-3000:]}{built.stderr[-3000:]}", file=sys.stderr)
         return 1
     tree.check_imports()
-    baseline_tests = list(dict.fromkeys(t for m in mutants for t in m.tests))
+    isas = tree.supported_isas()
+    not_run = {m.name for m in mutants if m.needs and m.needs not in isas}
+    baseline_tests = list(dict.fromkeys(t for m in mutants if m.name not in not_run for t in m.tests))
     print(f"baseline: {len(baseline_tests)} test selections on the unchanged copy", flush=True)
     code, output = tree.run_tests(baseline_tests)
     if code != 0:
@@ -305,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     for i in order:
         mutant = mutants[i]
         pristine = (tree.tree / mutant.file).read_text()
-        outcomes[i] = run_mutant(tree, mutant, pristine)
+        if mutant.name in not_run:
+            outcomes[i] = Outcome(mutant, "not run here", f"needs the {mutant.needs} kernels; this CPU runs "
+                                  f"{', '.join(isas)}: run it on a CPU with them", 0.0)
+        else:
+            outcomes[i] = run_mutant(tree, mutant, pristine)
         o = outcomes[i]
         print(f"{mutant.name:40} {o.result:15} {o.seconds:4.0f} s  {o.detail}", flush=True)
     if any(m.is_cpp for m in mutants) and tree.build().returncode != 0:  # leave the build as the copy's sources
@@ -315,8 +343,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(table(results))
-    survivors = [o for o in results if o.result != "killed"]
-    print(f"\n{len(results) - len(survivors)} of {len(results)} mutants killed in {total_s:.0f} s")
+    ran = [o for o in results if o.result != "not run here"]
+    survivors = [o for o in ran if o.result != "killed"]
+    print(f"\n{len(ran) - len(survivors)} of {len(ran)} mutants run killed in {total_s:.0f} s"
+          + (f"; {len(results) - len(ran)} not run here (this CPU lacks their kernels)" if len(ran) < len(results)
+             else ""))
     if not args.only:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(report(results, baseline_s, total_s, args.mutants.resolve()))

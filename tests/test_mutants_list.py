@@ -57,3 +57,19 @@ def test_an_edit_outside_csrc_and_kvtool_is_refused(tmp_path):
                        'tests = ["tests/test_x.py"]\n')
     with pytest.raises(mutants_script.MutantListError, match="not under csrc/ or kvtool/"):
         mutants_script.load_mutants(listing)
+
+
+def test_a_mutant_names_the_kernels_it_needs_and_the_report_counts_those_not_run_here(tmp_path):
+    listing = tmp_path / "mutants.toml"
+    entry = ('[[mutant]]\nname = "x"\nrule = "r"\nfile = "csrc/cpu/x.h"\nfind = "a"\nreplace = "b"\n'
+             'tests = ["tests/test_x.py"]\nneeds = "{}"\n')
+    listing.write_text(entry.format("amx"))
+    assert mutants_script.load_mutants(listing)[0].needs == "amx"
+    listing.write_text(entry.format("neon"))
+    with pytest.raises(mutants_script.MutantListError, match="needs 'neon' is not a CPU kernel build"):
+        mutants_script.load_mutants(listing)
+    mutant = mutants_script.Mutant("x", "r", "csrc/cpu/x.h", "a", "b", ("t",), needs="amx")
+    outcomes = [mutants_script.Outcome(mutant, "killed", "t", 1.0),
+                mutants_script.Outcome(mutant, "not run here", "needs the amx kernels", 0.0)]
+    header = mutants_script.report(outcomes, 1.0, 2.0, ROOT / "tests" / "mutants.toml")
+    assert "1 of 1 mutants run killed (1 not run here: this CPU lacks the kernels their tests need)" in header
