@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from kvtool.config import CPU_KERNEL_ISAS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # the same parser before it joined the standard library (kvtool[test] installs it)
@@ -47,10 +49,6 @@ import sys
 
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
 '''
-
-
-# kvtool's CPU kernel builds (kvtool.cpu_kernels.supported_isas names those this CPU runs).
-CPU_KERNEL_BUILDS = ("amx", "avx512_bf16", "avx512", "avx2")
 
 
 class MutantListError(ValueError):
@@ -78,9 +76,9 @@ class Mutant:
             raise ValueError(f"{self.name}: tests is empty: name the tests that must catch it")
         if Path(self.file).is_absolute() or not self.file.startswith(("csrc/", "kvtool/")):
             raise ValueError(f"{self.name}: file {self.file!r} is not under csrc/ or kvtool/")
-        if self.needs and self.needs not in CPU_KERNEL_BUILDS:
+        if self.needs and self.needs not in CPU_KERNEL_ISAS:
             raise ValueError(f"{self.name}: needs {self.needs!r} is not a CPU kernel build: one of "
-                             f"{', '.join(CPU_KERNEL_BUILDS)}")
+                             f"{', '.join(CPU_KERNEL_ISAS)}")
 
     @property
     def is_cpp(self) -> bool:
